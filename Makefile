@@ -1,0 +1,29 @@
+# Two commands on a fresh machine with only Python on it: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench bench-quick data clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	# The CPU build of torch that lies on these machines, before anything that asks for torch.
+	$(BIN)/pip install --disable-pip-version-check -q torch==2.13.0
+	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m keyfold tour
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+bench-quick: $(STAMP)
+	$(BIN)/python -m keyfold bench kernels --quick
+
+bench: $(STAMP)
+	$(BIN)/python -m keyfold bench kernels
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,24 @@
+"""keyfold: attention as one associative softmax over pieces of the key space.
+
+Attention over any piece of the keys gives a partial :class:`State` ``(out, lse)``; partial
+states merge exactly, in any order (:func:`merge`). Every variant is a mask and a score
+modifier on one engine (:func:`attend`, :func:`attention`). The math: ``docs/math.md``.
+"""
+
+from .engine import Backend, attend, attend_backward, attention
+from .masks import (BlockKind, Mask, as_mask, block_sparse, causal, dilated, documents, full,
+                    prefix, sinks, window)
+from .planner import Plan, clear_plan_cache, plan
+from .scores import ScoreMod, alibi, alibi_slopes, as_score, softcap
+from .state import State, empty_state, merge, merge_all
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "State", "merge", "merge_all", "empty_state",
+    "attend", "attention", "attend_backward", "Backend",
+    "Mask", "BlockKind", "as_mask", "causal", "window", "sinks", "prefix", "documents",
+    "block_sparse", "dilated", "full",
+    "ScoreMod", "as_score", "alibi", "alibi_slopes", "softcap",
+    "Plan", "plan", "clear_plan_cache",
+]

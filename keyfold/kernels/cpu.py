@@ -1,0 +1,201 @@
+"""Pieces through PyTorch's fused CPU flash kernel, merged in float32.
+
+``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` returns ``(out, logsumexp)``,
+which is exactly a partial State. It is a private op, so we check for it at import and the
+engine falls back to the tile kernel with one warning if a torch release drops it.
+Facts about it that this module works around (measured, DESIGN.md section 7):
+
+- it takes an additive float mask, not a bool one;
+- a row fully masked inside a piece comes back with ``lse = 0``, not ``-inf``;
+- its backward returns NaN for ``lse = -inf``;
+- q, k and v must share one head size, and it has no GQA.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ..planner import Piece, PieceKind, Plan
+from ..state import State, empty_state, merge_into, state_dtype
+from ._common import NEG_INF, Problem, empty_rows, positions, visible
+
+__all__ = ["AVAILABLE", "forward", "backward"]
+
+_FWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _probe() -> bool:
+    if _FWD is None or _BWD is None:
+        return False
+    try:
+        x = torch.zeros(1, 1, 2, 4)
+        out, lse = _FWD(x, x, x, 0.0, False, attn_mask=None, scale=1.0)
+        return out.shape == (1, 1, 2, 4) and lse.shape == (1, 1, 2)
+    except Exception:  # noqa: BLE001 - any failure means "not usable"
+        return False
+
+
+AVAILABLE = _probe()
+if not AVAILABLE:
+    warnings.warn("keyfold: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu is missing or changed "
+                  f"in torch {torch.__version__}; Backend.CPU falls back to the tile kernel (slower, same results)",
+                  RuntimeWarning, stacklevel=2)
+
+
+class _Inputs:
+    """q, k, v brought to one head size W (the op requires it), once per call.
+
+    W = max(D, Dv), plus one spare column when the caller differentiates through lse:
+    with out[:, W-1] = 1 and dout[:, W-1] = -dlse (v and q, k zero there), the op's internal
+    D_i = sum(dout * out) becomes D_i - dlse_i, which is the whole lse gradient (docs/math.md).
+    """
+
+    def __init__(self, q, k, v, spare: bool = False):
+        D, Dv = q.shape[-1], v.shape[-1]
+        self.D, self.Dv = D, Dv
+        self.W = max(D, Dv) + (1 if spare else 0)
+        self.q = _pad(q, self.W)
+        self.k = _pad(k, self.W)
+        self.v = _pad(v, self.W)
+        self.g = q.shape[1] // k.shape[1]
+
+
+def _pad(x, W):
+    return x if x.shape[-1] == W else torch.nn.functional.pad(x, (0, W - x.shape[-1]))
+
+
+def _tile_mask(vis, bias, dtype):
+    """Additive float mask: bias (or 0) where visible, -inf where hidden."""
+    if vis is None:
+        return bias.to(dtype) if bias is not None else None
+    base = bias.to(dtype) if bias is not None else torch.zeros((), dtype=dtype, device=vis.device)
+    return torch.where(vis, base, torch.tensor(NEG_INF, dtype=dtype, device=vis.device))
+
+
+def _fold(x, g):
+    """(B, Hq, L, *) -> (B, Hkv, g*L, *): put a GQA group's heads one after another as rows."""
+    if g == 1:
+        return x
+    B, Hq, L = x.shape[:3]
+    return x.reshape(B, Hq // g, g * L, *x.shape[3:])
+
+
+def _fold_mask(m, g, Hq):
+    if m is None or g == 1:
+        return m
+    b, h, L, S = m.shape
+    if h == 1:
+        return m.repeat(1, 1, g, 1)  # (b, 1, g*L, S)
+    return m.reshape(b, Hq // g, g * L, S)
+
+
+def _unfold(x, g, Hq):
+    if g == 1:
+        return x
+    B, Hkv, gL = x.shape[:3]
+    return x.reshape(B, Hq, gL // g, *x.shape[3:])
+
+
+def _expand_kv(x, g):
+    if g == 1:
+        return x
+    B, Hkv, S, W = x.shape
+    return x.unsqueeze(2).expand(B, Hkv, g, S, W).reshape(B, Hkv * g, S, W)
+
+
+def _piece_args(inp: _Inputs, piece: Piece, pb: Problem, q_orig):
+    """Tensors and flags for one fused call; returns (q, k, v, causal, mask, empty, folded)."""
+    Hq = q_orig.shape[1]
+    pos = positions(q_orig, piece, pb) if (piece.kind is PieceKind.MASKED or _bias_needed(pb)) else None
+    vis = visible(q_orig, piece, pb, pos) if piece.kind is PieceKind.MASKED else None
+    bias = pb.score.bias(*pos) if _bias_needed(pb) else None
+    empty = empty_rows(vis)
+    causal = piece.kind is PieceKind.CAUSAL
+    mdtype = state_dtype(q_orig.dtype)
+    m = _tile_mask(vis, bias, mdtype)
+    qs = inp.q[:, :, piece.q0:piece.q1]
+    ks = inp.k[:, :, piece.k0:piece.k1]
+    vs = inp.v[:, :, piece.k0:piece.k1]
+    folded = not causal and inp.g > 1
+    if folded:
+        qs, m = _fold(qs, inp.g), _fold_mask(m, inp.g, Hq)
+    else:
+        ks, vs = _expand_kv(ks, inp.g), _expand_kv(vs, inp.g)
+    return qs, ks, vs, causal, m, empty, folded
+
+
+def _bias_needed(pb: Problem) -> bool:
+    return pb.score is not None and pb.score.additive
+
+
+def forward(q, k, v, plan: Plan, pb: Problem) -> State:
+    """Attention over the plan's pieces; returns the merged State (float32 / float64)."""
+    sd = state_dtype(q.dtype)
+    B, Hq, Nq, _ = q.shape
+    Dv = v.shape[-1]
+    inp = _Inputs(q, k, v)
+    acc = empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
+    touched = torch.zeros(Nq, dtype=torch.bool)
+    for piece in plan.pieces:
+        qs, ks, vs, causal, m, empty, folded = _piece_args(inp, piece, pb, q)
+        out, lse = _FWD(qs, ks, vs, 0.0, causal, attn_mask=m, scale=pb.scale)
+        if folded:
+            out, lse = _unfold(out, inp.g, Hq), _unfold(lse, inp.g, Hq)
+        out = out[..., :Dv].to(sd)
+        lse = lse.to(sd)
+        if empty is not None:  # the op reports lse = 0 for rows it saw no key in
+            lse = lse.masked_fill(empty, NEG_INF)
+            out = out.masked_fill(empty.unsqueeze(-1), 0.0)
+        rows = slice(piece.q0, piece.q1)
+        if not bool(touched[rows].any()):
+            acc.out[:, :, rows] = out
+            acc.lse[:, :, rows] = lse
+            touched[rows] = True
+        else:
+            merge_into(State(acc.out[:, :, rows], acc.lse[:, :, rows]), State(out, lse))
+            touched[rows] = True
+    return acc
+
+
+def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem):
+    """Per-piece gradients with the global (out, lse), summed in float32 (docs/math.md §2)."""
+    sd = state_dtype(q.dtype)
+    B, Hq, Nq, D = q.shape
+    Dv = v.shape[-1]
+    spare = dlse is not None
+    inp = _Inputs(q, k, v, spare=spare)
+    W = inp.W
+    o = _pad(out.to(q.dtype), W)
+    do = _pad(dout.to(q.dtype), W)
+    if spare:
+        o = o.clone()
+        do = do.clone()
+        o[..., W - 1] = 1
+        do[..., W - 1] = (-dlse).to(q.dtype)
+    # Rows that saw no key anywhere have lse = -inf; every piece hides them, so any finite
+    # stand-in gives P = 0 there, while -inf itself would make the op return NaN.
+    lse_safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).to(sd)
+    dq = torch.zeros(B, Hq, Nq, W, dtype=sd, device=q.device)
+    dk = torch.zeros(k.shape[:3] + (W,), dtype=sd, device=q.device)
+    dv = torch.zeros(k.shape[:3] + (W,), dtype=sd, device=q.device)
+    Hkv = k.shape[1]
+    for piece in plan.pieces:
+        qs, ks, vs, causal, m, empty, folded = _piece_args(inp, piece, pb, q)
+        rows, keys = slice(piece.q0, piece.q1), slice(piece.k0, piece.k1)
+        o_p, do_p, l_p = o[:, :, rows], do[:, :, rows], lse_safe[:, :, rows]
+        if folded:
+            o_p, do_p, l_p = _fold(o_p, inp.g), _fold(do_p, inp.g), _fold(l_p, inp.g)
+        gq, gk, gv = _BWD(do_p.contiguous(), qs, ks, vs, o_p.contiguous(), l_p.contiguous(),
+                          0.0, causal, attn_mask=m, scale=pb.scale)
+        if folded:
+            gq = _unfold(gq, inp.g, Hq)
+        elif inp.g > 1:  # k, v were expanded to Hq heads: sum each group back
+            gk = gk.reshape(B, Hkv, inp.g, *gk.shape[2:]).sum(2)
+            gv = gv.reshape(B, Hkv, inp.g, *gv.shape[2:]).sum(2)
+        dq[:, :, rows] += gq
+        dk[:, :, keys] += gk
+        dv[:, :, keys] += gv
+    return dq[..., :D], dk[..., :D], dv[..., :Dv]

@@ -1,0 +1,37 @@
+"""The oracle: plain torch ops over the whole score matrix, differentiable by autograd.
+
+It is the only code in keyfold that materialises all Nq x Nk scores. Computation runs in
+float32 for 16-bit inputs and float64 for float64 inputs, so with float64 inputs it is the
+float64 reference every other path is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..masks import grid_positions
+from ..state import State, state_dtype
+from ._common import NEG_INF, Problem
+
+__all__ = ["attend_reference"]
+
+
+def attend_reference(q, k, v, pb: Problem) -> State:
+    """Attention of q over exactly these keys. Shapes as in :func:`keyfold.attend`."""
+    sd = state_dtype(q.dtype)
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    g = Hq // Hkv
+    qg = q.to(sd).reshape(B, Hkv, g, Nq, D)                    # (B, Hkv, g, Nq, D)
+    s = (qg @ k.to(sd).unsqueeze(2).transpose(-1, -2)) * pb.scale  # (B, Hkv, g, Nq, Nk)
+    s = s.reshape(B, Hq, Nq, Nk)
+    b, h, qp, kp = grid_positions(B, Hq, pb.q_offset, Nq, pb.kv_offset, Nk, q.device)
+    if pb.score is not None:
+        s = pb.score.apply(s, b, h, qp, kp)
+    if pb.mask is not None:
+        s = s.masked_fill(~pb.mask.evaluate(b, h, qp, kp), NEG_INF)
+    lse = torch.logsumexp(s, dim=-1)                           # (B, Hq, Nq); -inf on empty rows
+    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    p = torch.exp(s - safe.unsqueeze(-1))                      # empty rows: exp(-inf) = 0
+    out = p.reshape(B, Hkv, g, Nq, Nk) @ v.to(sd).unsqueeze(2)  # (B, Hkv, g, Nq, Dv)
+    return State(out.reshape(B, Hq, Nq, Dv), lse)

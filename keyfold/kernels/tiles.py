@@ -1,0 +1,95 @@
+"""Tile-by-tile attention in torch ops: any score modifier, any device.
+
+Each piece materialises only its own (L x S) tile of scores; the planner bounds S.
+Forward returns one State per call; backward uses the global (out, lse) (docs/math.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..planner import Plan
+from ..state import State, empty_state, merge_into, state_dtype
+from ._common import NEG_INF, Problem, positions, visible
+
+__all__ = ["forward", "backward"]
+
+
+def _scores(qp_, kp_, pb: Problem):
+    """Scaled raw scores ``scale * q·k`` of one piece: ``(B, Hq, L, S)``."""
+    B, Hq, L, D = qp_.shape
+    Hkv, S = kp_.shape[1], kp_.shape[2]
+    g = Hq // Hkv
+    raw = (qp_.reshape(B, Hkv, g, L, D) @ kp_.unsqueeze(2).transpose(-1, -2)) * pb.scale  # (B,Hkv,g,L,S)
+    raw = raw.reshape(B, Hq, L, S)
+    return raw
+
+
+def _modify(raw, pb: Problem, pos, vis):
+    s = pb.score.apply(raw, *pos) if pb.score is not None else raw
+    if vis is not None:
+        s = s.masked_fill(~vis, NEG_INF)
+    return s
+
+
+def forward(q, k, v, plan: Plan, pb: Problem) -> State:
+    sd = state_dtype(q.dtype)
+    B, Hq, Nq, _ = q.shape
+    Hkv, Dv = k.shape[1], v.shape[-1]
+    g = Hq // Hkv
+    acc = empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
+    for piece in plan.pieces:
+        pos = positions(q, piece, pb)
+        vis = visible(q, piece, pb, pos)
+        qs = q[:, :, piece.q0:piece.q1].to(sd)
+        ks = k[:, :, piece.k0:piece.k1].to(sd)
+        vs = v[:, :, piece.k0:piece.k1].to(sd)
+        s = _modify(_scores(qs, ks, pb), pb, pos, vis)
+        lse = torch.logsumexp(s, dim=-1)                                     # (B, Hq, L)
+        safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+        p = torch.exp(s - safe.unsqueeze(-1))                                # (B, Hq, L, S)
+        L, S = p.shape[-2:]
+        out = (p.reshape(B, Hkv, g, L, S) @ vs.unsqueeze(2)).reshape(B, Hq, L, Dv)
+        rows = slice(piece.q0, piece.q1)
+        merge_into(State(acc.out[:, :, rows], acc.lse[:, :, rows]), State(out, lse))
+    return acc
+
+
+def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem):
+    """Gradients of every piece from the global ``out``/``lse`` (and ``dlse``), summed."""
+    sd = state_dtype(q.dtype)
+    B, Hq, Nq, D = q.shape
+    Hkv, Dv = k.shape[1], v.shape[-1]
+    g = Hq // Hkv
+    dq = torch.zeros(q.shape, dtype=sd, device=q.device)
+    dk = torch.zeros(k.shape, dtype=sd, device=q.device)
+    dv = torch.zeros(v.shape, dtype=sd, device=q.device)
+    safe_lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).to(sd)
+    delta = (dout.to(sd) * out.to(sd)).sum(-1)                               # (B, Hq, Nq)
+    if dlse is not None:
+        delta = delta - dlse.to(sd)
+    for piece in plan.pieces:
+        pos = positions(q, piece, pb)
+        vis = visible(q, piece, pb, pos)
+        rows, keys = slice(piece.q0, piece.q1), slice(piece.k0, piece.k1)
+        qs, ks, vs = q[:, :, rows].to(sd), k[:, :, keys].to(sd), v[:, :, keys].to(sd)
+        do = dout[:, :, rows].to(sd)
+        L, S = piece.q1 - piece.q0, piece.k1 - piece.k0
+        nonadd = pb.score is not None and not pb.score.additive
+        with torch.enable_grad():
+            raw = _scores(qs, ks, pb)
+            if nonadd:
+                raw.requires_grad_(True)
+            s = _modify(raw, pb, pos, vis)
+        p = torch.exp(s.detach() - safe_lse[:, :, rows].unsqueeze(-1))      # (B, Hq, L, S)
+        dp = (do.reshape(B, Hkv, g, L, Dv) @ vs.unsqueeze(2).transpose(-1, -2)).reshape(B, Hq, L, S)
+        ds = p * (dp - delta[:, :, rows].unsqueeze(-1))
+        if nonadd:
+            (ds,) = torch.autograd.grad(s, raw, ds)
+            if vis is not None:  # a modifier's derivative may be non-finite where the mask hides the pair
+                ds = torch.where(vis, ds, torch.zeros_like(ds))
+        ds5 = ds.reshape(B, Hkv, g, L, S)
+        dq[:, :, rows] += (ds5 @ ks.unsqueeze(2)).reshape(B, Hq, L, D) * pb.scale
+        dk[:, :, keys] += (ds5.transpose(-1, -2) @ qs.reshape(B, Hkv, g, L, D)).sum(2) * pb.scale
+        dv[:, :, keys] += (p.reshape(B, Hkv, g, L, S).transpose(-1, -2) @ do.reshape(B, Hkv, g, L, Dv)).sum(2)
+    return dq, dk, dv

@@ -1,0 +1,626 @@
+"""Masks: which (query, key) pairs exist, as small hashable value objects.
+
+A mask answers one question for absolute positions ``qp`` (query) and ``kp`` (key):
+is the pair visible?  Presets also classify a whole rectangle of positions in closed
+form (:class:`BlockKind`), which is what lets the planner skip empty tiles without
+evaluating them.  Masks compose with ``&``, ``|`` and ``~``; FlexAttention-style
+``mask_mod(b, h, q_idx, kv_idx)`` callables are wrapped by :func:`as_mask`.
+
+Meaning (``qp = q_offset + i``, ``kp = kv_offset + j``):
+
+=====================  ===========================================
+``causal()``           ``kp <= qp``
+``window(l, r=0)``     ``qp - l <= kp <= qp + r``
+``sinks(n)``           ``kp < n``
+``prefix(n)``          ``kp < n  or  kp <= qp``
+``documents(ids)``     ``ids[qp] == kv_ids[kp]``
+``block_sparse(L, b)`` ``L[qp // b, kp // b]`` (optionally per head)
+``dilated(s)``         ``(qp - kp) % s == 0``
+=====================  ===========================================
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from typing import Callable
+
+import torch
+
+__all__ = [
+    "BlockKind", "Mask", "causal", "window", "sinks", "prefix", "documents",
+    "block_sparse", "dilated", "full", "as_mask",
+]
+
+
+class BlockKind(enum.IntEnum):
+    """How a rectangle of (query, key) pairs looks under a mask.
+
+    The order is chosen so that ``&`` is ``min`` and ``|`` is ``max`` and ``~`` is ``2 - x``.
+    """
+
+    EMPTY = 0    # no pair visible: skipped
+    PARTIAL = 1  # some visible: the mask is applied inside the tile
+    FULL = 2     # every pair visible: no mask work
+
+
+class _TensorKey:
+    """A private read-only copy of a tensor that hashes and compares by content."""
+
+    __slots__ = ("t", "_hash", "_by_device")
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t.detach().to("cpu", copy=True).contiguous()
+        digest = hashlib.sha1(self.t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+        self._hash = hash((tuple(self.t.shape), str(self.t.dtype), digest))
+        self._by_device: dict = {}
+
+    def on(self, device) -> torch.Tensor:
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self.t
+        if device not in self._by_device:
+            self._by_device[device] = self.t.to(device)
+        return self._by_device[device]
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return (isinstance(other, _TensorKey) and self._hash == other._hash
+                and self.t.shape == other.t.shape and self.t.dtype == other.t.dtype
+                and torch.equal(self.t, other.t))
+
+
+class Mask:
+    """Base class. Subclasses implement ``evaluate`` and, when they can, ``classify``.
+
+    ``evaluate(b, h, qp, kp)`` gets int64 tensors that broadcast as
+    ``(B, 1, 1, 1)``, ``(1, H, 1, 1)``, ``(1, 1, L, 1)``, ``(1, 1, 1, S)`` and returns a bool
+    tensor broadcastable to ``(B, H, L, S)``.
+
+    ``classify(q0, q1, k0, k1)`` gets int64 tensors of half-open absolute ranges, shaped
+    ``(nq, 1)`` and ``(1, nk)``, and returns an int8 tensor ``(nq, nk)`` of :class:`BlockKind`
+    codes, or ``None`` when the mask has no closed form (the planner then evaluates it).
+    Classification may say PARTIAL for a tile that is really empty or full (that only costs
+    work); it must never say FULL or EMPTY wrongly.
+    """
+
+    def evaluate(self, b, h, qp, kp) -> torch.Tensor:
+        raise NotImplementedError
+
+    def classify(self, q0, q1, k0, k1):
+        return None
+
+    def check_positions(self, q_end: int, k_end: int) -> None:
+        """Raise if the mask cannot answer for positions below ``q_end`` / ``k_end``."""
+
+    # -- composition --------------------------------------------------------------------
+    def __and__(self, other):
+        return _And(self, as_mask(other))
+
+    def __rand__(self, other):
+        return _And(as_mask(other), self)
+
+    def __or__(self, other):
+        return _Or(self, as_mask(other))
+
+    def __ror__(self, other):
+        return _Or(as_mask(other), self)
+
+    def __invert__(self):
+        return _Not(self)
+
+    def __bool__(self):
+        raise TypeError(
+            "a keyfold mask has no truth value: combine masks with & and | (and ~), "
+            "not with `and` / `or` / `not`")
+
+    # -- inspection ---------------------------------------------------------------------
+    def to_dense(self, Nq: int, Nk: int, q_offset: int | None = None, kv_offset: int = 0,
+                 *, B: int = 1, H: int = 1, device=None) -> torch.Tensor:
+        """The mask as a bool tensor: ``(Nq, Nk)``, or ``(B, H, Nq, Nk)`` if it depends on them.
+
+        This materialises Nq×Nk; it is for inspection and tests, never used by the engine.
+
+        >>> causal().to_dense(2, 3).int().tolist()
+        [[1, 1, 0], [1, 1, 1]]
+        """
+        q_offset = Nk - Nq if q_offset is None else q_offset
+        b, h, qp, kp = grid_positions(B, H, q_offset, Nq, kv_offset, Nk, device)
+        dense = self.evaluate(b, h, qp, kp)
+        dense = torch.broadcast_to(dense, torch.broadcast_shapes(dense.shape, (1, 1, Nq, Nk)))
+        if dense.shape[0] == 1 and dense.shape[1] == 1:
+            return dense[0, 0].clone()
+        return dense.expand(B, H, Nq, Nk).clone()
+
+    def sparsity(self, Nq: int, Nk: int, q_offset: int | None = None, kv_offset: int = 0,
+                 *, B: int = 1, H: int = 1) -> float:
+        """Fraction of (query, key) pairs the mask hides, counted in row chunks (no Nq×Nk)."""
+        q_offset = Nk - Nq if q_offset is None else q_offset
+        rows = max(1, (1 << 22) // max(Nk * B * H, 1))
+        visible = 0
+        for i0 in range(0, Nq, rows):
+            i1 = min(Nq, i0 + rows)
+            b, h, qp, kp = grid_positions(B, H, q_offset + i0, i1 - i0, kv_offset, Nk, None)
+            m = self.evaluate(b, h, qp, kp)
+            visible += int(torch.broadcast_to(m, (B, H, i1 - i0, Nk)).sum())
+        return 1.0 - visible / float(B * H * Nq * Nk)
+
+    def depends_on_batch_head(self) -> tuple[bool, bool]:
+        """Whether the mask can differ between batch entries / heads."""
+        return False, False
+
+
+def grid_positions(B, H, q0, Nq, k0, Nk, device):
+    """Broadcastable batch, head, query-position and key-position index tensors."""
+    b = torch.arange(B, device=device).view(B, 1, 1, 1)
+    h = torch.arange(H, device=device).view(1, H, 1, 1)
+    qp = torch.arange(q0, q0 + Nq, device=device).view(1, 1, Nq, 1)
+    kp = torch.arange(k0, k0 + Nk, device=device).view(1, 1, 1, Nk)
+    return b, h, qp, kp
+
+
+def _kind(full, empty):
+    """BlockKind codes from bool tensors saying 'every pair visible' / 'no pair visible'."""
+    out = torch.full(torch.broadcast_shapes(full.shape, empty.shape), int(BlockKind.PARTIAL), dtype=torch.int8)
+    out[torch.broadcast_to(empty, out.shape)] = int(BlockKind.EMPTY)
+    out[torch.broadcast_to(full, out.shape)] = int(BlockKind.FULL)
+    return out
+
+
+# ---------------------------------------------------------------------------- presets
+
+
+class _Full(Mask):
+    def evaluate(self, b, h, qp, kp):
+        return torch.ones((1, 1, 1, 1), dtype=torch.bool, device=qp.device)
+
+    def classify(self, q0, q1, k0, k1):
+        return torch.full(torch.broadcast_shapes(q0.shape, k0.shape), int(BlockKind.FULL), dtype=torch.int8)
+
+    def __repr__(self):
+        return "full()"
+
+    def __eq__(self, other):
+        return type(other) is _Full
+
+    def __hash__(self):
+        return hash("full")
+
+
+class _Causal(Mask):
+    def evaluate(self, b, h, qp, kp):
+        return kp <= qp
+
+    def classify(self, q0, q1, k0, k1):
+        # every key <= every query  /  every key > every query
+        return _kind(k1 - 1 <= q0, k0 > q1 - 1)
+
+    def __repr__(self):
+        return "causal()"
+
+    def __eq__(self, other):
+        return type(other) is _Causal
+
+    def __hash__(self):
+        return hash("causal")
+
+
+class _Window(Mask):
+    def __init__(self, left: int | None, right: int | None):
+        self.left, self.right = left, right
+
+    def evaluate(self, b, h, qp, kp):
+        ok = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=qp.device)
+        if self.left is not None:
+            ok = ok & (kp >= qp - self.left)
+        if self.right is not None:
+            ok = ok & (kp <= qp + self.right)
+        return ok
+
+    def classify(self, q0, q1, k0, k1):
+        big = torch.iinfo(torch.int64).max // 4
+        left = big if self.left is None else self.left
+        right = big if self.right is None else self.right
+        full = (k0 >= (q1 - 1) - left) & (k1 - 1 <= q0 + right)
+        empty = (k1 - 1 < q0 - left) | (k0 > (q1 - 1) + right)
+        return _kind(full, empty)
+
+    def __repr__(self):
+        return f"window({self.left}, {self.right})" if self.right else f"window({self.left})"
+
+    def __eq__(self, other):
+        return type(other) is _Window and (self.left, self.right) == (other.left, other.right)
+
+    def __hash__(self):
+        return hash(("window", self.left, self.right))
+
+
+class _Sinks(Mask):
+    """``kp < n``; ``n`` an int or a per-batch int tensor ``(B,)``."""
+
+    def __init__(self, n, name="sinks"):
+        self.name = name
+        if isinstance(n, torch.Tensor):
+            if n.dim() != 1 or n.dtype.is_floating_point or (n < 0).any():
+                raise ValueError(f"{name}(n): a tensor n must be 1-D (one count per batch entry), "
+                                 f"integer and >= 0; got shape {tuple(n.shape)}, dtype {n.dtype}")
+            self.n = _TensorKey(n.long())
+        else:
+            self.n = _int_arg(n, "n", name)
+
+    def _bounds(self):
+        if isinstance(self.n, _TensorKey):
+            return int(self.n.t.min()), int(self.n.t.max())
+        return self.n, self.n
+
+    def evaluate(self, b, h, qp, kp):
+        if isinstance(self.n, _TensorKey):
+            n = self.n.on(kp.device)
+            if n.shape[0] != b.shape[0] and n.shape[0] != 1:
+                raise ValueError(f"{self.name}(n): n has {n.shape[0]} entries but the batch has {b.shape[0]}")
+            return kp < n.view(-1, 1, 1, 1)
+        return kp < self.n
+
+    def classify(self, q0, q1, k0, k1):
+        lo, hi = self._bounds()
+        return _kind(k1 <= lo, k0 >= hi) + torch.zeros_like(q0, dtype=torch.int8)
+
+    def depends_on_batch_head(self):
+        return isinstance(self.n, _TensorKey), False
+
+    def __repr__(self):
+        n = f"tensor{self.n.t.tolist()}" if isinstance(self.n, _TensorKey) else self.n
+        return f"{self.name}({n})"
+
+    def __eq__(self, other):
+        return type(other) is type(self) and self.name == other.name and self.n == other.n
+
+    def __hash__(self):
+        return hash((self.name, self.n))
+
+
+class _Documents(Mask):
+    """Packed sequences: a pair is visible when the query's and the key's document ids match."""
+
+    def __init__(self, ids: torch.Tensor, kv_ids: torch.Tensor | None):
+        for name, t in (("ids", ids), ("kv_ids", kv_ids)):
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dim() not in (1, 2):
+                raise ValueError(f"documents({name}): expected an integer tensor of shape (N,) or (B, N), "
+                                 f"got {getattr(t, 'shape', type(t))}")
+        self.ids = _TensorKey(ids.long())
+        self.kv_ids = None if kv_ids is None else _TensorKey(kv_ids.long())
+
+    def _kv(self):
+        return self.ids if self.kv_ids is None else self.kv_ids
+
+    def check_positions(self, q_end, k_end):
+        for name, key, end in (("ids", self.ids, q_end), ("kv_ids" if self.kv_ids is not None else "ids", self._kv(), k_end)):
+            n = key.t.shape[-1]
+            if end > n:
+                raise ValueError(
+                    f"documents({name}) covers {n} positions but this call touches position {end - 1}; "
+                    f"ids are indexed by absolute position and must cover every query and key "
+                    f"(pass ids of length >= {end}, or check q_offset / kv_offset)")
+
+    @staticmethod
+    def _as4d(t, pos, query_side):
+        # ids (N,) -> (1, 1, L, 1) / (1, 1, 1, S); ids (B, N) -> (B, 1, L, 1) / (B, 1, 1, S)
+        flat = pos.reshape(-1)
+        if t.dim() == 1:
+            g = t[flat]
+            return g.view(1, 1, -1, 1) if query_side else g.view(1, 1, 1, -1)
+        g = t[:, flat]
+        return g.view(t.shape[0], 1, -1, 1) if query_side else g.view(t.shape[0], 1, 1, -1)
+
+    def evaluate(self, b, h, qp, kp):
+        qi = self._as4d(self.ids.on(qp.device), qp, True)
+        ki = self._as4d(self._kv().on(kp.device), kp, False)
+        return qi == ki
+
+    def classify(self, q0, q1, k0, k1):
+        def block_min_max(t, starts, ends):
+            t2 = t if t.dim() == 2 else t.unsqueeze(0)  # (B', N)
+            lo = torch.stack([t2[:, s:e].amin(1) for s, e in zip(starts.tolist(), ends.tolist())], -1)
+            hi = torch.stack([t2[:, s:e].amax(1) for s, e in zip(starts.tolist(), ends.tolist())], -1)
+            return lo, hi  # (B', nblocks)
+
+        qlo, qhi = block_min_max(self.ids.t, q0.view(-1), q1.view(-1))
+        klo, khi = block_min_max(self._kv().t, k0.view(-1), k1.view(-1))
+        qlo, qhi = qlo[:, :, None], qhi[:, :, None]
+        klo, khi = klo[:, None, :], khi[:, None, :]
+        full = ((qlo == qhi) & (klo == khi) & (qlo == klo)).all(0)
+        empty = ((qhi < klo) | (khi < qlo)).all(0)
+        return _kind(full, empty)
+
+    def depends_on_batch_head(self):
+        return self.ids.t.dim() == 2 or self._kv().t.dim() == 2, False
+
+    def __repr__(self):
+        n = self.ids.t.shape[-1]
+        ndoc = int(self.ids.t.unique().numel())
+        extra = "" if self.kv_ids is None else ", kv_ids=..."
+        return f"documents(<{ndoc} docs over {n} positions>{extra})"
+
+    def __eq__(self, other):
+        return type(other) is _Documents and self.ids == other.ids and self.kv_ids == other.kv_ids
+
+    def __hash__(self):
+        return hash(("documents", self.ids, self.kv_ids))
+
+
+class _BlockSparse(Mask):
+    def __init__(self, layout: torch.Tensor, block_size: int):
+        if not isinstance(layout, torch.Tensor) or layout.dim() not in (2, 3):
+            raise ValueError("block_sparse(layout): expected a bool tensor (nq_blocks, nk_blocks) "
+                             "or (H, nq_blocks, nk_blocks)")
+        self.layout = _TensorKey(layout.bool())
+        self.block_size = _int_arg(block_size, "block_size", "block_sparse", minimum=1)
+        L = self.layout.t if self.layout.t.dim() == 3 else self.layout.t.unsqueeze(0)
+        # 2-D prefix sums over the layout, summed over heads, for O(1) rectangle counts.
+        c = L.long().sum(0).cumsum(0).cumsum(1)
+        self._csum = torch.nn.functional.pad(c, (1, 0, 1, 0))
+        self._heads = L.shape[0]
+
+    def check_positions(self, q_end, k_end):
+        nq, nk = self.layout.t.shape[-2:]
+        b = self.block_size
+        if q_end > nq * b or k_end > nk * b:
+            raise ValueError(f"block_sparse(layout): the layout covers {nq * b} query and {nk * b} key "
+                             f"positions but this call touches query {q_end - 1} / key {k_end - 1}; "
+                             f"pass a layout with at least ceil(N / block_size) blocks per side")
+
+    def evaluate(self, b, h, qp, kp):
+        L = self.layout.on(qp.device)
+        qb, kb = qp // self.block_size, kp // self.block_size  # (1,1,L,1), (1,1,1,S)
+        if L.dim() == 2:
+            return L[qb, kb]
+        return L[h, qb, kb]  # (1, H, L, S)
+
+    def classify(self, q0, q1, k0, k1):
+        bs = self.block_size
+        r0, r1 = q0 // bs, (q1 - 1) // bs + 1
+        c0, c1 = k0 // bs, (k1 - 1) // bs + 1
+        S = self._csum
+        count = S[r1, c1] - S[r0, c1] - S[r1, c0] + S[r0, c0]
+        cells = (r1 - r0) * (c1 - c0) * self._heads
+        return _kind(count == cells, count == 0)
+
+    def depends_on_batch_head(self):
+        return False, self.layout.t.dim() == 3
+
+    def __repr__(self):
+        shape = "x".join(map(str, self.layout.t.shape))
+        return f"block_sparse(<{shape} layout>, {self.block_size})"
+
+    def __eq__(self, other):
+        return type(other) is _BlockSparse and self.layout == other.layout and self.block_size == other.block_size
+
+    def __hash__(self):
+        return hash(("block_sparse", self.layout, self.block_size))
+
+
+class _Dilated(Mask):
+    def __init__(self, step: int):
+        self.step = _int_arg(step, "step", "dilated", minimum=1)
+
+    def evaluate(self, b, h, qp, kp):
+        return (qp - kp) % self.step == 0
+
+    def classify(self, q0, q1, k0, k1):
+        if self.step == 1:
+            return _Full().classify(q0, q1, k0, k1)
+        return None  # exact evaluation: tiles smaller than the step can be empty
+
+    def __repr__(self):
+        return f"dilated({self.step})"
+
+    def __eq__(self, other):
+        return type(other) is _Dilated and self.step == other.step
+
+    def __hash__(self):
+        return hash(("dilated", self.step))
+
+
+# ------------------------------------------------------------------------ combinators
+
+
+class _And(Mask):
+    def __init__(self, a: Mask, b: Mask):
+        self.a, self.b = a, b
+
+    def evaluate(self, b, h, qp, kp):
+        return self.a.evaluate(b, h, qp, kp) & self.b.evaluate(b, h, qp, kp)
+
+    def classify(self, q0, q1, k0, k1):
+        x, y = self.a.classify(q0, q1, k0, k1), self.b.classify(q0, q1, k0, k1)
+        return None if x is None or y is None else torch.minimum(x, y)
+
+    def check_positions(self, q_end, k_end):
+        self.a.check_positions(q_end, k_end)
+        self.b.check_positions(q_end, k_end)
+
+    def depends_on_batch_head(self):
+        (b1, h1), (b2, h2) = self.a.depends_on_batch_head(), self.b.depends_on_batch_head()
+        return b1 or b2, h1 or h2
+
+    def __repr__(self):
+        return f"{_paren(self.a, _Or)} & {_paren(self.b, _Or)}"
+
+    def __eq__(self, other):
+        return type(other) is type(self) and (self.a, self.b) == (other.a, other.b)
+
+    def __hash__(self):
+        return hash((type(self).__name__, self.a, self.b))
+
+
+class _Or(_And):
+    def evaluate(self, b, h, qp, kp):
+        return self.a.evaluate(b, h, qp, kp) | self.b.evaluate(b, h, qp, kp)
+
+    def classify(self, q0, q1, k0, k1):
+        x, y = self.a.classify(q0, q1, k0, k1), self.b.classify(q0, q1, k0, k1)
+        return None if x is None or y is None else torch.maximum(x, y)
+
+    def __repr__(self):
+        return f"{_paren(self.a, _And)} | {_paren(self.b, _And)}"
+
+
+class _Not(Mask):
+    def __init__(self, a: Mask):
+        self.a = a
+
+    def evaluate(self, b, h, qp, kp):
+        return ~self.a.evaluate(b, h, qp, kp)
+
+    def classify(self, q0, q1, k0, k1):
+        x = self.a.classify(q0, q1, k0, k1)
+        return None if x is None else (2 - x).to(torch.int8)
+
+    def check_positions(self, q_end, k_end):
+        self.a.check_positions(q_end, k_end)
+
+    def depends_on_batch_head(self):
+        return self.a.depends_on_batch_head()
+
+    def __repr__(self):
+        return f"~{_paren(self.a, (_And, _Or))}"
+
+    def __eq__(self, other):
+        return type(other) is _Not and self.a == other.a
+
+    def __hash__(self):
+        return hash(("not", self.a))
+
+
+class _Prefix(_Or):
+    """Prefix-LM: bidirectional over the first n keys, causal after."""
+
+    def __init__(self, n):
+        super().__init__(_Sinks(n, name="prefix"), _Causal())
+
+    def __repr__(self):
+        return repr(self.a)
+
+
+class MaskFn(Mask):
+    """A FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx) -> bool`` callable.
+
+    It is called once per tile with broadcastable index tensors (absolute positions), so it
+    must be written with tensor ops (``&``, ``|``, ``torch.where``), as Flex requires too.
+    Hashes by the callable's identity: build it once and reuse it to reuse the plan.
+    """
+
+    def __init__(self, fn: Callable):
+        if not callable(fn):
+            raise TypeError(f"mask must be a keyfold mask or a callable mask_mod, got {type(fn).__name__}")
+        self.fn = fn
+
+    def evaluate(self, b, h, qp, kp):
+        out = self.fn(b, h, qp, kp)
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
+            got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
+            raise TypeError(f"mask callable {_fn_name(self.fn)} must return a bool tensor, got {got}; "
+                            f"return a comparison such as `q_idx >= kv_idx` (a score callable goes in score=)")
+        return out
+
+    def depends_on_batch_head(self):
+        return True, True
+
+    def __repr__(self):
+        return f"mask_fn({_fn_name(self.fn)})"
+
+    def __eq__(self, other):
+        return type(other) is MaskFn and self.fn is other.fn
+
+    def __hash__(self):
+        return hash(("fn", id(self.fn)))
+
+
+# --------------------------------------------------------------------------- builders
+
+
+def _int_arg(x, name, fn, minimum=0):
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"{fn}({name}): expected an int, got {type(x).__name__}")
+    if x < minimum:
+        raise ValueError(f"{fn}({name}): must be >= {minimum}, got {x}")
+    return x
+
+
+def _paren(m, kinds):
+    return f"({m!r})" if isinstance(m, kinds) and not isinstance(m, _Prefix) else repr(m)
+
+
+def _fn_name(fn):
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+def full() -> Mask:
+    """Every pair visible (the identity of ``&``)."""
+    return _Full()
+
+
+def causal() -> Mask:
+    """``kp <= qp``. With ``Nq == Nk`` and the default offsets this is SDPA's ``is_causal``."""
+    return _Causal()
+
+
+def window(left: int | None, right: int | None = 0) -> Mask:
+    """``qp - left <= kp <= qp + right`` (FlashAttention's ``window_size``); ``None`` is unbounded.
+
+    ``window(W)`` alone is causal-or-local: it admits the W keys before the query and the query's own.
+    """
+    if left is not None:
+        _int_arg(left, "left", "window")
+    if right is not None:
+        _int_arg(right, "right", "window")
+    return _Window(left, right)
+
+
+def sinks(n) -> Mask:
+    """``kp < n``: the first ``n`` keys (attention sinks), even ahead of the query.
+
+    ``n`` is an int or a per-batch int tensor ``(B,)``.
+    """
+    return _Sinks(n)
+
+
+def prefix(n) -> Mask:
+    """Prefix-LM: ``kp < n or kp <= qp``; ``n`` an int or a per-batch tensor ``(B,)``."""
+    return _Prefix(n)
+
+
+def documents(ids: torch.Tensor, kv_ids: torch.Tensor | None = None) -> Mask:
+    """Packed documents: visible when ``ids[qp] == kv_ids[kp]`` (``kv_ids`` defaults to ``ids``).
+
+    ids: ``(N,)`` or ``(B, N)`` integer tensors indexed by absolute position; they must cover
+    every position a call touches. Pass separate ``kv_ids`` for cross-attention.
+
+    >>> documents(torch.tensor([0, 0, 1])).to_dense(3, 3).int().tolist()
+    [[1, 1, 0], [1, 1, 0], [0, 0, 1]]
+    """
+    return _Documents(ids, kv_ids)
+
+
+def block_sparse(layout: torch.Tensor, block_size: int) -> Mask:
+    """``layout[qp // block_size, kp // block_size]``; layout ``(nq, nk)`` or per head ``(H, nq, nk)``."""
+    return _BlockSparse(layout, block_size)
+
+
+def dilated(step: int) -> Mask:
+    """``(qp - kp) % step == 0``: every ``step``-th key relative to the query."""
+    return _Dilated(step)
+
+
+def as_mask(mask) -> Mask | None:
+    """``None`` stays ``None`` (all visible); a :class:`Mask` stays; a callable is wrapped."""
+    if mask is None or isinstance(mask, Mask):
+        return mask
+    if callable(mask):
+        return MaskFn(mask)
+    raise TypeError(f"mask must be None, a keyfold mask (causal(), window(...), ...) or a "
+                    f"mask_mod(b, h, q_idx, kv_idx) callable; got {type(mask).__name__}")

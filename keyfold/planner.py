@@ -1,0 +1,291 @@
+"""The planner: turns a mask into pieces of the key space for the kernels.
+
+It tiles the (query block x key block) grid, classifies every tile EMPTY / PARTIAL /
+FULL (closed form for presets, exact evaluation for callables), skips empty tiles and
+coalesces runs of tiles in one query block into key spans, so one kernel call covers each.
+Plans are cached by the mask's hash and the shapes; ``plan(...).to_string()`` draws one.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from .masks import BlockKind, Mask, _Causal, grid_positions
+
+__all__ = ["PieceKind", "Piece", "Plan", "plan", "clear_plan_cache"]
+
+
+class PieceKind(enum.Enum):
+    FULL = "full"      # every pair visible: no mask
+    CAUSAL = "causal"  # exactly top-left causal inside the piece (the fused kernel's own flag)
+    MASKED = "masked"  # the mask is evaluated on the piece and passed as a tile
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Query rows ``[q0, q1)`` against keys ``[k0, k1)`` (indices local to the call)."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    kind: PieceKind
+
+    @property
+    def area(self) -> int:
+        return (self.q1 - self.q0) * (self.k1 - self.k0)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one call covers the (Nq x Nk) pairs. ``kinds`` is ``(nq_blocks, nk_blocks)`` int8."""
+
+    Nq: int
+    Nk: int
+    q_offset: int
+    kv_offset: int
+    block_q: int
+    block_k: int
+    kinds: torch.Tensor
+    pieces: tuple[Piece, ...]
+
+    @property
+    def density(self) -> float:
+        """Fraction of the dense Nq x Nk work that the pieces compute."""
+        causal_area = sum(_causal_area(p) for p in self.pieces if p.kind is PieceKind.CAUSAL)
+        other = sum(p.area for p in self.pieces if p.kind is not PieceKind.CAUSAL)
+        return (causal_area + other) / max(1, self.Nq * self.Nk)
+
+    def counts(self) -> dict[str, int]:
+        return {k.name.lower(): int((self.kinds == int(k)).sum()) for k in BlockKind}
+
+    def to_string(self, max_blocks: int = 64) -> str:
+        """ASCII drawing of the block mask: ``#`` full, ``~`` partial, ``.`` empty."""
+        glyph = {int(BlockKind.FULL): "#", int(BlockKind.PARTIAL): "~", int(BlockKind.EMPTY): "."}
+        kinds = self.kinds
+        step_q = max(1, -(-kinds.shape[0] // max_blocks))
+        step_k = max(1, -(-kinds.shape[1] // max_blocks))
+        rows = []
+        for i in range(0, kinds.shape[0], step_q):
+            sub = kinds[i:i + step_q]
+            row = ""
+            for j in range(0, kinds.shape[1], step_k):
+                cell = sub[:, j:j + step_k]
+                row += glyph[int(cell.max())] if int(cell.min()) == int(cell.max()) else "~"
+            rows.append(row)
+        c = self.counts()
+        head = (f"Plan(Nq={self.Nq}, Nk={self.Nk}, q_offset={self.q_offset}, kv_offset={self.kv_offset}, "
+                f"blocks {self.block_q}x{self.block_k}: {c['full']} full, {c['partial']} partial, "
+                f"{c['empty']} empty; {len(self.pieces)} pieces; {self.density:.1%} of dense work)")
+        return head + "\n" + "\n".join(rows)
+
+    def __repr__(self):
+        c = self.counts()
+        return (f"Plan(Nq={self.Nq}, Nk={self.Nk}, blocks={self.block_q}x{self.block_k}, "
+                f"full={c['full']}, partial={c['partial']}, empty={c['empty']}, "
+                f"pieces={len(self.pieces)}, density={self.density:.3f})")
+
+
+def _causal_area(p: Piece) -> int:
+    L, S = p.q1 - p.q0, p.k1 - p.k0
+    # top-left causal: row i sees min(i + 1, S) keys
+    m = min(L, S)
+    return m * (m + 1) // 2 + max(0, L - S) * S
+
+
+# ------------------------------------------------------------------------- the cache
+
+_CACHE: "OrderedDict[tuple, Plan]" = OrderedDict()
+_CACHE_SIZE = 128
+_LOCK = threading.Lock()
+_STATS = {"hits": 0, "misses": 0}
+
+
+def clear_plan_cache() -> None:
+    with _LOCK:
+        _CACHE.clear()
+        _STATS.update(hits=0, misses=0)
+
+
+def plan_cache_stats() -> dict[str, int]:
+    return dict(_STATS, size=len(_CACHE))
+
+
+def default_block(Nq: int, Nk: int) -> tuple[int, int]:
+    """Tile sizes: large enough that per-call overhead vanishes, small enough to skip work."""
+    bq = 256 if Nq > 256 else max(1, Nq)
+    bk = 256 if Nk > 256 else max(1, Nk)
+    return bq, bk
+
+
+def plan(mask: Mask | None, Nq: int, Nk: int, *, q_offset: int | None = None, kv_offset: int = 0,
+         B: int = 1, H: int = 1, block_size: int | tuple[int, int] | None = None,
+         max_span: int | None = None, allow_causal: bool = True) -> Plan:
+    """Plan ``mask`` over ``Nq`` queries and ``Nk`` keys (cached).
+
+    block_size: tile size (an int, or ``(block_q, block_k)``); default from :func:`default_block`.
+    max_span: longest key span one piece may cover (the kernels bound their tile memory by it).
+    allow_causal: whether a piece may use the fused kernel's own causal flag.
+
+    >>> from keyfold import causal, window
+    >>> plan(causal() & window(4), 16, 16, block_size=4).counts()
+    {'empty': 9, 'partial': 7, 'full': 0}
+    """
+    from .masks import as_mask
+
+    mask = as_mask(mask)
+    q_offset = Nk - Nq if q_offset is None else q_offset
+    if block_size is None:
+        bq, bk = default_block(Nq, Nk)
+    elif isinstance(block_size, int):
+        bq = bk = block_size
+    else:
+        bq, bk = block_size
+    if bq < 1 or bk < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    dep_b, dep_h = mask.depends_on_batch_head() if mask is not None else (False, False)
+    key = (mask, Nq, Nk, q_offset, kv_offset, B if dep_b else 0, H if dep_h else 0, bq, bk, max_span, allow_causal)
+    with _LOCK:
+        hit = _CACHE.get(key)
+        if hit is not None:
+            _CACHE.move_to_end(key)
+            _STATS["hits"] += 1
+            return hit
+    if mask is not None:
+        mask.check_positions(q_offset + Nq, kv_offset + Nk)
+    result = _build(mask, Nq, Nk, q_offset, kv_offset, B, H, bq, bk, max_span, allow_causal)
+    with _LOCK:
+        _STATS["misses"] += 1
+        _CACHE[key] = result
+        if len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    return result
+
+
+def _build(mask, Nq, Nk, q_offset, kv_offset, B, H, bq, bk, max_span, allow_causal) -> Plan:
+    q_starts = torch.arange(0, Nq, bq)
+    k_starts = torch.arange(0, Nk, bk)
+    q0 = (q_offset + q_starts).view(-1, 1)
+    q1 = (q_offset + torch.clamp(q_starts + bq, max=Nq)).view(-1, 1)
+    k0 = (kv_offset + k_starts).view(1, -1)
+    k1 = (kv_offset + torch.clamp(k_starts + bk, max=Nk)).view(1, -1)
+
+    if mask is None:
+        kinds = torch.full((len(q_starts), len(k_starts)), int(BlockKind.FULL), dtype=torch.int8)
+    else:
+        kinds = mask.classify(q0, q1, k0, k1)
+        if kinds is None:
+            kinds = _classify_exact(mask, B, H, Nq, Nk, q_offset, kv_offset, bq, bk)
+        kinds = torch.broadcast_to(kinds, (len(q_starts), len(k_starts))).contiguous()
+
+    if mask is None and max_span is None:
+        pieces = (Piece(0, Nq, 0, Nk, PieceKind.FULL),)
+    elif isinstance(mask, _Causal) and allow_causal and max_span is None:
+        pieces = _causal_pieces(Nq, Nk, q_offset - kv_offset)
+    else:
+        pieces = _grid_pieces(kinds, Nq, Nk, bq, bk, max_span)
+    return Plan(Nq, Nk, q_offset, kv_offset, bq, bk, kinds, pieces)
+
+
+def _causal_pieces(Nq: int, Nk: int, d: int) -> tuple[Piece, ...]:
+    """Closed form for ``causal()``: row i sees local keys j <= i + d.
+
+    Keys below d are seen by every row (one FULL piece); the rest is top-left causal
+    against the rows, which the fused kernel does natively with its own flag.
+    """
+    pieces = []
+    if d >= 0:
+        if d > 0:
+            pieces.append(Piece(0, Nq, 0, min(d, Nk), PieceKind.FULL))
+        if d < Nk:
+            pieces.append(Piece(0, Nq, d, Nk, PieceKind.CAUSAL))
+    elif -d < Nq:
+        pieces.append(Piece(-d, Nq, 0, Nk, PieceKind.CAUSAL))  # rows above -d see no key
+    return tuple(pieces)
+
+
+def _grid_pieces(kinds, Nq, Nk, bq, bk, max_span) -> tuple[Piece, ...]:
+    """Per query block: maximal runs of FULL tiles become FULL pieces, runs of PARTIAL tiles
+    MASKED pieces; vertically identical FULL pieces of consecutive query blocks fuse."""
+    EMPTY, FULL = int(BlockKind.EMPTY), int(BlockKind.FULL)
+    rows = kinds.tolist()
+    per_block = []
+    for i, row in enumerate(rows):
+        q0, q1 = i * bq, min(Nq, (i + 1) * bq)
+        spans = []
+        j = 0
+        while j < len(row):
+            if row[j] == EMPTY:
+                j += 1
+                continue
+            kind = row[j]
+            j2 = j
+            while j2 < len(row) and row[j2] == kind:
+                j2 += 1
+            spans.append([j * bk, min(Nk, j2 * bk), PieceKind.FULL if kind == FULL else PieceKind.MASKED])
+            j = j2
+        per_block.append((q0, q1, _bounded(spans, max_span)))
+
+    pieces: list[Piece] = []
+    open_full: dict[tuple[int, int], list[int]] = {}  # (k0, k1) -> [q0, q1] being extended
+    for q0, q1, spans in per_block:
+        still_open = {}
+        for k0, k1, kind in spans:
+            if kind is PieceKind.FULL and max_span is None:
+                prev = open_full.get((k0, k1))
+                if prev is not None and prev[1] == q0:
+                    prev[1] = q1
+                    still_open[(k0, k1)] = prev
+                else:
+                    still_open[(k0, k1)] = [q0, q1]
+            else:
+                pieces.append(Piece(q0, q1, k0, k1, kind))
+        for (k0, k1), (a, b) in open_full.items():
+            if (k0, k1) not in still_open or still_open[(k0, k1)] is not open_full[(k0, k1)]:
+                pieces.append(Piece(a, b, k0, k1, PieceKind.FULL))
+        open_full = still_open
+    for (k0, k1), (a, b) in open_full.items():
+        pieces.append(Piece(a, b, k0, k1, PieceKind.FULL))
+    pieces.sort(key=lambda p: (p.q0, p.k0))
+    return tuple(pieces)
+
+
+def _bounded(spans, max_span):
+    if max_span is None:
+        return spans
+    out = []
+    for k0, k1, kind in spans:
+        for s in range(k0, k1, max_span):
+            out.append([s, min(k1, s + max_span), kind])
+    return out
+
+
+def _classify_exact(mask, B, H, Nq, Nk, q_offset, kv_offset, bq, bk) -> torch.Tensor:
+    """Evaluate the mask on every pair, a few query blocks at a time (never Nq x Nk at once)."""
+    dep_b, dep_h = mask.depends_on_batch_head()
+    Be, He = (B if dep_b else 1), (H if dep_h else 1)
+    nkb = -(-Nk // bk)
+    pad = nkb * bk - Nk
+    rows_per_chunk = max(bq, ((1 << 23) // max(1, Nk * Be * He)) // bq * bq)
+    out = []
+    for r0 in range(0, Nq, rows_per_chunk):
+        r1 = min(Nq, r0 + rows_per_chunk)
+        b, h, qp, kp = grid_positions(Be, He, q_offset + r0, r1 - r0, kv_offset, Nk, None)
+        m = mask.evaluate(b, h, qp, kp)
+        m = torch.broadcast_to(m, (Be, He, r1 - r0, Nk))
+        anyv = torch.nn.functional.pad(m, (0, pad), value=False)
+        allv = torch.nn.functional.pad(m, (0, pad), value=True)
+        for s in range(0, r1 - r0, bq):
+            e = min(r1 - r0, s + bq)
+            a = anyv[:, :, s:e].reshape(Be, He, e - s, nkb, bk).any(4).any(2).flatten(0, 1).any(0)
+            f = allv[:, :, s:e].reshape(Be, He, e - s, nkb, bk).all(4).all(2).flatten(0, 1).all(0)
+            row = torch.full((nkb,), int(BlockKind.PARTIAL), dtype=torch.int8)
+            row[~a] = int(BlockKind.EMPTY)
+            row[f] = int(BlockKind.FULL)
+            out.append(row)
+    return torch.stack(out)

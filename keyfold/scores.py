@@ -1,0 +1,172 @@
+"""Score modifiers: functions of the scaled score ``s = scale * q·k``.
+
+An *additive* modifier (ALiBi) only adds a bias that depends on positions, so the fused
+kernel takes it as an additive mask. Any other modifier (softcap, a user's callable) runs
+tile by tile in torch ops. A list composes left to right.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from .masks import _TensorKey, _fn_name
+
+__all__ = ["ScoreMod", "alibi", "alibi_slopes", "softcap", "as_score"]
+
+
+class ScoreMod:
+    """Base class. ``apply(s, b, h, qp, kp)`` maps float32 scores ``(B, H, L, S)``.
+
+    Index tensors broadcast as in :meth:`keyfold.masks.Mask.evaluate` (absolute positions).
+    Additive modifiers also give ``bias(b, h, qp, kp)`` with ``apply(s) == s + bias``.
+    """
+
+    additive = False
+
+    def apply(self, s, b, h, qp, kp):
+        raise NotImplementedError
+
+    def bias(self, b, h, qp, kp):
+        raise NotImplementedError(f"{self!r} is not additive")
+
+    def check_heads(self, H: int) -> None:
+        """Raise if the modifier cannot serve ``H`` query heads."""
+
+
+class _Alibi(ScoreMod):
+    additive = True
+
+    def __init__(self, slopes: torch.Tensor):
+        if not isinstance(slopes, torch.Tensor) or slopes.dim() != 1:
+            raise ValueError("alibi(slopes): expected a 1-D tensor with one slope per query head; "
+                             "alibi_slopes(H) gives the paper's geometric slopes")
+        self.slopes = _TensorKey(slopes.float())
+
+    def bias(self, b, h, qp, kp):
+        slopes = self.slopes.on(qp.device).view(1, -1, 1, 1)  # (1, H, 1, 1)
+        return -slopes * (qp - kp).abs().float()
+
+    def apply(self, s, b, h, qp, kp):
+        return s + self.bias(b, h, qp, kp)
+
+    def check_heads(self, H):
+        if self.slopes.t.numel() != H:
+            raise ValueError(f"alibi(slopes): {self.slopes.t.numel()} slopes for {H} query heads; "
+                             f"pass one slope per query head")
+
+    def __repr__(self):
+        return f"alibi(<{self.slopes.t.numel()} slopes>)"
+
+    def __eq__(self, other):
+        return type(other) is _Alibi and self.slopes == other.slopes
+
+    def __hash__(self):
+        return hash(("alibi", self.slopes))
+
+
+class _Softcap(ScoreMod):
+    def __init__(self, cap: float):
+        if not isinstance(cap, (int, float)) or isinstance(cap, bool) or not cap > 0 or math.isinf(cap):
+            raise ValueError(f"softcap(cap): cap must be a finite number > 0, got {cap!r}")
+        self.cap = float(cap)
+
+    def apply(self, s, b, h, qp, kp):
+        return self.cap * torch.tanh(s / self.cap)
+
+    def __repr__(self):
+        return f"softcap({self.cap:g})"
+
+    def __eq__(self, other):
+        return type(other) is _Softcap and self.cap == other.cap
+
+    def __hash__(self):
+        return hash(("softcap", self.cap))
+
+
+class ScoreFn(ScoreMod):
+    """A FlexAttention-style ``score_mod(score, b, h, q_idx, kv_idx)`` callable (absolute positions)."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def apply(self, s, b, h, qp, kp):
+        out = self.fn(s, b, h, qp, kp)
+        if not isinstance(out, torch.Tensor) or not out.dtype.is_floating_point:
+            raise TypeError(f"score callable {_fn_name(self.fn)} must return a float tensor, "
+                            f"got {type(out).__name__ if not isinstance(out, torch.Tensor) else out.dtype}")
+        return out
+
+    def __repr__(self):
+        return f"score_fn({_fn_name(self.fn)})"
+
+    def __eq__(self, other):
+        return type(other) is ScoreFn and self.fn is other.fn
+
+    def __hash__(self):
+        return hash(("score_fn", id(self.fn)))
+
+
+class _Chain(ScoreMod):
+    def __init__(self, mods):
+        self.mods = tuple(mods)
+        self.additive = all(m.additive for m in self.mods)
+
+    def apply(self, s, b, h, qp, kp):
+        for m in self.mods:
+            s = m.apply(s, b, h, qp, kp)
+        return s
+
+    def bias(self, b, h, qp, kp):
+        total = self.mods[0].bias(b, h, qp, kp)
+        for m in self.mods[1:]:
+            total = total + m.bias(b, h, qp, kp)
+        return total
+
+    def check_heads(self, H):
+        for m in self.mods:
+            m.check_heads(H)
+
+    def __repr__(self):
+        return "[" + ", ".join(map(repr, self.mods)) + "]"
+
+    def __eq__(self, other):
+        return type(other) is _Chain and self.mods == other.mods
+
+    def __hash__(self):
+        return hash(("chain", self.mods))
+
+
+def alibi_slopes(H: int) -> torch.Tensor:
+    """The ALiBi paper's geometric head slopes ``2^(-8 i / H)`` for i = 1..H (float32, ``(H,)``)."""
+    n = 2 ** math.floor(math.log2(H))
+    base = [2 ** (-8.0 * (i + 1) / n) for i in range(n)]
+    extra = [2 ** (-4.0 * (2 * i + 1) / n) for i in range(H - n)]  # paper's rule for non-powers of 2
+    return torch.tensor(base + extra, dtype=torch.float32)
+
+
+def alibi(slopes: torch.Tensor) -> ScoreMod:
+    """ALiBi: adds ``-slopes[h] * |qp - kp|`` to the scaled score (FlashAttention's convention)."""
+    return _Alibi(slopes)
+
+
+def softcap(cap: float) -> ScoreMod:
+    """Gemma-2 style soft capping: ``s -> cap * tanh(s / cap)``."""
+    return _Softcap(cap)
+
+
+def as_score(score) -> ScoreMod | None:
+    """``None``, a :class:`ScoreMod`, a ``score_mod`` callable, or a list of these (left to right)."""
+    if score is None or isinstance(score, ScoreMod):
+        return score
+    if isinstance(score, (list, tuple)):
+        mods = [as_score(s) for s in score if s is not None]
+        if not mods:
+            return None
+        return mods[0] if len(mods) == 1 else _Chain(mods)
+    if callable(score):
+        return ScoreFn(score)
+    raise TypeError(f"score must be None, alibi(...)/softcap(...), a score_mod(score, b, h, q_idx, kv_idx) "
+                    f"callable or a list of these; got {type(score).__name__}")
