@@ -92,7 +92,7 @@ class _Call:
                               block_size=block_size, max_span=TILE_SPAN if bounded else None,
                               allow_causal=self.backend is Backend.CPU)
         elif mask is not None:
-            mask.check_positions(q_offset + Nq, kv_offset + Nk)
+            mask.check_positions(q_offset, q_offset + Nq, kv_offset, kv_offset + Nk)
 
     def forward(self, q, k, v) -> State:
         if self.backend is Backend.CPU:

@@ -92,8 +92,8 @@ class Mask:
     def classify(self, q0, q1, k0, k1):
         return None
 
-    def check_positions(self, q_end: int, k_end: int) -> None:
-        """Raise if the mask cannot answer for positions below ``q_end`` / ``k_end``."""
+    def check_positions(self, q_start: int, q_end: int, k_start: int, k_end: int) -> None:
+        """Raise if the mask cannot answer for queries in ``[q_start, q_end)`` / keys in ``[k_start, k_end)``."""
 
     # -- composition --------------------------------------------------------------------
     def __and__(self, other):
@@ -297,7 +297,11 @@ class _Documents(Mask):
     def _kv(self):
         return self.ids if self.kv_ids is None else self.kv_ids
 
-    def check_positions(self, q_end, k_end):
+    def check_positions(self, q_start, q_end, k_start, k_end):
+        if min(q_start, k_start) < 0:
+            raise ValueError(f"documents(ids): this call starts at query position {q_start} and key position "
+                             f"{k_start}; ids are indexed by absolute position, so pass q_offset >= 0 "
+                             f"(with more queries than keys the default bottom-right q_offset is negative)")
         for name, key, end in (("ids", self.ids, q_end), ("kv_ids" if self.kv_ids is not None else "ids", self._kv(), k_end)):
             n = key.t.shape[-1]
             if end > n:
@@ -365,9 +369,12 @@ class _BlockSparse(Mask):
         self._csum = torch.nn.functional.pad(c, (1, 0, 1, 0))
         self._heads = L.shape[0]
 
-    def check_positions(self, q_end, k_end):
+    def check_positions(self, q_start, q_end, k_start, k_end):
         nq, nk = self.layout.t.shape[-2:]
         b = self.block_size
+        if min(q_start, k_start) < 0:
+            raise ValueError(f"block_sparse(layout): positions start at query {q_start} / key {k_start}; "
+                             f"the layout is indexed by absolute position, so pass q_offset >= 0")
         if q_end > nq * b or k_end > nk * b:
             raise ValueError(f"block_sparse(layout): the layout covers {nq * b} query and {nk * b} key "
                              f"positions but this call touches query {q_end - 1} / key {k_end - 1}; "
@@ -439,9 +446,9 @@ class _And(Mask):
         x, y = self.a.classify(q0, q1, k0, k1), self.b.classify(q0, q1, k0, k1)
         return None if x is None or y is None else torch.minimum(x, y)
 
-    def check_positions(self, q_end, k_end):
-        self.a.check_positions(q_end, k_end)
-        self.b.check_positions(q_end, k_end)
+    def check_positions(self, *span):
+        self.a.check_positions(*span)
+        self.b.check_positions(*span)
 
     def depends_on_batch_head(self):
         (b1, h1), (b2, h2) = self.a.depends_on_batch_head(), self.b.depends_on_batch_head()
@@ -480,8 +487,8 @@ class _Not(Mask):
         x = self.a.classify(q0, q1, k0, k1)
         return None if x is None else (2 - x).to(torch.int8)
 
-    def check_positions(self, q_end, k_end):
-        self.a.check_positions(q_end, k_end)
+    def check_positions(self, *span):
+        self.a.check_positions(*span)
 
     def depends_on_batch_head(self):
         return self.a.depends_on_batch_head()

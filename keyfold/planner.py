@@ -157,7 +157,7 @@ def plan(mask: Mask | None, Nq: int, Nk: int, *, q_offset: int | None = None, kv
             _STATS["hits"] += 1
             return hit
     if mask is not None:
-        mask.check_positions(q_offset + Nq, kv_offset + Nk)
+        mask.check_positions(q_offset, q_offset + Nq, kv_offset, kv_offset + Nk)
     result = _build(mask, Nq, Nk, q_offset, kv_offset, B, H, bq, bk, max_span, allow_causal)
     with _LOCK:
         _STATS["misses"] += 1

@@ -1,0 +1,107 @@
+"""The correctness rule every kernel and variant is held to (DESIGN.md section 6).
+
+``ref`` is keyfold's reference in float64; ``naive`` is the plain same-dtype torch
+implementation (scores and bias in the input dtype, masked entries -inf, softmax in float32
+cast back, ``@ v`` in the input dtype). keyfold's error must be at most 2x naive's (3x for
+gradients) plus 1e-6, on rows that see at least one key; rows that see none must be 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import keyfold
+from keyfold.masks import as_mask, grid_positions
+from keyfold.scores import as_score
+
+
+def naive_attention(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offset=0, **_engine_only):
+    """The plain same-dtype implementation (the yardstick, materialises Nq x Nk)."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    scale = D ** -0.5 if scale is None else scale
+    q_offset = kv_offset + Nk - Nq if q_offset is None else q_offset
+    kk = k.repeat_interleave(g, dim=1)
+    vv = v.repeat_interleave(g, dim=1)
+    s = (q @ kk.transpose(-1, -2)) * scale                        # (B, Hq, Nq, Nk), input dtype
+    b, h, qp, kp = grid_positions(B, Hq, q_offset, Nq, kv_offset, Nk, q.device)
+    score = as_score(score)
+    if score is not None:
+        s = score.apply(s.float(), b, h, qp, kp).to(q.dtype)
+    mask = as_mask(mask)
+    if mask is None:
+        return torch.softmax(s.float(), dim=-1).to(q.dtype) @ vv
+    m = torch.broadcast_to(mask.evaluate(b, h, qp, kp), s.shape)
+    seen = m.any(-1, keepdim=True)
+    # Rows that see no key are NaN in plain softmax; keep them finite (and zero them after)
+    # so that the yardstick's gradients on the other rows are not poisoned.
+    s = s.masked_fill(~m & seen, float("-inf"))
+    p = torch.softmax(s.float(), dim=-1).to(q.dtype)
+    return (p @ vv) * seen
+
+
+def visible_rows(q, k, *, mask=None, q_offset=None, kv_offset=0):
+    """``(B|1, H|1, Nq)`` bool: rows that see at least one key."""
+    B, Hq, Nq, _ = q.shape
+    Nk = k.shape[2]
+    q_offset = kv_offset + Nk - Nq if q_offset is None else q_offset
+    mask = as_mask(mask)
+    if mask is None:
+        return torch.ones(1, 1, Nq, dtype=torch.bool)
+    b, h, qp, kp = grid_positions(B, Hq, q_offset, Nq, kv_offset, Nk, q.device)
+    return torch.broadcast_to(mask.evaluate(b, h, qp, kp), (B, Hq, Nq, Nk)).any(-1)
+
+
+def max_err(a, b, rows=None):
+    d = (a.double() - b.double()).abs()
+    if rows is not None:
+        d = d * torch.broadcast_to(rows, d.shape[:3]).unsqueeze(-1)
+    d = torch.nan_to_num(d, nan=float("inf"))
+    return float(d.max()) if d.numel() else 0.0
+
+
+def assert_close_by_rule(got, ref, naive, rows, factor=2.0, what="out"):
+    """``max|got - ref| <= factor * max|naive - ref| + 1e-6`` over visible rows."""
+    e_got = max_err(got, ref, rows)
+    e_naive = max_err(naive, ref, rows)
+    bound = factor * e_naive + 1e-6
+    assert e_got <= bound, f"{what}: keyfold error {e_got:.3e} > {factor}x naive error {e_naive:.3e} + 1e-6"
+    return e_got, e_naive
+
+
+def check_forward(q, k, v, **kw):
+    """Run keyfold (AUTO backend unless given), the float64 reference and naive; assert the rule."""
+    backend = kw.pop("backend", keyfold.Backend.AUTO)
+    out = keyfold.attention(q, k, v, backend=backend, **kw)
+    ref = keyfold.attention(q.double(), k.double(), v.double(), backend=keyfold.Backend.REFERENCE, **kw)
+    naive = naive_attention(q, k, v, **kw)
+    rows = visible_rows(q, k, mask=kw.get("mask"), q_offset=kw.get("q_offset"), kv_offset=kw.get("kv_offset", 0))
+    assert out.dtype == q.dtype and out.shape == naive.shape
+    assert not torch.isnan(out).any(), "NaN in keyfold output"
+    hidden = ~torch.broadcast_to(rows, out.shape[:3])
+    assert bool((out[hidden] == 0).all()), "rows that see no key must be exactly 0"
+    return assert_close_by_rule(out, ref, naive, rows)
+
+
+def _grads(fn, q, k, v, dout):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(dout.to(out.dtype))
+    return out, q.grad, k.grad, v.grad
+
+
+def check_backward(q, k, v, **kw):
+    """Assert the rule (3x) for dq, dk, dv against the float64 reference's autograd."""
+    backend = kw.pop("backend", keyfold.Backend.AUTO)
+    dout = torch.randn(q.shape[:3] + (v.shape[-1],), dtype=torch.float64)
+    rows = visible_rows(q, k, mask=kw.get("mask"), q_offset=kw.get("q_offset"), kv_offset=kw.get("kv_offset", 0))
+    dout = dout * torch.broadcast_to(rows, dout.shape[:3]).unsqueeze(-1)  # hidden rows carry no gradient
+    got = _grads(lambda a, b, c: keyfold.attention(a, b, c, backend=backend, **kw), q, k, v, dout)
+    ref = _grads(lambda a, b, c: keyfold.attention(a, b, c, backend=keyfold.Backend.REFERENCE, **kw),
+                 q.double(), k.double(), v.double(), dout)
+    nai = _grads(lambda a, b, c: torch.nan_to_num(naive_attention(a, b, c, **kw)), q, k, v, dout)
+    for name, g, r, n in zip(("dq", "dk", "dv"), got[1:], ref[1:], nai[1:]):
+        assert g is not None and not torch.isnan(g).any(), f"{name} is None or NaN"
+        assert_close_by_rule(g, r, n, None, factor=3.0, what=name)
+    return got

@@ -1,0 +1,178 @@
+"""The core engine against the float64 reference, by the rule of DESIGN.md section 6."""
+
+import pytest
+import torch
+
+import keyfold as kf
+from keyfold import Backend
+from tests.helpers import check_backward, check_forward
+
+N_DOC = 97
+
+
+def _docs(n=N_DOC + 40):
+    return torch.arange(n) * 5 // n  # 5 documents of uneven length, absolute positions
+
+
+def _layout():
+    g = torch.Generator().manual_seed(3)
+    return torch.rand(16, 16, generator=g) < 0.4
+
+
+PRESETS = {
+    "dense": dict(),
+    "causal": dict(mask=kf.causal()),
+    "window": dict(mask=kf.causal() & kf.window(17)),
+    "window_lr": dict(mask=kf.window(9, 5)),
+    "sinks": dict(mask=kf.causal() & (kf.window(13) | kf.sinks(4))),
+    "prefix": dict(mask=kf.prefix(30)),
+    "documents": dict(mask=kf.documents(_docs())),
+    "documents_causal": dict(mask=kf.documents(_docs()) & kf.causal()),
+    "block_sparse": dict(mask=kf.block_sparse(_layout(), 16)),
+    "dilated": dict(mask=kf.dilated(3) & kf.causal()),
+    "callable": dict(mask=lambda b, h, q, k: (q - k).abs() % 7 < 4),
+    "alibi": dict(mask=kf.causal(), score=kf.alibi(kf.alibi_slopes(4))),
+    "softcap": dict(mask=kf.causal(), score=kf.softcap(4.0)),
+    "score_fn": dict(score=lambda s, b, h, q, k: s - 0.01 * (q - k).abs().float()),
+    "empty_rows": dict(mask=kf.window(6) & ~kf.window(3)),  # the first rows see nothing
+    "not_causal": dict(mask=~kf.causal()),                   # the last row sees nothing
+}
+
+
+def _qkv(B=2, Hq=4, Hkv=4, Nq=97, Nk=97, D=32, Dv=None, dtype=torch.float32, mag=1.0):
+    g = torch.Generator().manual_seed(0)
+    q = (torch.randn(B, Hq, Nq, D, generator=g) * mag).to(dtype)
+    k = (torch.randn(B, Hkv, Nk, D, generator=g) * mag).to(dtype)
+    v = torch.randn(B, Hkv, Nk, Dv or D, generator=g).to(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("backend", [Backend.CPU, Backend.TILES])
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_forward(name, backend):
+    q, k, v = _qkv()
+    check_forward(q, k, v, backend=backend, block_size=16, **PRESETS[name])
+
+
+@pytest.mark.parametrize("backend", [Backend.CPU, Backend.TILES])
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_backward(name, backend):
+    q, k, v = _qkv(B=1, Hq=2, Hkv=2, Nq=45, Nk=45, D=16)
+    kw = dict(PRESETS[name])
+    if "score" in kw and name == "alibi":
+        kw["score"] = kf.alibi(kf.alibi_slopes(2))
+    check_backward(q, k, v, backend=backend, block_size=16, **kw)
+
+
+SHAPES = [
+    dict(Nq=33, Nk=101),                 # cross attention, bottom-right
+    dict(Nq=101, Nk=33),                 # more queries than keys: early rows see nothing causally
+    dict(Hq=8, Hkv=2),                   # GQA
+    dict(Hq=6, Hkv=1),                   # MQA
+    dict(D=80), dict(D=96), dict(D=24, Dv=40), dict(D=64, Dv=16),
+    dict(Nq=1, Nk=257),                  # decode-like
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+@pytest.mark.parametrize("mask", ["dense", "causal", "sinks", "documents_causal"])
+def test_shapes(shape, mask):
+    q, k, v = _qkv(**shape)
+    kw = dict(PRESETS[mask])
+    if mask.startswith("documents"):
+        kw["mask"] = kf.documents(torch.arange(300) // 40) & kf.causal()
+        kw["q_offset"] = max(0, shape.get("Nk", 97) - shape.get("Nq", 97))
+    check_forward(q, k, v, block_size=16, **kw)
+    check_backward(q[:1], k[:1], v[:1], block_size=16, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("mask", ["dense", "causal", "window", "documents", "alibi", "softcap"])
+def test_dtypes(dtype, mask):
+    q, k, v = _qkv(dtype=dtype, Nq=80, Nk=80)
+    check_forward(q, k, v, block_size=32, **PRESETS[mask])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dtypes_backward(dtype):
+    q, k, v = _qkv(dtype=dtype, B=1, Nq=64, Nk=64)
+    check_backward(q, k, v, block_size=16, mask=kf.causal() & kf.window(20))
+
+
+@pytest.mark.parametrize("mask", ["dense", "causal", "window", "softcap"])
+def test_huge_scores_do_not_overflow(mask):
+    q, k, v = _qkv(mag=100.0)  # scores of magnitude ~1e4
+    check_forward(q, k, v, block_size=16, **PRESETS[mask])
+
+
+def test_offsets_pieces_and_kv_offset():
+    """q_offset / kv_offset place a call inside a longer sequence."""
+    q, k, v = _qkv(Nq=20, Nk=60)
+    m = kf.causal() & kf.window(25)
+    whole = kf.attend(q, k, v, mask=m, q_offset=40)
+    parts = [kf.attend(q, k[:, :, a:b], v[:, :, a:b], mask=m, q_offset=40, kv_offset=a)
+             for a, b in ((0, 13), (13, 41), (41, 60))]
+    merged = kf.merge_all(parts)
+    torch.testing.assert_close(merged.out, whole.out, atol=2e-6, rtol=0)
+    torch.testing.assert_close(merged.lse, whole.lse, atol=2e-6, rtol=0)
+
+
+def test_fully_masked_everything_is_zero_not_nan():
+    q, k, v = _qkv(Nq=8, Nk=8)
+    q.requires_grad_(True)
+    out, lse = kf.attention(q, k, v, mask=kf.sinks(0), return_lse=True)
+    assert bool((out == 0).all()) and bool(lse.isneginf().all())
+    out.sum().backward()
+    assert bool((q.grad == 0).all())
+
+
+def test_backward_is_deterministic():
+    q, k, v = _qkv(B=1, Nq=200, Nk=200)
+    grads = []
+    for _ in range(2):
+        qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+        kf.attention(qq, kk, vv, mask=kf.causal() & kf.window(50), block_size=32).square().sum().backward()
+        grads.append((qq.grad, kk.grad, vv.grad))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["dense", "causal", "window", "sinks", "prefix", "documents",
+                                  "block_sparse", "dilated", "alibi", "softcap", "score_fn"])
+def test_gradcheck_float64(name):
+    q, k, v = (t.double().requires_grad_(True) for t in _qkv(B=1, Hq=2, Hkv=1, Nq=11, Nk=11, D=4))
+    kw = dict(PRESETS[name])
+    if name == "alibi":
+        kw["score"] = kf.alibi(kf.alibi_slopes(2))
+    if name == "block_sparse":
+        kw["mask"] = kf.block_sparse(_layout()[:4, :4] | torch.eye(4, dtype=torch.bool), 4)
+    fn = lambda a, b, c: kf.attention(a, b, c, block_size=4, **kw)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-5)
+
+
+def test_gradcheck_through_lse():
+    """attend is differentiable through lse too (ring attention merges rely on it)."""
+    q, k, v = (t.double().requires_grad_(True) for t in _qkv(B=1, Hq=2, Hkv=2, Nq=7, Nk=9, D=4, Dv=3))
+    for backend in (Backend.CPU, Backend.TILES):
+        fn = lambda a, b, c: kf.attend(a, b, c, mask=kf.causal(), backend=backend, block_size=4).lse  # noqa: E731
+        assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-5)
+
+
+def test_attend_backward_matches_autograd_per_piece():
+    q, k, v = _qkv(B=1, Nq=40, Nk=40, D=16)
+    q, k, v = (t.double() for t in (q, k, v))
+    m = kf.causal() & kf.window(15)
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out, lse = kf.attention(qq, kk, vv, mask=m, return_lse=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    dq = torch.zeros_like(q)
+    dks, dvs = [], []
+    for a, b in ((0, 17), (17, 40)):
+        gq, gk, gv = kf.attend_backward(q, k[:, :, a:b], v[:, :, a:b], out, lse, dout, mask=m, q_offset=0, kv_offset=a)
+        dq += gq
+        dks.append(gk)
+        dvs.append(gv)
+    torch.testing.assert_close(dq, qq.grad)
+    torch.testing.assert_close(torch.cat(dks, 2), kk.grad)
+    torch.testing.assert_close(torch.cat(dvs, 2), vv.grad)

@@ -1,0 +1,157 @@
+"""Mask meaning (hand-drawn literals), composition, hashing, planning and errors."""
+
+import pytest
+import torch
+
+import keyfold as kf
+from keyfold import BlockKind
+from keyfold.planner import PieceKind, plan_cache_stats
+
+
+def lit(rows):
+    return torch.tensor([[c == "1" for c in r] for r in rows])
+
+
+# Nq = Nk = 5 with the default bottom-right alignment (q_offset = 0).
+LITERALS = {
+    "causal": (kf.causal(), ["10000", "11000", "11100", "11110", "11111"]),
+    "window(1)": (kf.window(1), ["10000", "11000", "01100", "00110", "00011"]),
+    "window(1,1)": (kf.window(1, 1), ["11000", "11100", "01110", "00111", "00011"]),
+    "sinks(2)": (kf.sinks(2), ["11000", "11000", "11000", "11000", "11000"]),
+    "prefix(3)": (kf.prefix(3), ["11100", "11100", "11100", "11110", "11111"]),
+    "documents": (kf.documents(torch.tensor([0, 0, 1, 1, 1])), ["11000", "11000", "00111", "00111", "00111"]),
+    "dilated(2)": (kf.dilated(2), ["10101", "01010", "10101", "01010", "10101"]),
+    "block_sparse": (kf.block_sparse(torch.tensor([[1, 0, 0], [0, 1, 1], [1, 0, 1]]).bool(), 2),
+                     ["11000", "11000", "00111", "00111", "11001"]),
+    "causal & (window(1) | sinks(1))": (kf.causal() & (kf.window(1) | kf.sinks(1)),
+                                         ["10000", "11000", "11100", "10110", "10011"]),
+    "~causal": (~kf.causal(), ["01111", "00111", "00011", "00001", "00000"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LITERALS))
+def test_to_dense_matches_hand_drawn(name):
+    mask, rows = LITERALS[name]
+    assert torch.equal(mask.to_dense(5, 5), lit(rows))
+
+
+def test_to_dense_offsets_cross_attention():
+    # 2 queries at the end of 4 keys (bottom-right), and top-left with q_offset=0.
+    assert torch.equal(kf.causal().to_dense(2, 4), lit(["1110", "1111"]))
+    assert torch.equal(kf.causal().to_dense(2, 4, q_offset=0), lit(["1000", "1100"]))
+    assert torch.equal(kf.causal().to_dense(2, 2, q_offset=3, kv_offset=2), lit(["11", "11"]))
+
+
+def test_prefix_per_batch_and_documents_per_batch():
+    m = kf.prefix(torch.tensor([1, 3])).to_dense(3, 3, B=2)
+    assert m.shape == (2, 1, 3, 3)
+    assert torch.equal(m[0, 0], lit(["100", "110", "111"]))
+    assert torch.equal(m[1, 0], lit(["111", "111", "111"]))
+    d = kf.documents(torch.tensor([[0, 0, 1], [0, 1, 1]])).to_dense(3, 3, B=2)
+    assert torch.equal(d[1, 0], lit(["100", "011", "011"]))
+
+
+def test_cross_attention_documents_with_kv_ids():
+    m = kf.documents(torch.tensor([0, 1]), kv_ids=torch.tensor([0, 0, 1]))
+    assert torch.equal(m.to_dense(2, 3, q_offset=0), lit(["110", "001"]))
+
+
+def test_sparsity_counts_hidden_pairs():
+    assert kf.causal().sparsity(4, 4) == pytest.approx(6 / 16)
+    assert kf.full().sparsity(3, 7) == 0.0
+
+
+def test_masks_hash_by_value_and_tensors_by_content():
+    assert kf.causal() & kf.window(4) == kf.causal() & kf.window(4)
+    assert hash(kf.window(4, 2)) == hash(kf.window(4, 2))
+    assert kf.window(4) != kf.window(5)
+    ids = torch.tensor([0, 0, 1])
+    a = kf.documents(ids)
+    ids[0] = 7  # the mask keeps its own read-only copy
+    assert a == kf.documents(torch.tensor([0, 0, 1]))
+    assert a != kf.documents(torch.tensor([0, 1, 1]))
+
+
+def test_repr_is_readable():
+    assert repr(kf.causal() & (kf.window(255) | kf.sinks(4))) == "causal() & (window(255) | sinks(4))"
+    assert repr(kf.prefix(8)) == "prefix(8)"
+    assert repr(~kf.causal()) == "~causal()"
+
+
+def test_bool_of_a_mask_raises_with_hint():
+    with pytest.raises(TypeError, match="use & and |"):
+        bool(kf.causal())
+    with pytest.raises(TypeError, match="& and |"):
+        _ = kf.causal() and kf.window(3)
+
+
+@pytest.mark.parametrize("name", sorted(LITERALS))
+def test_closed_form_classification_is_sound(name):
+    """Closed-form FULL/EMPTY claims agree with exact evaluation on every tile."""
+    mask, _ = LITERALS[name]
+    big = mask
+    if name == "documents":
+        big = kf.documents(torch.arange(64) * 3 // 64)
+    if name == "block_sparse":
+        big = kf.block_sparse(torch.rand(16, 16, generator=torch.Generator().manual_seed(1)) < 0.5, 4)
+    p = kf.plan(big, 64, 64, block_size=8)
+    dense = big.to_dense(64, 64)
+    for i in range(8):
+        for j in range(8):
+            tile = dense[i * 8:(i + 1) * 8, j * 8:(j + 1) * 8]
+            kind = BlockKind(int(p.kinds[i, j]))
+            if kind is BlockKind.FULL:
+                assert bool(tile.all())
+            elif kind is BlockKind.EMPTY:
+                assert not bool(tile.any())
+
+
+def test_plan_skips_empty_tiles_and_draws():
+    p = kf.plan(kf.causal() & kf.window(8), 64, 64, block_size=8)
+    c = p.counts()
+    assert c["empty"] > 0 and c["full"] == 0
+    assert p.density < 0.5
+    drawing = p.to_string()
+    assert drawing.splitlines()[1].startswith("~.") and "#" not in drawing.splitlines()[1]
+    assert len(drawing.splitlines()) == 9
+
+
+def test_causal_plan_uses_the_fused_causal_flag():
+    p = kf.plan(kf.causal(), 100, 100)
+    assert [x.kind for x in p.pieces] == [PieceKind.CAUSAL]
+    p = kf.plan(kf.causal(), 10, 100)
+    assert [x.kind for x in p.pieces] == [PieceKind.FULL, PieceKind.CAUSAL]
+    assert p.density == pytest.approx((10 * 90 + 55) / 1000)
+
+
+def test_plan_cache_reuses_plans_for_equal_masks_and_callables_by_identity():
+    kf.clear_plan_cache()
+    fn = lambda b, h, q, k: q >= k  # noqa: E731
+    kf.plan(fn, 256, 256)
+    kf.plan(fn, 256, 256)
+    kf.plan(kf.causal() & kf.window(3), 256, 256)
+    kf.plan(kf.causal() & kf.window(3), 256, 256)
+    s = plan_cache_stats()
+    assert s["hits"] == 2 and s["misses"] == 2
+
+
+def test_no_piece_covers_more_than_a_band_for_windows():
+    """The engine never plans an N x N tile for a local mask (nothing outside reference is N x N)."""
+    N = 8192
+    p = kf.plan(kf.causal() & kf.window(256), N, N)
+    assert max(x.area for x in p.pieces) <= 256 * 768
+    assert sum(x.area for x in p.pieces) <= N * 768
+
+
+@pytest.mark.parametrize("bad, exc, match", [
+    (lambda: kf.window(-1), ValueError, "left"),
+    (lambda: kf.window(3, -2), ValueError, "right"),
+    (lambda: kf.sinks(-1), ValueError, "n"),
+    (lambda: kf.dilated(0), ValueError, "step"),
+    (lambda: kf.documents(torch.zeros(3)), ValueError, "integer"),
+    (lambda: kf.softcap(0.0), ValueError, "cap"),
+    (lambda: kf.window(2.5), TypeError, "int"),
+])
+def test_bad_mask_arguments(bad, exc, match):
+    with pytest.raises(exc, match=match):
+        bad()

@@ -1,0 +1,113 @@
+"""Algebraic properties of the operator, checked with Hypothesis."""
+
+import math
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import keyfold as kf
+from keyfold import State, empty_state, merge, merge_all
+
+MASKS = {
+    "none": None,
+    "causal": kf.causal(),
+    "window": kf.causal() & kf.window(5),
+    "sinks": kf.causal() & (kf.window(3) | kf.sinks(2)),
+    "bidir_window": kf.window(4, 4),
+    "dilated": kf.dilated(2),
+}
+
+
+def _state(seed, n=3, dv=4, empty_rows=()):
+    g = torch.Generator().manual_seed(seed)
+    out = torch.randn(1, 2, n, dv, generator=g)
+    lse = torch.randn(1, 2, n, generator=g) * 30  # wide range: the merge must not overflow
+    for r in empty_rows:
+        out[:, :, r] = 0
+        lse[:, :, r] = -math.inf
+    return State(out, lse)
+
+
+def _close(a: State, b: State, tol=1e-5):
+    assert torch.equal(a.lse.isneginf(), b.lse.isneginf())
+    fin = ~a.lse.isneginf()
+    torch.testing.assert_close(a.lse[fin], b.lse[fin], atol=tol, rtol=tol)
+    torch.testing.assert_close(a.out, b.out, atol=tol, rtol=tol)
+
+
+seeds = st.integers(0, 10_000)
+rowsets = st.sets(st.integers(0, 2), max_size=3)
+
+
+@given(seeds, seeds, seeds, rowsets, rowsets)
+def test_merge_is_associative_and_commutative(s1, s2, s3, e1, e2):
+    a, b, c = _state(s1, empty_rows=e1), _state(s2, empty_rows=e2), _state(s3)
+    _close(merge(merge(a, b), c), merge(a, merge(b, c)))
+    _close(merge(a, b), merge(b, a))
+
+
+@given(seeds, rowsets)
+def test_empty_state_is_the_identity_and_empty_stays_empty(s, e):
+    a = _state(s, empty_rows=e)
+    z = empty_state(1, 2, 3, 4)
+    _close(merge(a, z), a, tol=0)
+    zz = merge(z, z)
+    assert bool(zz.lse.isneginf().all()) and bool((zz.out == 0).all())
+    assert not torch.isnan(merge_all([z, a, z]).out).any()
+
+
+@given(st.integers(8, 40), st.integers(1, 5), st.sampled_from(sorted(MASKS)), seeds, st.data())
+def test_any_partition_of_the_keys_merged_equals_the_whole(nk, nparts, mask_name, seed, data):
+    g = torch.Generator().manual_seed(seed)
+    nq = data.draw(st.integers(1, nk))
+    q = torch.randn(1, 2, nq, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 2, nk, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 2, nk, 8, generator=g, dtype=torch.float64)
+    cuts = sorted(data.draw(st.sets(st.integers(1, nk - 1), max_size=nparts - 1)))
+    bounds = [0, *cuts, nk]
+    mask = MASKS[mask_name]
+    q_offset = nk - nq
+    whole = kf.attend(q, k, v, mask=mask, q_offset=q_offset)
+    pieces = [kf.attend(q, k[:, :, a:b], v[:, :, a:b], mask=mask, q_offset=q_offset, kv_offset=a)
+              for a, b in zip(bounds, bounds[1:])]
+    order = data.draw(st.permutations(range(len(pieces))))
+    _close(merge_all([pieces[i] for i in order]), whole, tol=1e-10)
+
+
+@given(seeds, st.sampled_from(sorted(MASKS)))
+def test_output_lies_in_the_visible_values_column_range(seed, mask_name):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 2, 12, 6, generator=g) * 3 for _ in range(3))
+    mask = MASKS[mask_name]
+    out = kf.attention(q, k, v, mask=mask, block_size=4)
+    vis = (mask.to_dense(12, 12) if mask is not None else torch.ones(12, 12, dtype=torch.bool))
+    for i in range(12):
+        seen = v[:, :, vis[i]]                       # (1, 2, n_seen, 6)
+        if seen.shape[2] == 0:
+            assert bool((out[:, :, i] == 0).all())
+            continue
+        lo, hi = seen.amin(2), seen.amax(2)
+        assert bool((out[:, :, i] >= lo - 1e-5).all()) and bool((out[:, :, i] <= hi + 1e-5).all())
+
+
+@given(seeds, st.floats(-50, 50))
+def test_adding_a_constant_to_a_rows_scores_changes_nothing(seed, c):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 2, 9, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    base = kf.attention(q, k, v, mask=kf.causal())
+    shifted = kf.attention(q, k, v, mask=kf.causal(), score=lambda s, b, h, qi, ki: s + c)
+    torch.testing.assert_close(base, shifted, atol=1e-9, rtol=0)
+
+
+@given(seeds, st.sampled_from([(4, 1), (4, 2), (6, 3)]), st.sampled_from(sorted(MASKS)))
+def test_gqa_equals_repeated_key_value_heads(seed, heads, mask_name):
+    hq, hkv = heads
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, hq, 10, 8, generator=g)
+    k = torch.randn(2, hkv, 10, 8, generator=g)
+    v = torch.randn(2, hkv, 10, 8, generator=g)
+    mask = MASKS[mask_name]
+    a = kf.attention(q, k, v, mask=mask, block_size=4)
+    b = kf.attention(q, k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1), mask=mask, block_size=4)
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
