@@ -11,34 +11,18 @@ from __future__ import annotations
 import torch
 
 import keyfold
+from keyfold.kernels._common import Problem
+from keyfold.kernels.reference import attend_naive
 from keyfold.masks import as_mask, grid_positions
 from keyfold.scores import as_score
 
 
 def naive_attention(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offset=0, **_engine_only):
     """The plain same-dtype implementation (the yardstick, materialises Nq x Nk)."""
-    B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    g = Hq // Hkv
-    scale = D ** -0.5 if scale is None else scale
-    q_offset = kv_offset + Nk - Nq if q_offset is None else q_offset
-    kk = k.repeat_interleave(g, dim=1)
-    vv = v.repeat_interleave(g, dim=1)
-    s = (q @ kk.transpose(-1, -2)) * scale                        # (B, Hq, Nq, Nk), input dtype
-    b, h, qp, kp = grid_positions(B, Hq, q_offset, Nq, kv_offset, Nk, q.device)
-    score = as_score(score)
-    if score is not None:
-        s = score.apply(s.float(), b, h, qp, kp).to(q.dtype)
-    mask = as_mask(mask)
-    if mask is None:
-        return torch.softmax(s.float(), dim=-1).to(q.dtype) @ vv
-    m = torch.broadcast_to(mask.evaluate(b, h, qp, kp), s.shape)
-    seen = m.any(-1, keepdim=True)
-    # Rows that see no key are NaN in plain softmax; keep them finite (and zero them after)
-    # so that the yardstick's gradients on the other rows are not poisoned.
-    s = s.masked_fill(~m & seen, float("-inf"))
-    p = torch.softmax(s.float(), dim=-1).to(q.dtype)
-    return (p @ vv) * seen
+    Nq, Nk, D = q.shape[2], k.shape[2], q.shape[-1]
+    pb = Problem(as_mask(mask), as_score(score), D ** -0.5 if scale is None else scale,
+                 kv_offset + Nk - Nq if q_offset is None else q_offset, kv_offset)
+    return attend_naive(q, k, v, pb)
 
 
 def visible_rows(q, k, *, mask=None, q_offset=None, kv_offset=0):

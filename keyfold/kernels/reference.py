@@ -35,3 +35,27 @@ def attend_reference(q, k, v, pb: Problem) -> State:
     p = torch.exp(s - safe.unsqueeze(-1))                      # empty rows: exp(-inf) = 0
     out = p.reshape(B, Hkv, g, Nq, Nk) @ v.to(sd).unsqueeze(2)  # (B, Hkv, g, Nq, Dv)
     return State(out.reshape(B, Hq, Nq, Dv), lse)
+
+
+def attend_naive(q, k, v, pb: Problem) -> torch.Tensor:
+    """The yardstick of the correctness rule: the plain same-dtype implementation.
+
+    Scores and bias in the input dtype, hidden pairs -inf, softmax in float32 cast back to
+    the input dtype, then ``@ v`` in the input dtype (DESIGN.md section 6). Rows that see no
+    key are NaN in plain softmax; here they are kept finite and zeroed, so the yardstick's
+    gradients on the other rows stay usable. Materialises Nq x Nk.
+    """
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    kk, vv = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = (q @ kk.transpose(-1, -2)) * pb.scale                  # (B, Hq, Nq, Nk), input dtype
+    b, h, qp, kp = grid_positions(B, Hq, pb.q_offset, Nq, pb.kv_offset, Nk, q.device)
+    if pb.score is not None:
+        s = pb.score.apply(s.float(), b, h, qp, kp).to(q.dtype)
+    if pb.mask is None:
+        return torch.softmax(s.float(), dim=-1).to(q.dtype) @ vv
+    m = torch.broadcast_to(pb.mask.evaluate(b, h, qp, kp), s.shape)
+    seen = m.any(-1, keepdim=True)
+    s = s.masked_fill(~m & seen, NEG_INF)
+    return (torch.softmax(s.float(), dim=-1).to(q.dtype) @ vv) * seen

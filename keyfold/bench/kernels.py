@@ -1,0 +1,406 @@
+"""``python -m keyfold bench kernels``: keyfold vs SDPA and compiled FlexAttention on this CPU.
+
+For every case the implementations run alternately in one process, several repeats after a
+warm-up, and we report the median time, the ratio keyfold/peer, GFLOP/s counted on the work
+the mask actually needs (4·D FLOPs per visible pair forward, 2.5x that for backward), and
+FlexAttention's compile time in its own column. Peak memory is measured separately, one
+case per fresh subprocess, from ``ru_maxrss`` against an empty baseline (``--memory``).
+Results go to ``benchmarks/results/kernels.{md,json,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import keyfold as kf
+
+RESULTS = Path("benchmarks/results")
+
+
+# ------------------------------------------------------------------------------ cases
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One attention variant, in keyfold's terms and in its peers' terms."""
+
+    name: str
+    sdpa: str            # "dense" | "causal" | "mask" (dense bool mask) | "none" (SDPA can't)
+    differentiable: bool  # fwd+bwd is benchmarked (SDPA can differentiate it)
+
+
+VARIANTS = [
+    Variant("dense", "dense", True),
+    Variant("causal", "causal", True),
+    Variant("window256", "mask", True),
+    Variant("window1024", "mask", True),
+    Variant("window256+sinks4", "mask", True),
+    Variant("prefix-lm", "mask", True),
+    Variant("documents8", "mask", True),
+    Variant("alibi+causal", "mask", True),
+    Variant("softcap", "none", False),
+    Variant("custom-callable", "mask", True),
+]
+BY_NAME = {v.name: v for v in VARIANTS}
+
+
+def _sliding_callable(b, h, q, k):  # a user's own mask, written Flex-style
+    return (q >= k) & (q - k <= 256)
+
+
+def settings(name: str, N: int, H: int):
+    """keyfold mask/score and the Flex mask_mod/score_mod for a variant (absolute positions)."""
+    docs = torch.arange(N) * 8 // N
+    slopes = kf.alibi_slopes(H)
+    if name == "dense":
+        return None, None, None, None
+    if name == "causal":
+        return kf.causal(), None, lambda b, h, q, k: q >= k, None
+    if name.startswith("window") and "sinks" not in name:
+        w = int(name[len("window"):])
+        return kf.causal() & kf.window(w), None, lambda b, h, q, k: (q >= k) & (q - k <= w), None
+    if name == "window256+sinks4":
+        return (kf.causal() & (kf.window(256) | kf.sinks(4)), None,
+                lambda b, h, q, k: (q >= k) & ((q - k <= 256) | (k < 4)), None)
+    if name == "prefix-lm":
+        p = N // 4
+        return kf.prefix(p), None, lambda b, h, q, k: (k < p) | (q >= k), None
+    if name == "documents8":
+        return (kf.documents(docs) & kf.causal(), None,
+                lambda b, h, q, k: (docs[q] == docs[k]) & (q >= k), None)
+    if name == "alibi+causal":
+        return (kf.causal(), kf.alibi(slopes), lambda b, h, q, k: q >= k,
+                lambda s, b, h, q, k: s - slopes[h] * (q - k).abs())
+    if name == "softcap":
+        return kf.causal(), kf.softcap(20.0), lambda b, h, q, k: q >= k, lambda s, b, h, q, k: 20.0 * torch.tanh(s / 20.0)
+    if name == "custom-callable":
+        return _sliding_callable, None, _sliding_callable, None
+    raise KeyError(name)
+
+
+@dataclass
+class Case:
+    variant: str
+    N: int
+    D: int
+    dtype: str
+    mode: str  # "fwd" | "fwd+bwd"
+    B: int = 1
+    H: int = 8
+
+
+@dataclass
+class Result:
+    case: Case
+    density: float
+    gflop: float
+    times: dict = field(default_factory=dict)      # impl -> median seconds (None: n/a)
+    compile_s: float | None = None                 # FlexAttention's first call
+    plan_s: float | None = None                    # keyfold plan build (first call), custom mask
+    plan_reused: bool | None = None
+    errors: dict = field(default_factory=dict)     # impl -> why it did not run
+
+    def ratio(self, peer):
+        a, b = self.times.get("keyfold"), self.times.get(peer)
+        return None if a is None or b is None else a / b
+
+
+# ------------------------------------------------------------------------------ timing
+
+
+def _median_alternating(fns: dict, repeats: int, warmup: int = 1) -> dict:
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():  # alternate, so drifting load hits every impl alike
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def _visible_pairs(mask, N, H, B):
+    if mask is None:
+        return float(N * N)
+    return (1.0 - kf.as_mask(mask).sparsity(N, N)) * N * N
+
+
+def _flex_fns(case: Case, mask_mod, score_mod, q, k, v):
+    """Compiled FlexAttention with its block mask; returns (fn, compile seconds) or raises."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    block = None
+    if mask_mod is not None:
+        block = create_block_mask(mask_mod, None, None, case.N, case.N, device="cpu")
+    fn = lambda: compiled(q, k, v, score_mod=score_mod, block_mask=block)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t0 = time.perf_counter()
+        fn()
+        return fn, time.perf_counter() - t0
+
+
+def run_case(case: Case, repeats: int, with_flex: bool) -> Result:
+    dtype = getattr(torch, case.dtype)
+    g = torch.Generator().manual_seed(0)
+    shape = (case.B, case.H, case.N, case.D)
+    q, k, v = (torch.randn(shape, generator=g).to(dtype) for _ in range(3))
+    mask, score, mask_mod, score_mod = settings(case.variant, case.N, case.H)
+    variant = BY_NAME[case.variant]
+    pairs = _visible_pairs(mask, case.N, case.H, case.B)
+    flops = 4.0 * case.B * case.H * case.D * pairs * (3.5 if case.mode == "fwd+bwd" else 1.0)
+    plan = kf.plan(mask, case.N, case.N, B=case.B, H=case.H,
+                   max_span=kf.engine.TILE_SPAN if score is not None else None)
+    res = Result(case, density=plan.density, gflop=flops / 1e9)
+
+    if case.variant == "custom-callable":  # planning cost of a user's callable, cold then warm
+        kf.clear_plan_cache()
+        t0 = time.perf_counter()
+        kf.plan(mask, case.N, case.N, B=case.B, H=case.H)
+        res.plan_s = time.perf_counter() - t0
+        before = kf.planner.plan_cache_stats()["hits"]
+        kf.plan(mask, case.N, case.N, B=case.B, H=case.H)
+        res.plan_reused = kf.planner.plan_cache_stats()["hits"] == before + 1
+
+    fns = {"keyfold": lambda: kf.attention(q, k, v, mask=mask, score=score)}
+    sdpa_mask = None
+    sdpa_ok = variant.sdpa != "none"
+    if variant.sdpa == "mask" and score is not None and case.H * case.N * case.N * 4 > 2**31:
+        sdpa_ok = False  # a dense per-head float bias would not fit next to everything else
+        res.errors["sdpa"] = f"ALiBi at N={case.N} needs a dense (H, N, N) float bias; skipped above 2 GiB"
+    if variant.sdpa == "mask" and sdpa_ok:
+        dense = kf.as_mask(mask).to_dense(case.N, case.N)
+        if score is not None:  # ALiBi as an additive float mask for SDPA
+            b, h, qp, kp = kf.masks.grid_positions(1, case.H, 0, case.N, 0, case.N, None)
+            sdpa_mask = torch.where(dense, score.bias(b, h, qp, kp), float("-inf")).to(dtype)
+        else:
+            sdpa_mask = dense
+    if sdpa_ok:
+        causal_flag = variant.sdpa == "causal"
+        fns["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, is_causal=causal_flag)
+
+    if case.mode == "fwd+bwd":
+        grads = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        dout = torch.randn(shape, generator=g).to(dtype)
+
+        def with_backward(fn_of):
+            def run():
+                for t in grads:
+                    t.grad = None
+                fn_of(*grads).backward(dout)
+            return run
+
+        fns = {"keyfold": with_backward(lambda a, b, c: kf.attention(a, b, c, mask=mask, score=score))}
+        if sdpa_ok:
+            fns["sdpa"] = with_backward(lambda a, b, c: F.scaled_dot_product_attention(
+                a, b, c, attn_mask=sdpa_mask, is_causal=variant.sdpa == "causal"))
+        res.errors["flex"] = "FlexAttention has no CPU backward (torch raises NotImplementedError)"
+    elif with_flex:
+        try:
+            fns["flex"], res.compile_s = _flex_fns(case, mask_mod, score_mod, q, k, v)
+        except Exception as e:  # noqa: BLE001 - the peer failing is a result to report
+            res.errors["flex"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    res.times = _median_alternating(fns, repeats)
+    return res
+
+
+# --------------------------------------------------------------------------- presets
+
+
+def cases(preset: str) -> list[Case]:
+    if preset == "tiny":  # the test suite: proves the harness runs, measures nothing
+        return [Case(v.name, 256, 32, "float32", "fwd", H=2) for v in VARIANTS] + \
+               [Case("causal", 256, 32, "float32", "fwd+bwd", H=2)]
+    if preset == "quick":  # the targets of the CPU-speed issue, under 3 minutes
+        out = [Case(v.name, 4096, 64, "float32", "fwd") for v in VARIANTS]
+        out += [Case("dense", 4096, 64, "bfloat16", "fwd"), Case("causal", 4096, 64, "float32", "fwd+bwd")]
+        out += [Case(n, 16384, 64, "float32", "fwd") for n in ("window256", "documents8", "custom-callable")]
+        return out
+    out = []
+    for N in (1024, 4096, 16384):
+        for D in (64, 128):
+            for dt in ("float32", "bfloat16"):
+                for v in VARIANTS:
+                    out.append(Case(v.name, N, D, dt, "fwd"))
+                    if v.differentiable:
+                        out.append(Case(v.name, N, D, dt, "fwd+bwd"))
+    return out
+
+
+def flex_wanted(preset: str, case: Case) -> bool:
+    if preset == "tiny":
+        return False
+    if preset == "quick":
+        return case.N == 16384 and case.variant in ("window256", "documents8")
+    return True
+
+
+def repeats_for(case: Case, preset: str) -> int:
+    if preset == "tiny":
+        return 1
+    return 5 if case.N <= 4096 else 3
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+_MEM_CHILD = r"""
+import resource, sys, torch
+import torch.nn.functional as F
+N, impl = int(sys.argv[1]), sys.argv[2]
+torch.set_num_threads(2)
+q, k, v = (torch.randn(1, 8, N, 64) for _ in range(3))
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+if impl == "keyfold":
+    import keyfold as kf
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    kf.attention(q, k, v, mask=kf.causal() & kf.window(256))
+elif impl == "sdpa":
+    i = torch.arange(N)
+    m = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] <= 256)
+    F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print((peak - base) * 1024)
+"""
+
+
+def memory(N: int = 32768) -> dict:
+    """Peak extra RSS of sliding-window-256 attention, one fresh process per implementation."""
+    qkv_bytes = 3 * 8 * N * 64 * 4
+    out = {"N": N, "qkv_bytes": qkv_bytes}
+    for impl in ("keyfold", "sdpa"):
+        r = subprocess.run([sys.executable, "-c", _MEM_CHILD, str(N), impl], capture_output=True, text=True)
+        out[impl] = int(r.stdout.strip()) if r.returncode == 0 else None
+        if r.returncode != 0:
+            out[f"{impl}_error"] = r.stderr.strip().splitlines()[-1:]
+    out["keyfold_over_qkv"] = None if out["keyfold"] is None else out["keyfold"] / qkv_bytes
+    return out
+
+
+# ---------------------------------------------------------------------------- reports
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def _fmt(x, spec=".3f"):
+    return "n/a" if x is None else format(x, spec)
+
+
+def markdown(results: list[Result], mem: dict | None, header: str) -> str:
+    lines = [header, "",
+             "| variant | N | D | dtype | mode | work | keyfold s | SDPA s | Flex s | Flex compile s | "
+             "kf/SDPA | kf/Flex | keyfold GFLOP/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        c, t = r.case, r.times
+        gflops = None if t.get("keyfold") is None else r.gflop / t["keyfold"]
+        lines.append(
+            f"| {c.variant} | {c.N} | {c.D} | {c.dtype} | {c.mode} | {r.density:.1%} | {_fmt(t.get('keyfold'), '.4f')} | "
+            f"{_fmt(t.get('sdpa'), '.4f')} | {_fmt(t.get('flex'), '.4f')} | {_fmt(r.compile_s, '.1f')} | "
+            f"{_fmt(r.ratio('sdpa'), '.2f')} | {_fmt(r.ratio('flex'), '.2f')} | {_fmt(gflops, '.1f')} |")
+    plans = [r for r in results if r.plan_s is not None]
+    if plans:
+        lines += ["", "Planning a user's mask callable (cold, then cached):", ""]
+        for r in plans:
+            lines.append(f"- N={r.case.N}: plan built in {r.plan_s:.3f} s (one keyfold call: "
+                         f"{_fmt(r.times.get('keyfold'), '.3f')} s); second call reused the plan: {r.plan_reused}")
+    if mem:
+        lines += ["", f"Peak extra memory, sliding window 256, N={mem['N']} (fresh process each, ru_maxrss):", "",
+                  f"- keyfold: {_fmt(mem['keyfold'] and mem['keyfold'] / 2**20, '.0f')} MiB = "
+                  f"{_fmt(mem['keyfold_over_qkv'], '.2f')}x the bytes of q, k, v ({mem['qkv_bytes'] / 2**20:.0f} MiB)",
+                  f"- SDPA with the dense mask: {_fmt(mem['sdpa'] and mem['sdpa'] / 2**20, '.0f')} MiB"]
+    notes = sorted({f"{k}: {v}" for r in results for k, v in r.errors.items()})
+    if notes:
+        lines += ["", "Not measured:", ""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[Result], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fwd = [r for r in results if r.case.mode == "fwd" and r.case.dtype == "float32"]
+    if not fwd:
+        return
+    D = min(r.case.D for r in fwd)
+    fwd = [r for r in fwd if r.case.D == D]
+    names = sorted({r.case.variant for r in fwd})
+    cols = 4
+    rows = -(-len(names) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.2 * rows), squeeze=False)
+    for ax, name in zip(axes.flat, names):
+        rs = sorted((r for r in fwd if r.case.variant == name), key=lambda r: r.case.N)
+        for impl, style in (("keyfold", "o-"), ("sdpa", "s--"), ("flex", "^:")):
+            pts = [(r.case.N, r.times[impl]) for r in rs if r.times.get(impl) is not None]
+            if pts:
+                ax.plot(*zip(*pts), style, label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(name)
+        ax.set_xlabel("N")
+        ax.set_ylabel("seconds")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
+    fig.suptitle(f"forward time vs N (B=1, H={fwd[0].case.H}, D={D}, float32)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m keyfold bench kernels", description=__doc__)
+    ap.add_argument("--preset", choices=("tiny", "quick", "full"), default="full")
+    ap.add_argument("--quick", action="store_const", const="quick", dest="preset", help="the issue's targets, < 3 min")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="output directory")
+    ap.add_argument("--name", default="kernels", help="file stem for the results")
+    ap.add_argument("--no-memory", action="store_true", help="skip the subprocess peak-memory measurement")
+    ap.add_argument("--variants", nargs="*", help="only these variants")
+    args = ap.parse_args(argv)
+
+    todo = [c for c in cases(args.preset) if not args.variants or c.variant in args.variants]
+    results = []
+    for case in tqdm(todo, desc="bench kernels", unit="case"):
+        results.append(run_case(case, repeats_for(case, args.preset), flex_wanted(args.preset, case)))
+    mem = None if (args.no_memory or args.preset == "tiny") else memory()
+    header = (f"# keyfold kernels vs SDPA and compiled FlexAttention ({args.preset})\n\n"
+              f"Machine: {machine()}. Median of alternating repeats; `work` is the fraction of the dense "
+              f"N×N work keyfold's plan computes. B=1, H=8.")
+    args.out.mkdir(parents=True, exist_ok=True)
+    md = markdown(results, mem, header)
+    (args.out / f"{args.name}.md").write_text(md)
+    (args.out / f"{args.name}.json").write_text(json.dumps(
+        {"machine": machine(), "preset": args.preset, "memory": mem,
+         "results": [dict(asdict(r), ratio_sdpa=r.ratio("sdpa"), ratio_flex=r.ratio("flex")) for r in results]},
+        indent=1))
+    plot(results, args.out / f"{args.name}.png")
+    print(md)
+    return 0
