@@ -1,0 +1,155 @@
+"""``KVCache``: one preallocated block of memory per batch row, sequences of different lengths."""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import float_dtype, kv_block, positive_int, seq_list
+from ._pieces import CacheFullError, Group, Span
+
+__all__ = ["KVCache"]
+
+
+class KVCache:
+    """Contiguous, preallocated key/value cache for ``batch`` sequences of up to ``capacity`` tokens.
+
+    Storage: ``k`` ``(batch, heads, capacity, head_dim)`` and ``v`` ``(batch, heads, capacity,
+    value_dim)`` in ``dtype``, allocated once. Sequence ``s`` is batch row ``s``; it holds
+    ``lengths[s]`` tokens at absolute positions ``0 .. lengths[s] - 1``. Decoding reads views of
+    this storage (no copy): see :func:`keyfold.caches.decode`.
+
+    >>> import torch
+    >>> from keyfold.caches import KVCache, decode
+    >>> cache = KVCache(batch=2, heads=4, head_dim=8, capacity=64)
+    >>> cache.append(torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8), lengths=[5, 3])
+    >>> cache.lengths
+    (5, 3)
+    >>> decode(torch.randn(2, 4, 1, 8), cache).shape
+    torch.Size([2, 4, 1, 8])
+    """
+
+    def __init__(self, batch: int, heads: int, head_dim: int, capacity: int, dtype=torch.float32,
+                 value_dim: int | None = None, device=None):
+        positive_int(batch, "batch", "KVCache")
+        positive_int(heads, "heads", "KVCache")
+        positive_int(head_dim, "head_dim", "KVCache")
+        positive_int(capacity, "capacity", "KVCache")
+        value_dim = head_dim if value_dim is None else positive_int(value_dim, "value_dim", "KVCache")
+        float_dtype(dtype, "KVCache")
+        self.batch, self.heads, self.head_dim, self.value_dim = batch, heads, head_dim, value_dim
+        self.capacity, self.dtype = capacity, dtype
+        self.k = torch.zeros(batch, heads, capacity, head_dim, dtype=dtype, device=device)   # (B, H, C, D)
+        self.v = torch.zeros(batch, heads, capacity, value_dim, dtype=dtype, device=device)  # (B, H, C, Dv)
+        self._len = [0] * batch
+
+    # ------------------------------------------------------------------------- state
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """Tokens held by each sequence (batch row)."""
+        return tuple(self._len)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the preallocated storage (constant)."""
+        return self.k.nbytes + self.v.nbytes
+
+    def keys(self, seq: int) -> torch.Tensor:
+        """View ``(1, heads, lengths[seq], head_dim)`` of one sequence's keys."""
+        s = self._seq(seq)
+        return self.k[s:s + 1, :, :self._len[s]]
+
+    def values(self, seq: int) -> torch.Tensor:
+        """View ``(1, heads, lengths[seq], value_dim)`` of one sequence's values."""
+        s = self._seq(seq)
+        return self.v[s:s + 1, :, :self._len[s]]
+
+    def _seq(self, s) -> int:
+        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < self.batch:
+            raise KeyError(f"KVCache: unknown sequence id {s!r}; ids are batch rows 0..{self.batch - 1}")
+        return s
+
+    # ------------------------------------------------------------------------ writes
+    def append(self, k: torch.Tensor, v: torch.Tensor, seq_ids=None, lengths=None) -> None:
+        """Append a block of tokens to some sequences.
+
+        k: ``(b, heads, n, head_dim)``, v: ``(b, heads, n, value_dim)``, any float dtype (cast to
+        the cache's). Row ``i`` goes to sequence ``seq_ids[i]`` (default: all ``batch`` rows in
+        order). ``lengths`` (``b`` ints, default ``n`` each) appends only the first
+        ``lengths[i]`` tokens of row ``i``, for ragged blocks.
+
+        Raises ``CacheFullError`` if a sequence would pass ``capacity``, ``KeyError`` for an
+        unknown id; in both cases nothing is written.
+        """
+        ids = list(range(self.batch)) if seq_ids is None else seq_list(seq_ids, "KVCache.append")
+        for s in ids:
+            self._seq(s)
+        kv_block(k, v, heads=self.heads, head_dim=self.head_dim, value_dim=self.value_dim,
+                 owner="KVCache", batch=len(ids))
+        n = k.shape[2]
+        if lengths is None:
+            lens = [n] * len(ids)
+        else:
+            lens = lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
+            if len(lens) != len(ids) or any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= n for x in lens):
+                raise ValueError(f"KVCache.append(lengths=...): expected {len(ids)} ints in [0, {n}] "
+                                 f"(valid tokens per row), got {lens}")
+        over = [(s, self._len[s], m) for s, m in zip(ids, lens) if self._len[s] + m > self.capacity]
+        if over:
+            s, have, m = over[0]
+            raise CacheFullError(f"KVCache.append: sequence {s} holds {have} tokens, appending {m} would pass "
+                                 f"capacity={self.capacity}; create the cache with a larger capacity, "
+                                 f"use PagedKVCache, or a WindowCache for unbounded streams")
+        runs = _runs(ids, lens, self._len)
+        for i0, i1, s0 in runs:  # rows [i0, i1) -> sequences [s0, s0 + i1 - i0), same length and count
+            L, m = self._len[s0], lens[i0]
+            if m:
+                self.k[s0:s0 + i1 - i0, :, L:L + m] = k[i0:i1, :, :m]
+                self.v[s0:s0 + i1 - i0, :, L:L + m] = v[i0:i1, :, :m]
+        for s, m in zip(ids, lens):
+            self._len[s] += m
+
+    def reset(self, seq_ids=None) -> None:
+        """Forget the tokens of some sequences (default all); storage is kept."""
+        ids = list(range(self.batch)) if seq_ids is None else seq_list(seq_ids, "KVCache.reset")
+        for s in ids:
+            self._len[self._seq(s)] = 0
+
+    # ------------------------------------------------------------------------- reads
+    def implied_mask(self, n_queries: int = 1):
+        """None: every cached key is visible unless decode is given a mask."""
+        return None
+
+    def pieces(self, seq_ids=None, n_queries: int = 1) -> list[Group]:
+        """Query rows grouped with their key spans: row ``i`` is sequence ``seq_ids[i]``.
+
+        Rows of neighbouring sequences with equal lengths form one group (one batched call).
+        """
+        ids = list(range(self.batch)) if seq_ids is None else seq_list(seq_ids, "decode")
+        for s in ids:
+            self._seq(s)
+        groups = []
+        for i0, i1, s0 in _runs(ids, [0] * len(ids), self._len):
+            L = self._len[s0]
+            span = Span(self.k[s0:s0 + i1 - i0, :, :L], self.v[s0:s0 + i1 - i0, :, :L], 0)
+            groups.append(Group(i0, i1, L, (span,) if L else ()))
+        return groups
+
+    def __repr__(self):
+        return (f"KVCache(batch={self.batch}, heads={self.heads}, head_dim={self.head_dim}, "
+                f"capacity={self.capacity}, dtype={self.dtype}, lengths={list(self._len)})")
+
+
+def _runs(ids, lens, have):
+    """Maximal runs of rows ``[i0, i1)`` whose sequences are consecutive and alike in length and count."""
+    runs, i = [], 0
+    while i < len(ids):
+        j = i + 1
+        while (j < len(ids) and ids[j] == ids[j - 1] + 1 and lens[j] == lens[i] and have[ids[j]] == have[ids[i]]):
+            j += 1
+        runs.append((i, j, ids[i]))
+        i = j
+    return runs

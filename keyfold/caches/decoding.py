@@ -1,0 +1,306 @@
+"""Decoding against a cache, split-KV and cascade: :func:`keyfold.attend` over pieces, merged.
+
+Every function here is a thin loop over the core operator (docs/caches.md):
+
+- a cache names its keys as spans with absolute offsets (:meth:`pieces`);
+- each span is one ``attend(..., kv_offset=span start)``, so masks and ALiBi see true positions;
+- a long span is split into chunks computed independently (split-KV / flash-decoding);
+- the partial states are merged with :func:`keyfold.merge_all`, never a second merge.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..engine import Backend, attend
+from ..masks import BlockKind, Mask, as_mask
+from ..scores import as_score
+from ..state import State, empty_state, merge, merge_all, state_dtype
+from ._pieces import BatchRows, BatchRowsScore, Cache, Group, QueryRows, QueryRowsScore, RowMap, Span
+
+__all__ = ["decode", "attend_cache", "cascade", "choose_splits", "MIN_CHUNK"]
+
+MIN_CHUNK = 4096  # shortest split-KV chunk: below it the per-call cost outweighs the parallelism
+_ITEMS_PER_THREAD = 4  # split until every thread has about this many (head, chunk) work items
+
+
+def choose_splits(n_keys: int, tasks: int, threads: int | None = None, *, min_chunk: int = MIN_CHUNK) -> int:
+    """How many chunks to split ``n_keys`` keys into when ``tasks`` (batch x kv heads) share ``threads``.
+
+    The fused kernel already runs one task per thread; splitting pays only when there are
+    fewer tasks than threads (batch 1 with few key/value heads, MQA) or they do not divide
+    evenly. Then we aim at ``4 * threads`` work items, with chunks of at least ``min_chunk``.
+
+    >>> choose_splits(131072, tasks=8, threads=2), choose_splits(131072, tasks=1, threads=2)
+    (1, 8)
+    """
+    threads = torch.get_num_threads() if threads is None else threads
+    if n_keys < 2 * min_chunk or (tasks >= threads and tasks % threads == 0):
+        return 1
+    want = math.ceil(_ITEMS_PER_THREAD * threads / max(1, tasks))
+    return max(1, min(want, n_keys // min_chunk))
+
+
+def _threads(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return torch.get_num_threads()
+
+
+# ------------------------------------------------------------------------- one span
+
+
+def _kind(mask: Mask, q0: int, q1: int, k0: int, k1: int) -> BlockKind | None:
+    """The mask's closed-form kind for query positions [q0, q1) x keys [k0, k1), if it has one."""
+    t = lambda x: torch.tensor([[x]])  # noqa: E731 - (1, 1) int64 range bound
+    kinds = mask.classify(t(q0), t(q1), t(k0), t(k1))
+    return None if kinds is None else BlockKind(int(kinds.reshape(-1)[0]))
+
+
+def _folded(q, span: Span, s: int, scale, backend) -> list[State] | None:
+    """Split-KV in one call: ``s`` equal chunks of the span become ``s`` heads of one attend.
+
+    Only for pieces without mask or score (positions do not matter). k ``(b, Hkv, n, D)`` is
+    viewed as ``(b*Hkv, s, n/s, D)`` (no copy); q's GQA group rides along as rows. Returns
+    the states of the folded part and of the leftover keys, or None if k cannot be viewed so.
+    """
+    b, Hq, Nq, D = q.shape
+    Hkv, n, Dv = span.k.shape[1], span.n, span.v.shape[-1]
+    g, c = Hq // Hkv, n // s
+    try:
+        kf = span.k[:, :, :s * c].view(b * Hkv, s, c, D)   # (b*Hkv, s, c, D)
+        vf = span.v[:, :, :s * c].view(b * Hkv, s, c, Dv)  # (b*Hkv, s, c, Dv)
+    except RuntimeError:
+        return None
+    qf = q.reshape(b * Hkv, 1, g * Nq, D).expand(b * Hkv, s, g * Nq, D)  # (b*Hkv, s, g*Nq, D)
+    st = attend(qf, kf, vf, scale=scale, q_offset=0, backend=backend)
+    chunks = [State(st.out[:, i], st.lse[:, i]) for i in range(s)]      # each (b*Hkv, g*Nq, ...)
+    m = merge_all(chunks)
+    states = [State(m.out.reshape(b, Hq, Nq, Dv), m.lse.reshape(b, Hq, Nq))]
+    if s * c < n:
+        states.append(attend(q, span.k[:, :, s * c:], span.v[:, :, s * c:], scale=scale, q_offset=0,
+                             backend=backend))
+    return states
+
+
+def _span_states(q, span: Span, mask, score, scale, q_offset, splits, backend) -> list[State]:
+    """States of one span, split into chunks when that pays (or when ``splits`` asks)."""
+    b, Hq = q.shape[:2]
+    n = span.n
+    free = mask is None and score is None
+    if splits is None:
+        s = choose_splits(n, b * span.k.shape[1], _threads(q.device)) if free else 1
+    else:
+        s = min(splits, n)
+    if s <= 1:
+        return [attend(q, span.k, span.v, mask=mask, score=score, scale=scale, q_offset=q_offset,
+                       kv_offset=span.kv_offset, backend=backend)]
+    if free:
+        states = _folded(q, span, s, scale, backend)
+        if states is not None:
+            return states
+    # serial chunks with their own offsets: what a masked or scored split is
+    edges = [round(i * n / s) for i in range(s + 1)]
+    return [attend(q, span.k[:, :, a:e], span.v[:, :, a:e], mask=mask, score=score, scale=scale,
+                   q_offset=q_offset, kv_offset=span.kv_offset + a, backend=backend)
+            for a, e in zip(edges[:-1], edges[1:]) if e > a]
+
+
+def _group_state(q, group: Group, mask, score, scale, splits, backend, Dv: int) -> State:
+    """Attention of the group's query rows over all its spans, merged."""
+    b, Hq, Nq, _ = q.shape
+    q_offset = group.length - Nq
+    states: list[State] = []
+    for span in group.spans:
+        m = mask
+        if m is not None:
+            kind = _kind(m, q_offset, group.length, span.kv_offset, span.kv_offset + span.n)
+            if kind is BlockKind.EMPTY:
+                continue
+            if kind is BlockKind.FULL:
+                m = None
+        states += _span_states(q, span, m, score, scale, q_offset, splits, backend)
+    if not states:  # every key hidden: the identity, out 0 and lse -inf
+        return empty_state(b, Hq, Nq, Dv, dtype=state_dtype(q.dtype), device=q.device)
+    return states[0] if len(states) == 1 else merge_all(states)
+
+
+def _groups_state(q, groups: list[Group], mask, score, scale, splits, backend, Dv: int) -> State:
+    """Per group of rows, then the rows put back together in order."""
+    B = q.shape[0]
+    states = []
+    for g in groups:
+        m, sc = mask, score
+        if (g.r0, g.r1) != (0, B):  # the group is a slice of the batch: keep b meaning q's row
+            if m is not None and m.depends_on_batch_head()[0]:
+                m = BatchRows(m, B, g.r0, g.r1 - g.r0)
+            if sc is not None:
+                sc = BatchRowsScore(sc, g.r0)
+        states.append(_group_state(q[g.r0:g.r1], g, m, sc, scale, splits, backend, Dv))
+    if len(states) == 1:
+        return states[0]
+    return State(torch.cat([s.out for s in states], 0), torch.cat([s.lse for s in states], 0))
+
+
+# ------------------------------------------------------------------------------ public
+
+
+def _check_q(q, heads: int, head_dim: int, owner: str):
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"{owner}(q): expected a tensor (batch, heads, tokens, head_dim), got "
+                         f"{getattr(q, 'shape', type(q).__name__)}")
+    if not q.dtype.is_floating_point:
+        raise TypeError(f"{owner}(q): expected a floating dtype, got {q.dtype}")
+    if q.shape[-1] != head_dim:
+        raise ValueError(f"{owner}(q): head_dim {q.shape[-1]} but the keys have {head_dim}; they must match")
+    if q.shape[1] % heads:
+        raise ValueError(f"{owner}(q): {q.shape[1]} query heads for {heads} key/value heads; query heads "
+                         f"must be a multiple (GQA/MQA)")
+    if q.shape[2] < 1:
+        raise ValueError(f"{owner}(q): needs at least one query token")
+
+
+def _check_splits(splits):
+    if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int) or splits < 1):
+        raise ValueError(f"decode(splits=...): an int >= 1, or None to choose from the cache length and "
+                         f"threads; got {splits!r}")
+
+
+def attend_cache(q, cache: Cache, *, mask=None, score=None, scale=None, seq_ids=None, splits=None,
+                 backend=Backend.AUTO) -> State:
+    """Partial-state form of :func:`decode`: a mergeable ``State`` (float32; float64 for float64)."""
+    _check_q(q, cache.heads, cache.head_dim, "decode")
+    _check_splits(splits)
+    Nq = q.shape[2]
+    groups = cache.pieces(seq_ids, Nq)
+    rows = sum(g.r1 - g.r0 for g in groups)
+    if rows != q.shape[0]:
+        raise ValueError(f"decode(q): {q.shape[0]} query rows for {rows} sequences; pass one row per "
+                         f"sequence id (seq_ids)")
+    short = [g for g in groups if g.length < Nq]
+    if short:
+        raise ValueError(f"decode(q): {Nq} query tokens but a sequence holds only {short[0].length}; the "
+                         f"queries are the cache's last tokens, so append their k/v first (chunked "
+                         f"prefill is append, then decode(q_block, cache, mask=causal()))")
+    mask, implied = as_mask(mask), cache.implied_mask(Nq)
+    mask = implied if mask is None else (mask if implied is None else mask & implied)
+    qc = q if q.dtype == cache.dtype else q.to(cache.dtype)
+    return _groups_state(qc, groups, mask, as_score(score), scale, splits, backend, cache.value_dim)
+
+
+def decode(q, cache: Cache, *, mask=None, score=None, scale=None, seq_ids=None, splits=None,
+           backend=Backend.AUTO, return_lse=False):
+    """Attention of a few new query tokens against a KV cache (any of the three).
+
+    q: ``(b, Hq, Nq, D)``, the last ``Nq`` tokens of each sequence (append their k/v first);
+    ``Hq`` a multiple of the cache's heads (GQA/MQA). Row ``i`` is sequence ``seq_ids[i]``
+    (default: every sequence in order; for :class:`PagedKVCache`, ``seq_ids`` is required).
+    mask / score: as in :func:`keyfold.attention`, at absolute positions (query ``i`` of a
+    sequence of ``L`` tokens sits at ``L - Nq + i``). A window cache adds its own mask.
+    splits: chunks per long span (split-KV); None chooses from the length and the threads.
+
+    Returns ``out`` ``(b, Hq, Nq, Dv)`` in q's dtype (and lse ``(b, Hq, Nq)`` float32 with
+    ``return_lse=True``), equal to the last ``Nq`` rows of ``attention`` over the sequence's
+    full keys; a row that sees no key gives 0 (lse -inf). A 16-bit cache computes in its dtype.
+
+    >>> import torch, keyfold
+    >>> from keyfold.caches import KVCache, decode
+    >>> cache = KVCache(batch=1, heads=2, head_dim=8, capacity=32)
+    >>> k, v, q = torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 1, 8)
+    >>> cache.append(k, v)
+    >>> torch.allclose(decode(q, cache), keyfold.attention(q, k, v), atol=1e-6)
+    True
+    """
+    st = attend_cache(q, cache, mask=mask, score=score, scale=scale, seq_ids=seq_ids, splits=splits,
+                      backend=backend)
+    out = st.out.to(q.dtype)
+    return (out, st.lse) if return_lse else out
+
+
+def cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix_lengths=None, mask=None, score=None,
+            scale=None, splits=None, backend=Backend.AUTO, return_lse=False):
+    """A batch of requests sharing a prefix: the prefix is read once for all of them.
+
+    q: ``(R, Hq, Nq, D)``, the last ``Nq`` tokens of each request.
+    prefix_k / prefix_v: ``(1, Hkv, P, D)`` / ``(1, Hkv, P, Dv)``, shared, at positions ``0 .. P-1``.
+    suffix_k / suffix_v: ``(R, Hkv, S, D)`` / ``(R, Hkv, S, Dv)``: request ``r``'s own tokens at
+    positions ``P ..``; only the first ``suffix_lengths[r]`` are real (default ``S`` each).
+
+    All requests' queries become rows of one call over the prefix (their own positions kept,
+    so masks and ALiBi stay exact); each request's suffix is its own piece; the two states
+    merge per request. Returns ``(R, Hq, Nq, Dv)`` in q's dtype (plus lse with ``return_lse``),
+    equal to attention over each request's full ``prefix + suffix`` keys.
+
+    >>> import torch, keyfold
+    >>> from keyfold.caches import cascade
+    >>> q = torch.randn(3, 2, 1, 8)
+    >>> pk, pv = torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)
+    >>> sk, sv = torch.randn(3, 2, 4, 8), torch.randn(3, 2, 4, 8)
+    >>> out = cascade(q, pk, pv, sk, sv, mask=keyfold.causal())
+    >>> full = keyfold.attention(q[1:2], torch.cat([pk, sk[1:2]], 2), torch.cat([pv, sv[1:2]], 2))
+    >>> torch.allclose(out[1:2], full, atol=1e-6)
+    True
+    """
+    for name, t in (("prefix_k", prefix_k), ("prefix_v", prefix_v), ("suffix_k", suffix_k), ("suffix_v", suffix_v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"cascade({name}): expected a 4-D tensor (batch, heads, tokens, dim), got "
+                             f"{getattr(t, 'shape', type(t).__name__)}")
+    if prefix_k.shape[0] != 1 or prefix_v.shape[0] != 1:
+        raise ValueError(f"cascade(prefix_k): the shared prefix has batch 1, got {tuple(prefix_k.shape)}; "
+                         f"pass it once, not once per request")
+    _check_q(q, prefix_k.shape[1], prefix_k.shape[-1], "cascade")
+    _check_splits(splits)
+    R, Hq, Nq, _ = q.shape
+    P, Hkv = prefix_k.shape[2], prefix_k.shape[1]
+    if suffix_k.shape[0] != R or suffix_k.shape[1] != Hkv:
+        raise ValueError(f"cascade(suffix_k): expected ({R}, {Hkv}, tokens, dim) for {R} requests, "
+                         f"got {tuple(suffix_k.shape)}")
+    S = suffix_k.shape[2]
+    lens = [S] * R if suffix_lengths is None else (
+        suffix_lengths.tolist() if isinstance(suffix_lengths, torch.Tensor) else list(suffix_lengths))
+    if len(lens) != R or any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= S for x in lens):
+        raise ValueError(f"cascade(suffix_lengths=...): expected {R} ints in [0, {S}], got {lens}")
+    if any(P + x < Nq for x in lens):
+        raise ValueError(f"cascade(q): {Nq} query tokens but a request holds only {P + min(lens)} tokens; "
+                         f"the queries are each request's last tokens")
+    dtype = prefix_k.dtype
+    qc = q if q.dtype == dtype else q.to(dtype)
+    mask, score = as_mask(mask), as_score(score)
+
+    # the shared prefix, once: request r's queries are rows r*Nq .. r*Nq + Nq - 1 of one call
+    qf = qc.permute(1, 0, 2, 3).reshape(1, Hq, R * Nq, qc.shape[-1])       # (1, Hq, R*Nq, D)
+    pos = torch.tensor([P + lens[r] - Nq + i for r in range(R) for i in range(Nq)])
+    req = torch.arange(R).repeat_interleave(Nq)
+    m, sc = mask, score
+    if m is not None:
+        kind = _kind(m, int(pos.min()), int(pos.max()) + 1, 0, P)
+        m = None if kind is BlockKind.FULL else m
+    if m is not None or sc is not None:
+        rowmap = RowMap(pos, req, R)
+        m = None if m is None else QueryRows(m, rowmap)
+        sc = None if sc is None else QueryRowsScore(sc, rowmap)
+    group = Group(0, 1, 0, (Span(prefix_k, prefix_v, 0),))
+    if m is not None and _kind(m, 0, R * Nq, 0, P) is BlockKind.EMPTY:
+        pre = empty_state(1, Hq, R * Nq, prefix_v.shape[-1], dtype=state_dtype(dtype), device=q.device)
+    else:
+        pre = merge_all(_span_states(qf, group.spans[0], m, sc, scale, 0, splits, backend))
+    Dv = prefix_v.shape[-1]
+    pre = State(pre.out.reshape(Hq, R, Nq, Dv).permute(1, 0, 2, 3),               # (R, Hq, Nq, Dv)
+                pre.lse.reshape(Hq, R, Nq).permute(1, 0, 2))                       # (R, Hq, Nq)
+
+    # each request's own suffix, at positions P..; equal-length neighbours share a call
+    groups, r = [], 0
+    while r < R:
+        e = r + 1
+        while e < R and lens[e] == lens[r]:
+            e += 1
+        L = lens[r]
+        spans = (Span(suffix_k[r:e, :, :L], suffix_v[r:e, :, :L], P),) if L else ()
+        groups.append(Group(r, e, P + L, spans))
+        r = e
+    suf = _groups_state(qc, groups, mask, score, scale, splits, backend, Dv)
+    st = merge(pre, suf)
+    out = st.out.to(q.dtype)
+    return (out, st.lse) if return_lse else out

@@ -1,0 +1,288 @@
+"""``PagedKVCache``: a pool of fixed-size pages, block tables, copy-on-write forks.
+
+Sequences take pages on demand; a sequence's block table lists its pages in order. ``fork``
+shares every page (reference counts) and copies a partly filled last page only when one of
+the sharers writes to it. Decoding reads each run of physically consecutive pages as one span
+(a view, no gather), so large pages and a placement that keeps a sequence's pages together
+make paged decoding cost what contiguous decoding costs (docs/caches.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._checks import float_dtype, kv_block, positive_int, seq_list
+from ._pieces import CacheFullError, Group, Span
+
+__all__ = ["PagedKVCache", "PageStats", "default_page_size"]
+
+
+def default_page_size(device) -> int:
+    """1024 tokens on a CPU, 64 elsewhere.
+
+    The CPU's fused kernel has no block table, so each run of pages is one call: per-page
+    calls cost 6.7x a contiguous decode with 16-token pages, 1.36x with 256, 1.11x with 2048
+    (DESIGN.md section 7). Large pages keep the runs long; waste stays below one page per sequence.
+    """
+    return 1024 if torch.device(device if device is not None else "cpu").type == "cpu" else 64
+
+
+@dataclass(frozen=True)
+class PageStats:
+    """``stats()``: pages used / free / shared, tokens held and slots wasted in partly filled pages."""
+
+    pages: int          # pages in the pool
+    used: int           # pages holding tokens of at least one sequence
+    free: int           # pages ready to hand out
+    shared: int         # used pages referenced by more than one sequence (after fork)
+    tokens: int         # token slots written in used pages (a shared page counts once)
+    wasted: int         # slots in used pages not written yet (at most page_size - 1 per sequence)
+    sequences: int      # live sequences
+    bytes_used: int     # bytes of k and v in used pages
+
+
+class PagedKVCache:
+    """A pool of ``num_pages`` pages of ``page_size`` tokens for any number of sequences.
+
+    Storage: ``k_pages`` ``(heads, num_pages, page_size, head_dim)`` and ``v_pages`` with
+    ``value_dim``, allocated once (heads outermost, so a run of consecutive pages is one
+    ``(heads, tokens, dim)`` view). Sequence ids are ints handed out by :meth:`new_sequence`
+    and :meth:`fork`. ``page_size=None`` picks :func:`default_page_size`.
+
+    >>> import torch
+    >>> from keyfold.caches import PagedKVCache, decode
+    >>> pool = PagedKVCache(num_pages=8, page_size=4, heads=2, head_dim=8)
+    >>> a = pool.new_sequence()
+    >>> pool.append(torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8), a)
+    >>> b = pool.fork(a)                     # shares both pages
+    >>> pool.append(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), b)  # copies the last one
+    >>> pool.stats().shared, pool.length(a), pool.length(b)
+    (1, 6, 7)
+    >>> decode(torch.randn(2, 2, 1, 8), pool, seq_ids=[a, b]).shape
+    torch.Size([2, 2, 1, 8])
+    """
+
+    def __init__(self, num_pages: int, page_size: int | None, heads: int, head_dim: int, dtype=torch.float32,
+                 value_dim: int | None = None, device=None):
+        positive_int(num_pages, "num_pages", "PagedKVCache")
+        page_size = default_page_size(device) if page_size is None else positive_int(page_size, "page_size", "PagedKVCache")
+        positive_int(heads, "heads", "PagedKVCache")
+        positive_int(head_dim, "head_dim", "PagedKVCache")
+        value_dim = head_dim if value_dim is None else positive_int(value_dim, "value_dim", "PagedKVCache")
+        float_dtype(dtype, "PagedKVCache")
+        self.num_pages, self.page_size = num_pages, page_size
+        self.heads, self.head_dim, self.value_dim, self.dtype = heads, head_dim, value_dim, dtype
+        self.k_pages = torch.zeros(heads, num_pages, page_size, head_dim, dtype=dtype, device=device)   # (H, P, ps, D)
+        self.v_pages = torch.zeros(heads, num_pages, page_size, value_dim, dtype=dtype, device=device)  # (H, P, ps, Dv)
+        self._tables: dict[int, list[int]] = {}
+        self._len: dict[int, int] = {}
+        self._ref = [0] * num_pages   # sequences referencing each page
+        self._fill = [0] * num_pages  # token slots written in each page
+        self._free = [True] * num_pages
+        self._nfree = num_pages
+        self._next_id = 0
+
+    # ------------------------------------------------------------------ sequences
+    @property
+    def device(self) -> torch.device:
+        return self.k_pages.device
+
+    @property
+    def sequences(self) -> list[int]:
+        """Live sequence ids, oldest first."""
+        return list(self._tables)
+
+    def _seq(self, s) -> int:
+        if isinstance(s, bool) or not isinstance(s, int) or s not in self._tables:
+            raise KeyError(f"PagedKVCache: unknown sequence id {s!r}; live ids are {self.sequences} "
+                           f"(get one from new_sequence() or fork())")
+        return s
+
+    def new_sequence(self) -> int:
+        """A new empty sequence; it takes pages only when tokens are appended."""
+        s = self._next_id
+        self._next_id += 1
+        self._tables[s], self._len[s] = [], 0
+        return s
+
+    def fork(self, seq: int) -> int:
+        """A new sequence sharing all of ``seq``'s pages (copy-on-write); returns its id.
+
+        Nothing is copied now. Whichever sharer next writes into a shared, partly filled last
+        page first copies it to a page of its own; full pages are never written again.
+        """
+        self._seq(seq)
+        child = self.new_sequence()
+        self._tables[child] = list(self._tables[seq])
+        self._len[child] = self._len[seq]
+        for p in self._tables[child]:
+            self._ref[p] += 1
+        return child
+
+    def free(self, seq: int) -> None:
+        """Forget a sequence; pages no other sequence references return to the pool."""
+        self._seq(seq)
+        for p in self._tables.pop(seq):
+            self._ref[p] -= 1
+            if self._ref[p] == 0:
+                self._release(p)
+        del self._len[seq]
+
+    def length(self, seq: int) -> int:
+        return self._len[self._seq(seq)]
+
+    def block_table(self, seq: int) -> list[int]:
+        """The physical pages of ``seq`` in order (a copy)."""
+        return list(self._tables[self._seq(seq)])
+
+    def stats(self) -> PageStats:
+        used = [p for p in range(self.num_pages) if self._ref[p] > 0]
+        tokens = sum(self._fill[p] for p in used)
+        per_page = self.heads * self.page_size * (self.head_dim + self.value_dim) * self.k_pages.element_size()
+        return PageStats(pages=self.num_pages, used=len(used), free=self._nfree,
+                         shared=sum(1 for p in used if self._ref[p] > 1), tokens=tokens,
+                         wasted=len(used) * self.page_size - tokens, sequences=len(self._tables),
+                         bytes_used=len(used) * per_page)
+
+    # -------------------------------------------------------------------- pages
+    def _release(self, p: int) -> None:
+        self._free[p], self._fill[p] = True, 0
+        self._nfree += 1
+
+    def _take(self, after: int | None) -> int:
+        """A free page: right after ``after`` when free (the sequence's run continues), else
+        the middle of the largest free run (room for the sequence before it to grow into)."""
+        if after is not None and after + 1 < self.num_pages and self._free[after + 1]:
+            p = after + 1
+        else:
+            best, start, run_start = (0, 0), None, None
+            for i, f in enumerate(self._free + [False]):
+                if f and run_start is None:
+                    run_start = i
+                elif not f and run_start is not None:
+                    if i - run_start > best[0]:
+                        best, start = (i - run_start, run_start), run_start
+                    run_start = None
+            length, a = best
+            p = a if a == 0 else a + length // 2
+        self._free[p] = False
+        self._nfree -= 1
+        self._ref[p] = 1
+        return p
+
+    def _pages_needed(self, ids, lens) -> int:
+        """Pages an append takes, simulating copy-on-write of shared last pages in order."""
+        ref = {}
+        total = 0
+        for s, m in zip(ids, lens):
+            if m == 0:
+                continue
+            L, table = self._len[s], self._tables[s]
+            if L % self.page_size and table:
+                last = table[-1]
+                r = ref.get(last, self._ref[last])
+                if r > 1:
+                    total += 1
+                    ref[last] = r - 1
+            total += -(-(L + m) // self.page_size) - (-(-L // self.page_size))
+        return total
+
+    # ------------------------------------------------------------------- writes
+    def append(self, k: torch.Tensor, v: torch.Tensor, seq_ids, lengths=None) -> None:
+        """Append a block of tokens: row ``i`` of k ``(b, heads, n, head_dim)`` / v to ``seq_ids[i]``.
+
+        ``lengths`` (``b`` ints) appends only the first ``lengths[i]`` tokens of row ``i``.
+        Raises ``KeyError`` for an unknown id and ``CacheFullError`` when the pool has too few
+        free pages; in both cases nothing changes.
+        """
+        ids = seq_list(seq_ids, "PagedKVCache.append")
+        for s in ids:
+            self._seq(s)
+        kv_block(k, v, heads=self.heads, head_dim=self.head_dim, value_dim=self.value_dim,
+                 owner="PagedKVCache", batch=len(ids))
+        n = k.shape[2]
+        lens = [n] * len(ids) if lengths is None else (lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths))
+        if len(lens) != len(ids) or any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= n for x in lens):
+            raise ValueError(f"PagedKVCache.append(lengths=...): expected {len(ids)} ints in [0, {n}], got {lens}")
+        need = self._pages_needed(ids, lens)
+        if need > self._nfree:
+            raise CacheFullError(f"PagedKVCache.append: needs {need} free pages but the pool has {self._nfree} "
+                                 f"of {self.num_pages} (page_size={self.page_size}); free() finished sequences "
+                                 f"or create a larger pool")
+        for i, (s, m) in enumerate(zip(ids, lens)):
+            if m:
+                self._write(s, k[i], v[i], m)
+
+    def _write(self, s: int, k: torch.Tensor, v: torch.Tensor, m: int) -> None:
+        """Write ``m`` tokens of k ``(heads, n, D)`` / v at the end of sequence ``s``."""
+        ps, table, L = self.page_size, self._tables[s], self._len[s]
+        if L % ps and self._ref[table[-1]] > 1:  # copy-on-write of the shared, partly filled last page
+            old, fill = table[-1], L % ps
+            new = self._take(None)
+            self.k_pages[:, new, :fill] = self.k_pages[:, old, :fill]
+            self.v_pages[:, new, :fill] = self.v_pages[:, old, :fill]
+            self._fill[new] = fill
+            self._ref[old] -= 1
+            table[-1] = new
+        done = 0
+        while done < m:
+            t = L + done
+            if t % ps == 0:
+                table.append(self._take(table[-1] if table else None))
+            p, o = table[t // ps], t % ps
+            step = min(m - done, ps - o)
+            self.k_pages[:, p, o:o + step] = k[:, done:done + step]
+            self.v_pages[:, p, o:o + step] = v[:, done:done + step]
+            self._fill[p] = o + step
+            done += step
+        self._len[s] = L + m
+
+    # -------------------------------------------------------------------- reads
+    def _runs(self, s: int):
+        """(first page, pages, first token, tokens) of each run of physically consecutive pages."""
+        table, L, ps = self._tables[s], self._len[s], self.page_size
+        runs, j = [], 0
+        while j < len(table):
+            e = j + 1
+            while e < len(table) and table[e] == table[e - 1] + 1:
+                e += 1
+            runs.append((table[j], e - j, j * ps, min(L, e * ps) - j * ps))
+            j = e
+        return runs
+
+    def _span(self, p0, r, t0, n) -> Span:
+        H, ps = self.heads, self.page_size
+        k = self.k_pages[:, p0:p0 + r].view(H, r * ps, self.head_dim)[:, :n].unsqueeze(0)   # (1, H, n, D)
+        v = self.v_pages[:, p0:p0 + r].view(H, r * ps, self.value_dim)[:, :n].unsqueeze(0)  # (1, H, n, Dv)
+        return Span(k, v, t0)
+
+    def keys(self, seq: int) -> torch.Tensor:
+        """A gathered copy ``(1, heads, length, head_dim)`` of one sequence's keys (for inspection)."""
+        self._seq(seq)
+        return torch.cat([self._span(*r).k for r in self._runs(seq)] or [self.k_pages[:, :0, 0].unsqueeze(0)], 2)
+
+    def values(self, seq: int) -> torch.Tensor:
+        """A gathered copy ``(1, heads, length, value_dim)`` of one sequence's values."""
+        self._seq(seq)
+        return torch.cat([self._span(*r).v for r in self._runs(seq)] or [self.v_pages[:, :0, 0].unsqueeze(0)], 2)
+
+    def implied_mask(self, n_queries: int = 1):
+        return None
+
+    def pieces(self, seq_ids=None, n_queries: int = 1) -> list[Group]:
+        """One group per sequence; one span per run of consecutive pages (a view)."""
+        if seq_ids is None:
+            raise ValueError("decode(seq_ids=...): a PagedKVCache needs the ids of the sequences q's rows "
+                             "belong to, e.g. seq_ids=[a, b]")
+        ids = seq_list(seq_ids, "decode")
+        for s in ids:
+            self._seq(s)
+        return [Group(i, i + 1, self._len[s], tuple(self._span(*r) for r in self._runs(s)))
+                for i, s in enumerate(ids)]
+
+    def __repr__(self):
+        st = self.stats()
+        return (f"PagedKVCache(pages={self.num_pages}x{self.page_size}, heads={self.heads}, "
+                f"head_dim={self.head_dim}, dtype={self.dtype}, sequences={st.sequences}, used={st.used})")
