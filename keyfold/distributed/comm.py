@@ -1,0 +1,169 @@
+"""The small communication object context parallelism runs on (torch.distributed).
+
+Everything that talks to other ranks goes through :class:`Comm`, so the attention loops read
+as "compute a piece, merge, pass the keys on". Gloo on CPU and NCCL on GPU both work; a group
+of one rank needs no communication at all (every call returns its input).
+
+Failures must end every rank with a clear error, never a hang:
+
+- :meth:`Comm.agree` runs before any transfer: every rank sends its shard shapes and its own
+  validation error (if any); every rank then raises the same :class:`ShardError`;
+- every wait is bounded by the process group's timeout (``init_process_group(timeout=...)``;
+  the default is 30 minutes, set it shorter) and a failed wait is re-raised as
+  :class:`DistributedError` naming the rank, the transfer and what to look at.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Comm", "DistributedError", "ShardError"]
+
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class DistributedError(RuntimeError):
+    """A transfer between ranks failed or timed out (usually: another rank raised or exited)."""
+
+
+class ShardError(ValueError):
+    """The ranks' inputs disagree, or one rank's input is invalid; raised on every rank."""
+
+
+class _Pending:
+    """A posted transfer; :meth:`wait` returns its result or raises :class:`DistributedError`."""
+
+    def __init__(self, works, result, what: str, comm: "Comm", finish: Callable | None = None):
+        self.works, self.result, self.what, self.comm, self.finish = works, result, what, comm, finish
+
+    def wait(self) -> torch.Tensor:
+        try:
+            for w in self.works:
+                w.wait()
+        except Exception as e:  # noqa: BLE001 - gloo/NCCL raise RuntimeError subclasses of many kinds
+            raise DistributedError(
+                f"rank {self.comm.rank} of {self.comm.size}: {self.what} failed: {e!s:.300}\n"
+                f"Another rank probably raised or exited (see its error) or did not call the same "
+                f"function with the same arguments; waits are bounded by init_process_group(timeout=...)"
+            ) from e
+        return self.finish(self.result) if self.finish is not None else self.result
+
+
+class Comm:
+    """Rank, size and the four collectives the walls need, over one process group.
+
+    group: a ``torch.distributed`` process group, or None for the default (world) group.
+    """
+
+    def __init__(self, group=None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("keyfold.distributed needs an initialised process group: call "
+                               "torch.distributed.init_process_group('gloo' or 'nccl', timeout=...) first, "
+                               "or launch with torchrun")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        if self.rank < 0:
+            raise ValueError("this process is not a member of the given group; call keyfold.distributed "
+                             "only on the ranks of the group you pass")
+
+    def _global(self, r: int) -> int:
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    @property
+    def next(self) -> int:
+        return (self.rank + 1) % self.size
+
+    @property
+    def prev(self) -> int:
+        return (self.rank - 1) % self.size
+
+    # -------------------------------------------------------------------------- ring
+    def shift(self, t: torch.Tensor, what: str = "ring transfer", tag: int = 0) -> _Pending:
+        """Send ``t`` to the next rank and receive the previous rank's tensor of the same shape.
+
+        Both are posted at once with ``batch_isend_irecv`` and this returns immediately, so the
+        caller computes while the bytes travel; ``t`` must not be modified until ``wait()``.
+        """
+        if self.size == 1:
+            return _Pending([], t, what, self)
+        t = t.contiguous()
+        buf = torch.empty_like(t)
+        ops = [dist.P2POp(dist.isend, t, self._global(self.next), self.group, tag),
+               dist.P2POp(dist.irecv, buf, self._global(self.prev), self.group, tag)]
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except Exception as e:  # noqa: BLE001
+            raise DistributedError(f"rank {self.rank}: posting {what} failed: {e!s:.300}") from e
+        return _Pending(works, (t, buf), f"{what} from rank {self.prev}", self, finish=lambda r: r[1])
+
+    # ------------------------------------------------------------------- collectives
+    def all_gather(self, t: torch.Tensor, what: str = "all-gather") -> _Pending:
+        """Every rank's ``t`` stacked in rank order: ``(P, *t.shape)`` (posted asynchronously)."""
+        if self.size == 1:
+            return _Pending([], t.unsqueeze(0), what, self)
+        t = t.contiguous()
+        out = torch.empty((self.size,) + tuple(t.shape), dtype=t.dtype, device=t.device)
+        work = _ALL_GATHER(out.view(-1), t.view(-1), group=self.group, async_op=True)
+        return _Pending([work], out, what, self)
+
+    def reduce_scatter(self, t: torch.Tensor, what: str = "reduce-scatter") -> _Pending:
+        """``t``: ``(P, ...)``; rank r receives ``sum over ranks of t[r]`` (posted asynchronously)."""
+        if self.size == 1:
+            return _Pending([], t[0], what, self)
+        t = t.contiguous()
+        out = torch.empty(tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        work = _REDUCE_SCATTER(out.view(-1), t.view(-1), group=self.group, async_op=True)
+        return _Pending([work], out, what, self)
+
+    def all_to_all(self, t: torch.Tensor, what: str = "all-to-all") -> _Pending:
+        """``t``: ``(P, ...)``; rank r receives ``(P, ...)`` whose row s is rank s's ``t[r]``."""
+        if self.size == 1:
+            return _Pending([], t, what, self)
+        t = t.contiguous()
+        out = torch.empty_like(t)
+        work = dist.all_to_all_single(out, t, group=self.group, async_op=True)
+        return _Pending([work], out, what, self)
+
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, what: str = "all-reduce") -> _Pending:
+        """Elementwise reduction of ``t`` over the ranks (a new tensor; posted asynchronously)."""
+        if self.size == 1:
+            return _Pending([], t, what, self)
+        t = t.clone().contiguous()
+        work = dist.all_reduce(t, op=op, group=self.group, async_op=True)
+        return _Pending([work], t, what, self)
+
+    # --------------------------------------------------------------------- agreement
+    def agree(self, what: str, meta, error: BaseException | None):
+        """Exchange ``meta`` (a small picklable description of this rank's inputs) and any local
+        validation ``error``; raise the same :class:`ShardError` on every rank if a rank failed
+        or the metas differ. Returns every rank's meta."""
+        if self.size == 1:
+            if error is not None:
+                raise error
+            return [meta]
+        mine = (meta, None if error is None else f"{type(error).__name__}: {error}")
+        everyone = [None] * self.size
+        try:
+            dist.all_gather_object(everyone, mine, group=self.group)
+        except Exception as e:  # noqa: BLE001
+            raise DistributedError(
+                f"rank {self.rank} of {self.size}: {what}: exchanging input shapes failed: {e!s:.300}\n"
+                f"Another rank probably raised or exited before calling {what} (see its error); "
+                f"waits are bounded by init_process_group(timeout=...)") from e
+        failed = [(r, msg) for r, (_, msg) in enumerate(everyone) if msg is not None]
+        if failed:
+            lines = "; ".join(f"rank {r}: {msg}" for r, msg in failed)
+            if error is not None:
+                raise ShardError(f"{what}: {lines}") from error
+            raise ShardError(f"{what}: invalid input on another rank ({lines})")
+        metas = [m for m, _ in everyone]
+        if any(m != metas[0] for m in metas):
+            lines = "; ".join(f"rank {r}: {m}" for r, m in enumerate(metas))
+            raise ShardError(f"{what}: the ranks' shards disagree ({lines}); every rank of the group must "
+                             f"pass local shards of one shape and dtype and the same settings")
+        return metas

@@ -1,0 +1,99 @@
+"""Decoding against a KV cache sharded across ranks: each rank attends to its part, then one
+reduction combines the partial states.
+
+Rank ``r`` holds cache positions ``[offset_r, offset_r + n_r)`` (shards may differ in length;
+offsets are the running sum of the lengths in rank order). Two ways to combine, selectable:
+
+- ``Reduce.ALL_REDUCE`` (default): the merge written as a reduction, ``m = max_r lse_r``, then one
+  sum of ``(exp(lse_r - m) * out_r, exp(lse_r - m))``. Two all-reduces whose bytes per rank do not
+  grow with the number of ranks (a ring all-reduce sends about twice the state).
+- ``Reduce.ALL_GATHER``: gather every rank's small ``(out, lse)`` and merge them with
+  :func:`keyfold.merge_all`. One collective, but each rank receives P states.
+
+For one decode token the state is tiny (``B*H*Dv`` floats), so both are bound by latency; the
+all-reduce is the default because it keeps bytes flat as P grows and every rank ends with
+bit-identical results (the reduction order is the collective's, the same on all ranks).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.distributed as dist
+
+from ..engine import Backend, attend
+from ..state import State, empty_state, merge_all, state_dtype
+from .comm import Comm
+
+__all__ = ["Reduce", "tree_decode"]
+
+
+class Reduce(enum.Enum):
+    ALL_REDUCE = "all_reduce"  # max, then sum of (weighted out, weight)
+    ALL_GATHER = "all_gather"  # gather (out, lse) states and merge_all
+
+
+def _combine_all_reduce(st: State, comm: Comm) -> State:
+    m = comm.all_reduce(st.lse, op=dist.ReduceOp.MAX, what="tree_decode max").wait()   # (B, H, Nq)
+    m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)                     # rows nobody saw
+    w = torch.exp(st.lse - m_safe)                                                      # 0 where lse = -inf
+    packed = torch.cat([st.out * w.unsqueeze(-1), w.unsqueeze(-1)], -1)               # (B, H, Nq, Dv+1)
+    total = comm.all_reduce(packed, what="tree_decode sum").wait()
+    s = total[..., -1]
+    seen = s > 0
+    out = torch.where(seen.unsqueeze(-1), total[..., :-1] / torch.where(seen, s, torch.ones_like(s)).unsqueeze(-1),
+                      torch.zeros_like(total[..., :-1]))
+    lse = torch.where(seen, m_safe + torch.log(torch.where(seen, s, torch.ones_like(s))),
+                      torch.full_like(s, float("-inf")))
+    return State(out, lse)
+
+
+def _combine_all_gather(st: State, comm: Comm) -> State:
+    packed = torch.cat([st.out, st.lse.unsqueeze(-1)], -1)                             # (B, H, Nq, Dv+1)
+    every = comm.all_gather(packed, what="tree_decode gather").wait()                  # (P, B, H, Nq, Dv+1)
+    return merge_all(State(x[..., :-1], x[..., -1]) for x in every)
+
+
+@torch.no_grad()
+def tree_decode(q, k_local, v_local, group=None, *, mask=None, score=None, scale=None, q_offset=None,
+                reduce: Reduce = Reduce.ALL_REDUCE, return_lse: bool = False, backend: Backend = Backend.AUTO):
+    """Attention of ``q`` over a KV cache whose positions are split across the ranks of ``group``.
+
+    q: ``(B, Hq, Nq, D)``, the same on every rank (the new token(s)); k_local ``(B, Hkv, n_r, D)``,
+    v_local ``(B, Hkv, n_r, Dv)``: rank r's contiguous part of the cache, ranks in position order
+    (``n_r`` may differ, even be 0). mask/score use absolute positions; ``q_offset`` defaults to
+    ``total - Nq`` (the new tokens are the last positions). Returns ``(B, Hq, Nq, Dv)`` in q's
+    dtype on every rank (and the lse with ``return_lse=True``). Not differentiable (inference).
+
+    >>> out = tree_decode(q, k_cache_shard, v_cache_shard)   # on every rank   # doctest: +SKIP
+    """
+    comm = Comm(group)
+    error = None
+    try:
+        if not isinstance(reduce, Reduce):
+            raise TypeError(f"reduce must be a keyfold.distributed.Reduce, got {reduce!r}")
+        for name, t in (("q", q), ("k_local", k_local), ("v_local", v_local)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim), got {getattr(t, 'shape', t)}")
+        if k_local.shape[2] != v_local.shape[2]:
+            raise ValueError(f"k_local has {k_local.shape[2]} positions but v_local {v_local.shape[2]}")
+    except (ValueError, TypeError) as e:
+        error = e
+    shapes = (tuple(getattr(q, "shape", ())), tuple(getattr(k_local, "shape", ()))[:2],
+              tuple(getattr(k_local, "shape", ()))[3:], tuple(getattr(v_local, "shape", ()))[3:],
+              str(getattr(q, "dtype", None)), getattr(reduce, "name", reduce), repr(mask), repr(score))
+    comm.agree("tree_decode", shapes, error)
+    lengths = comm.all_gather(torch.tensor([k_local.shape[2]], device=q.device), what="cache lengths").wait()
+    lengths = [int(x) for x in lengths.view(-1).tolist()]
+    kv_offset, total = sum(lengths[:comm.rank]), sum(lengths)
+    q_offset = total - q.shape[2] if q_offset is None else q_offset
+    B, Hq, Nq, _ = q.shape
+    if k_local.shape[2] == 0:
+        st = empty_state(B, Hq, Nq, v_local.shape[-1], dtype=state_dtype(q.dtype), device=q.device)
+    else:
+        st = attend(q, k_local, v_local, mask=mask, score=score, scale=scale, q_offset=q_offset,
+                    kv_offset=kv_offset, backend=backend)
+    st = (_combine_all_reduce if reduce is Reduce.ALL_REDUCE else _combine_all_gather)(st, comm)
+    out = st.out.to(q.dtype)
+    return (out, st.lse) if return_lse else out

@@ -1,0 +1,317 @@
+"""Context-parallel attention on local shards: ring, all-gather and all-to-all (Ulysses).
+
+Every rank holds a shard of the queries, keys and values (:mod:`keyfold.distributed.layout`).
+
+- ``Strategy.RING``: key/value shards rotate around the ring with ``batch_isend_irecv``; the
+  next transfer is posted before the current shard is computed, so communication overlaps
+  compute; each shard's partial State is merged in float32 (:func:`keyfold.merge`). Backward
+  rotates the shards again and the dK/dV accumulators travel with them back to their owner.
+- ``Strategy.ALL_GATHER``: the keys/values are gathered once, one head group at a time; the
+  next group's gather is posted before the current group is computed. Backward reduce-scatters dK/dV.
+- ``Strategy.ALL_TO_ALL``: DeepSpeed-Ulysses: an all-to-all turns sequence shards into head
+  shards, each rank runs plain ``attend`` over the whole sequence for ``H / P`` heads, and an
+  all-to-all turns the output back. Needs the query heads divisible by P.
+
+All three give the same result as ``keyfold.attention`` on the full sequence, up to rounding.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from ..engine import Backend, attend
+from ..masks import as_mask
+from ..scores import as_score
+from ..state import State, empty_state, state_dtype
+from .comm import Comm
+from .layout import Layout, check_length, gather_order
+from .pieces import Job, accumulate, piece_grads
+from .views import piece_args
+
+__all__ = ["Strategy", "ring_attention"]
+
+
+class Strategy(enum.Enum):
+    """How the key/value shards reach the queries."""
+
+    RING = "ring"              # P-1 point-to-point shifts, overlapped with compute
+    ALL_GATHER = "all_gather"  # one all-gather per head group, overlapped with the previous group
+    ALL_TO_ALL = "all_to_all"  # Ulysses: sequence shards <-> head shards, plain attention between
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def _pack(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """One flat buffer holding ``a`` then ``b`` (one transfer instead of two)."""
+    return torch.cat([a.reshape(-1), b.reshape(-1)])
+
+
+def _unpack(buf: torch.Tensor, shape_a, shape_b):
+    na = 1
+    for s in shape_a:
+        na *= s
+    return buf[:na].view(shape_a), buf[na:].view(shape_b)
+
+
+def _head_groups(Hkv: int, groups: int) -> list[tuple[int, int]]:
+    """Split ``Hkv`` key/value heads into at most ``groups`` contiguous ranges."""
+    groups = max(1, min(groups, Hkv))
+    bounds = [round(i * Hkv / groups) for i in range(groups + 1)]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+# --------------------------------------------------------------------------------- ring
+
+
+def _ring_forward(q, k, v, job: Job, comm: Comm) -> State:
+    B, Hq, n, _ = q.shape
+    acc = empty_state(B, Hq, n, v.shape[-1], dtype=state_dtype(q.dtype), device=q.device)
+    kv = _pack(k, v)
+    for step in range(comm.size):
+        # post the next transfer first: the bytes travel while this shard is computed
+        pending = comm.shift(kv, what=f"ring forward step {step}") if step < comm.size - 1 else None
+        kt, vt = _unpack(kv, k.shape, v.shape)
+        accumulate(acc, q, kt, vt, job, src=(comm.rank - step) % comm.size)
+        if pending is not None:
+            kv = pending.wait()
+    return acc
+
+
+def _ring_backward(q, k, v, out, lse, dout, dlse, job: Job, comm: Comm):
+    """K/V rotate as in forward; the float32 dK/dV of the shard being visited travel with it.
+
+    At step t rank r holds shard (r - t) and its dK/dV accumulated by ranks r-t .. r-1; it adds
+    its own share and passes both on. After P shifts every shard's dK/dV is home, complete.
+    """
+    sd = state_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=sd, device=q.device)
+    kv = _pack(k, v)
+    dkv_pending = None
+    for step in range(comm.size):
+        kv_pending = comm.shift(kv, what=f"ring backward step {step}") if step < comm.size - 1 else None
+        kt, vt = _unpack(kv, k.shape, v.shape)
+        dk = torch.zeros(k.shape, dtype=sd, device=q.device)
+        dv = torch.zeros(v.shape, dtype=sd, device=q.device)
+        piece_grads(q, kt, vt, out, lse, dout, dlse, job, (comm.rank - step) % comm.size, dq, dk, dv)
+        dkv = _pack(dk, dv)
+        if dkv_pending is not None:  # the shard's dK/dV from the ranks before us
+            dkv += dkv_pending.wait()
+        dkv_pending = comm.shift(dkv, what=f"ring dK/dV step {step}", tag=1)
+        if kv_pending is not None:
+            kv = kv_pending.wait()
+    dk, dv = _unpack(dkv_pending.wait(), k.shape, v.shape)
+    return dq, dk, dv
+
+
+class _RingFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, job: Job, comm: Comm):
+        st = _ring_forward(q, k, v, job, comm)
+        ctx.job, ctx.comm = job, comm
+        ctx.save_for_backward(q, k, v, st.out, st.lse)
+        return st.out, st.lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout
+        dlse = None if dlse is None or not bool(dlse.any()) else dlse
+        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, dlse, ctx.job, ctx.comm)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+# --------------------------------------------------------------------------- all-gather
+
+
+def _gathered(k, v, comm: Comm, groups, what):
+    """Yield ``(a, b, every rank's k/v for kv heads [a, b))``, the next gather already posted."""
+    def post(a, b):
+        return comm.all_gather(_pack(k[:, a:b], v[:, a:b]), what=f"{what} heads {a}:{b}")
+
+    pending = post(*groups[0])
+    for i, (a, b) in enumerate(groups):
+        gathered = pending.wait()                               # (P, packed)
+        if i + 1 < len(groups):
+            pending = post(*groups[i + 1])                      # overlaps this group's compute
+        shape_k = (k.shape[0], b - a) + tuple(k.shape[2:])
+        shape_v = (v.shape[0], b - a) + tuple(v.shape[2:])
+        yield a, b, [_unpack(gathered[s], shape_k, shape_v) for s in range(comm.size)]
+
+
+class _GatherFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, job: Job, comm: Comm, groups):
+        B, Hq, n, _ = q.shape
+        g = Hq // k.shape[1]
+        acc = empty_state(B, Hq, n, v.shape[-1], dtype=state_dtype(q.dtype), device=q.device)
+        for a, b, shards in _gathered(k, v, comm, groups, "all-gather forward"):
+            part = State(acc.out[:, a * g:b * g], acc.lse[:, a * g:b * g])   # views into acc
+            for src, (kt, vt) in enumerate(shards):
+                accumulate(part, q[:, a * g:b * g], kt, vt, job, src, heads=(a * g, b * g, Hq))
+        ctx.job, ctx.comm, ctx.groups = job, comm, groups
+        ctx.save_for_backward(q, k, v, acc.out, acc.lse)
+        return acc.out, acc.lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        job, comm = ctx.job, ctx.comm
+        sd = state_dtype(q.dtype)
+        dout = torch.zeros_like(out) if dout is None else dout
+        dlse = None if dlse is None or not bool(dlse.any()) else dlse
+        Hq = q.shape[1]
+        g = Hq // k.shape[1]
+        dq = torch.zeros(q.shape, dtype=sd, device=q.device)
+        dk = torch.zeros(k.shape, dtype=sd, device=q.device)
+        dv = torch.zeros(v.shape, dtype=sd, device=q.device)
+        scatters = []
+        for a, b, shards in _gathered(k, v, comm, ctx.groups, "all-gather backward"):
+            h = slice(a * g, b * g)
+            per_src = []
+            for src, (kt, vt) in enumerate(shards):
+                gk = torch.zeros(kt.shape, dtype=sd, device=q.device)
+                gv = torch.zeros(vt.shape, dtype=sd, device=q.device)
+                piece_grads(q[:, h], kt, vt, out[:, h], lse[:, h], dout[:, h],
+                            None if dlse is None else dlse[:, h], job, src, dq[:, h], gk, gv,
+                            heads=(a * g, b * g, Hq))
+                per_src.append(_pack(gk, gv))
+            # each shard's dK/dV summed over the ranks and delivered to its owner
+            scatters.append((a, b, comm.reduce_scatter(torch.stack(per_src), what=f"dK/dV heads {a}:{b}")))
+        for a, b, pending in scatters:
+            shape_k = (k.shape[0], b - a) + tuple(k.shape[2:])
+            shape_v = (v.shape[0], b - a) + tuple(v.shape[2:])
+            dk[:, a:b], dv[:, a:b] = _unpack(pending.wait(), shape_k, shape_v)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+# ---------------------------------------------------------------------- all-to-all (Ulysses)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    """``(B, H, n, X)`` sequence shard -> ``(B, H/P, P*n, X)`` head shard, rows in rank order.
+
+    Its gradient is the inverse all-to-all (and vice versa)."""
+
+    @staticmethod
+    def forward(ctx, x, comm: Comm, inverse: bool):
+        ctx.comm, ctx.inverse = comm, inverse
+        return _heads_to_seq(x, comm) if inverse else _seq_to_heads(x, comm)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (_seq_to_heads(g, ctx.comm) if ctx.inverse else _heads_to_seq(g, ctx.comm)), None, None
+
+
+def _seq_to_heads(x, comm: Comm):
+    B, H, n, X = x.shape
+    P = comm.size
+    chunks = x.reshape(B, P, H // P, n, X).transpose(0, 1)           # (P, B, H/P, n, X): chunk j -> rank j
+    got = comm.all_to_all(chunks.contiguous(), what="all-to-all to heads").wait()  # row s: rank s's shard
+    return got.permute(1, 2, 0, 3, 4).reshape(B, H // P, P * n, X)  # (B, H/P, P*n, X)
+
+
+def _heads_to_seq(y, comm: Comm):
+    B, Hp, N, X = y.shape
+    P = comm.size
+    chunks = y.reshape(B, Hp, P, N // P, X).permute(2, 0, 1, 3, 4)  # (P, B, H/P, n, X): rows of rank s -> s
+    got = comm.all_to_all(chunks.contiguous(), what="all-to-all to sequence").wait()  # row j: head chunk j
+    return got.transpose(0, 1).reshape(B, P * Hp, N // P, X)        # (B, H, n, X)
+
+
+def _ulysses(q, k, v, job: Job, comm: Comm):
+    P = comm.size
+    Hq, Hkv = q.shape[1], k.shape[1]
+    if Hkv % P:  # too few key/value heads to split: give every query head its own copy
+        k, v = k.repeat_interleave(Hq // Hkv, 1), v.repeat_interleave(Hq // Hkv, 1)
+    qh = _SeqToHeads.apply(q, comm, False)                            # (B, Hq/P, N, D)
+    kh = _SeqToHeads.apply(k, comm, False)
+    vh = _SeqToHeads.apply(v, comm, False)
+    order = gather_order(job.N, P, job.layout).to(q.device)           # global position of each row
+    contiguous = job.layout is Layout.CONTIGUOUS
+    if not contiguous:
+        inverse = torch.argsort(order)
+        qh, kh, vh = (t.index_select(2, inverse) for t in (qh, kh, vh))  # rows in global order
+    Hp = Hq // P
+    from .layout import Run
+
+    whole = Run(0, 0, job.N)
+    m, s, qo, ko = piece_args(job.mask, job.score, whole, whole, (comm.rank * Hp, (comm.rank + 1) * Hp, Hq))
+    st = attend(qh, kh, vh, mask=m, score=s, scale=job.scale, q_offset=qo, kv_offset=ko, backend=job.backend)
+    both = torch.cat([st.out, st.lse.unsqueeze(-1)], -1)              # (B, Hq/P, N, Dv+1)
+    if not contiguous:
+        both = both.index_select(2, order)                            # back to rank order
+    back = _SeqToHeads.apply(both, comm, True)                        # (B, Hq, n, Dv+1)
+    return back[..., :-1], back[..., -1]
+
+
+# ------------------------------------------------------------------------------- public
+
+
+def _validate(q, k, v, P, layout, strategy, mask, score, head_groups):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D local shard (batch, heads, seq, head_dim), "
+                             f"got {getattr(t, 'shape', type(t).__name__)}")
+    if not (q.shape[2] == k.shape[2] == v.shape[2]):
+        raise ValueError(f"local shards must hold the same positions for q, k and v, got lengths "
+                         f"{q.shape[2]}, {k.shape[2]}, {v.shape[2]} (self-attention over one sharded sequence)")
+    if not isinstance(strategy, Strategy):
+        raise TypeError(f"strategy must be a keyfold.distributed.Strategy, got {strategy!r}")
+    check_length(q.shape[2] * P, P, layout, what=f"the sharded sequence ({P} ranks x {q.shape[2]})")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q has {q.shape[1]} heads and k/v have {k.shape[1]}: query heads must be a "
+                         f"multiple of key/value heads")
+    if strategy is Strategy.ALL_TO_ALL and q.shape[1] % P:
+        raise ValueError(f"Strategy.ALL_TO_ALL splits the {q.shape[1]} query heads over {P} ranks and needs "
+                         f"them divisible; use Strategy.RING or Strategy.ALL_GATHER")
+    if isinstance(head_groups, bool) or not isinstance(head_groups, int) or head_groups < 1:
+        raise ValueError(f"head_groups must be an int >= 1, got {head_groups!r}")
+    N = q.shape[2] * P
+    if mask is not None:
+        mask.check_positions(0, N, 0, N)
+    if score is not None:
+        score.check_heads(q.shape[1])
+
+
+def ring_attention(q, k, v, *, group=None, mask=None, score=None, scale=None,
+                   layout: Layout = Layout.CONTIGUOUS, strategy: Strategy = Strategy.RING,
+                   return_lse: bool = False, backend: Backend = Backend.AUTO, head_groups: int = 2):
+    """Exact attention over a sequence sharded across the ranks of ``group``; differentiable.
+
+    Call it on every rank of the group with that rank's shards.
+    q: ``(B, Hq, n, D)``, k: ``(B, Hkv, n, D)``, v: ``(B, Hkv, n, Dv)``: the positions
+    :func:`~keyfold.distributed.shard` gives this rank for ``layout`` (the sequence has ``N = n*P``
+    positions; ``Hq % Hkv == 0``). mask, score, scale: as in :func:`keyfold.attention`, in global
+    positions (bottom-right alignment with Nq == Nk is top-left: query i sees key i).
+    strategy: :class:`Strategy` (RING, ALL_GATHER over ``head_groups`` head groups, ALL_TO_ALL).
+
+    Returns this rank's output ``(B, Hq, n, Dv)`` in the input dtype (and its lse ``(B, Hq, n)``,
+    float32, with ``return_lse=True``). Rows that see no key give 0 and lse -inf. Every rank
+    raises the same :class:`ShardError` if a rank's input is invalid or the shards disagree.
+
+    >>> # torchrun --nproc_per_node 4 examples/ring_attention_torchrun.py        # doctest: +SKIP
+    >>> out = ring_attention(shard(q), shard(k), shard(v), mask=causal(), layout=Layout.ZIGZAG)  # doctest: +SKIP
+    """
+    comm = Comm(group)
+    mask, score = as_mask(mask), as_score(score)
+    error = None
+    try:
+        _validate(q, k, v, comm.size, layout, strategy, mask, score, head_groups)
+    except (ValueError, TypeError) as e:
+        error = e
+    meta = tuple(tuple(getattr(t, "shape", ())) for t in (q, k, v)) + (
+        str(getattr(q, "dtype", None)), getattr(layout, "name", layout), getattr(strategy, "name", strategy),
+        repr(mask), repr(score), scale, head_groups)
+    comm.agree("ring_attention", meta, error)
+    job = Job(mask, score, scale, backend, layout, q.shape[2] * comm.size, comm.size, comm.rank)
+    if strategy is Strategy.RING:
+        out, lse = _RingFn.apply(q, k, v, job, comm)
+    elif strategy is Strategy.ALL_GATHER:
+        out, lse = _GatherFn.apply(q, k, v, job, comm, _head_groups(k.shape[1], head_groups))
+    else:
+        out, lse = _ulysses(q, k, v, job, comm)
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out
