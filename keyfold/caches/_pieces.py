@@ -80,8 +80,8 @@ class BatchRows(Mask):
     def classify(self, q0, q1, k0, k1):
         return self.mask.classify(q0, q1, k0, k1)
 
-    def check_positions(self, q_end, k_end):
-        self.mask.check_positions(q_end, k_end)
+    def check_positions(self, *span):
+        self.mask.check_positions(*span)
 
     def depends_on_batch_head(self):
         return self.mask.depends_on_batch_head()
@@ -180,8 +180,9 @@ class QueryRows(Mask):
         hi = torch.tensor([c for _, c in lo_hi]).view(-1, 1)
         return self.mask.classify(lo, hi, k0, k1)
 
-    def check_positions(self, q_end, k_end):
-        self.mask.check_positions(int(self.map.pos.max()) + 1, k_end)
+    def check_positions(self, q_start, q_end, k_start, k_end):
+        pos = self.map.pos
+        self.mask.check_positions(int(pos.min()), int(pos.max()) + 1, k_start, k_end)
 
     def depends_on_batch_head(self):
         return False, self.mask.depends_on_batch_head()[1]

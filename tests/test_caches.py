@@ -1,0 +1,468 @@
+"""The memory wall: caches and decoding equal ``attention`` over the equivalent full keys.
+
+Every comparison uses the correctness rule (DESIGN.md section 6, tests/helpers.py): error
+against the float64 reference at most 2x the plain same-dtype implementation's + 1e-6, and
+rows that see no key exactly 0.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import keyfold
+from keyfold.caches import (CacheFullError, KVCache, PagedKVCache, WindowCache, attend_cache, cascade,
+                            choose_splits, decode)
+from tests.helpers import assert_close_by_rule, naive_attention, visible_rows
+
+# ------------------------------------------------------------------------------ helpers
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny decode steps on a shared, loaded 2-core machine: with two OpenMP threads each call
+    can stall at the kernel's barrier for milliseconds, so these tests run on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def check_rows(got, q, k, v, **kw):
+    """``got`` = decode of q against keys k/v: hold it to the rule against attention over k/v."""
+    ref = keyfold.attention(q.double(), k.double(), v.double(), backend=keyfold.Backend.REFERENCE, **kw)
+    naive = naive_attention(q, k, v, **kw)
+    rows = visible_rows(q, k, mask=kw.get("mask"), q_offset=kw.get("q_offset"))
+    assert got.shape == naive.shape and got.dtype == q.dtype
+    assert not torch.isnan(got).any()
+    hidden = ~torch.broadcast_to(rows, got.shape[:3])
+    assert bool((got[hidden] == 0).all()), "rows that see no key must be exactly 0"
+    assert_close_by_rule(got, ref, naive, rows)
+
+
+def snapshot(obj):
+    """Everything a cache holds: python state deep-copied, tensors cloned."""
+    return {key: (val.clone() if isinstance(val, torch.Tensor) else copy.deepcopy(val))
+            for key, val in vars(obj).items()}
+
+
+def assert_unchanged(obj, snap):
+    now = vars(obj)
+    assert now.keys() == snap.keys()
+    for key, val in snap.items():
+        if isinstance(val, torch.Tensor):
+            assert torch.equal(now[key], val), f"{key} changed"
+        elif key != "_mask":
+            assert now[key] == val, f"{key} changed"
+
+
+def per_batch_docs(B, N):
+    """Per-batch document ids (B, N): a batch-dependent mask the caches must keep per row."""
+    g = torch.Generator().manual_seed(B * 1000 + N)
+    return torch.randint(0, 3, (B, N), generator=g).sort(1).values
+
+
+MASKS = {
+    "none": lambda B, N, H: None,
+    "causal": lambda B, N, H: keyfold.causal(),
+    "window": lambda B, N, H: keyfold.causal() & keyfold.window(5),
+    "sinks_window": lambda B, N, H: keyfold.causal() & (keyfold.window(4) | keyfold.sinks(3)),
+    "documents": lambda B, N, H: keyfold.causal() & keyfold.documents(per_batch_docs(B, N)),
+    "callable_b": lambda B, N, H: (lambda b, h, q, k: (k <= q) & ((k + b) % 3 != 0)),
+}
+SCORES = {
+    "none": lambda H: None,
+    "alibi": lambda H: keyfold.alibi(keyfold.alibi_slopes(H)),
+    "softcap": lambda H: keyfold.softcap(5.0),
+    "callable_b": lambda H: (lambda s, b, h, q, k: s + 0.1 * b - 0.01 * (q - k)),
+}
+
+
+# --------------------------------------------------------------------------- KVCache
+
+
+@given(B=st.integers(1, 3), Hkv=st.sampled_from([1, 2]), g=st.sampled_from([1, 2]),
+       Nq=st.integers(1, 3), data=st.data(), mask=st.sampled_from(sorted(MASKS)),
+       score=st.sampled_from(sorted(SCORES)), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_kv_cache_ragged_decode_equals_attention(B, Hkv, g, Nq, data, mask, score, dtype):
+    D, C = 8, 40
+    lens = data.draw(st.lists(st.integers(Nq, C), min_size=B, max_size=B), label="lens")
+    k, v = torch.randn(B, Hkv, C, D, dtype=dtype), torch.randn(B, Hkv, C, D, dtype=dtype)
+    cache = KVCache(B, Hkv, D, C, dtype=dtype)
+    cache.append(k, v, lengths=lens)
+    assert cache.lengths == tuple(lens)
+    q = torch.randn(B, Hkv * g, Nq, D, dtype=dtype)
+    m, s = MASKS[mask](B, C, Hkv * g), SCORES[score](Hkv * g)
+    got = decode(q, cache, mask=m, score=s)
+    for b in range(B):
+        # the rule per sequence; a batch-dependent mask/score is evaluated on the whole batch
+        L = lens[b]
+        qq = torch.zeros(B, Hkv * g, Nq, D, dtype=dtype)
+        qq[b] = q[b]
+        kk, vv = k[:, :, :L], v[:, :, :L]
+        ref = keyfold.attention(qq.double(), kk.double(), vv.double(), mask=m, score=s,
+                                backend=keyfold.Backend.REFERENCE)[b:b + 1]
+        naive = naive_attention(qq, kk, vv, mask=m, score=s)[b:b + 1]
+        rows = torch.broadcast_to(visible_rows(qq, kk, mask=m), (B, Hkv * g, Nq))[b:b + 1]
+        assert bool((got[b:b + 1][~rows] == 0).all())
+        assert_close_by_rule(got[b:b + 1], ref, naive, rows)
+
+
+def test_decode_is_the_last_row_of_attention():
+    q_all, k, v = torch.randn(2, 4, 50, 16), torch.randn(2, 2, 50, 16), torch.randn(2, 2, 50, 16)
+    cache = KVCache(2, 2, 16, 64)
+    cache.append(k, v)
+    full = keyfold.attention(q_all, k, v, mask=keyfold.causal())
+    got = decode(q_all[:, :, -1:], cache)
+    check_rows(got, q_all[:, :, -1:], k, v)
+    assert (got - full[:, :, -1:]).abs().max() < 1e-5
+
+
+def test_chunked_prefill_equals_full_causal_attention():
+    """append a block, then decode(q_block, mask=causal()): prefill in chunks of any size."""
+    N, D = 70, 8
+    q, k, v = torch.randn(1, 4, N, D), torch.randn(1, 2, N, D), torch.randn(1, 2, N, D)
+    cache = KVCache(1, 2, D, N)
+    outs, t = [], 0
+    for n in (1, 16, 5, 30, 18):
+        cache.append(k[:, :, t:t + n], v[:, :, t:t + n])
+        outs.append(decode(q[:, :, t:t + n], cache, mask=keyfold.causal()))
+        t += n
+    check_rows(torch.cat(outs, 2), q, k, v, mask=keyfold.causal())
+
+
+@pytest.mark.parametrize("mask", ["none", "window", "documents"])
+@pytest.mark.parametrize("splits", [2, 3, 7])
+def test_split_kv_equals_unsplit(mask, splits):
+    """Split-KV chunks (folded into heads without a mask, serial with one) merge exactly."""
+    B, Hkv, g, N, D = 2, 2, 2, 301, 16
+    k, v = torch.randn(B, Hkv, N, D), torch.randn(B, Hkv, N, D)
+    cache = KVCache(B, Hkv, D, N + 8)
+    cache.append(k, v)
+    q = torch.randn(B, Hkv * g, 2, D)
+    m = MASKS[mask](B, N, Hkv * g)
+    got = decode(q, cache, mask=m, splits=splits)
+    check_rows(got, q, k, v, mask=m)
+    one = decode(q, cache, mask=m, splits=1)
+    assert (got - one).abs().max() < 1e-5
+
+
+def test_split_kv_auto_folds_long_mqa_cache():
+    """Batch 1 with one key/value head has one task for all threads: auto split-KV kicks in."""
+    N, D = 3 * 4096, 16
+    k, v = torch.randn(1, 1, N, D), torch.randn(1, 1, N, D)
+    cache = KVCache(1, 1, D, N)
+    cache.append(k, v)
+    q = torch.randn(1, 4, 1, D)
+    assert choose_splits(N, tasks=1, threads=2) == 3
+    torch.set_num_threads(2)  # the fixture restores it
+    calls = _split_calls(lambda: decode(q, cache))
+    assert calls == [((1, 3, 4, D), (1, 3, 4096, D))], "one call, 3 chunks folded into heads"
+    check_rows(decode(q, cache), q, k, v)
+
+
+def _split_calls(fn):
+    """The (q shape, k shape) of every attend call fn makes."""
+    import keyfold.caches.decoding as dec
+    calls, real = [], dec.attend
+
+    def counting(q, k, *a, **kw):
+        calls.append((tuple(q.shape), tuple(k.shape)))
+        return real(q, k, *a, **kw)
+
+    dec.attend = counting
+    try:
+        fn()
+    finally:
+        dec.attend = real
+    return calls
+
+
+@given(n=st.integers(1, 1 << 20), tasks=st.integers(1, 64), threads=st.integers(1, 64))
+def test_choose_splits_properties(n, tasks, threads):
+    s = choose_splits(n, tasks, threads)
+    assert 1 <= s
+    if s > 1:
+        assert n // s >= 4096, "chunks stay at least MIN_CHUNK long"
+        assert tasks < threads or tasks % threads, "no split when every thread already has equal work"
+    if tasks % threads == 0:
+        assert s == 1
+
+
+def test_kv_cache_bad_input_leaves_it_unchanged():
+    cache = KVCache(2, 2, 8, 10)
+    cache.append(torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8), lengths=[6, 2])
+    snap = snapshot(cache)
+    with pytest.raises(CacheFullError, match="capacity=10"):
+        cache.append(torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8))  # row 0 would hold 11
+    with pytest.raises(KeyError, match="unknown sequence id 2"):
+        cache.append(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), seq_ids=[2])
+    with pytest.raises(ValueError, match="2 heads of size 8"):
+        cache.append(torch.randn(2, 3, 1, 8), torch.randn(2, 3, 1, 8))
+    with pytest.raises(ValueError, match="lengths"):
+        cache.append(torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8), lengths=[1, 2])
+    with pytest.raises(ValueError, match="ids repeat"):
+        cache.append(torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8), seq_ids=[1, 1])
+    assert_unchanged(cache, snap)
+    with pytest.raises(ValueError, match="append their k/v first"):
+        decode(torch.randn(2, 2, 3, 8), cache)  # sequence 1 holds 2 tokens
+    with pytest.raises(ValueError, match="one row per"):
+        decode(torch.randn(1, 2, 1, 8), cache)
+    with pytest.raises(ValueError, match="splits"):
+        decode(torch.randn(2, 2, 1, 8), cache, splits=0)
+    with pytest.raises(ValueError, match="multiple"):
+        decode(torch.randn(2, 3, 1, 8), cache)
+    for bad in (dict(batch=0), dict(capacity=-1), dict(dtype=torch.int32)):
+        kw = dict(batch=1, heads=1, head_dim=4, capacity=4) | bad
+        with pytest.raises((ValueError, TypeError), match=next(iter(bad))):
+            KVCache(**kw)
+
+
+def test_kv_cache_subset_of_sequences():
+    """seq_ids picks rows; a mask's batch index is q's row, as with attention over those keys."""
+    D = 8
+    cache = KVCache(4, 1, D, 32)
+    k, v = torch.randn(4, 1, 20, D), torch.randn(4, 1, 20, D)
+    cache.append(k, v, lengths=[20, 9, 9, 14])
+    ids = [2, 1, 3]
+    q = torch.randn(3, 2, 1, D)
+    docs = keyfold.documents(per_batch_docs(3, 32))
+    got = decode(q, cache, seq_ids=ids, mask=docs)
+    for i, s in enumerate(ids):
+        L = cache.lengths[s]
+        qq = torch.zeros(3, 2, 1, D)
+        qq[i] = q[i]
+        kk = k[ids, :, :L]
+        vv = v[ids, :, :L]
+        want = keyfold.attention(qq.double(), kk.double(), vv.double(), mask=docs,
+                                 backend=keyfold.Backend.REFERENCE)[i]
+        assert (got[i].double() - want).abs().max() < 1e-5
+
+
+# ------------------------------------------------------------------------ PagedKVCache
+
+
+class _Model:
+    """The paged cache's meaning: each sequence's full key/value tensors."""
+
+    def __init__(self):
+        self.k, self.v = {}, {}
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["new", "append", "append", "append", "fork", "free"]),
+                         st.integers(0, 1 << 16), st.integers(0, 9)), min_size=1, max_size=25)
+
+
+@settings(max_examples=30)
+@given(ops=OPS, page_size=st.sampled_from([1, 3, 4]))
+def test_paged_cache_matches_its_model_through_forks_and_frees(ops, page_size):
+    H, D, P = 2, 4, 24
+    pool = PagedKVCache(P, page_size, H, D)
+    model = _Model()
+    for op, pick, n in ops:
+        live = pool.sequences
+        if op == "new" or not live:
+            s = pool.new_sequence()
+            model.k[s], model.v[s] = torch.zeros(1, H, 0, D), torch.zeros(1, H, 0, D)
+            continue
+        s = live[pick % len(live)]
+        if op == "fork":
+            c = pool.fork(s)
+            model.k[c], model.v[c] = model.k[s].clone(), model.v[s].clone()
+            parent_k = pool.keys(s)
+        elif op == "free":
+            pool.free(s)
+            del model.k[s], model.v[s]
+        else:
+            k, v = torch.randn(1, H, n, D), torch.randn(1, H, n, D)
+            snap = snapshot(pool)
+            try:
+                pool.append(k, v, s)
+            except CacheFullError:
+                assert_unchanged(pool, snap)
+                continue
+            model.k[s] = torch.cat([model.k[s], k], 2)
+            model.v[s] = torch.cat([model.v[s], v], 2)
+        for t in pool.sequences:  # every sequence still holds exactly its tokens
+            assert torch.equal(pool.keys(t), model.k[t]) and torch.equal(pool.values(t), model.v[t])
+        if op == "fork":
+            assert torch.equal(pool.keys(s), parent_k)
+        stats = pool.stats()
+        assert stats.used + stats.free == P
+        assert stats.wasted <= stats.sequences * (page_size - 1), "waste: at most one partial page per sequence"
+        held = {p for t in pool.sequences for p in pool.block_table(t)}
+        assert len(held) == stats.used
+    live = [t for t in pool.sequences if pool.length(t) > 0]
+    if live:
+        q = torch.randn(len(live), 2 * H, 1, D)
+        got = decode(q, pool, seq_ids=live, mask=keyfold.causal())
+        for i, t in enumerate(live):
+            check_rows(got[i:i + 1], q[i:i + 1], model.k[t], model.v[t], mask=keyfold.causal())
+
+
+def test_fork_then_diverging_appends_never_change_the_parent():
+    H, D, ps = 2, 8, 4
+    pool = PagedKVCache(16, ps, H, D)
+    a = pool.new_sequence()
+    pool.append(torch.randn(1, H, 6, D), torch.randn(1, H, 6, D), a)  # last page half full
+    before_k, before_v = pool.keys(a), pool.values(a)
+    kids = [pool.fork(a) for _ in range(3)]
+    assert pool.stats().shared == 2
+    for i, c in enumerate(kids):
+        pool.append(torch.full((1, H, i + 1, D), float(i)), torch.full((1, H, i + 1, D), float(i)), c)
+        assert torch.equal(pool.keys(a), before_k) and torch.equal(pool.values(a), before_v)
+    pool.append(torch.randn(1, H, 3, D), torch.randn(1, H, 3, D), a)  # the parent diverges too
+    for i, c in enumerate(kids):
+        assert torch.equal(pool.keys(c)[:, :, :6], before_k)
+        assert torch.equal(pool.keys(c)[:, :, 6:], torch.full((1, H, i + 1, D), float(i)))
+    assert pool.block_table(kids[0])[0] == pool.block_table(a)[0], "full pages stay shared"
+    pool.free(a)
+    for c in kids:
+        pool.free(c)
+    assert pool.stats().free == 16 and pool.stats().used == 0
+
+
+def test_paged_decode_equals_contiguous_and_coalesces_pages():
+    """Sequences growing in lock step keep their pages together: one span each."""
+    H, D, ps, S = 2, 16, 8, 4
+    pool = PagedKVCache(64, ps, H, D)
+    cont = KVCache(S, H, D, 128)
+    ids = [pool.new_sequence() for _ in range(S)]
+    for _ in range(15):  # 4 sequences, 15 steps of 7 tokens: interleaved allocation
+        k, v = torch.randn(S, H, 7, D), torch.randn(S, H, 7, D)
+        pool.append(k, v, ids)
+        cont.append(k, v)
+    assert all(len(g.spans) == 1 for g in pool.pieces(ids))
+    q = torch.randn(S, 2 * H, 1, D)
+    m = keyfold.window(50)
+    got = decode(q, pool, seq_ids=ids, mask=m, score=keyfold.alibi(keyfold.alibi_slopes(2 * H)))
+    want = decode(q, cont, mask=m, score=keyfold.alibi(keyfold.alibi_slopes(2 * H)))
+    assert (got - want).abs().max() < 1e-5
+    for i, s in enumerate(ids):
+        check_rows(got[i:i + 1], q[i:i + 1], pool.keys(s), pool.values(s), mask=m,
+                   score=keyfold.alibi(keyfold.alibi_slopes(2 * H)))
+
+
+def test_paged_bad_input_leaves_it_unchanged():
+    pool = PagedKVCache(4, 4, 1, 4)
+    a, b = pool.new_sequence(), pool.new_sequence()
+    pool.append(torch.randn(2, 1, 6, 4), torch.randn(2, 1, 6, 4), [a, b])  # 4 pages used
+    c = pool.fork(a)
+    snap = snapshot(pool)
+    with pytest.raises(CacheFullError, match="needs 1 free pages but the pool has 0"):
+        pool.append(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4), c)  # copy-on-write needs a page
+    with pytest.raises(CacheFullError, match="free pages"):
+        pool.append(torch.randn(2, 1, 3, 4), torch.randn(2, 1, 3, 4), [a, b])
+    with pytest.raises(KeyError, match="unknown sequence id 7"):
+        pool.append(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4), 7)
+    with pytest.raises(KeyError, match="unknown sequence id"):
+        pool.fork(7)
+    with pytest.raises(KeyError, match="unknown sequence id"):
+        pool.free(7)
+    with pytest.raises(ValueError, match="seq_ids"):
+        decode(torch.randn(1, 1, 1, 4), pool)
+    assert_unchanged(pool, snap)
+    pool.free(b)  # now it fits
+    pool.append(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4), c)
+    assert pool.length(c) == 7 and pool.length(a) == 6
+
+
+# ------------------------------------------------------------------------- WindowCache
+
+
+@pytest.mark.parametrize("W,S", [(16, 4), (7, 0), (5, 9)])
+def test_window_cache_equals_masked_attention_at_every_step(W, S):
+    """A long stream, one token per step: each step equals attention over the whole stream."""
+    T, H, D = 240, 2, 8
+    ks, vs, qs = torch.randn(1, H, T, D), torch.randn(1, H, T, D), torch.randn(1, 2 * H, T, D)
+    cache = WindowCache(window=W, sinks=S, heads=H, head_dim=D)
+    m = keyfold.causal() & (keyfold.window(W - 1) | keyfold.sinks(S))
+    nbytes = cache.nbytes
+    got = []
+    for t in range(T):
+        cache.append(ks[:, :, t:t + 1], vs[:, :, t:t + 1])
+        got.append(decode(qs[:, :, t:t + 1], cache))
+        held = sum(sp.n for g in cache.pieces() for sp in g.spans)
+        assert held == min(t + 1, W + S), "each token held once, S + W at most"
+    assert cache.nbytes == nbytes and cache.length == T
+    # attention over the full stream with the equivalent mask, all steps at once
+    check_rows(torch.cat(got, 2), qs, ks, vs, mask=m)
+
+
+def test_window_cache_blocks_alibi_and_chunked_prefill():
+    """Blocks of tokens (chunked prefill) with max_block, and ALiBi at true positions."""
+    W, S, T, H, D = 12, 3, 200, 2, 8
+    ks, vs, qs = torch.randn(2, H, T, D), torch.randn(2, H, T, D), torch.randn(2, H, T, D)
+    cache = WindowCache(window=W, sinks=S, heads=H, head_dim=D, batch=2, max_block=8)
+    m = keyfold.causal() & (keyfold.window(W - 1) | keyfold.sinks(S))
+    sc = keyfold.alibi(keyfold.alibi_slopes(H))
+    got, t, sizes = [], 0, [3, 8, 1, 5, 8, 2, 7]
+    i = 0
+    while t < T:
+        n = min(sizes[i % len(sizes)], T - t)
+        cache.append(ks[:, :, t:t + n], vs[:, :, t:t + n])
+        got.append(decode(qs[:, :, t:t + n], cache, score=sc))
+        t, i = t + n, i + 1
+    check_rows(torch.cat(got, 2), qs, ks, vs, mask=m, score=sc)
+    with pytest.raises(ValueError, match="max_block=9"):
+        decode(torch.randn(2, H, 9, D), cache)
+    cache.append(torch.randn(2, H, 1000, D), torch.randn(2, H, 1000, D))  # one block longer than the ring
+    assert cache.length == T + 1000
+
+
+# ----------------------------------------------------------------------------- cascade
+
+
+@settings(max_examples=20)
+@given(R=st.integers(1, 5), Nq=st.integers(1, 3), P=st.integers(1, 40), data=st.data(),
+       mask=st.sampled_from(["none", "causal", "window", "documents", "callable_b"]),
+       score=st.sampled_from(["none", "alibi", "callable_b"]))
+def test_cascade_equals_attention_over_each_full_copy(R, Nq, P, data, mask, score):
+    H, g, D, Smax = 2, 2, 8, 6
+    lens = data.draw(st.lists(st.integers(0, Smax), min_size=R, max_size=R), label="suffix_lengths")
+    if any(P + x < Nq for x in lens):
+        return
+    pk, pv = torch.randn(1, H, P, D), torch.randn(1, H, P, D)
+    sk, sv = torch.randn(R, H, Smax, D), torch.randn(R, H, Smax, D)
+    q = torch.randn(R, H * g, Nq, D)
+    m, sc = MASKS[mask](R, P + Smax, H * g), SCORES[score](H * g)
+    got = cascade(q, pk, pv, sk, sv, suffix_lengths=lens, mask=m, score=sc)
+    for r in range(R):
+        k = torch.cat([pk.expand(R, -1, -1, -1), sk[:, :, :lens[r]]], 2)
+        v = torch.cat([pv.expand(R, -1, -1, -1), sv[:, :, :lens[r]]], 2)
+        qq = torch.zeros_like(q)
+        qq[r] = q[r]
+        ref = keyfold.attention(qq.double(), k.double(), v.double(), mask=m, score=sc,
+                                backend=keyfold.Backend.REFERENCE)[r:r + 1]
+        naive = naive_attention(qq, k, v, mask=m, score=sc)[r:r + 1]
+        rows = torch.broadcast_to(visible_rows(qq, k, mask=m), q.shape[:3])[r:r + 1]
+        assert bool((got[r:r + 1][~rows] == 0).all())
+        assert_close_by_rule(got[r:r + 1], ref, naive, rows)
+
+
+def test_cascade_reads_the_prefix_once():
+    """The prefix is one attend call for all requests (counted through the engine)."""
+    R, P = 16, 512
+    pk, pv = torch.randn(1, 2, P, 8), torch.randn(1, 2, P, 8)
+    sk, sv = torch.randn(R, 2, 5, 8), torch.randn(R, 2, 5, 8)
+    calls = _split_calls(lambda: cascade(torch.randn(R, 4, 1, 8), pk, pv, sk, sv, mask=keyfold.causal(), splits=1))
+    prefix_calls = [c for c in calls if c[1][2] == P]
+    assert len(prefix_calls) == 1 and prefix_calls[0][0] == (1, 4, R, 8)
+    assert len(calls) == 2  # + one batched call over the equal-length suffixes
+
+
+def test_cascade_and_state_merge_with_other_pieces():
+    """attend_cache gives a State: a cache can be one piece among others (e.g. a new block)."""
+    cache = KVCache(1, 2, 8, 32)
+    k, v = torch.randn(1, 2, 30, 8), torch.randn(1, 2, 30, 8)
+    cache.append(k[:, :, :20], v[:, :, :20])
+    q = torch.randn(1, 2, 1, 8)
+    past = attend_cache(q, cache)
+    new = keyfold.attend(q, k[:, :, 20:], v[:, :, 20:], q_offset=29, kv_offset=20)
+    check_rows(keyfold.merge(past, new).out, q, k, v)
+    with pytest.raises(ValueError, match="batch 1"):
+        cascade(q, k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), k, v)
