@@ -916,3 +916,60 @@ def _aten_dense(q, k, v, pb: Problem) -> State | None:
         _ATEN_BROKEN.append(repr(e))
         _warn_once("aten", f"aten flash op failed ({e!r}); dense pieces use the Triton kernel")
         return None
+
+
+# ============================================================================ compile check
+
+
+def compile_for_gpu(arch: int = 90, dtype: str = "bf16", head_dim: int = 128, mask=None, score=None) -> dict:
+    """Compile the three kernels ahead of time for an NVIDIA GPU of compute capability ``arch``
+    (90 = H100/H200) without one: proves they lower to a cubin. Returns per kernel
+    ``{"seconds", "shared_bytes"}``. Needs triton with its bundled ptxas, and must run in a
+    process where TRITON_INTERPRET is unset (the interpreter replaces the kernels).
+
+    mask, score: the settings whose programs to compile (default ``causal() & (window(64) |
+    sinks(4))`` with ``[alibi, softcap]``, which exercises most of the in-kernel code).
+    """
+    import time
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if _interpreting():
+        raise RuntimeError("compile_for_gpu needs TRITON_INTERPRET unset (run it in a fresh process)")
+    if mask is None:
+        mask = _m.causal() & (_m.window(64) | _m.sinks(4))
+    if score is None:
+        score = _s.as_score([_s.alibi(torch.ones(1)), _s.softcap(30.0)])
+    prog = _mask_program(_m.as_mask(mask))
+    kind = _score_program(score)
+    if kind is None:
+        raise ValueError(f"score {score!r} does not run in the kernel")
+    d = _pow2(head_dim)
+    const = dict(PROG=prog.code, NLIT=prog.nlit, SCORE=int(kind[0]), BLOCK_D=d, BLOCK_DV=d,
+                 IEEE=dtype == "fp32")
+    fake = torch.empty(1, dtype={"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype],
+                       device="meta")
+    fwd, bwd = _configs(_MetaCuda(fake), head_dim, head_dim)
+    ptrs = {n: "*i32" for n in ("p_ptr", "p_col", "f_ptr", "f_col", "p_row", "p_slot", "f_row", "prm", "aux")}
+    ptrs.update(bits="*i8", slopes="*fp32", O="*fp32", LSE="*fp32", DELTA="*fp32", DQ="*fp32", DK="*fp32",
+                DV="*fp32", **{n: "*" + dtype for n in ("Q", "K", "V", "DO")})
+    result = {}
+    for fn, cfg, extra in ((_fwd_kernel, fwd, dict(EVEN_N=False)), (_bwd_dq_kernel, bwd, dict(EVEN_N=False)),
+                           (_bwd_dkdv_kernel, bwd, {})):
+        c = dict(const, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **extra)
+        sig = {n: "constexpr" if n in c else ptrs.get(n, "fp32" if n in ("cap", "sm_scale") else "i32")
+               for n in fn.arg_names}
+        t0 = time.perf_counter()
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c), target=GPUTarget("cuda", arch, 32),
+                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        result[fn.__name__] = {"seconds": round(time.perf_counter() - t0, 2), "shared_bytes": k.metadata.shared}
+    return result
+
+
+class _MetaCuda:
+    """Stands in for a CUDA tensor when choosing configs for a GPU that is not here."""
+
+    def __init__(self, t):
+        self.dtype = t.dtype
+        self.device = torch.device("cuda")
