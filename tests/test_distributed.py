@@ -1,0 +1,474 @@
+"""The communication wall: shards, ring / all-gather / all-to-all attention, tree decode, costs.
+
+Process groups are real: gloo over 127.0.0.1, ranks spawned with torch.multiprocessing. Each
+spawned group runs a whole batch of cases (layouts x masks x strategies) and sends its errors
+back; the assertions run here, in the test process. The position logic itself (which pieces a
+rank computes for which shard) is checked in-process with Hypothesis, without any group.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hypothesis import given, settings, strategies as st
+
+import keyfold
+from keyfold.distributed import (DistributedError, Layout, Reduce, ShardError, Strategy, ring_attention,
+                                 shard, shard_of, shard_positions, shard_runs, tree_decode, unshard,
+                                 unshard_of)
+from keyfold.distributed import costs
+from keyfold.distributed.pieces import Job, accumulate, piece_grads
+from keyfold.state import empty_state
+from tests.helpers import max_err, naive_attention, visible_rows
+
+REF = keyfold.Backend.REFERENCE
+
+
+# ------------------------------------------------------------------ spawning process groups
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, P, port, pg_timeout, worker, args, results):
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=P,
+                                timeout=timedelta(seconds=pg_timeout))
+        results.put((rank, "ok", worker(rank, P, *args)))
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the test process
+        results.put((rank, "error", (type(e).__name__, str(e), traceback.format_exc())))
+    finally:
+        results.close()
+        results.join_thread()
+
+
+def launch(worker, P, *args, pg_timeout=20, deadline=120):
+    """Run ``worker(rank, P, *args)`` on P gloo ranks; return ``{rank: (status, value)}``.
+
+    A rank that does not report within ``deadline`` seconds is reported as ("hang", None).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, P, port, pg_timeout, worker, args, results), daemon=True)
+             for r in range(P)]
+    for p in procs:
+        p.start()
+    got, end = {}, time.monotonic() + deadline
+    while len(got) < P and time.monotonic() < end:
+        try:
+            rank, status, value = results.get(timeout=max(0.1, end - time.monotonic()))
+            got[rank] = (status, value)
+        except queue_mod.Empty:
+            break
+    for p in procs:  # the results are in: give each rank a moment to exit, then end it
+        p.join(timeout=1 if len(got) == P else 5)
+        if p.is_alive():
+            p.kill()  # only the processes this function started
+    for r in range(P):
+        got.setdefault(r, ("hang", None))
+    return got
+
+
+def _values(got):
+    bad = {r: v for r, (s, v) in got.items() if s != "ok"}
+    assert not bad, "ranks failed:\n" + "\n".join(f"rank {r}: {v if v is None else v[2]}" for r, v in bad.items())
+    return [got[r][1] for r in sorted(got)]
+
+
+# ------------------------------------------------------------------------ the cases
+
+
+def _inputs(N, dtype, H=4, Hkv=2, D=16, seed=1234):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, h, N, D, generator=g).to(dtype) for h in (H, Hkv, Hkv))
+    dout = torch.randn(1, H, N, D, generator=g).to(dtype)
+    return q, k, v, dout
+
+
+def _masks(N):
+    ids = torch.tensor([0] * (N // 4) + [1] * (N // 2) + [2] * (N - N // 4 - N // 2))
+    return {
+        "causal": keyfold.causal(),
+        "window": keyfold.causal() & keyfold.window(N // 8),
+        "documents": keyfold.documents(ids) & keyfold.causal(),
+        "none": None,
+    }
+
+
+def _grads(fn, q, k, v, dout):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out = fn(q, k, v)
+    (out.float() * dout.float()).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _errors_vs_full(rank, P, group, layout, strategy, mask, dtype, N, score=None):
+    """Local-shard errors of ring attention (out, dq, dk, dv) and of the naive yardstick,
+    both against the float64 reference on the full sequence, restricted to this rank's rows."""
+    q, k, v, dout = _inputs(N, dtype)
+    sh = lambda t: shard_of(t, P, rank, layout)  # noqa: E731
+    ring = _grads(lambda a, b, c: ring_attention(a, b, c, group=group, mask=mask, score=score,
+                                                 layout=layout, strategy=strategy),
+                  sh(q), sh(k), sh(v), sh(dout))
+    ref = _grads(lambda a, b, c: keyfold.attention(a, b, c, mask=mask, score=score, backend=REF),
+                 q.double(), k.double(), v.double(), dout)
+    nai = _grads(lambda a, b, c: torch.nan_to_num(naive_attention(a, b, c, mask=mask, score=score)), q, k, v, dout)
+    rows = sh(torch.broadcast_to(visible_rows(q, k, mask=mask), (1, q.shape[1], N)).unsqueeze(-1)).squeeze(-1)
+    hidden_zero = bool((ring[0][~rows.expand(ring[0].shape[:3])] == 0).all())
+    errs = {}
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        r = rows if name == "out" else None
+        errs[name] = (max_err(ring[i], sh(ref[i]), r), max_err(sh(nai[i]), sh(ref[i]), r))
+    return errs, hidden_zero
+
+
+LAYOUTS = list(Layout)
+
+
+def _worker_matrix(rank, P, N, strategies):
+    """Every layout x mask x strategy against single-process attention on the full sequence."""
+    out = {}
+    for layout in LAYOUTS:
+        for mname, mask in _masks(N).items():
+            for strategy in strategies:
+                out[(layout.name, mname, strategy.name)] = _errors_vs_full(
+                    rank, P, None, layout, strategy, mask, torch.float32, N)
+    # bfloat16 and a score modifier once each, through the ring
+    out[("ZIGZAG", "causal+alibi", "RING")] = _errors_vs_full(
+        rank, P, None, Layout.ZIGZAG, Strategy.RING, keyfold.causal(), torch.float32, N,
+        score=keyfold.alibi(keyfold.alibi_slopes(4)))
+    out[("STRIPED", "causal+softcap", "ALL_GATHER")] = _errors_vs_full(
+        rank, P, None, Layout.STRIPED, Strategy.ALL_GATHER, keyfold.causal(), torch.float32, N,
+        score=keyfold.softcap(3.0))
+    out[("ZIGZAG", "causal bf16", "RING")] = _errors_vs_full(
+        rank, P, None, Layout.ZIGZAG, Strategy.RING, keyfold.causal(), torch.bfloat16, N)
+    return out
+
+
+def _check_matrix(results):
+    worst = {}
+    for per_rank in results:
+        for case, (errs, hidden_zero) in per_rank.items():
+            assert hidden_zero, f"{case}: rows that see no key must be exactly 0"
+            for name, (e_got, e_naive) in errs.items():
+                a, b = worst.get((case, name), (0.0, 0.0))
+                worst[(case, name)] = (max(a, e_got), max(b, e_naive))
+    for (case, name), (e_got, e_naive) in worst.items():
+        factor = 2.0 if name == "out" else 3.0
+        assert e_got <= factor * e_naive + 1e-6, (
+            f"{case} {name}: error {e_got:.3e} > {factor}x naive {e_naive:.3e} + 1e-6")
+    return worst
+
+
+def _worker_two(rank, P, N):
+    return {"matrix": _worker_matrix(rank, P, N, list(Strategy)), "small": _worker_small(rank, P)}
+
+
+def test_two_ranks_every_layout_mask_and_strategy():
+    results = _values(launch(_worker_two, 2, 64))
+    worst = _check_matrix([r["matrix"] for r in results])
+    assert len(worst) == (len(LAYOUTS) * 4 * 3 + 3) * 4
+    _check_small(2, [r["small"] for r in results])
+
+
+def _worker_four(rank, P, N):
+    """Four ranks: the matrix for ring and all-to-all, then error at 1, 2 and 4 ranks (subgroups)."""
+    out = {"matrix": _worker_matrix(rank, P, N, [Strategy.RING, Strategy.ALL_TO_ALL]),
+           "small": _worker_small(rank, P)}
+    singles = [dist.new_group([r]) for r in range(P)]
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    scaling = {}
+    for layout in LAYOUTS:
+        for dtype in (torch.float32, torch.bfloat16):
+            for size, group in ((1, singles[rank]), (2, pairs[rank // 2]), (4, None)):
+                errs, _ = _errors_vs_full(dist.get_rank(group), size, group, layout, Strategy.RING,
+                                          keyfold.causal(), dtype, N)
+                scaling[(layout.name, str(dtype), size)] = {k: e for k, (e, _) in errs.items()}
+    out["scaling"] = scaling
+    return out
+
+
+def test_four_ranks_and_error_does_not_grow_with_ranks():
+    results = _values(launch(_worker_four, 4, 128))
+    _check_matrix([r["matrix"] for r in results])
+    _check_small(4, [r["small"] for r in results])
+    worst = {}
+    for r in results:
+        for key, errs in r["scaling"].items():
+            for name, e in errs.items():
+                worst[key + (name,)] = max(worst.get(key + (name,), 0.0), e)
+    for layout in LAYOUTS:
+        for dtype in (torch.float32, torch.bfloat16):
+            for name in ("out", "dq", "dk", "dv"):
+                e1, e2, e4 = (worst[(layout.name, str(dtype), P, name)] for P in (1, 2, 4))
+                assert e1 > 0
+                assert e2 <= 2 * e1 and e4 <= 2 * e1, (
+                    f"{layout.name} {dtype} {name}: error grows with ranks: 1: {e1:.2e}, 2: {e2:.2e}, 4: {e4:.2e}")
+
+
+# ----------------------------------------------------------- shard, unshard, tree decode
+
+
+def _worker_small(rank, P):
+    """shard/unshard through the group, and tree_decode over uneven cache shards."""
+    out = {}
+    x = torch.arange(2 * 3 * 24 * 5, dtype=torch.float32).view(2, 3, 24, 5)
+    for layout in LAYOUTS:
+        mine = shard(x, layout=layout)
+        out[("shard", layout.name)] = bool(torch.equal(mine, shard_of(x, P, rank, layout)))
+        out[("unshard", layout.name)] = bool(torch.equal(unshard(mine, layout=layout), x))
+    g = torch.Generator().manual_seed(7)
+    lengths = [37, 0, 21, 40][:P] if P > 2 else [37, 21]
+    T = sum(lengths)
+    q = torch.randn(1, 4, 1, 16, generator=g)
+    k, v = torch.randn(1, 2, T, 16, generator=g), torch.randn(1, 2, T, 16, generator=g)
+    lo = sum(lengths[:rank])
+    kl, vl = k[:, :, lo:lo + lengths[rank]], v[:, :, lo:lo + lengths[rank]]
+    for mname, mask in (("none", None), ("window+sinks", keyfold.causal() & (keyfold.window(24) | keyfold.sinks(4)))):
+        ref = keyfold.attention(q.double(), k.double(), v.double(), mask=mask, backend=REF)
+        nai = naive_attention(q, k, v, mask=mask)
+        for how in Reduce:
+            got, lse = tree_decode(q, kl, vl, mask=mask, reduce=how, return_lse=True)
+            ref_lse = keyfold.attend(q.double(), k.double(), v.double(), mask=mask, backend=REF).lse
+            out[("decode", mname, how.name)] = (max_err(got, ref), max_err(nai, ref), max_err(lse, ref_lse))
+    return out
+
+
+def _check_small(P, results):
+    """shard/unshard round trips; tree_decode within the rule, both reductions."""
+    for res in results:
+        assert len(res) == 2 * len(LAYOUTS) + 2 * len(Reduce)
+        for key, val in res.items():
+            if key[0] in ("shard", "unshard"):
+                assert val, f"P={P}: {key} does not round-trip"
+            else:
+                e, e_naive, e_lse = val
+                assert e <= 2 * e_naive + 1e-6, f"P={P} {key}: {e:.2e} vs naive {e_naive:.2e}"
+                assert e_lse <= 1e-5, f"P={P} {key}: lse error {e_lse:.2e}"
+
+
+# ------------------------------------------------------------------------- failures
+
+
+def _worker_failures(rank, P, pg_timeout):
+    """Mismatched shapes, one rank's invalid input, then a rank that stops taking part."""
+    seen = {}
+    q = torch.randn(1, 2, 16 if rank == 0 else 8, 8)
+    try:
+        ring_attention(q, q, q, mask=keyfold.causal())
+    except ShardError as e:
+        seen["mismatch"] = str(e)
+    q = torch.randn(1, 2, 16, 8)
+    bad = q.to(torch.int32) if rank == 1 else q
+    try:
+        ring_attention(bad, q, q, strategy=Strategy.ALL_GATHER)
+    except ShardError as e:
+        seen["invalid"] = str(e)
+    if rank == 1:  # raises in its own code, and its process lives on without calling
+        time.sleep(1.5 * pg_timeout)
+        return seen
+    t0 = time.monotonic()
+    try:
+        ring_attention(q, q, q)
+    except (DistributedError, ShardError) as e:
+        seen["stalled"] = (type(e).__name__, str(e), time.monotonic() - t0)
+    return seen
+
+
+def test_mismatched_shards_and_a_stalled_rank_end_with_clear_errors():
+    t0 = time.monotonic()
+    res = _values(launch(_worker_failures, 2, 3, pg_timeout=3, deadline=60))
+    for rank, seen in enumerate(res):
+        assert "disagree" in seen["mismatch"] and "(1, 2, 16, 8)" in seen["mismatch"], seen
+        assert "rank 1" in seen["invalid"], seen  # every rank names the rank whose input is bad
+    name, msg, waited = res[0]["stalled"]
+    assert name == "DistributedError" and "rank 0" in msg and "timeout" in msg, msg
+    assert waited < 3 * 3, f"rank 0 waited {waited:.1f}s with a 3s group timeout"
+    assert time.monotonic() - t0 < 60
+
+
+def _worker_raises(rank, P):
+    if rank == 1:
+        raise RuntimeError("boom in user code on rank 1")
+    q = torch.randn(1, 2, 16, 8)
+    return ring_attention(q, q, q)
+
+
+def test_a_rank_that_raises_ends_every_rank():
+    t0 = time.monotonic()
+    got = launch(_worker_raises, 2, pg_timeout=5, deadline=60)
+    assert got[1][0] == "error" and "boom" in got[1][1][1]
+    assert got[0][0] == "error" and got[0][1][0] in ("DistributedError", "ShardError"), got[0]
+    assert "rank 0" in got[0][1][1]
+    assert time.monotonic() - t0 < 30
+
+
+# ----------------------------------------------- positions and pieces, in-process (Hypothesis)
+
+
+@given(N_over=st.integers(1, 6), P=st.sampled_from([1, 2, 3, 4]), layout=st.sampled_from(LAYOUTS))
+def test_shards_partition_the_sequence_and_round_trip(N_over, P, layout):
+    N = N_over * 2 * P
+    x = torch.randn(2, N, 3)
+    shards = [shard_of(x, P, r, layout) for r in range(P)]
+    assert torch.equal(unshard_of(shards, layout), x)
+    pos = torch.cat([shard_positions(N, P, r, layout) for r in range(P)])
+    assert torch.equal(pos.sort().values, torch.arange(N))
+    for r in range(P):
+        assert torch.equal(shards[r], x[:, shard_positions(N, P, r, layout)])
+
+
+@given(c=st.integers(1, 8), P=st.integers(1, 6))
+def test_zigzag_and_striped_balance_causal_work(c, P):
+    N = 2 * P * c
+    work = {lay: [int((shard_positions(N, P, r, lay) + 1).sum()) for r in range(P)] for lay in LAYOUTS}
+    assert len(set(work[Layout.ZIGZAG])) == 1                          # exactly equal
+    n = N // P
+    assert max(work[Layout.STRIPED]) - min(work[Layout.STRIPED]) == n * (P - 1)  # one key per rank gap
+    assert max(work[Layout.CONTIGUOUS]) - min(work[Layout.CONTIGUOUS]) == n * n * (P - 1)
+
+
+def test_uneven_lengths_raise_a_clear_error():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        shard_runs(12, 4, 0, Layout.ZIGZAG)
+    with pytest.raises(TypeError, match="Layout"):
+        shard_runs(12, 4, 0, "zigzag")
+
+
+def _mask_cases(N):
+    ids = torch.randint(0, 3, (N,)).sort().values
+    return [None, keyfold.causal(), keyfold.causal() & keyfold.window(3), keyfold.documents(ids),
+            keyfold.causal() & (keyfold.window(2) | keyfold.sinks(2)), lambda b, h, q, k: (q - k) % 3 == 0]
+
+
+@settings(max_examples=25)
+@given(N_over=st.integers(1, 4), P=st.sampled_from([1, 2, 3, 4]), layout=st.sampled_from(LAYOUTS),
+       which=st.integers(0, 5), alibi=st.booleans())
+def test_every_rank_every_shard_merges_to_attention(N_over, P, layout, which, alibi):
+    """What each rank computes for each key shard, merged, is attention on the whole sequence,
+    forward and backward (the ring's arithmetic without the transport), in float64."""
+    N, H = 2 * P * N_over, 4
+    mask = keyfold.as_mask(_mask_cases(N)[which])
+    score = keyfold.alibi(keyfold.alibi_slopes(H)) if alibi else None
+    q, k, v = (torch.randn(1, h, N, 8, dtype=torch.float64) for h in (H, 2, 2))
+    ref = keyfold.attend(q, k, v, mask=mask, score=score, backend=REF)
+    dout = torch.randn_like(ref.out)
+    qr, kr, vr = (t.clone().requires_grad_(True) for t in (q, k, v))
+    full = keyfold.attend(qr, kr, vr, mask=mask, score=score, backend=REF)
+    refg = torch.autograd.grad((full.out * dout).sum(), (qr, kr, vr))
+    outs, dqs = [], []
+    dks = [torch.zeros(1, 2, N // P, 8, dtype=torch.float64) for _ in range(P)]
+    dvs = [torch.zeros(1, 2, N // P, 8, dtype=torch.float64) for _ in range(P)]
+    for r in range(P):
+        job = Job(mask, score, None, keyfold.Backend.AUTO, layout, N, P, r)
+        sh = lambda t: shard_of(t, P, r, layout)  # noqa: E731
+        acc = empty_state(1, H, N // P, 8, dtype=torch.float64)
+        dq = torch.zeros(1, H, N // P, 8, dtype=torch.float64)
+        out_r, lse_r = sh(ref.out), sh(ref.lse.unsqueeze(-1)).squeeze(-1)
+        for src in range(P):
+            ks, vs = shard_of(k, P, src, layout), shard_of(v, P, src, layout)
+            accumulate(acc, sh(q), ks, vs, job, src)
+            piece_grads(sh(q), ks, vs, out_r, lse_r, sh(dout), None, job, src, dq, dks[src], dvs[src])
+        outs.append(acc.out)
+        dqs.append(dq)
+    assert max_err(unshard_of(outs, layout), ref.out) < 1e-12
+    for got, want in zip((dqs, dks, dvs), refg):
+        assert max_err(unshard_of(got, layout), want) < 1e-10
+
+
+def test_ring_posts_the_next_transfer_before_computing():
+    """The schedule: post shift t+1, compute shard t, wait; P-1 shifts for P shards."""
+    from keyfold.distributed import ring as ring_mod
+
+    events = []
+
+    class FakeComm:
+        rank, size = 1, 3
+
+        def shift(self, t, what="", tag=0):
+            events.append("post")
+
+            class Pending:
+                def wait(self_inner):
+                    events.append("wait")
+                    return t
+            return Pending()
+
+    original = ring_mod.accumulate
+    try:
+        ring_mod.accumulate = lambda acc, q, k, v, job, src, heads=None: events.append(f"compute {src}")
+        q = torch.randn(1, 2, 4, 8)
+        ring_mod._ring_forward(q, q, q, Job(None, None, None, keyfold.Backend.AUTO, Layout.CONTIGUOUS, 12, 3, 1),
+                               FakeComm())
+    finally:
+        ring_mod.accumulate = original
+    assert events == ["post", "compute 1", "wait", "post", "compute 0", "wait", "compute 2"]
+
+
+# ------------------------------------------------------------------------ the cost model
+
+
+def test_cost_model_arithmetic_by_hand():
+    w = costs.Workload(tokens=1024, heads=1, kv_heads=1, head_dim=64, causal=False)
+    assert costs.attention_flops(w) == 4 * 1024 ** 2 * 64 == 268_435_456
+    assert costs.attention_flops(costs.Workload(1024, 1, 1, 64, causal=True)) == 268_435_456 / 2
+    # the paper's Table 1: minimal block = FLOP/s / bandwidth
+    assert costs.min_block(312e12, 300e9) == pytest.approx(1040.0)
+    assert costs.min_block(312e12, 12.5e9) == pytest.approx(24960.0)
+    # its general form reduces to F/W under the paper's assumptions
+    paper = costs.Workload(tokens=1, heads=8, kv_heads=8, head_dim=1, elem_bytes=2, causal=False)
+    assert costs.min_block(312e12, 300e9, paper) == pytest.approx(1040.0)
+    # a ring by hand: N=8192, P=4, H=Hkv=8, d=128, bf16, no mask, 1 PFLOP/s, 100 GB/s, no latency
+    link = costs.Link("test", 100e9, 0.0)
+    prof = costs.Profile("test", 1e15, 1.0, link, link, per_node=8)
+    w = costs.Workload(tokens=8192, heads=8, kv_heads=8, head_dim=128, causal=False)
+    e = costs.estimate("ring", w, 4, prof)
+    tc = 4 * 8 * 2048 ** 2 * 128 / 1e15            # 1.718e-5 s per step
+    shard_bytes = 2 * 8 * 2048 * 128 * 2           # 8,388,608 bytes of K and V
+    tm = shard_bytes / 100e9                       # 8.389e-5 s
+    assert e.bytes_per_rank == 3 * shard_bytes == 25_165_824
+    assert e.step_s == pytest.approx(tc + 3 * tm)
+    assert not e.hidden and e.tokens_per_rank == 2048
+    # all-to-all: (P-1)/P of q, k, v and out
+    u = costs.estimate("all_to_all", w, 4, prof)
+    assert u.bytes_per_rank == pytest.approx(0.75 * 2048 * 128 * 2 * (2 * 8 + 2 * 8)) and not u.hidden
+    assert math.isnan(costs.estimate("all_to_all", w, 16, prof).step_s)   # 8 heads over 16 devices
+    g = costs.estimate("all_gather", w, 4, prof, groups=2)
+    assert g.bytes_per_rank == e.bytes_per_rank
+    assert g.step_s == pytest.approx(3 * tm / 2 + max(4 * tc, 3 * tm) / 2 + 4 * tc / 2)
+
+
+@given(tokens_log=st.integers(10, 22), P_log=st.integers(1, 10), heads=st.sampled_from([8, 32]),
+       kv=st.sampled_from([1, 8]), causal=st.booleans(), mfu=st.floats(0.1, 1.0))
+def test_ring_hides_comm_exactly_when_blocks_reach_the_condition(tokens_log, P_log, heads, kv, causal, mfu):
+    link = costs.Link("l", 50e9, 0.0)
+    prof = costs.Profile("p", 989e12, mfu, link, link)
+    w = costs.Workload(tokens=1 << tokens_log, heads=heads, kv_heads=kv, head_dim=128, causal=causal)
+    P = 1 << P_log
+    e = costs.estimate("ring", w, P, prof)
+    c_min = costs.min_block(prof.flops, link.bandwidth, w, mfu)
+    if abs(e.tokens_per_rank - c_min) > 1e-9 * c_min:
+        assert e.hidden == (e.tokens_per_rank >= c_min)
+    assert e.step_s >= e.compute_s * (1 - 1e-12)          # never faster than the compute alone
+
+
+def test_costs_command_prints_the_table(capsys, tmp_path):
+    assert costs.main(["--profile", "h100-sxm", "--max-devices", "1024", "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "| 1024 | 1,024 |" in text and "A100 InfiniBand" in text and "24,960" in text
+    assert (tmp_path / "costs_h100-sxm.png").stat().st_size > 0
