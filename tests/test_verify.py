@@ -119,3 +119,96 @@ def test_error_bound_refuses_unknown_score_mods_clearly():
         error_bound(q, k, v, score=lambda s, b, h, i, j: s * 2)
     with pytest.raises(ValueError, match="pieces"):
         error_bound(q, k, v, pieces=0)
+
+
+# ------------------------------------------------------------------ 2. certified bounds
+
+from keyfold.verify import certify as C  # noqa: E402
+
+MASKS = {"none": None, "causal": keyfold.causal(), "window": keyfold.causal() & keyfold.window(2)}
+
+
+@given(N=st.integers(1, 6), E=st.sampled_from([4, 8]), H=st.sampled_from([1, 2]),
+       eps=st.floats(1e-4, 0.3), mask=st.sampled_from(sorted(MASKS)), method=st.sampled_from(list(C.Method)),
+       seed=st.integers(0, 2 ** 16), gain=st.floats(0.5, 3.0))
+@settings(max_examples=30)
+def test_no_sampled_attention_output_escapes_the_certified_bounds(N, E, H, eps, mask, method, seed, gain):
+    g = torch.Generator().manual_seed(seed)
+    w = C.AttentionWeights.random(E, H, seed=seed, gain=gain)
+    x = torch.randn(N, E, generator=g, dtype=torch.float64)
+    b = C.certify_attention(x, w, eps=eps, mask=MASKS[mask], method=method)
+    xs = C.sample_box(x - eps, x + eps, 64, generator=g)
+    ys = C.attention_forward(xs, w, MASKS[mask])
+    assert b.contains(ys)
+    assert bool((b.lo <= b.hi).all()) and bool(torch.isfinite(b.width).all())
+
+
+@given(N=st.integers(1, 5), norm_first=st.booleans(), eps=st.floats(1e-4, 0.1),
+       mask=st.sampled_from(sorted(MASKS)), method=st.sampled_from(list(C.Method)), seed=st.integers(0, 2 ** 16))
+@settings(max_examples=20)
+def test_no_sampled_block_output_escapes_the_certified_bounds(N, norm_first, eps, mask, method, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = C.BlockWeights.random(8, 2, 16, seed=seed, norm_first=norm_first)
+    x = torch.randn(N, 8, generator=g, dtype=torch.float64)
+    b = C.certify_block(x, w, eps=eps, mask=MASKS[mask], method=method)
+    xs = C.sample_box(x - eps, x + eps, 48, generator=g)
+    ys = C.block_forward(xs, w, MASKS[mask])
+    assert b.contains(ys)
+
+
+def test_linear_relaxation_is_tighter_than_ibp_for_small_boxes():
+    w = C.AttentionWeights.random(16, 2, seed=3)
+    bw = C.BlockWeights.random(16, 2, 32, seed=3, norm_first=True)
+    x = torch.randn(8, 16, dtype=torch.float64)
+    for eps in (1e-3, 1e-2):
+        ibp, lin = (C.certify_attention(x, w, eps=eps, method=m) for m in (C.Method.IBP, C.Method.LINEAR))
+        assert float(lin.width.mean()) < 0.5 * float(ibp.width.mean())
+    ibp, lin = (C.certify_block(x, bw, eps=1e-3, method=m) for m in (C.Method.IBP, C.Method.LINEAR))
+    assert float(lin.width.mean()) < 0.5 * float(ibp.width.mean())
+    # eps = 0: both collapse onto the point itself (up to the rounding allowance)
+    pt = C.certify_attention(x, w, eps=0.0, method=C.Method.LINEAR)
+    y = C.attention_forward(x, w)
+    assert float(pt.width.max()) < 1e-9 and pt.contains(y)
+
+
+@given(Nq=st.integers(1, 12), Nk=st.integers(1, 12), mask=st.sampled_from(sorted(MASKS)),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2 ** 16))
+def test_free_fact_each_output_lies_in_the_visible_values_column_range(Nq, Nk, mask, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(1, 2, n, 8, generator=g).to(dtype) * 3 for n in (Nq, Nk))
+    v = torch.randn(1, 2, Nk, 8, generator=g).to(dtype)
+    m = MASKS[mask]
+    out = keyfold.attend(q, k, v, mask=m, q_offset=0).out.double()                # (1, 2, Nq, 8)
+    vis = C._visible(m, max(Nq, Nk))[:Nq, :Nk]
+    lo, hi = C.value_range(v[0].double(), v[0].double(), vis)                     # (2, Nq, 8)
+    # exact in real arithmetic; in floating point the convex combination may round by a few ulps
+    slack = 4 * bounds.roundoff(dtype).w * v.double().abs().amax()
+    assert bool((out[0] >= lo - slack).all()) and bool((out[0] <= hi + slack).all())
+
+
+def test_weights_come_from_torch_and_keyfold_layers():
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).double().eval()
+    w = C.BlockWeights.from_module(layer)
+    x = torch.randn(5, 8, dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.allclose(C.block_forward(x, w), layer(x.unsqueeze(0))[0], atol=1e-10)
+    b = C.certify_block(x, w, eps=1e-3)
+    assert b.contains(torch.stack([layer(xi.unsqueeze(0))[0].detach() for xi in C.sample_box(x - 1e-3, x + 1e-3, 32)]))
+    knn = pytest.importorskip("keyfold.nn")
+    layer2 = knn.TransformerEncoderLayer(8, 2, 16, dropout=0.0).double().eval()
+    with torch.no_grad():
+        assert torch.allclose(C.block_forward(x, C.BlockWeights.from_module(layer2)), layer2(x.unsqueeze(0))[0],
+                              atol=1e-10)
+
+
+def test_certify_rejects_bad_boxes_clearly():
+    w = C.AttentionWeights.random(4, 1)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="eps"):
+        C.certify_attention(x, w, eps=-1.0)
+    with pytest.raises(ValueError, match="contain x"):
+        C.certify_attention(x, w, lo=x + 1, hi=x + 2)
+    with pytest.raises(ValueError, match=r"\(N, 4\)"):
+        C.certify_attention(torch.randn(3, 5), w, eps=0.1)
+    with pytest.raises(ValueError, match="NaN"):
+        C.certify_attention(torch.full((3, 4), float("nan")), w, eps=0.1)
