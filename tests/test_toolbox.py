@@ -237,7 +237,21 @@ def test_induction_hand_made_and_generated():
         assert y[19] == x[trig[0] + 1] and set(y[:19]) == {T.IGNORE}
 
 
+def test_repeated_tokens_hand_made_and_generated():
+    x, y = T.repeated_layout([4, 2, 7])
+    assert x.tolist() == [4, 2, 7, 4, 2, 7] and y.tolist() == [-100, -100, -100, 2, 7, -100]
+    t = T.repeated_tokens(30, 16, vocab=10, seed=2)
+    for x, y in zip(t.inputs.tolist(), t.targets.tolist()):
+        assert x[:8] == x[8:] and len(set(x[:8])) == 8 and max(x) < 10
+        # the induction rule answers every scored position: the successor of the earlier copy
+        for i in range(8, 15):
+            assert y[i] == x[x.index(x[i]) + 1]
+        assert set(y[:8]) == {T.IGNORE} and y[15] == T.IGNORE
+
+
 def test_task_errors_say_what_to_do():
+    with pytest.raises(ValueError, match="vocab >= 8"):
+        T.repeated_tokens(2, 16, vocab=5)
     with pytest.raises(ValueError, match="seq_len >= 16"):
         T.mqar(2, 10, num_kv_pairs=4)
     with pytest.raises(ValueError, match="raise vocab"):

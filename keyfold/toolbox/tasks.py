@@ -19,6 +19,9 @@ positions that are not scored.
 - :func:`induction_heads`: Olsson et al. 2022, in the synthetic form of Fu et al. 2023 (*H3*,
   section 3.1): a trigger token followed by an answer token somewhere in random text; the trigger
   appears again at the end and the model must emit the answer.
+- :func:`repeated_tokens`: induction as Olsson et al. 2022 measure it: a random token sequence
+  repeated once; on the repeat every next token follows from finding the current token's earlier
+  occurrence and copying its successor (``M - 1`` scored positions per example instead of one).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import numpy as np
 import torch
 
 __all__ = ["IGNORE", "TokenTask", "mqar", "mqar_layout", "selective_copying", "selective_copying_layout",
-           "induction_heads", "induction_layout", "accuracy"]
+           "induction_heads", "induction_layout", "repeated_tokens", "repeated_layout", "accuracy"]
 
 IGNORE = -100
 
@@ -214,6 +217,41 @@ def induction_heads(num_examples: int, seq_len: int, *, vocab: int = 32, seed: i
     rng = np.random.default_rng(seed)
     rows = [induction_layout(rng.integers(1, vocab, size=seq_len), int(rng.integers(0, seq_len - 2)))
             for _ in range(num_examples)]
+    return _stack(rows, vocab)
+
+
+def repeated_layout(tokens):
+    """One repeated-tokens example: ``tokens`` ``(M,)`` then ``tokens`` again, ``(2M,)``.
+
+    Scored: repeat positions ``M .. 2M - 2``, each asking for the next token of the repeat (the
+    successor of the current token's first occurrence). The first copy, and the jump to the
+    repeat at ``M - 1``, are not predictable and not scored.
+
+    >>> repeated_layout([4, 2, 7])
+    (array([4, 2, 7, 4, 2, 7]), array([-100, -100, -100,    2,    7, -100]))
+    """
+    tokens = np.asarray(tokens, dtype=np.int64)
+    M = len(tokens)
+    inputs = np.concatenate([tokens, tokens])
+    targets = np.full(2 * M, IGNORE, dtype=np.int64)
+    targets[M:2 * M - 1] = tokens[1:]
+    return inputs, targets
+
+
+def repeated_tokens(num_examples: int, seq_len: int, *, vocab: int = 64, seed: int = 0) -> TokenTask:
+    """Induction on repeated random tokens (Olsson et al. 2022): ``seq_len // 2`` distinct tokens
+    drawn from ``[0, vocab)`` (distinct, as with a language model's large vocabulary, so every
+    lookup is unambiguous), then the same tokens again; ``seq_len`` must be even and
+    ``vocab >= seq_len // 2``."""
+    for name, v in (("num_examples", num_examples), ("seq_len", seq_len), ("vocab", vocab)):
+        _positive(name, v)
+    M = seq_len // 2
+    if seq_len % 2 or M < 2:
+        raise ValueError(f"repeated_tokens: seq_len must be even and >= 4, got {seq_len}")
+    if vocab < M:
+        raise ValueError(f"repeated_tokens: vocab={vocab} cannot give {M} distinct tokens; use vocab >= {M}")
+    rng = np.random.default_rng(seed)
+    rows = [repeated_layout(rng.choice(vocab, size=M, replace=False)) for _ in range(num_examples)]
     return _stack(rows, vocab)
 
 
