@@ -157,7 +157,13 @@ def _worker_matrix(rank, P, N, strategies):
         score=keyfold.softcap(3.0))
     out[("ZIGZAG", "causal bf16", "RING")] = _errors_vs_full(
         rank, P, None, Layout.ZIGZAG, Strategy.RING, keyfold.causal(), torch.bfloat16, N)
+    out[("STRIPED", "mask_mod callable", "RING")] = _errors_vs_full(
+        rank, P, None, Layout.STRIPED, Strategy.RING, _every_third_causal, torch.float32, N)
     return out
+
+
+def _every_third_causal(b, h, q_idx, kv_idx):  # a Flex-style mask_mod
+    return (kv_idx <= q_idx) & ((q_idx - kv_idx) % 3 == 0)
 
 
 def _check_matrix(results):
@@ -182,7 +188,7 @@ def _worker_two(rank, P, N):
 def test_two_ranks_every_layout_mask_and_strategy():
     results = _values(launch(_worker_two, 2, 64))
     worst = _check_matrix([r["matrix"] for r in results])
-    assert len(worst) == (len(LAYOUTS) * 4 * 3 + 3) * 4
+    assert len(worst) == (len(LAYOUTS) * 4 * 3 + 4) * 4
     _check_small(2, [r["small"] for r in results])
 
 
@@ -389,6 +395,24 @@ def test_every_rank_every_shard_merges_to_attention(N_over, P, layout, which, al
     assert max_err(unshard_of(outs, layout), ref.out) < 1e-12
     for got, want in zip((dqs, dks, dvs), refg):
         assert max_err(unshard_of(got, layout), want) < 1e-10
+
+
+def test_pieces_the_mask_leaves_empty_are_not_computed():
+    N, P = 64, 4
+    q = torch.randn(1, 2, N // P, 8)
+
+    def pieces(mask, layout):
+        total = 0
+        for r in range(P):
+            job = Job(keyfold.as_mask(mask), None, None, keyfold.Backend.AUTO, layout, N, P, r)
+            for src in range(P):
+                total += accumulate(empty_state(1, 2, N // P, 8), q, q[:, :1], q[:, :1], job, src)
+        return total
+
+    assert pieces(None, Layout.CONTIGUOUS) == 16
+    assert pieces(keyfold.causal(), Layout.CONTIGUOUS) == 10          # the upper triangle of shards is skipped
+    assert pieces(keyfold.causal() & keyfold.window(4), Layout.CONTIGUOUS) == 7   # only the band
+    assert pieces(keyfold.causal(), Layout.ZIGZAG) == 36                # of 64 half-chunk pairs
 
 
 def test_ring_posts_the_next_transfer_before_computing():

@@ -26,7 +26,7 @@ from ..masks import as_mask
 from ..scores import as_score
 from ..state import State, empty_state, state_dtype
 from .comm import Comm
-from .layout import Layout, check_length, gather_order
+from .layout import Layout, Run, check_length, gather_order
 from .pieces import Job, accumulate, piece_grads
 from .views import piece_args
 
@@ -235,8 +235,6 @@ def _ulysses(q, k, v, job: Job, comm: Comm):
         inverse = torch.argsort(order)
         qh, kh, vh = (t.index_select(2, inverse) for t in (qh, kh, vh))  # rows in global order
     Hp = Hq // P
-    from .layout import Run
-
     whole = Run(0, 0, job.N)
     m, s, qo, ko = piece_args(job.mask, job.score, whole, whole, (comm.rank * Hp, (comm.rank + 1) * Hp, Hq))
     st = attend(qh, kh, vh, mask=m, score=s, scale=job.scale, q_offset=qo, kv_offset=ko, backend=job.backend)
