@@ -92,6 +92,14 @@ class Mask:
     def classify(self, q0, q1, k0, k1):
         return None
 
+    #: True when visibility depends only on ``qp - kp`` (and b, h): equal-shaped tiles at equal
+    #: diagonal offsets are then equal, so kernels build each distinct tile once per call.
+    translation_invariant = False
+
+    def preferred_block(self) -> int | None:
+        """A tile size that fits the mask's own structure (block_sparse's block), or None."""
+        return None
+
     def check_positions(self, q_start: int, q_end: int, k_start: int, k_end: int) -> None:
         """Raise if the mask cannot answer for queries in ``[q_start, q_end)`` / keys in ``[k_start, k_end)``."""
 
@@ -173,6 +181,8 @@ def _kind(full, empty):
 
 
 class _Full(Mask):
+    translation_invariant = True
+
     def evaluate(self, b, h, qp, kp):
         return torch.ones((1, 1, 1, 1), dtype=torch.bool, device=qp.device)
 
@@ -190,6 +200,8 @@ class _Full(Mask):
 
 
 class _Causal(Mask):
+    translation_invariant = True
+
     def evaluate(self, b, h, qp, kp):
         return kp <= qp
 
@@ -208,6 +220,8 @@ class _Causal(Mask):
 
 
 class _Window(Mask):
+    translation_invariant = True
+
     def __init__(self, left: int | None, right: int | None):
         self.left, self.right = left, right
 
@@ -399,6 +413,9 @@ class _BlockSparse(Mask):
     def depends_on_batch_head(self):
         return False, self.layout.t.dim() == 3
 
+    def preferred_block(self):
+        return self.block_size
+
     def __repr__(self):
         shape = "x".join(map(str, self.layout.t.shape))
         return f"block_sparse(<{shape} layout>, {self.block_size})"
@@ -411,6 +428,8 @@ class _BlockSparse(Mask):
 
 
 class _Dilated(Mask):
+    translation_invariant = True
+
     def __init__(self, step: int):
         self.step = _int_arg(step, "step", "dilated", minimum=1)
 
@@ -438,6 +457,11 @@ class _Dilated(Mask):
 class _And(Mask):
     def __init__(self, a: Mask, b: Mask):
         self.a, self.b = a, b
+        self.translation_invariant = a.translation_invariant and b.translation_invariant
+
+    def preferred_block(self):
+        blocks = [x for x in (self.a.preferred_block(), self.b.preferred_block()) if x]
+        return min(blocks) if blocks else None
 
     def evaluate(self, b, h, qp, kp):
         return self.a.evaluate(b, h, qp, kp) & self.b.evaluate(b, h, qp, kp)
@@ -479,6 +503,10 @@ class _Or(_And):
 class _Not(Mask):
     def __init__(self, a: Mask):
         self.a = a
+        self.translation_invariant = a.translation_invariant
+
+    def preferred_block(self):
+        return self.a.preferred_block()
 
     def evaluate(self, b, h, qp, kp):
         return ~self.a.evaluate(b, h, qp, kp)

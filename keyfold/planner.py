@@ -142,6 +142,9 @@ def plan(mask: Mask | None, Nq: int, Nk: int, *, q_offset: int | None = None, kv
     q_offset = Nk - Nq if q_offset is None else q_offset
     if block_size is None:
         bq, bk = default_block(Nq, Nk)
+        hint = mask.preferred_block() if mask is not None else None
+        if hint:
+            bq, bk = min(bq, hint), min(bk, hint)
     elif isinstance(block_size, int):
         bq = bk = block_size
     else:

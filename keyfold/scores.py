@@ -25,9 +25,18 @@ class ScoreMod:
     """
 
     additive = False
+    #: True when the modifier depends on positions only through ``qp - kp``.
+    translation_invariant = False
 
     def apply(self, s, b, h, qp, kp):
         raise NotImplementedError
+
+    def separable(self, q0: int, q1: int, k0: int, k1: int, device):
+        """For an additive modifier on the rectangle [q0, q1) x [k0, k1) (absolute positions):
+        ``(row, key)`` with ``bias == row[..., None] + key``, row ``(1, H|1, L)`` and key
+        ``(1, H|1, 1, S)``, or None. A row term leaves the softmax unchanged and only shifts
+        lse, so the fused kernel gets an O(S) mask instead of an O(L·S) tile."""
+        return None
 
     def bias(self, b, h, qp, kp):
         raise NotImplementedError(f"{self!r} is not additive")
@@ -38,6 +47,7 @@ class ScoreMod:
 
 class _Alibi(ScoreMod):
     additive = True
+    translation_invariant = True
 
     def __init__(self, slopes: torch.Tensor):
         if not isinstance(slopes, torch.Tensor) or slopes.dim() != 1:
@@ -51,6 +61,18 @@ class _Alibi(ScoreMod):
 
     def apply(self, s, b, h, qp, kp):
         return s + self.bias(b, h, qp, kp)
+
+    def separable(self, q0, q1, k0, k1, device):
+        slopes = self.slopes.on(device).view(1, -1, 1)                      # (1, H, 1)
+        qp = torch.arange(q0, q1, device=device, dtype=torch.float32).view(1, 1, -1)
+        kp = torch.arange(k0, k1, device=device, dtype=torch.float32).view(1, 1, -1)
+        if k1 - 1 <= q0:    # every key at or before every query: -s(qp - kp), anchored at the last key
+            r = float(k1 - 1)
+            return -slopes * (qp - r), (slopes * (kp - r)).unsqueeze(2)
+        if k0 >= q1 - 1:    # every key at or after every query: -s(kp - qp), anchored at the first key
+            r = float(k0)
+            return -slopes * (r - qp), (-slopes * (kp - r)).unsqueeze(2)
+        return None
 
     def check_heads(self, H):
         if self.slopes.t.numel() != H:
@@ -113,6 +135,7 @@ class _Chain(ScoreMod):
     def __init__(self, mods):
         self.mods = tuple(mods)
         self.additive = all(m.additive for m in self.mods)
+        self.translation_invariant = all(m.translation_invariant for m in self.mods)
 
     def apply(self, s, b, h, qp, kp):
         for m in self.mods:
@@ -124,6 +147,12 @@ class _Chain(ScoreMod):
         for m in self.mods[1:]:
             total = total + m.bias(b, h, qp, kp)
         return total
+
+    def separable(self, q0, q1, k0, k1, device):
+        parts = [m.separable(q0, q1, k0, k1, device) for m in self.mods]
+        if any(p is None for p in parts):
+            return None
+        return sum(p[0] for p in parts), sum(p[1] for p in parts)
 
     def check_heads(self, H):
         for m in self.mods:

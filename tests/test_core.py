@@ -176,3 +176,15 @@ def test_attend_backward_matches_autograd_per_piece():
     torch.testing.assert_close(dq, qq.grad)
     torch.testing.assert_close(torch.cat(dks, 2), kk.grad)
     torch.testing.assert_close(torch.cat(dvs, 2), vv.grad)
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("mask", [None, kf.causal(), kf.window(40, 40), kf.documents(torch.arange(150) // 37)],
+                         ids=["dense", "causal", "bidir_window", "documents"])
+def test_alibi_separable_pieces_and_gqa(heads, mask):
+    """ALiBi on pieces wholly before/after the diagonal runs as a row shift + per-key bias."""
+    hq, hkv = heads
+    q, k, v = _qkv(Hq=hq, Hkv=hkv, Nq=150, Nk=150)
+    kw = dict(mask=mask, score=kf.alibi(kf.alibi_slopes(hq)), block_size=32)
+    check_forward(q, k, v, **kw)
+    check_backward(q[:1], k[:1], v[:1], **kw)

@@ -14,6 +14,7 @@ Facts about it that this module works around (measured, DESIGN.md section 7):
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -83,10 +84,11 @@ def _fold(x, g):
     return x.reshape(B, Hq // g, g * L, *x.shape[3:])
 
 
-def _fold_mask(m, g, Hq):
+def _fold_mask(m, g, Hq, L):
     if m is None or g == 1:
         return m
-    b, h, L, S = m.shape
+    b, h, _, S = m.shape
+    m = m.expand(b, h, L, S)
     if h == 1:
         return m.repeat(1, 1, g, 1)  # (b, 1, g*L, S)
     return m.reshape(b, Hq // g, g * L, S)
@@ -106,25 +108,60 @@ def _expand_kv(x, g):
     return x.unsqueeze(2).expand(B, Hkv, g, S, W).reshape(B, Hkv * g, S, W)
 
 
-def _piece_args(inp: _Inputs, piece: Piece, pb: Problem, q_orig):
-    """Tensors and flags for one fused call; returns (q, k, v, causal, mask, empty, folded)."""
+class _Tile(NamedTuple):
+    """The mask side of one fused call: additive float mask, empty rows, lse shift."""
+
+    mask: torch.Tensor | None       # (B|1, H|1, L|1, S), or (.., g*L, S) when folded
+    empty: torch.Tensor | None      # (B|1, H|1, L) rows with no visible key
+    row_shift: torch.Tensor | None  # (1, H|1, L) separable bias's row term, added to lse
+
+
+def _tile(piece: Piece, pb: Problem, q_orig, folded: bool, g: int, memo: dict) -> _Tile:
+    """Build (or reuse) the tile of one piece. Tiles of translation-invariant masks and
+    biases depend only on the piece's shape and diagonal offset, so each distinct one is
+    built once per call."""
+    score = pb.score if _bias_needed(pb) else None
+    if piece.kind is not PieceKind.MASKED and score is None:
+        return _Tile(None, None, None)
+    L, S = piece.q1 - piece.q0, piece.k1 - piece.k0
+    qa, ka = pb.q_offset + piece.q0, pb.kv_offset + piece.k0
+    invariant = ((pb.mask is None or pb.mask.translation_invariant or piece.kind is not PieceKind.MASKED)
+                 and (score is None or score.translation_invariant))
+    key = (piece.kind, L, S, qa - ka, folded) if invariant else None
+    if key is not None and key in memo:
+        return memo[key]
     Hq = q_orig.shape[1]
-    pos = positions(q_orig, piece, pb) if (piece.kind is PieceKind.MASKED or _bias_needed(pb)) else None
-    vis = visible(q_orig, piece, pb, pos) if piece.kind is PieceKind.MASKED else None
-    bias = pb.score.bias(*pos) if _bias_needed(pb) else None
-    empty = empty_rows(vis)
+    row_shift = None
+    sep = score.separable(qa, qa + L, ka, ka + S, q_orig.device) if (
+        score is not None and piece.kind is PieceKind.FULL) else None
+    if sep is not None:
+        row_shift, bias, vis = sep[0], sep[1], None
+    else:
+        pos = positions(q_orig, piece, pb)
+        vis = visible(q_orig, piece, pb, pos) if piece.kind is PieceKind.MASKED else None
+        bias = score.bias(*pos) if score is not None else None
+    m = _tile_mask(vis, bias, state_dtype(q_orig.dtype))
+    if folded:
+        m = _fold_mask(m, g, Hq, L)
+    tile = _Tile(m, empty_rows(vis), row_shift)
+    if key is not None:
+        memo[key] = tile
+    return tile
+
+
+def _piece_args(inp: _Inputs, piece: Piece, pb: Problem, q_orig, memo: dict):
+    """Tensors and flags for one fused call: (q, k, v, causal, tile, folded)."""
     causal = piece.kind is PieceKind.CAUSAL
-    mdtype = state_dtype(q_orig.dtype)
-    m = _tile_mask(vis, bias, mdtype)
+    folded = not causal and inp.g > 1
+    tile = _tile(piece, pb, q_orig, folded, inp.g, memo)
     qs = inp.q[:, :, piece.q0:piece.q1]
     ks = inp.k[:, :, piece.k0:piece.k1]
     vs = inp.v[:, :, piece.k0:piece.k1]
-    folded = not causal and inp.g > 1
     if folded:
-        qs, m = _fold(qs, inp.g), _fold_mask(m, inp.g, Hq)
+        qs = _fold(qs, inp.g)
     else:
         ks, vs = _expand_kv(ks, inp.g), _expand_kv(vs, inp.g)
-    return qs, ks, vs, causal, m, empty, folded
+    return qs, ks, vs, causal, tile, folded
 
 
 def _bias_needed(pb: Problem) -> bool:
@@ -139,16 +176,19 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
     inp = _Inputs(q, k, v)
     acc = empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
     touched = torch.zeros(Nq, dtype=torch.bool)
+    memo: dict = {}
     for piece in plan.pieces:
-        qs, ks, vs, causal, m, empty, folded = _piece_args(inp, piece, pb, q)
-        out, lse = _FWD(qs, ks, vs, 0.0, causal, attn_mask=m, scale=pb.scale)
+        qs, ks, vs, causal, tile, folded = _piece_args(inp, piece, pb, q, memo)
+        out, lse = _FWD(qs, ks, vs, 0.0, causal, attn_mask=tile.mask, scale=pb.scale)
         if folded:
             out, lse = _unfold(out, inp.g, Hq), _unfold(lse, inp.g, Hq)
         out = out[..., :Dv].to(sd)
         lse = lse.to(sd)
-        if empty is not None:  # the op reports lse = 0 for rows it saw no key in
-            lse = lse.masked_fill(empty, NEG_INF)
-            out = out.masked_fill(empty.unsqueeze(-1), 0.0)
+        if tile.row_shift is not None:
+            lse = lse + tile.row_shift
+        if tile.empty is not None:  # the op reports lse = 0 for rows it saw no key in
+            lse = lse.masked_fill(tile.empty, NEG_INF)
+            out = out.masked_fill(tile.empty.unsqueeze(-1), 0.0)
         rows = slice(piece.q0, piece.q1)
         if not bool(touched[rows].any()):
             acc.out[:, :, rows] = out
@@ -182,14 +222,17 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem):
     dk = torch.zeros(k.shape[:3] + (W,), dtype=sd, device=q.device)
     dv = torch.zeros(k.shape[:3] + (W,), dtype=sd, device=q.device)
     Hkv = k.shape[1]
+    memo: dict = {}
     for piece in plan.pieces:
-        qs, ks, vs, causal, m, empty, folded = _piece_args(inp, piece, pb, q)
+        qs, ks, vs, causal, tile, folded = _piece_args(inp, piece, pb, q, memo)
         rows, keys = slice(piece.q0, piece.q1), slice(piece.k0, piece.k1)
         o_p, do_p, l_p = o[:, :, rows], do[:, :, rows], lse_safe[:, :, rows]
+        if tile.row_shift is not None:  # the op sees scores without the row term
+            l_p = l_p - tile.row_shift
         if folded:
             o_p, do_p, l_p = _fold(o_p, inp.g), _fold(do_p, inp.g), _fold(l_p, inp.g)
         gq, gk, gv = _BWD(do_p.contiguous(), qs, ks, vs, o_p.contiguous(), l_p.contiguous(),
-                          0.0, causal, attn_mask=m, scale=pb.scale)
+                          0.0, causal, attn_mask=tile.mask, scale=pb.scale)
         if folded:
             gq = _unfold(gq, inp.g, Hq)
         elif inp.g > 1:  # k, v were expanded to Hq heads: sum each group back
