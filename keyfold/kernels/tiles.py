@@ -44,12 +44,16 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
         qs = q[:, :, piece.q0:piece.q1].to(sd)
         ks = k[:, :, piece.k0:piece.k1].to(sd)
         vs = v[:, :, piece.k0:piece.k1].to(sd)
-        s = _modify(_scores(qs, ks, pb), pb, pos, vis)
-        lse = torch.logsumexp(s, dim=-1)                                     # (B, Hq, L)
-        safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-        p = torch.exp(s - safe.unsqueeze(-1))                                # (B, Hq, L, S)
+        s = _modify(_scores(qs, ks, pb), pb, pos, vis)                       # (B, Hq, L, S)
+        # softmax in place: one max, one exp pass, one sum (empty rows: max = -inf -> use 0)
+        m = s.amax(-1, keepdim=True)
+        m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+        p = s.sub_(m).exp_()
+        total = p.sum(-1, keepdim=True)                                      # (B, Hq, L, 1)
+        lse = (m + total.log()).squeeze(-1)                                  # -inf where total = 0
         L, S = p.shape[-2:]
         out = (p.reshape(B, Hkv, g, L, S) @ vs.unsqueeze(2)).reshape(B, Hq, L, Dv)
+        out = out / torch.where(total > 0, total, torch.ones_like(total))
         rows = slice(piece.q0, piece.q1)
         merge_into(State(acc.out[:, :, rows], acc.lse[:, :, rows]), State(out, lse))
     return acc
