@@ -173,8 +173,9 @@ class Plant:
         return np.zeros(self.n_x)
 
     def disturbance_bound(self) -> np.ndarray:
-        """``w_bar``: the box W the safety filter assumes (additive noise + linearization error)."""
-        return self.noise + self.residual_bound()
+        """``w_bar``: the box W the safety filter assumes (additive noise + linearization error),
+        rounded outward so that ``x+ - (A x + B u)`` computed in float64 still measures inside it."""
+        return (self.noise + self.residual_bound()) * (1 + 1e-9) + 1e-12
 
     def step(self, x: np.ndarray, u: np.ndarray, w_add: np.ndarray) -> np.ndarray:
         return self.f(x, u) + w_add

@@ -111,7 +111,7 @@ class _QP:
         if solver is QPSolver.OSQP:
             self._osqp = osqp.OSQP()
             self._osqp.setup(sp.diags(p).tocsc(), np.zeros(len(p)), sp.csc_matrix(G), l, u,
-                             eps_abs=cfg.eps, eps_rel=cfg.eps, max_iter=cfg.max_iter, polish=False,
+                             eps_abs=cfg.eps, eps_rel=cfg.eps, max_iter=cfg.max_iter, polishing=False,
                              verbose=False, warm_starting=True)
         else:
             import daqp  # noqa: PLC0415  (optional solver, imported where used)
@@ -125,7 +125,7 @@ class _QP:
             self._osqp.update(q=q, l=l, u=u)
             if start is not None:
                 self._osqp.warm_start(x=start)
-            res = self._osqp.solve()
+            res = self._osqp.solve(raise_error=False)
             return None if res.info.status_val not in (1, 2) else res.x   # solved / solved inaccurate
         x, _, flag, _ = self._daqp.solve(self._H, np.ascontiguousarray(q), self._G,
                                          np.minimum(u, self._big), np.maximum(l, -self._big),
@@ -286,6 +286,10 @@ class SafetyFilter:
         diag = np.full(N * m, cfg.regularization)
         diag[:m] = 1.0                          # (v_0 - u_target)^2 is the filter's objective
         self._qp = _QP(cfg.solver, diag, self._G, self._l0, self._u0, cfg)
+        # the exact check's bounds: inputs (N, n_u) and state rows (N, rows of H), i = 0..N-1
+        self._vlo = np.array([self._input_bounds(i)[0] for i in range(N)])
+        self._vhi = np.array([self._input_bounds(i)[1] for i in range(N)])
+        self._xt = np.array([self._tight(i)[:nh] for i in range(N)])
 
     def _input_bounds(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """Box for v_i: U shrunk by K R_i (and the check margin for i >= 1)."""
@@ -312,14 +316,10 @@ class SafetyFilter:
         v = np.array(v, dtype=np.float64).reshape(self.N, self.n_u)
         if not np.isfinite(v).all():
             return None
-        for i in range(self.N):
-            lo, hi = self._input_bounds(i)
-            v[i] = np.clip(v[i], lo, hi)
-        z = self.rollout(np.asarray(x, np.float64), v)
-        nh = self.X.H.shape[0]
-        for i in range(1, self.N):
-            if np.any(self.X.H @ z[i] > self._tight(i)[:nh]):
-                return None
+        v = np.clip(v, self._vlo, self._vhi)                                   # (N, n_u), exact
+        z = self.rollout(np.asarray(x, np.float64), v)                         # (N + 1, n_x)
+        if np.any(z[1:self.N] @ self.X.H.T > self._xt[1:]):                    # rows i = 1..N-1
+            return None
         if np.any(self._Hf @ z[self.N] > self._hf):
             return None
         return Plan(v, z)
