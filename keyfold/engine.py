@@ -85,6 +85,8 @@ class _Call:
         q_offset = Nk - Nq if q_offset is None else q_offset
         self.pb = Problem(mask, score, float(1.0 / math.sqrt(D) if scale is None else scale), q_offset, kv_offset)
         self.backend = _resolve(backend, q, score)
+        if self.backend is Backend.CPU and (Nq == 0 or Nk == 0):  # the fused op dies of SIGFPE on an empty sequence
+            self.backend = Backend.TILES
         self.plan: Plan | None = None
         if self.backend is not Backend.REFERENCE:
             bounded = self.backend is Backend.TILES or (score is not None)
