@@ -230,3 +230,21 @@ def test_kernels_compile_for_h200(tmp_path):
     names, shared = res.stdout.split("]")[0] + "]", int(res.stdout.split("]")[1])
     assert names == str(sorted(["_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"]))
     assert 0 < shared <= 227 * 1024
+
+
+def test_gpu_benchmark_dry_run(tmp_path):
+    """benchmarks/gpu.py end to end on tiny CPU shapes: it writes JSON, markdown and a PNG, and
+    keyfold's output agrees with SDPA and FlexAttention in its own check."""
+    import importlib.util
+    import json
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "gpu.py")
+    spec = importlib.util.spec_from_file_location("keyfold_gpu_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.visible_pairs("window1024", 3000, None) == sum(min(i, 1024) + 1 for i in range(3000))
+    assert bench.main(["--dry-run", "--sizes", "32", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "gpu-dry-run.json").read_text())
+    assert (tmp_path / "gpu-dry-run.md").exists() and (tmp_path / "gpu-dry-run.png").stat().st_size > 1000
+    assert {r["variant"] for r in res["rows"] if r["method"] == "keyfold" and r["tflops"]} == set(bench.VARIANTS)
+    diffs = [d for c in res["checks"].values() for d in c.values()]
+    assert len(diffs) >= 6 and max(diffs) < 1e-5

@@ -1,0 +1,368 @@
+"""keyfold's Triton kernel against SDPA (flash), compiled FlexAttention and flash-attn on one GPU.
+
+    PYTHONPATH=. python benchmarks/gpu.py                 # on a CUDA machine, < 5 minutes
+    PYTHONPATH=. python benchmarks/gpu.py --dry-run       # tiny shapes on a CPU: checks the script
+
+bfloat16, B=4, H=16, D=128, N in {2k, 8k, 32k}; variants dense, causal, causal sliding window
+1024, documents (8 packed documents of uneven length, bidirectional inside each); forward and
+forward + backward. TFLOP/s are counted on the work the mask needs: 4·D FLOPs per visible
+(query, key) pair forward, 2.5x that backward (FlashAttention's convention), so skipping work
+shows up as speed, not as inflated FLOPs. Every peer runs in the same process, alternating
+with keyfold. Targets (issue 7): dense forward >= 0.8x SDPA-flash, causal and window >= 1.0x
+compiled FlexAttention. Writes ``gpu.json``, ``gpu.md`` and ``gpu.png`` to ``--out``.
+
+The script keeps a time budget (``--budget``, seconds): cases run in order of importance and
+the rest are recorded as skipped when it runs out, so it always finishes and writes results.
+"""
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+if "--dry-run" in sys.argv:  # the kernel runs in Triton's CPU interpreter: set before triton loads
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import keyfold as kf  # noqa: E402
+import keyfold.kernels.triton as kt  # noqa: E402
+
+VARIANTS = ("dense", "causal", "window1024", "documents")
+MODES = ("fwd", "fwd+bwd")
+METHODS = ("keyfold", "keyfold-auto", "sdpa-flash", "flex", "flash-attn")
+WINDOW = 1024
+# (variant, mode, peer, minimum keyfold/peer TFLOP/s ratio) from issue 7
+TARGETS = (("dense", "fwd", "sdpa-flash", 0.8), ("causal", "fwd", "flex", 1.0), ("causal", "fwd+bwd", "flex", 1.0),
+           ("window1024", "fwd", "flex", 1.0), ("window1024", "fwd+bwd", "flex", 1.0))
+
+
+@dataclass
+class Row:
+    N: int
+    variant: str
+    mode: str
+    method: str
+    ms: float | None = None
+    tflops: float | None = None
+    note: str = ""
+
+
+# ------------------------------------------------------------------------------ settings
+
+
+def doc_ids(N: int, device) -> torch.Tensor:
+    """8 documents of uneven (seeded) lengths covering N positions."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.rand(8, generator=g) + 0.5
+    lengths = (w / w.sum() * N).floor().long()
+    lengths[-1] += N - int(lengths.sum())
+    return torch.repeat_interleave(torch.arange(8), lengths).to(device)
+
+
+def visible_pairs(variant: str, N: int, ids: torch.Tensor) -> int:
+    """Closed-form count of (query, key) pairs the mask needs (no N x N)."""
+    if variant == "dense":
+        return N * N
+    if variant == "causal":
+        return N * (N + 1) // 2
+    if variant == "window1024":  # causal() & window(W): row i sees min(i, W) + 1 keys
+        W = min(WINDOW, N - 1)
+        return (W + 1) * (W + 2) // 2 + (N - W - 1) * (W + 1)
+    lengths = torch.bincount(ids.cpu()).tolist()
+    return sum(L * L for L in lengths)
+
+
+def keyfold_mask(variant: str, ids):
+    return {"dense": None, "causal": kf.causal(), "window1024": kf.causal() & kf.window(WINDOW),
+            "documents": kf.documents(ids)}[variant]
+
+
+def flex_mask_mod(variant: str, ids):
+    if variant == "causal":
+        return lambda b, h, q, k: q >= k
+    if variant == "window1024":
+        return lambda b, h, q, k: (q >= k) & (q - k <= WINDOW)
+    if variant == "documents":
+        return lambda b, h, q, k: ids[q] == ids[k]
+    return None
+
+
+# ------------------------------------------------------------------------------ methods
+
+
+class Methods:
+    """Callables ``fn(q, k, v) -> out`` per method for one (N, variant); None when not applicable."""
+
+    def __init__(self, variant: str, N: int, device, dry: bool):
+        self.variant, self.N, self.device, self.dry = variant, N, device, dry
+        self.ids = doc_ids(N, device)
+        self._flex = None
+
+    def keyfold(self, aten_dense: bool):
+        mask = keyfold_mask(self.variant, self.ids)
+
+        def run(q, k, v):
+            kt.USE_ATEN_DENSE = aten_dense
+            return kf.attention(q, k, v, mask=mask, backend=kf.Backend.TRITON)
+        return run
+
+    def sdpa_flash(self):
+        if self.variant not in ("dense", "causal"):
+            return None  # SDPA's flash backend has no window or document masks
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        causal = self.variant == "causal"
+
+        def run(q, k, v):
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return run
+
+    def flex(self):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        mod = flex_mask_mod(self.variant, self.ids)
+        B, H = None, None
+        block = None if mod is None else create_block_mask(mod, B, H, self.N, self.N, device=self.device)
+        if self.dry:  # eager Flex on a CPU: correct, unfused, forward only; fine for a dry run
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        fn = flex_attention if self.dry else torch.compile(flex_attention, dynamic=False)
+
+        def run(q, k, v):
+            return fn(q, k, v, block_mask=block)
+        return run
+
+    def flash_attn(self):
+        try:
+            from flash_attn import flash_attn_func, flash_attn_varlen_func
+        except ImportError:
+            return None
+        if self.variant == "documents":
+            lengths = torch.bincount(self.ids)
+            cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+
+            def run(q, k, v):
+                B, H, N, D = q.shape
+                cus = torch.cat([cu[:-1] + b * N for b in range(B)] + [cu[-1:] + (B - 1) * N]).to(torch.int32)
+                pack = [x.transpose(1, 2).reshape(B * N, H, D) for x in (q, k, v)]   # (B*N, H, D)
+                out = flash_attn_varlen_func(*pack, cus, cus, int(lengths.max()), int(lengths.max()))
+                return out.view(B, N, H, D).transpose(1, 2)
+            return run
+        causal = self.variant != "dense"
+        window = (WINDOW, 0) if self.variant == "window1024" else (-1, -1)
+
+        def run(q, k, v):
+            out = flash_attn_func(*(x.transpose(1, 2) for x in (q, k, v)), causal=causal, window_size=window)
+            return out.transpose(1, 2)  # (B, N, H, D) -> (B, H, N, D)
+        return run
+
+    def get(self, method: str):
+        if method == "keyfold":
+            return self.keyfold(False)
+        if method == "keyfold-auto":  # plain dense pieces through PyTorch's own flash op
+            return self.keyfold(True) if self.variant == "dense" and not self.dry else None
+        if method == "sdpa-flash":
+            return self.sdpa_flash()
+        if method == "flex":
+            return self.flex()
+        return self.flash_attn()
+
+
+# ------------------------------------------------------------------------------ timing
+
+
+def bench_ms(fn, cuda: bool, reps: int) -> float:
+    if cuda:
+        import triton.testing
+        return float(triton.testing.do_bench(fn, warmup=25, rep=max(50, reps * 10)))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return 1000.0 * sorted(ts)[len(ts) // 2]
+
+
+def measure(run, q, k, v, mode: str, cuda: bool, reps: int) -> float:
+    if mode == "fwd":
+        def step():
+            with torch.no_grad():
+                run(q, k, v)
+    else:
+        qg, kg, vg = (x.detach().requires_grad_(True) for x in (q, k, v))
+        dout = torch.randn_like(q)
+
+        def step():
+            out = run(qg, kg, vg)
+            out.backward(dout)
+            qg.grad = kg.grad = vg.grad = None
+    if cuda:
+        step()  # compile / plan / warm caches outside the timing
+        torch.cuda.synchronize()
+    return bench_ms(step, cuda, reps)
+
+
+def check_outputs(methods: Methods, q, k, v) -> dict:
+    """max |method - keyfold| on this case (a sanity check of the first GPU run)."""
+    with torch.no_grad():
+        ref = methods.get("keyfold")(q, k, v).float()
+        diffs = {}
+        for m in METHODS[1:]:
+            fn = methods.get(m)
+            if fn is not None:
+                diffs[m] = float((fn(q, k, v).float() - ref).abs().max())
+    return diffs
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def ratios(rows):
+    by = {(r.N, r.variant, r.mode, r.method): r for r in rows if r.tflops}
+    out = []
+    for variant, mode, peer, goal in TARGETS:
+        for N in sorted({r.N for r in rows}):
+            a, b = by.get((N, variant, mode, "keyfold")), by.get((N, variant, mode, peer))
+            if a and b:
+                out.append(dict(N=N, variant=variant, mode=mode, peer=peer, ratio=a.tflops / b.tflops,
+                                target=goal, met=a.tflops / b.tflops >= goal))
+    return out
+
+
+def write_markdown(path: Path, meta, rows, checks, rats):
+    lines = [f"# keyfold Triton kernel vs peers on {meta['device']}", "",
+             f"`{meta['command']}` — {meta['dtype']}, B={meta['B']} H={meta['H']} D={meta['D']}; "
+             f"torch {meta['torch']}, triton {meta['triton']}; {meta['seconds']:.0f} s in all.", "",
+             "TFLOP/s counted on needed work (4·D FLOPs per visible pair forward, 3.5x that for "
+             "forward + backward); `keyfold` is the Triton kernel alone, `keyfold-auto` sends plain dense "
+             "pieces to PyTorch's flash op (what `Backend.AUTO` does on CUDA).", ""]
+    for mode in MODES:
+        lines += [f"## {mode}", "", "| N | variant | " + " | ".join(METHODS) + " |",
+                  "|---|---|" + "---|" * len(METHODS)]
+        for N in sorted({r.N for r in rows}):
+            for variant in VARIANTS:
+                cells = []
+                for m in METHODS:
+                    r = next((x for x in rows if (x.N, x.variant, x.mode, x.method) == (N, variant, mode, m)), None)
+                    cells.append(f"{r.tflops:.3g}" if r and r.tflops else (r.note if r else "") or "—")
+                lines.append(f"| {N} | {variant} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["## targets (keyfold / peer, TFLOP/s)", "", "| N | variant | mode | peer | ratio | target | met |",
+              "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['N']} | {r['variant']} | {r['mode']} | {r['peer']} | {r['ratio']:.2f} | "
+              f">= {r['target']} | {'yes' if r['met'] else 'NO'} |" for r in rats]
+    lines += ["", "## output check (max |method - keyfold|, first N, forward)", ""]
+    lines += [f"- {variant}: " + ", ".join(f"{m} {d:.2e}" for m, d in diffs.items()) for variant, diffs in checks.items()]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_png(path: Path, rows):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    Ns = sorted({r.N for r in rows})
+    fig, axes = plt.subplots(len(MODES), len(VARIANTS), figsize=(4 * len(VARIANTS), 3.2 * len(MODES)), squeeze=False)
+    for i, mode in enumerate(MODES):
+        for j, variant in enumerate(VARIANTS):
+            ax = axes[i][j]
+            for m in METHODS:
+                ys = [next((r.tflops for r in rows if (r.N, r.variant, r.mode, r.method) == (N, variant, mode, m)
+                            and r.tflops), float("nan")) for N in Ns]
+                if not all(math.isnan(y) for y in ys):
+                    ax.plot(Ns, ys, marker="o", label=m)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{variant}, {mode}")
+            ax.set_xlabel("N")
+            ax.set_ylabel("TFLOP/s (needed work)")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results", help="directory for gpu.json / gpu.md / gpu.png")
+    ap.add_argument("--dry-run", action="store_true", help="tiny float32 shapes on the CPU (interpreter)")
+    ap.add_argument("--budget", type=float, default=240.0, help="seconds; later cases are skipped past it")
+    ap.add_argument("--sizes", default=None, help="comma-separated N (default 2048,8192,32768)")
+    args = ap.parse_args(argv)
+
+    cuda = torch.cuda.is_available() and not args.dry_run
+    if not cuda and not args.dry_run:
+        print("no CUDA device: run with --dry-run to check the script on a CPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32  # the interpreter's bf16 dot is garbage
+    B, H, D = (4, 16, 128) if cuda else (1, 2, 16)
+    Ns = [int(x) for x in args.sizes.split(",")] if args.sizes else ([2048, 8192, 32768] if cuda else [48])
+    reps = 10 if cuda else 1
+    t_start = time.time()
+    torch.manual_seed(0)
+    for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
+        if hasattr(torch._dynamo.config, name):  # Flex recompiles per mask and shape: never fall back to eager
+            setattr(torch._dynamo.config, name, 512)
+
+    # Most important first, so the budget can only cut what matters least.
+    order = [(N, var, mode) for mode in MODES for N in Ns for var in VARIANTS]
+    rows, checks = [], {}
+    for N, variant, mode in tqdm(order, desc="cases"):
+        q, k, v = (torch.randn(B, H, N, D, device=device, dtype=dtype) for _ in range(3))
+        methods = Methods(variant, N, device, not cuda)
+        if N == Ns[0] and mode == "fwd":
+            try:
+                checks[variant] = check_outputs(methods, q, k, v)
+            except Exception as e:  # noqa: BLE001 - a peer's failure is a result, not a crash
+                checks[variant] = {"error": float("nan")}
+                print(f"check {variant}: {e!r}", file=sys.stderr)
+        flops = 4.0 * B * H * D * visible_pairs(variant, N, methods.ids) * (3.5 if mode == "fwd+bwd" else 1.0)
+        for m in METHODS:
+            row = Row(N, variant, mode, m)
+            rows.append(row)
+            if time.time() - t_start > args.budget:
+                row.note = "skipped (budget)"
+                continue
+            try:
+                fn = methods.get(m)
+                if fn is None:
+                    row.note = "n/a"
+                    continue
+                row.ms = measure(fn, q, k, v, mode, cuda, reps)
+                row.tflops = flops / (row.ms * 1e-3) / 1e12
+            except Exception as e:  # noqa: BLE001 - record and go on
+                row.note = f"error: {type(e).__name__}"
+                print(f"{N} {variant} {mode} {m}: {e!r}", file=sys.stderr)
+        del q, k, v
+        if cuda:
+            torch.cuda.empty_cache()
+
+    import triton
+    meta = dict(device=torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or 'dry run'})",
+                command="PYTHONPATH=. python benchmarks/gpu.py" + (" --dry-run" if args.dry_run else ""),
+                dtype=str(dtype).replace("torch.", ""), B=B, H=H, D=D, Ns=Ns, torch=torch.__version__,
+                triton=triton.__version__, seconds=time.time() - t_start, dry_run=args.dry_run)
+    rats = ratios(rows)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "gpu-dry-run" if args.dry_run else "gpu"
+    (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=[asdict(r) for r in rows],
+                                                      checks=checks, targets=rats), indent=1))
+    write_markdown(out / f"{stem}.md", meta, rows, checks, rats)
+    write_png(out / f"{stem}.png", rows)
+    print((out / f"{stem}.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
