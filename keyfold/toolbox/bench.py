@@ -405,10 +405,13 @@ def run(preset: Preset, *, progress: bool = True, on_row: Callable[[dict], None]
         torch.set_num_threads(threads)
     _add_ratios(rows)
     return {"preset": dataclasses.asdict(preset) | {"mixers": [k.value for k in preset.mixers]},
-            "machine": {"torch": torch.__version__, "python": platform.python_version(), "threads": 1,
-                        "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                        "load_before": load0, "load_after": _loadavg()},
-            "seconds": seconds, "rows": rows}
+            "machine": _machine(load0), "seconds": seconds, "rows": rows}
+
+
+def _machine(load_before) -> dict:
+    return {"torch": torch.__version__, "python": platform.python_version(), "threads": 1,
+            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "load_before": load_before, "load_after": _loadavg()}
 
 
 def _loadavg() -> float | None:
@@ -450,6 +453,8 @@ def markdown(result: dict) -> str:
              f"{result['machine']['cores']} shared cores (1-min load average {result['machine']['load_before']} "
              f"before, {result['machine']['load_after']} after: timings carry that noise), "
              f"{result['seconds'] / 60:.1f} min in all.", "",
+             *(["**Incomplete run**: the report was written from the rows saved before it stopped.", ""]
+               if result.get("incomplete") else []),
              f"Every model: width {p['width']} (unless the task says d=...), depth {p['depth']}, the same "
              f"AdamW steps for every kind ({p['steps']} on synthetic tasks with fresh batches of {p['batch']}, "
              f"{p['small_steps']} on the small real sets), "
@@ -519,11 +524,13 @@ def plot(result: dict, path: Path) -> None:
     tasks = list(dict.fromkeys(r["task"] for r in rows if r["group"] == "recall"))
     _bars(ax, rows, tasks, mixers, scale=100)
     ax.set_ylabel("test accuracy %")
+    ax.set_ylim(0, 105)
     ax.set_title("Synthetic recall, trained end to end")
     ax = axes[0, 1]
     tasks = list(dict.fromkeys(r["task"] for r in rows if r["group"] == "probe"))
     _bars(ax, rows, tasks, mixers, scale=100)
     ax.set_ylabel("test accuracy %")
+    ax.set_ylim(0, 105)
     ax.set_title("Random-init probe: mixers frozen")
     ax = axes[1, 0]
     tasks = list(dict.fromkeys(r["task"] for r in rows if r["group"] in ("forecast",)))
@@ -533,6 +540,7 @@ def plot(result: dict, path: Path) -> None:
            for r in rows if r["task"] in base]
     _bars(ax, rel, tasks, fmixers, scale=1)
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_ylim(bottom=0)
     ax.set_ylabel("test MSE / seasonal-naive MSE")
     ax.set_title("Forecasting (below the line beats seasonal naive)")
     ax = axes[1, 1]
@@ -544,7 +552,7 @@ def plot(result: dict, path: Path) -> None:
             ax.annotate(r["mixer"], (max(r["state_bytes"], 1) / 1024, r["p50_us"]), fontsize=8)
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel(f"streaming state per sequence at N={n_max}, KiB")
+        ax.set_xlabel(f"streaming state per sequence at N={n_max}, KiB (a stateless MLP drawn at 1 byte)")
         ax.set_ylabel("step latency p50, µs (batch 1)")
         ax.set_title("Streaming cost")
     fig.suptitle(f"keyfold toolbox, preset {result['preset']['name']}")
@@ -590,6 +598,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mixers", default=None, help="comma-separated subset, e.g. attention,gru")
     ap.add_argument("--seeds", type=int, default=None, help="override the preset's seed count (>= 1)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--from-partial", action="store_true",
+                    help="only write the report from the rows an interrupted run saved (.partial.jsonl)")
     args = ap.parse_args(argv)
     preset = PRESETS[args.preset or "quick"]
     if args.mixers:
@@ -601,6 +611,14 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "toolbox" if preset.name == "full" else f"toolbox.{preset.name}"
     partial = args.out / f"{stem}.partial.jsonl"
+    if args.from_partial:
+        if not partial.is_file():
+            ap.error(f"--from-partial: {partial} does not exist; run the preset first")
+        rows = [json.loads(line) for line in partial.read_text().splitlines() if line.strip()]
+        _add_ratios(rows)
+        result = {"preset": dataclasses.asdict(preset) | {"mixers": [k.value for k in preset.mixers]},
+                  "machine": _machine(None), "seconds": float("nan"), "rows": rows, "incomplete": True}
+        return _write(result, args.out, stem)
     partial.write_text("")
 
     def save(row):
@@ -609,10 +627,14 @@ def main(argv: list[str] | None = None) -> int:
 
     result = run(preset, progress=not args.no_progress, on_row=save)
     partial.unlink()
-    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    return _write(result, args.out, stem)
+
+
+def _write(result: dict, out: Path, stem: str) -> int:
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     md = markdown(result)
-    (args.out / f"{stem}.md").write_text(md)
-    plot(result, args.out / f"{stem}.png")
+    (out / f"{stem}.md").write_text(md)
+    plot(result, out / f"{stem}.png")
     print(md)
-    print(f"wrote {args.out / stem}.md, .json, .png")
+    print(f"wrote {out / stem}.md, .json, .png")
     return 0
