@@ -374,23 +374,24 @@ def test_paged_bad_input_leaves_it_unchanged():
 # ------------------------------------------------------------------------- WindowCache
 
 
-@pytest.mark.parametrize("W,S", [(16, 4), (7, 0), (5, 9)])
-def test_window_cache_equals_masked_attention_at_every_step(W, S):
+@pytest.mark.parametrize("W,S,alibi", [(16, 4, False), (7, 0, False), (5, 9, False), (16, 4, True)])
+def test_window_cache_equals_masked_attention_at_every_step(W, S, alibi):
     """A long stream, one token per step: each step equals attention over the whole stream."""
     T, H, D = 240, 2, 8
     ks, vs, qs = torch.randn(1, H, T, D), torch.randn(1, H, T, D), torch.randn(1, 2 * H, T, D)
     cache = WindowCache(window=W, sinks=S, heads=H, head_dim=D)
     m = keyfold.causal() & (keyfold.window(W - 1) | keyfold.sinks(S))
+    sc = keyfold.alibi(keyfold.alibi_slopes(2 * H)) if alibi else None  # true positions matter
     nbytes = cache.nbytes
     got = []
     for t in range(T):
         cache.append(ks[:, :, t:t + 1], vs[:, :, t:t + 1])
-        got.append(decode(qs[:, :, t:t + 1], cache))
+        got.append(decode(qs[:, :, t:t + 1], cache, score=sc))
         held = sum(sp.n for g in cache.pieces() for sp in g.spans)
         assert held == min(t + 1, W + S), "each token held once, S + W at most"
     assert cache.nbytes == nbytes and cache.length == T
     # attention over the full stream with the equivalent mask, all steps at once
-    check_rows(torch.cat(got, 2), qs, ks, vs, mask=m)
+    check_rows(torch.cat(got, 2), qs, ks, vs, mask=m, score=sc)
 
 
 def test_window_cache_blocks_alibi_and_chunked_prefill():

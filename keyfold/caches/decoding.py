@@ -52,11 +52,19 @@ def _threads(device: torch.device) -> int:
 # ------------------------------------------------------------------------- one span
 
 
-def _kind(mask: Mask, q0: int, q1: int, k0: int, k1: int) -> BlockKind | None:
-    """The mask's closed-form kind for query positions [q0, q1) x keys [k0, k1), if it has one."""
-    t = lambda x: torch.tensor([[x]])  # noqa: E731 - (1, 1) int64 range bound
-    kinds = mask.classify(t(q0), t(q1), t(k0), t(k1))
-    return None if kinds is None else BlockKind(int(kinds.reshape(-1)[0]))
+def _kinds(mask: Mask, q0: int, q1: int, spans) -> list[BlockKind | None]:
+    """The mask's closed-form kind for query positions [q0, q1) against each span, in one call.
+
+    None for a span means "no closed form" (a callable): the span is attended with the mask.
+    """
+    if not spans:
+        return []
+    k0 = torch.tensor([[sp.kv_offset for sp in spans]])         # (1, n_spans)
+    k1 = torch.tensor([[sp.kv_offset + sp.n for sp in spans]])  # (1, n_spans)
+    kinds = mask.classify(torch.tensor([[q0]]), torch.tensor([[q1]]), k0, k1)
+    if kinds is None:
+        return [None] * len(spans)
+    return [BlockKind(int(x)) for x in torch.broadcast_to(kinds, (1, len(spans))).reshape(-1).tolist()]
 
 
 def _folded(q, span: Span, s: int, scale, backend) -> list[State] | None:
@@ -113,14 +121,11 @@ def _group_state(q, group: Group, mask, score, scale, splits, backend, Dv: int) 
     b, Hq, Nq, _ = q.shape
     q_offset = group.length - Nq
     states: list[State] = []
-    for span in group.spans:
-        m = mask
-        if m is not None:
-            kind = _kind(m, q_offset, group.length, span.kv_offset, span.kv_offset + span.n)
-            if kind is BlockKind.EMPTY:
-                continue
-            if kind is BlockKind.FULL:
-                m = None
+    kinds = _kinds(mask, q_offset, group.length, group.spans) if mask is not None else [None] * len(group.spans)
+    for span, kind in zip(group.spans, kinds):
+        if kind is BlockKind.EMPTY:
+            continue
+        m = None if kind is BlockKind.FULL else mask
         states += _span_states(q, span, m, score, scale, q_offset, splits, backend)
     if not states:  # every key hidden: the identity, out 0 and lse -inf
         return empty_state(b, Hq, Nq, Dv, dtype=state_dtype(q.dtype), device=q.device)
@@ -274,18 +279,18 @@ def cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix_lengths=None, m
     pos = torch.tensor([P + lens[r] - Nq + i for r in range(R) for i in range(Nq)])
     req = torch.arange(R).repeat_interleave(Nq)
     m, sc = mask, score
+    prefix = Span(prefix_k, prefix_v, 0)
     if m is not None:
-        kind = _kind(m, int(pos.min()), int(pos.max()) + 1, 0, P)
+        kind = _kinds(m, int(pos.min()), int(pos.max()) + 1, [prefix])[0]
         m = None if kind is BlockKind.FULL else m
     if m is not None or sc is not None:
         rowmap = RowMap(pos, req, R)
         m = None if m is None else QueryRows(m, rowmap)
         sc = None if sc is None else QueryRowsScore(sc, rowmap)
-    group = Group(0, 1, 0, (Span(prefix_k, prefix_v, 0),))
-    if m is not None and _kind(m, 0, R * Nq, 0, P) is BlockKind.EMPTY:
+    if m is not None and _kinds(m, 0, R * Nq, [prefix])[0] is BlockKind.EMPTY:
         pre = empty_state(1, Hq, R * Nq, prefix_v.shape[-1], dtype=state_dtype(dtype), device=q.device)
     else:
-        pre = merge_all(_span_states(qf, group.spans[0], m, sc, scale, 0, splits, backend))
+        pre = merge_all(_span_states(qf, prefix, m, sc, scale, 0, splits, backend))
     Dv = prefix_v.shape[-1]
     pre = State(pre.out.reshape(Hq, R, Nq, Dv).permute(1, 0, 2, 3),               # (R, Hq, Nq, Dv)
                 pre.lse.reshape(Hq, R, Nq).permute(1, 0, 2))                       # (R, Hq, Nq)

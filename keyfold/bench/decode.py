@@ -1,0 +1,304 @@
+"""``python -m keyfold bench decode``: KV-cache decoding, paged, cascade and the window cache.
+
+Every number is a ratio against a peer measured in the same run: the implementations run
+alternately (interleaved), several repeats after a warm-up, and we take medians, because
+this machine's 2 cores are shared. Sections (DESIGN.md section 7 targets):
+
+1. decode step vs SDPA over the same contiguous cache, 4k / 32k / 128k tokens, fp32 (target
+   <= 1.10x at 4k, <= 1.05x at 128k) with the achieved GB/s; a bf16 cache (fewer bytes);
+   and an MQA cache (one key/value head), where split-KV gives the idle thread work;
+2. paged vs contiguous decode (target <= 1.10x);
+3. cascade: 16 requests sharing an 8k prefix vs attending to each request's full copy
+   (target <= 0.3x);
+4. the window cache streamed from 1k to 1M tokens: step time and memory stay flat (plot).
+
+Results: ``benchmarks/results/decode.{md,json,png}`` (``--quick``: ``decode-quick.*``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ..caches import KVCache, PagedKVCache, WindowCache, cascade, choose_splits, decode
+
+RESULTS = Path("benchmarks/results")
+B, H, D = 1, 8, 64  # the decode shape of DESIGN.md section 5
+
+
+# ---------------------------------------------------------------------------- timing
+
+
+def interleaved(fns: dict, reps: int, warmup: int = 2) -> dict[str, float]:
+    """Median seconds of each callable, run alternately ``reps`` times after ``warmup`` rounds."""
+    for _ in range(warmup):
+        for f in fns.values():
+            f()
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process now (not the peak)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _filled_cache(N, dtype, heads=H, batch=B) -> KVCache:
+    cache = KVCache(batch, heads, D, N, dtype=dtype)
+    block = 8192
+    for t in range(0, N, block):
+        n = min(block, N - t)
+        cache.append(torch.randn(batch, heads, n, D, dtype=dtype), torch.randn(batch, heads, n, D, dtype=dtype))
+    return cache
+
+
+# ---------------------------------------------------------------------------- sections
+
+
+def bench_decode(lengths, reps, bar) -> list[dict]:
+    """keyfold decode vs SDPA over the very same cache views, per length and dtype."""
+    rows = []
+    cases = [(N, torch.float32, H) for N in lengths]
+    cases += [(lengths[-1], torch.bfloat16, H), (lengths[-1], torch.float32, 1)]
+    for N, dtype, hkv in cases:
+        cache = _filled_cache(N, dtype, heads=hkv)
+        k, v = cache.k[:, :, :N], cache.v[:, :, :N]
+        q = torch.randn(B, H, 1, D, dtype=dtype)
+        fns = {"keyfold": lambda: decode(q, cache),
+               "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=hkv != H)}
+        if hkv != H:
+            fns["keyfold_nosplit"] = lambda: decode(q, cache, splits=1)
+        n_reps = max(3, reps * 4096 // N)
+        t = interleaved(fns, n_reps)
+        gb = (k.nbytes + v.nbytes) / 1e9
+        name = f"{'MQA ' if hkv != H else ''}{str(dtype).replace('torch.', '')}"
+        row = dict(case=name, tokens=N, kv_heads=hkv, dtype=str(dtype), reps=n_reps,
+                   keyfold_ms=t["keyfold"] * 1e3, sdpa_ms=t["sdpa"] * 1e3, ratio=t["keyfold"] / t["sdpa"],
+                   keyfold_GBps=gb / t["keyfold"], sdpa_GBps=gb / t["sdpa"],
+                   splits=choose_splits(N, B * hkv, torch.get_num_threads()))
+        if "keyfold_nosplit" in t:
+            row["nosplit_ms"] = t["keyfold_nosplit"] * 1e3
+            row["split_gain"] = t["keyfold_nosplit"] / t["keyfold"]
+        rows.append(row)
+        del cache, k, v
+        bar.update(1)
+    return rows
+
+
+def bench_paged(N, seqs, reps, bar) -> list[dict]:
+    """``seqs`` sequences grown in lock step (interleaved page allocation) vs one contiguous batch."""
+    rows = []
+    cont = _filled_cache(N, torch.float32, batch=seqs)
+    q = torch.randn(seqs, H, 1, D)
+    for page_size in (None, 256, 16):
+        pool = PagedKVCache(seqs * (-(-N // (page_size or 1024))) + 1, page_size, H, D)
+        ids = [pool.new_sequence() for _ in range(seqs)]
+        step = 2048
+        for t in range(0, N, step):
+            n = min(step, N - t)
+            pool.append(cont.k[:, :, t:t + n], cont.v[:, :, t:t + n], ids)
+        spans = sum(len(g.spans) for g in pool.pieces(ids)) / seqs
+        t = interleaved({"paged": lambda: decode(q, pool, seq_ids=ids), "contiguous": lambda: decode(q, cont)},
+                        max(3, reps * 4096 // N))
+        st = pool.stats()
+        rows.append(dict(page_size=pool.page_size, sequences=seqs, tokens=N, spans_per_seq=spans,
+                         paged_ms=t["paged"] * 1e3, contiguous_ms=t["contiguous"] * 1e3,
+                         ratio=t["paged"] / t["contiguous"], wasted_tokens=st.wasted, pages_used=st.used))
+        del pool
+        bar.update(1)
+    return rows
+
+
+def bench_cascade(R, P, S, reps, bar) -> dict:
+    """R requests sharing a P-token prefix, S own tokens each, one new query token each."""
+    pk, pv = torch.randn(1, H, P, D), torch.randn(1, H, P, D)
+    sk, sv = torch.randn(R, H, S, D), torch.randn(R, H, S, D)
+    full_k = torch.cat([pk.expand(R, -1, -1, -1), sk], 2).contiguous()  # (R, H, P + S, D): each its copy
+    full_v = torch.cat([pv.expand(R, -1, -1, -1), sv], 2).contiguous()
+    full = KVCache(R, H, D, P + S)
+    full.append(full_k, full_v)
+    q = torch.randn(R, H, 1, D)
+    t = interleaved({"cascade": lambda: cascade(q, pk, pv, sk, sv),
+                     "sdpa_copies": lambda: F.scaled_dot_product_attention(q, full_k, full_v),
+                     "keyfold_copies": lambda: decode(q, full)}, max(3, reps // 4))
+    err = (cascade(q, pk, pv, sk, sv) - F.scaled_dot_product_attention(q, full_k, full_v)).abs().max().item()
+    bar.update(1)
+    return dict(requests=R, prefix=P, suffix=S, cascade_ms=t["cascade"] * 1e3, sdpa_copies_ms=t["sdpa_copies"] * 1e3,
+                keyfold_copies_ms=t["keyfold_copies"] * 1e3, ratio=t["cascade"] / t["sdpa_copies"],
+                max_abs_diff=err)
+
+
+def bench_window(W, S, max_tokens, steps, bar) -> list[dict]:
+    """Stream tokens into a WindowCache; at checkpoints time single-token steps (append + decode)."""
+    cache = WindowCache(window=W, sinks=S, heads=H, head_dim=D)
+    block_k, block_v = torch.randn(1, H, 8192, D), torch.randn(1, H, 8192, D)  # reused: content is irrelevant
+    k1, v1, q = torch.randn(1, H, 1, D), torch.randn(1, H, 1, D), torch.randn(1, H, 1, D)
+    full_limit = min(max_tokens, 1 << 17)  # the growing-cache contrast, up to 128k tokens
+    full = KVCache(1, H, D, full_limit)
+    checkpoints = [1 << p for p in range(10, 21) if (1 << p) <= max_tokens]
+    rows = []
+    for cp in checkpoints:
+        with_full = cp <= full_limit
+        while cache.length < cp - steps:  # fast-forward the stream in blocks
+            n = min(8192, cp - steps - cache.length)
+            cache.append(block_k[:, :, :n], block_v[:, :, :n])
+            if with_full:
+                full.append(block_k[:, :, :n], block_v[:, :, :n])
+        times, ftimes = [], []
+        for _ in range(steps):  # the window cache alone, so no other cache evicts its bytes
+            t0 = time.perf_counter()
+            cache.append(k1, v1)
+            decode(q, cache)
+            times.append(time.perf_counter() - t0)
+        for _ in range(steps if with_full else 0):
+            t0 = time.perf_counter()
+            full.append(k1, v1)
+            decode(q, full)
+            ftimes.append(time.perf_counter() - t0)
+        rows.append(dict(tokens=cache.length, step_ms=statistics.median(times) * 1e3,
+                         cache_bytes=cache.nbytes, rss_bytes=rss_bytes(),
+                         full_cache_step_ms=statistics.median(ftimes) * 1e3 if ftimes else None))
+        bar.update(1)
+    return rows
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def _plot(res, path: Path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 3, figsize=(16, 4.5))
+    dec = [r for r in res["decode"] if r["case"] == "float32"]
+    ax[0].plot([r["tokens"] for r in dec], [r["ratio"] for r in dec], "o-", label="keyfold / SDPA, fp32")
+    for r in res["decode"]:
+        if r["case"] != "float32":
+            ax[0].plot([r["tokens"]], [r["ratio"]], "s", label=f"keyfold / SDPA, {r['case']}")
+    ax[0].axhline(1.0, color="gray", lw=0.8)
+    ax[0].set(xscale="log", xlabel="cache tokens", ylabel="time ratio (lower is better)",
+              title="decode step vs SDPA, same cache")
+    ax[0].legend(fontsize=8)
+
+    labels = [f"paged {r['page_size']}" for r in res["paged"]] + ["cascade"]
+    ratios = [r["ratio"] for r in res["paged"]] + [res["cascade"]["ratio"]]
+    ax[1].bar(labels, ratios, color=["C0"] * len(res["paged"]) + ["C2"])
+    ax[1].axhline(1.0, color="gray", lw=0.8)
+    ax[1].set(ylabel="time ratio vs peer", title="paged / contiguous; cascade / full copies (SDPA)")
+    for i, r in enumerate(ratios):
+        ax[1].text(i, r, f"{r:.2f}x", ha="center", va="bottom", fontsize=8)
+
+    win = res["window"]
+    xs = [r["tokens"] for r in win]
+    ax[2].plot(xs, [r["step_ms"] for r in win], "o-", label="window cache step (ms)")
+    fx = [(r["tokens"], r["full_cache_step_ms"]) for r in win if r["full_cache_step_ms"] is not None]
+    ax[2].plot([a for a, _ in fx], [b for _, b in fx], "x--", label="full KV cache step (ms)")
+    ax2 = ax[2].twinx()
+    ax2.plot(xs, [r["cache_bytes"] / 2**20 for r in win], "g.-", label="window cache MiB")
+    ax2.plot(xs, [r["rss_bytes"] / 2**20 for r in win], "r:", label="process RSS MiB")
+    ax2.set_ylabel("MiB")
+    ax2.set_ylim(bottom=0)
+    ax[2].set(xscale="log", xlabel="tokens streamed", ylabel="ms per step",
+              title=f"WindowCache(W={res['config']['window']}, S={res['config']['sinks']}) streamed")
+    h1, l1 = ax[2].get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax[2].legend(h1 + h2, l1 + l2, fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _markdown(res, cmd: str) -> str:
+    c = res["config"]
+    out = [f"# Decode benchmark ({'quick' if c['quick'] else 'full'})", "",
+           f"`{cmd}` on {c['machine']}, torch {c['torch']}, {c['threads']} threads, "
+           f"load average before the run {c['load_before']}. Medians of interleaved runs; every ratio is "
+           f"against a peer measured in the same run. B={B}, H={H}, D={D} unless stated.", "",
+           "## 1. Decode step vs SDPA over the same cache", "",
+           "Targets (DESIGN.md §7): <= 1.10x at 4k, <= 1.05x at 128k at the same cache dtype.", "",
+           "| cache | tokens | keyfold ms | SDPA ms | ratio | keyfold GB/s | SDPA GB/s | splits |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in res["decode"]:
+        extra = f" (no split: {r['nosplit_ms']:.2f} ms, split-KV gain {r['split_gain']:.2f}x)" if "nosplit_ms" in r else ""
+        out.append(f"| {r['case']}{extra} | {r['tokens']} | {r['keyfold_ms']:.3f} | {r['sdpa_ms']:.3f} | "
+                   f"**{r['ratio']:.2f}x** | {r['keyfold_GBps']:.1f} | {r['sdpa_GBps']:.1f} | {r['splits']} |")
+    fp32 = {r["tokens"]: r for r in res["decode"] if r["case"] == "float32"}
+    bf = next((r for r in res["decode"] if r["case"] == "bfloat16"), None)
+    if bf is not None and bf["tokens"] in fp32:
+        out += ["", f"A bfloat16 cache reads half the bytes: keyfold on bf16 takes "
+                    f"{bf['keyfold_ms'] / fp32[bf['tokens']]['sdpa_ms']:.2f}x the time of SDPA on the fp32 cache "
+                    f"at {bf['tokens']} tokens."]
+    out += ["", "## 2. Paged vs contiguous (target <= 1.10x)", "",
+            "| page size | sequences x tokens | spans per sequence | paged ms | contiguous ms | ratio | wasted slots |",
+            "|---|---|---|---|---|---|---|"]
+    for r in res["paged"]:
+        out.append(f"| {r['page_size']} | {r['sequences']} x {r['tokens']} | {r['spans_per_seq']:.1f} | "
+                   f"{r['paged_ms']:.2f} | {r['contiguous_ms']:.2f} | **{r['ratio']:.2f}x** | {r['wasted_tokens']} |")
+    cs = res["cascade"]
+    out += ["", "## 3. Cascade (target <= 0.3x)", "",
+            f"{cs['requests']} requests share a {cs['prefix']}-token prefix and own {cs['suffix']} tokens each; "
+            f"one new query token per request.", "",
+            "| cascade ms | SDPA over full copies ms | keyfold over full copies ms | ratio cascade / SDPA | max abs diff |",
+            "|---|---|---|---|---|",
+            f"| {cs['cascade_ms']:.2f} | {cs['sdpa_copies_ms']:.2f} | {cs['keyfold_copies_ms']:.2f} | "
+            f"**{cs['ratio']:.2f}x** | {cs['max_abs_diff']:.1e} |"]
+    win = res["window"]
+    steps = [r["step_ms"] for r in win]
+    out += ["", f"## 4. Window cache streamed (W={c['window']}, S={c['sinks']})", "",
+            "| tokens streamed | step ms (append + decode) | cache bytes | process RSS MiB | full KV cache step ms |",
+            "|---|---|---|---|---|"]
+    for r in win:
+        f = "—" if r["full_cache_step_ms"] is None else f"{r['full_cache_step_ms']:.3f}"
+        out.append(f"| {r['tokens']} | {r['step_ms']:.3f} | {r['cache_bytes']} | {r['rss_bytes'] / 2**20:.0f} | {f} |")
+    out += ["", f"Step time max/min over the stream: {max(steps) / min(steps):.2f}x; cache bytes "
+                f"{'constant' if len({r['cache_bytes'] for r in win}) == 1 else 'NOT constant'}.", "",
+            "![decode benchmark](" + res["config"]["png"] + ")", ""]
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m keyfold bench decode", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="small preset (< 3 minutes)")
+    p.add_argument("--out", type=Path, default=RESULTS, help="results folder (default benchmarks/results)")
+    p.add_argument("--reps", type=int, default=None, help="repeats at 4k tokens (fewer for longer caches)")
+    args = p.parse_args(argv)
+    quick = args.quick
+    reps = args.reps or (40 if quick else 120)
+    lengths = [4096, 32768, 131072]
+    cfg = dict(quick=quick, machine=platform.processor() or platform.machine(), torch=torch.__version__,
+               threads=torch.get_num_threads(), load_before=round(os.getloadavg()[0], 2),
+               window=4096, sinks=4, stream_tokens=(1 << 16) if quick else (1 << 20))
+    torch.manual_seed(0)
+    n_win = len([p_ for p_ in range(10, 21) if (1 << p_) <= cfg["stream_tokens"]])
+    with tqdm(total=len(lengths) + 2 + 3 + 1 + n_win, desc="bench decode") as bar:
+        res = dict(config=cfg)
+        res["decode"] = bench_decode(lengths, reps, bar)
+        res["paged"] = bench_paged(8192 if quick else 32768, 4, reps, bar)
+        res["cascade"] = bench_cascade(16, 8192, 128, reps, bar)
+        res["window"] = bench_window(cfg["window"], cfg["sinks"], cfg["stream_tokens"], 10 if quick else 30, bar)
+    stem = "decode-quick" if quick else "decode"
+    args.out.mkdir(parents=True, exist_ok=True)
+    cfg["png"] = f"{stem}.png"
+    cfg["load_after"] = round(os.getloadavg()[0], 2)
+    _plot(res, args.out / f"{stem}.png")
+    (args.out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    cmd = "python -m keyfold bench decode" + (" --quick" if quick else "")
+    (args.out / f"{stem}.md").write_text(_markdown(res, cmd))
+    print(_markdown(res, cmd))
+    return 0
