@@ -291,4 +291,4 @@ def _classify_exact(mask, B, H, Nq, Nk, q_offset, kv_offset, bq, bk) -> torch.Te
             row[~a] = int(BlockKind.EMPTY)
             row[f] = int(BlockKind.FULL)
             out.append(row)
-    return torch.stack(out)
+    return torch.stack(out) if out else torch.empty(0, nkb, dtype=torch.int8)  # no query rows
