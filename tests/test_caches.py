@@ -467,3 +467,21 @@ def test_cascade_and_state_merge_with_other_pieces():
     check_rows(keyfold.merge(past, new).out, q, k, v)
     with pytest.raises(ValueError, match="batch 1"):
         cascade(q, k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), k, v)
+
+
+def test_bench_decode_smoke(tmp_path):
+    """The benchmark's sections run end to end on tiny sizes and write md, json and png."""
+    import json
+
+    from keyfold.bench import decode as bench
+    cfg = dict(quick=True, machine="test", torch=torch.__version__, threads=1, load_before=0.0,
+               window=64, sinks=4, stream_tokens=2048)
+    res = bench.run(cfg, [256, 512], reps=3, paged_tokens=256, cascade_shape=(2, 128, 8), window_steps=2,
+                    progress=False)
+    md = bench.write(res, tmp_path, "decode", "test")
+    saved = json.loads((tmp_path / "decode.json").read_text())
+    assert (tmp_path / "decode.png").stat().st_size > 0 and "## 4. Window cache" in md
+    assert [r["tokens"] for r in saved["decode"]] == [256, 512, 512, 512]
+    assert saved["cascade"]["max_abs_diff"] < 1e-5
+    assert len({r["cache_bytes"] for r in saved["window"]}) == 1
+    assert [r["tokens"] for r in saved["window"]] == [1024, 2048]

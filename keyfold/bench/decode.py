@@ -272,6 +272,30 @@ def _markdown(res, cmd: str) -> str:
     return "\n".join(out)
 
 
+def run(cfg: dict, lengths, reps: int, paged_tokens: int, cascade_shape, window_steps: int, progress=True) -> dict:
+    """All four sections; ``cfg`` is stored with the results (window, sinks, stream_tokens used)."""
+    n_win = len([p_ for p_ in range(10, 21) if (1 << p_) <= cfg["stream_tokens"]])
+    with tqdm(total=len(lengths) + 2 + 3 + 1 + n_win, desc="bench decode", disable=not progress) as bar:
+        res = dict(config=cfg)
+        res["decode"] = bench_decode(lengths, reps, bar)
+        res["paged"] = bench_paged(paged_tokens, 4, reps, bar)
+        res["cascade"] = bench_cascade(*cascade_shape, reps, bar)
+        res["window"] = bench_window(cfg["window"], cfg["sinks"], cfg["stream_tokens"], window_steps, bar)
+    return res
+
+
+def write(res: dict, out: Path, stem: str, cmd: str) -> str:
+    """decode.{md,json,png} under ``out``; returns the markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    res["config"]["png"] = f"{stem}.png"
+    res["config"]["load_after"] = round(os.getloadavg()[0], 2)
+    _plot(res, out / f"{stem}.png")
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    md = _markdown(res, cmd)
+    (out / f"{stem}.md").write_text(md)
+    return md
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m keyfold bench decode", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small preset (< 3 minutes)")
@@ -285,20 +309,7 @@ def main(argv=None) -> int:
                threads=torch.get_num_threads(), load_before=round(os.getloadavg()[0], 2),
                window=4096, sinks=4, stream_tokens=(1 << 16) if quick else (1 << 20))
     torch.manual_seed(0)
-    n_win = len([p_ for p_ in range(10, 21) if (1 << p_) <= cfg["stream_tokens"]])
-    with tqdm(total=len(lengths) + 2 + 3 + 1 + n_win, desc="bench decode") as bar:
-        res = dict(config=cfg)
-        res["decode"] = bench_decode(lengths, reps, bar)
-        res["paged"] = bench_paged(8192 if quick else 32768, 4, reps, bar)
-        res["cascade"] = bench_cascade(16, 8192, 128, reps, bar)
-        res["window"] = bench_window(cfg["window"], cfg["sinks"], cfg["stream_tokens"], 10 if quick else 30, bar)
-    stem = "decode-quick" if quick else "decode"
-    args.out.mkdir(parents=True, exist_ok=True)
-    cfg["png"] = f"{stem}.png"
-    cfg["load_after"] = round(os.getloadavg()[0], 2)
-    _plot(res, args.out / f"{stem}.png")
-    (args.out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    res = run(cfg, lengths, reps, 8192 if quick else 32768, (16, 8192, 128), 10 if quick else 30)
     cmd = "python -m keyfold bench decode" + (" --quick" if quick else "")
-    (args.out / f"{stem}.md").write_text(_markdown(res, cmd))
-    print(_markdown(res, cmd))
+    print(write(res, args.out, "decode-quick" if quick else "decode", cmd))
     return 0

@@ -220,7 +220,7 @@ class PagedKVCache:
         ps, table, L = self.page_size, self._tables[s], self._len[s]
         if L % ps and self._ref[table[-1]] > 1:  # copy-on-write of the shared, partly filled last page
             old, fill = table[-1], L % ps
-            new = self._take(None)
+            new = self._take(table[-2] if len(table) > 1 else None)
             self.k_pages[:, new, :fill] = self.k_pages[:, old, :fill]
             self.v_pages[:, new, :fill] = self.v_pages[:, old, :fill]
             self._fill[new] = fill
