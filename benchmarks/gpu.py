@@ -90,7 +90,8 @@ def flex_mask_mod(variant: str, ids):
     if variant == "causal":
         return lambda b, h, q, k: q >= k
     if variant == "window1024":
-        return lambda b, h, q, k: (q >= k) & (q - k <= WINDOW)
+        w = WINDOW  # a local, not a global: Flex traces the function
+        return lambda b, h, q, k: (q >= k) & (q - k <= w)
     if variant == "documents":
         return lambda b, h, q, k: ids[q] == ids[k]
     return None
@@ -259,7 +260,8 @@ def write_markdown(path: Path, meta, rows, checks, rats):
     lines += [f"| {r['N']} | {r['variant']} | {r['mode']} | {r['peer']} | {r['ratio']:.2f} | "
               f">= {r['target']} | {'yes' if r['met'] else 'NO'} |" for r in rats]
     lines += ["", "## output check (max |method - keyfold|, first N, forward)", ""]
-    lines += [f"- {variant}: " + ", ".join(f"{m} {d:.2e}" for m, d in diffs.items()) for variant, diffs in checks.items()]
+    lines += [f"- {variant}: " + ", ".join(f"{m} {d:.2e}" if isinstance(d, float) else f"{m} {d}"
+                                           for m, d in diffs.items()) for variant, diffs in checks.items()]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -324,7 +326,7 @@ def main(argv=None) -> int:
             try:
                 checks[variant] = check_outputs(methods, q, k, v)
             except Exception as e:  # noqa: BLE001 - a peer's failure is a result, not a crash
-                checks[variant] = {"error": float("nan")}
+                checks[variant] = {"error": repr(e)}
                 print(f"check {variant}: {e!r}", file=sys.stderr)
         flops = 4.0 * B * H * D * visible_pairs(variant, N, methods.ids) * (3.5 if mode == "fwd+bwd" else 1.0)
         for m in METHODS:
