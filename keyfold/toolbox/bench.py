@@ -54,7 +54,7 @@ class Preset:
     batch: int
     width: int                      # model width (the recall sweep adds recall_widths)
     depth: int
-    recall_lengths: tuple[int, ...]  # MQAR sequence lengths at ``width``
+    recall_lengths: tuple[int, ...]  # MQAR sequence lengths at ``width`` (the first one runs first)
     recall_widths: tuple[int, ...]   # MQAR widths at recall_lengths[0]
     kv_pairs: int                   # MQAR key-value pairs
     copy_length: int                # selective copying sequence length
@@ -77,9 +77,9 @@ PRESETS = {
                     copy_tokens=8, induction_length=48, eval_examples=256, forecast_sets=("nile", "sunspots"),
                     ucr_sets=("ItalyPowerDemand",), probe=True),
     # sized for about 30 min on 2 idle cores (one thread); a loaded machine takes longer
-    "full": Preset("full", seeds=3, lrs=(2e-3, 6e-3), steps=300, small_steps=150, batch=32, width=32,
-                   depth=2, recall_lengths=(32, 64, 128), recall_widths=(64,), kv_pairs=4, copy_length=64,
-                   copy_tokens=8, induction_length=64, eval_examples=512,
+    "full": Preset("full", seeds=3, lrs=(2e-3, 6e-3), steps=300, small_steps=100, batch=32, width=32,
+                   depth=2, recall_lengths=(32, 16, 64), recall_widths=(64,), kv_pairs=4, copy_length=32,
+                   copy_tokens=6, induction_length=32, eval_examples=512,
                    forecast_sets=_data.FORECAST_SETS, ucr_sets=("ItalyPowerDemand",), probe=True),
 }
 
@@ -251,34 +251,34 @@ class _Classifier(nn.Module):
 
 
 def _problems(preset: Preset) -> list[_Problem]:
+    """Every problem, cheapest and most diverse first, so an interrupted run (``--resume``,
+    ``--from-partial``) still covers every kind of task."""
     P, d = preset.kv_pairs, preset.width
-    probs = []
+    N0 = preset.recall_lengths[0]
 
     def mqar(n_len):
         return lambda n, seed: _tasks.mqar(n, n_len, vocab=max(64, 8 * P), num_kv_pairs=P, seed=seed)
 
-    for N in preset.recall_lengths:
-        probs.append(_token_problem("recall", f"mqar N={N} d={d} kv={P}", mqar(N), preset, d, N, False))
-    for w in preset.recall_widths:
-        N = preset.recall_lengths[0]
-        probs.append(_token_problem("recall", f"mqar N={N} d={w} kv={P}", mqar(N), preset, w, N, False))
-    Nc, K = preset.copy_length, preset.copy_tokens
-    probs.append(_token_problem(
-        "recall", f"selective copy N={Nc} k={K}",
-        lambda n, seed: _tasks.selective_copying(n, Nc, num_tokens=K, num_data=16, seed=seed), preset, d, Nc, False))
-    Ni = preset.induction_length
+    Nc, K, Ni = preset.copy_length, preset.copy_tokens, preset.induction_length
     induction = lambda n, seed: _tasks.repeated_tokens(n, Ni, vocab=max(64, Ni), seed=seed)  # noqa: E731
-    probs.append(_token_problem("recall", f"induction N={Ni}", induction, preset, d, Ni, False))
-    if preset.probe:
-        N = preset.recall_lengths[0]
-        probs.append(_token_problem("probe", f"frozen mqar N={N} d={d}", mqar(N), preset, d, N, True))
-        probs.append(_token_problem("probe", f"frozen induction N={Ni}", induction, preset, d, Ni, True))
+    probs = [_token_problem("recall", f"mqar N={N0} d={d} kv={P}", mqar(N0), preset, d, N0, False)]
     probs += [_forecast_problem(n, preset) for n in preset.forecast_sets]
     for n in preset.ucr_sets:
         try:
             probs.append(_classify_problem(n, preset))
         except FileNotFoundError as e:  # the UCR files ship inside sktime / aeon, an optional extra
             warnings.warn(f"skipping {n}: {e}")
+    probs.append(_token_problem("recall", f"induction N={Ni}", induction, preset, d, Ni, False))
+    probs.append(_token_problem(
+        "recall", f"selective copy N={Nc} k={K}",
+        lambda n, seed: _tasks.selective_copying(n, Nc, num_tokens=K, num_data=16, seed=seed), preset, d, Nc, False))
+    if preset.probe:
+        probs.append(_token_problem("probe", f"frozen mqar N={N0} d={d}", mqar(N0), preset, d, N0, True))
+        probs.append(_token_problem("probe", f"frozen induction N={Ni}", induction, preset, d, Ni, True))
+    for N in preset.recall_lengths[1:]:
+        probs.append(_token_problem("recall", f"mqar N={N} d={d} kv={P}", mqar(N), preset, d, N, False))
+    for w in preset.recall_widths:
+        probs.append(_token_problem("recall", f"mqar N={N0} d={w} kv={P}", mqar(N0), preset, w, N0, False))
     return probs
 
 
@@ -376,9 +376,13 @@ def _run_kind(prob: _Problem, kind, preset: Preset, bar) -> dict:
             "trainable": n_train, "train_s": statistics.fmean(secs), **_streaming(first, prob)}
 
 
-def run(preset: Preset, *, progress: bool = True, on_row: Callable[[dict], None] | None = None) -> dict:
+def run(preset: Preset, *, progress: bool = True, on_row: Callable[[dict], None] | None = None,
+        done: list[dict] = ()) -> dict:
     """Run every problem of ``preset``; returns the JSON-ready result. ``on_row`` sees each
-    finished (task, kind) row (the CLI appends it to a ``.partial.jsonl`` file)."""
+    finished (task, kind) row (the CLI appends it to a ``.partial.jsonl`` file); rows in ``done``
+    (from an interrupted run of the same preset) are kept and not run again. Every run seeds its
+    own data and initialisation, so a resumed run gives the same rows as an uninterrupted one."""
+    finished = {(r["task"], r["mixer"]): r for r in done}
     from tqdm import tqdm
 
     torch.manual_seed(0)
@@ -390,12 +394,15 @@ def run(preset: Preset, *, progress: bool = True, on_row: Callable[[dict], None]
     try:
         probs = _problems(preset)
         total = sum(len(preset.lrs) + preset.seeds - 1 if k != "seasonal_naive" else 1
-                    for p in probs for k in p.kinds)
+                    for p in probs for k in p.kinds if (p.name, _kind_name(k)) not in finished)
         rows = []
         t0 = time.perf_counter()
         with tqdm(total=total, desc=f"toolbox {preset.name}", unit="run", disable=not progress) as bar:
             for prob in probs:
                 for kind in prob.kinds:
+                    if (prob.name, _kind_name(kind)) in finished:
+                        rows.append(finished[(prob.name, _kind_name(kind))])
+                        continue
                     bar.set_postfix_str(f"{prob.name} / {_kind_name(kind)}")
                     rows.append(_run_kind(prob, kind, preset, bar))
                     if on_row is not None:
@@ -598,6 +605,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mixers", default=None, help="comma-separated subset, e.g. attention,gru")
     ap.add_argument("--seeds", type=int, default=None, help="override the preset's seed count (>= 1)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the rows an interrupted run saved (.partial.jsonl) and run the rest")
     ap.add_argument("--from-partial", action="store_true",
                     help="only write the report from the rows an interrupted run saved (.partial.jsonl)")
     args = ap.parse_args(argv)
@@ -619,13 +628,17 @@ def main(argv: list[str] | None = None) -> int:
         result = {"preset": dataclasses.asdict(preset) | {"mixers": [k.value for k in preset.mixers]},
                   "machine": _machine(None), "seconds": float("nan"), "rows": rows, "incomplete": True}
         return _write(result, args.out, stem)
-    partial.write_text("")
+    done = []
+    if args.resume and partial.is_file():
+        done = [json.loads(line) for line in partial.read_text().splitlines() if line.strip()]
+    else:
+        partial.write_text("")
 
     def save(row):
         with partial.open("a") as f:
             f.write(json.dumps(row) + "\n")
 
-    result = run(preset, progress=not args.no_progress, on_row=save)
+    result = run(preset, progress=not args.no_progress, on_row=save, done=done)
     partial.unlink()
     return _write(result, args.out, stem)
 
