@@ -181,7 +181,8 @@ def _build(mask, Nq, Nk, q_offset, kv_offset, B, H, bq, bk, max_span, allow_caus
     if mask is None:
         kinds = torch.full((len(q_starts), len(k_starts)), int(BlockKind.FULL), dtype=torch.int8)
     else:
-        kinds = mask.classify(q0, q1, k0, k1)
+        empty = len(q_starts) == 0 or len(k_starts) == 0  # no rows or no keys: nothing to classify
+        kinds = torch.zeros(len(q_starts), len(k_starts), dtype=torch.int8) if empty else mask.classify(q0, q1, k0, k1)
         if kinds is None:
             kinds = _classify_exact(mask, B, H, Nq, Nk, q_offset, kv_offset, bq, bk)
         kinds = torch.broadcast_to(kinds, (len(q_starts), len(k_starts))).contiguous()
