@@ -115,9 +115,8 @@ def _token_problem(group, name, gen: Callable[[int, int], _tasks.TokenTask], pre
     n_train = preset.steps * preset.batch  # every training batch is fresh data
     cache: dict = {}
 
-    def train_set(seed):
+    def train_set(seed):  # a few MB per seed; every kind reuses them
         if seed not in cache:
-            cache.clear()
             cache[seed] = gen(n_train, 1000 + seed)
         return cache[seed]
 
