@@ -181,8 +181,27 @@ def _check_matrix(results):
     return worst
 
 
+def _lse_gradients(rank, P, N):
+    """Gradients through the returned lse too (the dlse path), every strategy, vs float64."""
+    q, k, v, dout = _inputs(N, torch.float32)
+    dl = torch.randn(1, q.shape[1], N, generator=torch.Generator().manual_seed(5))
+    mask = keyfold.causal() & keyfold.window(N // 4)
+    qd, kd, vd = (t.double().requires_grad_(True) for t in (q, k, v))
+    ref = keyfold.attend(qd, kd, vd, mask=mask, backend=REF)
+    want = torch.autograd.grad((ref.out * dout.double()).sum() + (ref.lse * dl.double()).sum(), (qd, kd, vd))
+    errs = {}
+    for strategy in Strategy:
+        sh = lambda t: shard_of(t, P, rank, Layout.ZIGZAG)  # noqa: E731
+        ql, kl, vl = (sh(t).requires_grad_(True) for t in (q, k, v))
+        out, lse = ring_attention(ql, kl, vl, mask=mask, layout=Layout.ZIGZAG, strategy=strategy, return_lse=True)
+        ((out * sh(dout)).sum() + (lse * sh(dl.unsqueeze(-1)).squeeze(-1)).sum()).backward()
+        errs[strategy.name] = max(max_err(g, sh(w)) for g, w in zip((ql.grad, kl.grad, vl.grad), want))
+    return errs
+
+
 def _worker_two(rank, P, N):
-    return {"matrix": _worker_matrix(rank, P, N, list(Strategy)), "small": _worker_small(rank, P)}
+    return {"matrix": _worker_matrix(rank, P, N, list(Strategy)), "small": _worker_small(rank, P),
+            "lse": _lse_gradients(rank, P, N)}
 
 
 def test_two_ranks_every_layout_mask_and_strategy():
@@ -190,6 +209,10 @@ def test_two_ranks_every_layout_mask_and_strategy():
     worst = _check_matrix([r["matrix"] for r in results])
     assert len(worst) == (len(LAYOUTS) * 4 * 3 + 4) * 4
     _check_small(2, [r["small"] for r in results])
+    for r in results:
+        assert set(r["lse"]) == {s.name for s in Strategy}
+        for name, e in r["lse"].items():
+            assert e < 2e-5, f"{name}: gradient through lse off by {e:.2e}"
 
 
 def _worker_four(rank, P, N):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..masks import BlockKind, Mask
+from ..masks import BlockKind, Mask, _Causal
 from ..scores import ScoreMod, _Alibi, _Chain, alibi, as_score
 from .layout import Run
 
@@ -120,6 +120,12 @@ def piece_args(mask: Mask | None, score: ScoreMod | None, qr: Run, kr: Run,
     head_free = (mask is None or not mask.depends_on_batch_head()[1]) and score is None
     if qr.stride == 1 and kr.stride == 1 and (not sliced or head_free):
         return mask, score, qr.start, kr.start
+    if isinstance(mask, _Causal) and score is None and qr.stride == kr.stride:
+        # Striped causal is causal on local indices (Striped Attention, Brandon et al. 2023):
+        # b + j*S <= a + i*S  <=>  j <= i + d with d = floor((a - b) / S), which attend's causal
+        # sees with q_offset - kv_offset = d; the fused kernel keeps its own causal flag.
+        d = (qr.start - kr.start) // qr.stride
+        return mask, None, max(d, 0), max(-d, 0)
     h0 = heads[0] if sliced else 0
     q, k = (qr.start, qr.stride), (kr.start, kr.stride)
     m = None if mask is None else PositionView(mask, q, k, h0)
