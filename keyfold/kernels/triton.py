@@ -431,7 +431,7 @@ def _fwd_tile(acc, m_i, l_i, q, Kb, Vb, skn, svn, kb, slot, offs_d, offs_dv, qp,
 @_jit
 def _fwd_kernel(Q, K, V, O, LSE,
                 sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
-                p_ptr, p_col, f_ptr, f_col, prm, aux, bits, slopes, cap,
+                p_ptr, p_col, f_ptr, f_lo, f_hi, prm, aux, bits, slopes, cap,
                 Hq, G, Nq, Nk, D, Dv, q_offset, kv_offset, sm_scale,
                 PROG: tl.constexpr, NLIT: tl.constexpr, SCORE: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -466,10 +466,11 @@ def _fwd_kernel(Q, K, V, O, LSE,
                                   prm, aux, bits, True, PROG, NLIT, SCORE, BLOCK_N, EVEN_N, IEEE)
     lo = tl.load(f_ptr + qb)
     hi = tl.load(f_ptr + qb + 1)
-    for t in range(lo, hi):
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, Kb, Vb, skn, svn, tl.load(f_col + t), t, offs_d, offs_dv,
-                                  qp, q0, b, h, Nk, D, Dv, kv_offset, q_last, k_last, sm_scale, slope, cap,
-                                  prm, aux, bits, False, PROG, NLIT, SCORE, BLOCK_N, EVEN_N, IEEE)
+    for t in range(lo, hi):  # runs of full key blocks: the inner loop has affine addresses
+        for kb in range(tl.load(f_lo + t), tl.load(f_hi + t)):
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, Kb, Vb, skn, svn, kb, t, offs_d, offs_dv,
+                                      qp, q0, b, h, Nk, D, Dv, kv_offset, q_last, k_last, sm_scale, slope, cap,
+                                      prm, aux, bits, False, PROG, NLIT, SCORE, BLOCK_N, EVEN_N, IEEE)
     seen = l_i > 0.0  # a row that saw no key: out 0, lse -inf (never NaN)
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -510,7 +511,7 @@ def _dq_tile(dq, q, do, lse2, delta, Kb, Vb, skn, svn, kb, slot, offs_d, offs_dv
 @_jit
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm,
-                   p_ptr, p_col, f_ptr, f_col, prm, aux, bits, slopes, cap,
+                   p_ptr, p_col, f_ptr, f_lo, f_hi, prm, aux, bits, slopes, cap,
                    Hq, G, Nq, Nk, D, Dv, q_offset, kv_offset, sm_scale,
                    PROG: tl.constexpr, NLIT: tl.constexpr, SCORE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -550,9 +551,10 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     lo = tl.load(f_ptr + qb)
     hi = tl.load(f_ptr + qb + 1)
     for t in range(lo, hi):
-        dq = _dq_tile(dq, q, do, lse2, delta, Kb, Vb, skn, svn, tl.load(f_col + t), t, offs_d, offs_dv,
-                      qp, q0, b, h, Nk, D, Dv, kv_offset, q_last, k_last, sm_scale, slope, cap,
-                      prm, aux, bits, False, PROG, NLIT, SCORE, BLOCK_N, EVEN_N, IEEE)
+        for kb in range(tl.load(f_lo + t), tl.load(f_hi + t)):
+            dq = _dq_tile(dq, q, do, lse2, delta, Kb, Vb, skn, svn, kb, t, offs_d, offs_dv,
+                          qp, q0, b, h, Nk, D, Dv, kv_offset, q_last, k_last, sm_scale, slope, cap,
+                          prm, aux, bits, False, PROG, NLIT, SCORE, BLOCK_N, EVEN_N, IEEE)
     tl.store(DQ + bh.to(tl.int64) * Nq * D + offs_m[:, None] * D + offs_d[None, :], dq * sm_scale,
              mask=rmask[:, None] & (offs_d[None, :] < D))
 
@@ -589,7 +591,7 @@ def _dkdv_tile(dk, dv, k, v, kp, k0, Qb, DOb, LSEb, DELTAb, sqm, sdm, qb, slot, 
 @_jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                      sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm,
-                     p_ptr, p_row, p_slot, f_ptr, f_row, prm, aux, bits, slopes, cap,
+                     p_ptr, p_row, p_slot, f_ptr, f_lo, f_hi, prm, aux, bits, slopes, cap,
                      Hq, Hkv, G, Nq, Nk, D, Dv, q_offset, kv_offset, sm_scale,
                      PROG: tl.constexpr, NLIT: tl.constexpr, SCORE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -629,10 +631,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
         lo = tl.load(f_ptr + kb)
         hi = tl.load(f_ptr + kb + 1)
         for t in range(lo, hi):
-            dk, dv = _dkdv_tile(dk, dv, k, v, kp, k0, Qb, DOb, LSE + row, DELTA + row, sqm, sdm,
-                                tl.load(f_row + t), t, offs_d, offs_dv, b, h, Nq, D, Dv,
-                                q_offset, q_last, k_last, sm_scale, slope, cap, prm, aux, bits,
-                                False, PROG, NLIT, SCORE, BLOCK_M, BLOCK_N, IEEE)
+            for qb in range(tl.load(f_lo + t), tl.load(f_hi + t)):
+                dk, dv = _dkdv_tile(dk, dv, k, v, kp, k0, Qb, DOb, LSE + row, DELTA + row, sqm, sdm,
+                                    qb, t, offs_d, offs_dv, b, h, Nq, D, Dv,
+                                    q_offset, q_last, k_last, sm_scale, slope, cap, prm, aux, bits,
+                                    False, PROG, NLIT, SCORE, BLOCK_M, BLOCK_N, IEEE)
     out = bhk.to(tl.int64) * Nk
     tl.store(DK + (out + offs_n[:, None]) * D + offs_d[None, :], dk * sm_scale,
              mask=kmask[:, None] & (offs_d[None, :] < D))
@@ -679,8 +682,9 @@ class _Layout:
     """Per plan (one tile size) and device: the kernels' block lists and tile bitmaps."""
 
     plan: Plan
-    fwd: tuple    # p_ptr, p_col, f_ptr, f_col: per query block, its partial / full key blocks
-    bwd: tuple    # p_ptr, p_row, p_slot, f_ptr, f_row: per key block, its query blocks
+    fwd: tuple    # p_ptr, p_col, f_ptr, f_lo, f_hi: per query block, its partial key blocks
+                  # and its runs [f_lo, f_hi) of full key blocks
+    bwd: tuple    # p_ptr, p_row, p_slot, f_ptr, f_lo, f_hi: the same per key block (query blocks)
     params: torch.Tensor
     aux: torch.Tensor
     bits: torch.Tensor
@@ -695,6 +699,18 @@ def _csr(kinds: torch.Tensor, kind: _m.BlockKind):
     ptr = torch.zeros(kinds.shape[0] + 1, dtype=torch.int64)
     ptr[1:] = torch.bincount(r, minlength=kinds.shape[0]).cumsum(0)
     return ptr.to(torch.int32), c.to(torch.int32), r
+
+
+def _runs(kinds: torch.Tensor, kind: _m.BlockKind):
+    """Row pointers and ``[lo, hi)`` column runs of consecutive ``kind`` blocks (int32)."""
+    r, c = torch.nonzero(kinds == int(kind), as_tuple=True)
+    start = torch.ones_like(r, dtype=torch.bool)
+    start[1:] = (r[1:] != r[:-1]) | (c[1:] != c[:-1] + 1)
+    end = torch.ones_like(start)
+    end[:-1] = start[1:]
+    ptr = torch.zeros(kinds.shape[0] + 1, dtype=torch.int64)
+    ptr[1:] = torch.bincount(r[start], minlength=kinds.shape[0]).cumsum(0)
+    return ptr.to(torch.int32), c[start].to(torch.int32), (c[end] + 1).to(torch.int32)
 
 
 def _nonempty(t: torch.Tensor) -> torch.Tensor:
@@ -716,12 +732,12 @@ def _layout(pb: Problem, prog: _MaskProgram, q, Nk: int, cfg: _Config) -> _Layou
         return hit
     kinds = plan.kinds
     p_ptr, p_col, p_rows = _csr(kinds, _m.BlockKind.PARTIAL)
-    f_ptr, f_col, _ = _csr(kinds, _m.BlockKind.FULL)
+    full = _runs(kinds, _m.BlockKind.FULL)
     slot_of = torch.full(kinds.shape, -1, dtype=torch.int64)
     slot_of[p_rows, p_col.long()] = torch.arange(p_col.numel())
     tp_ptr, tp_row, tp_cols = _csr(kinds.t(), _m.BlockKind.PARTIAL)
     tp_slot = slot_of[tp_row.long(), tp_cols].to(torch.int32)
-    tf_ptr, tf_row, _ = _csr(kinds.t(), _m.BlockKind.FULL)
+    tfull = _runs(kinds.t(), _m.BlockKind.FULL)
     params, bits = prog.params, torch.zeros(1, dtype=torch.int8)
     if prog.tile_mask is not None and p_col.numel():
         got = _tile_bitmaps(prog.tile_mask, plan, p_ptr, p_col, B, Hq, cfg)
@@ -730,8 +746,8 @@ def _layout(pb: Problem, prog: _MaskProgram, q, Nk: int, cfg: _Config) -> _Layou
         bits, params = got
     dev = q.device
     lay = _Layout(plan,
-                  tuple(_nonempty(t).to(dev) for t in (p_ptr, p_col, f_ptr, f_col)),
-                  tuple(_nonempty(t).to(dev) for t in (tp_ptr, tp_row, tp_slot, tf_ptr, tf_row)),
+                  tuple(_nonempty(t).to(dev) for t in (p_ptr, p_col, *full)),
+                  tuple(_nonempty(t).to(dev) for t in (tp_ptr, tp_row, tp_slot, *tfull)),
                   params.to(dev), prog.aux.to(dev), bits.to(dev))
     with _LOCK:
         _LAYOUTS[key] = lay
@@ -951,7 +967,7 @@ def compile_for_gpu(arch: int = 90, dtype: str = "bf16", head_dim: int = 128, ma
     fake = torch.empty(1, dtype={"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype],
                        device="meta")
     fwd, bwd = _configs(_MetaCuda(fake), head_dim, head_dim)
-    ptrs = {n: "*i32" for n in ("p_ptr", "p_col", "f_ptr", "f_col", "p_row", "p_slot", "f_row", "prm", "aux")}
+    ptrs = {n: "*i32" for n in ("p_ptr", "p_col", "f_ptr", "f_lo", "f_hi", "p_row", "p_slot", "prm", "aux")}
     ptrs.update(bits="*i8", slopes="*fp32", O="*fp32", LSE="*fp32", DELTA="*fp32", DQ="*fp32", DK="*fp32",
                 DV="*fp32", **{n: "*" + dtype for n in ("Q", "K", "V", "DO")})
     result = {}
