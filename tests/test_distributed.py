@@ -519,3 +519,27 @@ def test_costs_command_prints_the_table(capsys, tmp_path):
     text = capsys.readouterr().out
     assert "| 1024 | 1,024 |" in text and "A100 InfiniBand" in text and "24,960" in text
     assert (tmp_path / "costs_h100-sxm.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_slice_of_heads_sees_its_global_head_index(layout):
+    """All-gather head groups and all-to-all compute a slice of the heads: per-head masks, ALiBi
+    slopes and score callables must see the global head index (B=2 with per-batch documents too)."""
+    N, P, H = 16, 2, 4
+    layout_bits = torch.rand(H, 4, 4, generator=torch.Generator().manual_seed(3)) > 0.4
+    layout_bits[:, torch.arange(4), torch.arange(4)] = True
+    ids = torch.tensor([[0] * 5 + [1] * 11, [0] * 9 + [1] * 7])
+    mask = keyfold.block_sparse(layout_bits, 4) & keyfold.documents(ids)
+    score = [keyfold.alibi(keyfold.alibi_slopes(H)), lambda s, b, h, q, k: s + 0.1 * h.float()]
+    q, k, v = (torch.randn(2, H, N, 8, dtype=torch.float64) for _ in range(3))
+    ref = keyfold.attend(q, k, v, mask=mask, score=score, backend=REF)
+    for h0, h1 in ((0, 2), (2, 4), (1, 3)):
+        outs = []
+        for r in range(P):
+            job = Job(keyfold.as_mask(mask), keyfold.as_score(score), None, keyfold.Backend.AUTO, layout, N, P, r)
+            acc = empty_state(2, h1 - h0, N // P, 8, dtype=torch.float64)
+            for src in range(P):
+                accumulate(acc, shard_of(q[:, h0:h1], P, r, layout), shard_of(k[:, h0:h1], P, src, layout),
+                           shard_of(v[:, h0:h1], P, src, layout), job, src, heads=(h0, h1, H))
+            outs.append(acc.out)
+        assert max_err(unshard_of(outs, layout), ref.out[:, h0:h1]) < 1e-12, (h0, h1)
