@@ -212,3 +212,67 @@ def test_certify_rejects_bad_boxes_clearly():
         C.certify_attention(torch.randn(3, 5), w, eps=0.1)
     with pytest.raises(ValueError, match="NaN"):
         C.certify_attention(torch.full((3, 4), float("nan")), w, eps=0.1)
+
+
+# ------------------------------------------------------------------ 3. bounded streaming
+
+from keyfold.verify import stream as S  # noqa: E402
+
+
+@pytest.mark.parametrize("window,sinks", [(8, 2), (5, 0), (1, 3)])
+def test_streaming_equals_the_whole_sequence_under_the_window_mask(window, sinks):
+    layers = [C.BlockWeights.random(16, 2, 32, seed=i, norm_first=(i == 0)) for i in range(2)]
+    x = torch.randn(40, 16, dtype=torch.float64)
+    s = S.Stream(layers, window=window, sinks=sinks, dtype=torch.float64)
+    ys = torch.stack([s.step(x[i:i + 1])[0] for i in range(40)])
+    ref = S.full_forward(layers, x, window=window, sinks=sinks)
+    assert torch.allclose(ys, ref, atol=1e-12)
+    assert s.length == 40
+
+
+def test_streaming_memory_and_work_do_not_grow():
+    s = S.Stream(S.default_model(E=32, heads=2, F_=64, n_layers=2), window=6, sinks=2)
+    ptrs = [(c.ring_k.data_ptr(), c.sink_k.data_ptr()) for c in s.caches]
+    nbytes = s.nbytes
+    x = torch.randn(1, 32)
+    for _ in range(12):                   # past the ring's first wrap: steady state
+        s.step(x)
+    early = S.profile_allocations(s, x, steps=6)    # 6 = one ring period, every wrap phase once
+    for _ in range(300):
+        s.step(x)
+    late = S.profile_allocations(s, x, steps=6)
+    assert s.nbytes == nbytes and [(c.ring_k.data_ptr(), c.sink_k.data_ptr()) for c in s.caches] == ptrs
+    assert late == early                  # the same allocations, of the same sizes, per step
+    assert s.length == 12 + 6 + 300 + 6
+
+
+def test_latency_report_states_percentiles_and_the_budget_margin():
+    s = S.Stream(S.default_model(E=16, heads=2, F_=32, n_layers=1), window=8, sinks=1)
+    rep, ms = S.measure_latency(s, 300, budget_ms=1e6, warmup=20, progress=False)
+    assert ms.shape == (300,) and bool((ms > 0).all())
+    assert rep.p50 <= rep.p99 <= rep.p999 <= rep.max == float(ms.max())
+    assert rep.margin_ms == pytest.approx(1e6 - rep.max)
+    assert rep.allocs_per_step["start"] == rep.allocs_per_step["end"]
+
+
+def test_stream_rejects_bad_input_clearly():
+    with pytest.raises(ValueError, match="layers"):
+        S.Stream([], window=4)
+    with pytest.raises(TypeError, match="BlockWeights"):
+        S.Stream([object()], window=4)
+    s = S.Stream(S.default_model(E=16, heads=2, F_=32, n_layers=1), window=4)
+    with pytest.raises(ValueError, match=r"\(1, 16\)"):
+        s.step(torch.randn(16))
+
+
+# ------------------------------------------------------------------ 4. robustness campaign
+
+from keyfold.verify.fuzz import KINDS, Outcome, run_fuzz  # noqa: E402
+
+
+def test_fuzz_campaign_every_case_is_correct_or_a_clear_error():
+    rep = run_fuzz(250, seed=7)
+    assert rep.cases == 250
+    assert rep.by_outcome[Outcome.FAILURE.value] == 0, rep.failures
+    assert rep.by_outcome[Outcome.CORRECT.value] > 50 and rep.by_outcome[Outcome.CLEAR_ERROR.value] > 50
+    assert set(rep.by_kind) == set(KINDS)      # every kind of case was drawn
