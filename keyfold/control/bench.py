@@ -20,11 +20,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .controllers import MPPIConfig, MPPIController
+from .controllers import MPPIConfig, MPPIController, WorstActionController
 from .loop import LoopConfig, LoopResult, WallClock, run_loop, square_reference
 from .plants import Disturbance, Plant, excite, make_plant
 from .predictors import PREDICTORS, Predictor, TrainConfig, make_predictor, prediction_rmse, windows
-from .safety import FilterConfig, SafetyFilter
+from .safety import FilterConfig, SafetyFilter, Source
 
 __all__ = ["BenchConfig", "PRESETS", "run_bench", "main"]
 
@@ -34,7 +34,7 @@ class BenchConfig:
     """One benchmark run."""
 
     plants: tuple[str, ...] = ("msd", "pendulum")
-    predictors: tuple[str, ...] = PREDICTORS
+    predictors: tuple[str, ...] = PREDICTORS + ("adversary",)
     seeds: int = 2
     steps: int = 150
     window: int = 8
@@ -55,6 +55,8 @@ PRESETS = {
 
 # the reference each plant tracks: a square wave (amplitude, period in steps), near the limits
 REFERENCES = {"msd": (0.9, 80), "pendulum": (0.45, 60)}
+# a row with no model: the worst action every step, to show what the filter holds back
+ADVERSARY = "adversary"
 # disturbance drawn in seed i: cycles through the kinds (the bound is the same for all)
 KINDS = (Disturbance.UNIFORM, Disturbance.VERTEX, Disturbance.WORST)
 
@@ -81,7 +83,7 @@ def _aggregate(runs: list[LoopResult]) -> dict:
     s = [r.summary() for r in runs]
     lat = np.concatenate([r.latency for r in runs])
     corr = np.concatenate([np.abs(r.inputs - r.proposals).max(1) for r in runs])
-    inter = corr > 1e-9
+    inter = np.concatenate([[src is Source.CORRECTED for src in r.sources] for r in runs]).astype(bool)
     return {
         "tracking_mse": float(np.mean([x["tracking_mse"] for x in s])),
         "tracking_mse_std": float(np.std([x["tracking_mse"] for x in s])),
@@ -91,7 +93,7 @@ def _aggregate(runs: list[LoopResult]) -> dict:
         "input_violations": int(sum(x["input_violations"] for x in s)),
         "interventions": int(sum(x["interventions"] for x in s)),
         "mean_correction": float(corr[inter].mean()) if inter.any() else 0.0,
-        "max_correction": float(corr.max()),
+        "max_correction": float(corr[inter].max()) if inter.any() else 0.0,
         "deadline_misses": int(sum(x["deadline_misses"] for x in s)),
         "solver_fallbacks": int(sum(x["solver_fallbacks"] for x in s)),
         "uncertified": int(sum(x["uncertified"] for x in s)),
@@ -121,10 +123,15 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> tuple[dict, dict]:
         entry = {"plant": _describe(plant, sf), "predictors": {}}
         traj[pname] = {"plant": plant, "ref": ref, "runs": {}}
         for name in cfg.predictors:
-            pred = make_predictor(name, cfg.window).fit(train, cfg.train)
-            ctrl = MPPIController(pred, plant.state_limits, plant.input_limits, plant.tracked, cfg.mpc)
-            res = {"params": pred.info["params"], "train_s": pred.info["train_s"], "lr": pred.info["lr"],
-                   "test_rmse": prediction_rmse(pred, test).tolist()}
+            if name == ADVERSARY:
+                pred = None
+                ctrl = WorstActionController(plant.A, plant.B, plant.state_limits, plant.input_limits)
+                res = {"params": 0, "train_s": 0.0, "lr": None, "test_rmse": None}
+            else:
+                pred = make_predictor(name, cfg.window).fit(train, cfg.train)
+                ctrl = MPPIController(pred, plant.state_limits, plant.input_limits, plant.tracked, cfg.mpc)
+                res = {"params": pred.info["params"], "train_s": pred.info["train_s"], "lr": pred.info["lr"],
+                       "test_rmse": prediction_rmse(pred, test).tolist()}
             for on in (True, False):
                 runs = []
                 for seed in range(cfg.seeds):
@@ -132,7 +139,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> tuple[dict, dict]:
                     runs.append(run_loop(plant, ctrl, ref, lc, sf, WallClock()))
                     bar.update()
                 agg = _aggregate(runs)
-                agg["closed_loop_rmse"] = _closed_loop_error(pred, runs)
+                agg["closed_loop_rmse"] = None if pred is None else _closed_loop_error(pred, runs)
                 res["filter_on" if on else "filter_off"] = agg
                 traj[pname]["runs"][(name, on)] = runs[0]
             entry["predictors"][name] = res
@@ -208,7 +215,7 @@ def markdown(out: dict, command: str) -> str:
                     f"± {a['tracking_mse_std']:.4f} | {a.get('tracking_vs_arx', float('nan')):.2f}x | "
                     f"{a['violation_steps']} / {a['runs_with_violation']} | {a['interventions']} | "
                     f"{a['mean_correction']:.3f} / {a['max_correction']:.3f} | "
-                    f"{np.sqrt(np.mean(np.square(r['test_rmse']))):.5f} | {a['closed_loop_rmse']:.5f} | "
+                    f"{_num(r['test_rmse'])} | {_num(a['closed_loop_rmse'])} | "
                     f"{a['latency_p50_ms']:.1f} / {a['latency_p99_ms']:.1f} / {a['latency_max_ms']:.1f} | "
                     f"{a['deadline_misses']} | {a['max_disturbance_ratio']:.3f} |")
         lines += ["", "| predictor | parameters | train s | lr | p50 latency vs ARX |", "|---|---|---|---|---|"]
@@ -217,6 +224,13 @@ def markdown(out: dict, command: str) -> str:
                          f"{r['filter_on'].get('latency_p50_vs_arx', float('nan')):.1f}x |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _num(x) -> str:
+    """An RMSE (pooled over states if a list) or a dash where there is no model."""
+    if x is None:
+        return "—"
+    return f"{float(np.sqrt(np.mean(np.square(x)))):.5f}"
 
 
 def plot(traj: dict, path: Path) -> None:
@@ -279,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true", help="2 seeds x 150 steps, short training (default)")
     g.add_argument("--full", action="store_true", help="8 seeds x 400 steps, longer training with a swept lr")
-    ap.add_argument("--predictors", help=f"comma list from {','.join(PREDICTORS)} (toolbox mixer names work too)")
+    ap.add_argument("--predictors", help=f"comma list from {','.join(PREDICTORS)},{ADVERSARY} "
+                    "(other toolbox mixer names work too)")
     ap.add_argument("--plants", help="comma list from msd,pendulum")
     ap.add_argument("--seeds", type=int)
     ap.add_argument("--steps", type=int)
