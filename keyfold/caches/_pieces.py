@@ -234,7 +234,9 @@ class QueryRowsScore(ScoreMod):
 class Cache(Protocol):
     """What :func:`keyfold.caches.decode` needs from a cache (all three caches implement it).
 
-    ``pieces(seq_ids, n_queries)``: the groups of query rows and the spans of keys they read.
+    ``pieces(seq_ids, n_queries, exact_positions)``: the groups of query rows and the spans of
+    keys they read. With ``exact_positions=False`` (no mask or score reads positions) a span's
+    keys may come in any order and its ``kv_offset`` is then meaningless.
     ``implied_mask(n_queries)``: the mask the cache stands for when ``n_queries`` queries read
     it (the window cache's ``causal() & (window(W - 1) | sinks(S))``), or None when every key in
     the spans is visible to every query.
@@ -245,6 +247,6 @@ class Cache(Protocol):
     head_dim: int
     value_dim: int
 
-    def pieces(self, seq_ids=None, n_queries: int = 1) -> list[Group]: ...
+    def pieces(self, seq_ids=None, n_queries: int = 1, exact_positions: bool = True) -> list[Group]: ...
 
     def implied_mask(self, n_queries: int) -> Mask | None: ...

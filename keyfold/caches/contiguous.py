@@ -123,7 +123,7 @@ class KVCache:
         """None: every cached key is visible unless decode is given a mask."""
         return None
 
-    def pieces(self, seq_ids=None, n_queries: int = 1) -> list[Group]:
+    def pieces(self, seq_ids=None, n_queries: int = 1, exact_positions: bool = True) -> list[Group]:
         """Query rows grouped with their key spans: row ``i`` is sequence ``seq_ids[i]``.
 
         Rows of neighbouring sequences with equal lengths form one group (one batched call).

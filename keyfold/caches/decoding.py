@@ -179,7 +179,11 @@ def attend_cache(q, cache: Cache, *, mask=None, score=None, scale=None, seq_ids=
     _check_q(q, cache.heads, cache.head_dim, "decode")
     _check_splits(splits)
     Nq = q.shape[2]
-    groups = cache.pieces(seq_ids, Nq)
+    mask, score, implied = as_mask(mask), as_score(score), cache.implied_mask(Nq)
+    mask = implied if mask is None else (mask if implied is None else mask & implied)
+    # with neither a mask nor a score nothing reads positions, and a cache may hand its keys
+    # out in any order (softmax does not care): the window cache then reads one span
+    groups = cache.pieces(seq_ids, Nq, exact_positions=mask is not None or score is not None)
     rows = sum(g.r1 - g.r0 for g in groups)
     if rows != q.shape[0]:
         raise ValueError(f"decode(q): {q.shape[0]} query rows for {rows} sequences; pass one row per "
@@ -189,10 +193,8 @@ def attend_cache(q, cache: Cache, *, mask=None, score=None, scale=None, seq_ids=
         raise ValueError(f"decode(q): {Nq} query tokens but a sequence holds only {short[0].length}; the "
                          f"queries are the cache's last tokens, so append their k/v first (chunked "
                          f"prefill is append, then decode(q_block, cache, mask=causal()))")
-    mask, implied = as_mask(mask), cache.implied_mask(Nq)
-    mask = implied if mask is None else (mask if implied is None else mask & implied)
     qc = q if q.dtype == cache.dtype else q.to(cache.dtype)
-    return _groups_state(qc, groups, mask, as_score(score), scale, splits, backend, cache.value_dim)
+    return _groups_state(qc, groups, mask, score, scale, splits, backend, cache.value_dim)
 
 
 def decode(q, cache: Cache, *, mask=None, score=None, scale=None, seq_ids=None, splits=None,

@@ -271,7 +271,7 @@ class PagedKVCache:
     def implied_mask(self, n_queries: int = 1):
         return None
 
-    def pieces(self, seq_ids=None, n_queries: int = 1) -> list[Group]:
+    def pieces(self, seq_ids=None, n_queries: int = 1, exact_positions: bool = True) -> list[Group]:
         """One group per sequence; one span per run of consecutive pages (a view)."""
         if seq_ids is None:
             raise ValueError("decode(seq_ids=...): a PagedKVCache needs the ids of the sequences q's rows "

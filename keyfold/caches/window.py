@@ -51,10 +51,12 @@ class WindowCache:
         self.heads, self.head_dim, self.value_dim, self.batch, self.dtype = heads, head_dim, value_dim, batch, dtype
         self.ring = window + max_block - 1
         kw = dict(dtype=dtype, device=device)
-        self.sink_k = torch.zeros(batch, heads, sinks, head_dim, **kw)      # (B, H, S, D)
-        self.sink_v = torch.zeros(batch, heads, sinks, value_dim, **kw)     # (B, H, S, Dv)
-        self.ring_k = torch.zeros(batch, heads, self.ring, head_dim, **kw)  # (B, H, R, D)
-        self.ring_v = torch.zeros(batch, heads, self.ring, value_dim, **kw)  # (B, H, R, Dv)
+        # one buffer per tensor: the sinks, then the ring. Until the ring wraps it holds positions
+        # 0 .. length-1 in order; afterwards, whole, it is exactly the keys one query sees.
+        self.k_buf = torch.zeros(batch, heads, sinks + self.ring, head_dim, **kw)   # (B, H, S+R, D)
+        self.v_buf = torch.zeros(batch, heads, sinks + self.ring, value_dim, **kw)  # (B, H, S+R, Dv)
+        self.sink_k, self.ring_k = self.k_buf[:, :, :sinks], self.k_buf[:, :, sinks:]  # views
+        self.sink_v, self.ring_v = self.v_buf[:, :, :sinks], self.v_buf[:, :, sinks:]
         self.length = 0  # tokens streamed so far (all of them, not only those held)
         self._mask = causal() & (_window_mask(window) | _sinks_mask(sinks))
 
@@ -65,7 +67,7 @@ class WindowCache:
     @property
     def nbytes(self) -> int:
         """Bytes of storage: constant, whatever the stream length."""
-        return sum(t.nbytes for t in (self.sink_k, self.sink_v, self.ring_k, self.ring_v))
+        return self.k_buf.nbytes + self.v_buf.nbytes
 
     @property
     def mask(self):
@@ -101,8 +103,11 @@ class WindowCache:
         """None for one query (the spans hold exactly its keys), else :attr:`mask`."""
         return None if n_queries == 1 else self._mask
 
-    def pieces(self, seq_ids=None, n_queries: int = 1) -> list[Group]:
-        """The sinks, then the ring's held positions as one or two spans (where it wraps)."""
+    def pieces(self, seq_ids=None, n_queries: int = 1, exact_positions: bool = True) -> list[Group]:
+        """The held keys as spans: one while the ring has not wrapped (positions in order);
+        after that the sinks and the ring's held positions as one or two spans (where it wraps),
+        or, when nothing reads positions (``exact_positions=False``, one query, ``max_block=1``),
+        the whole buffer as one span: softmax does not care about the order of its keys."""
         if seq_ids is not None and seq_list(seq_ids, "decode") != list(range(self.batch)):
             raise ValueError(f"decode(seq_ids=...): a WindowCache's {self.batch} streams advance together; "
                              f"pass seq_ids=None and one query row per stream")
@@ -111,15 +116,23 @@ class WindowCache:
                              f"of at most max_block={self.max_block}; the earliest query's window would "
                              f"reach evicted keys. Create it with max_block={n_queries}")
         L, S, R, W = self.length, self.sinks, self.ring, self.window
-        spans = []
-        if S and L:
-            spans.append(Span(self.sink_k[:, :, :min(S, L)], self.sink_v[:, :, :min(S, L)], 0))
-        a = max(S, L - R, L - W - n_queries + 1)  # oldest position any of the queries can see
-        while a < L:
-            slot = (a - S) % R
-            step = min(L - a, R - slot)
-            spans.append(Span(self.ring_k[:, :, slot:slot + step], self.ring_v[:, :, slot:slot + step], a))
-            a += step
+        a = max(S, L - R, L - W - n_queries + 1)  # oldest non-sink position any query can see
+        kb, vb = self.k_buf, self.v_buf
+        if L <= S + R:  # not wrapped: buffer index = position
+            if a <= S:
+                spans = [Span(kb[:, :, :L], vb[:, :, :L], 0)] if L else []
+            else:
+                spans = [Span(kb[:, :, :S], vb[:, :, :S], 0)] if S else []
+                spans.append(Span(kb[:, :, a:L], vb[:, :, a:L], a))
+        elif not exact_positions and n_queries == 1 and R == W:
+            spans = [Span(kb, vb, 0)]  # exactly the keys the query sees, in ring order
+        else:
+            spans = [Span(self.sink_k, self.sink_v, 0)] if S else []
+            while a < L:
+                slot = (a - S) % R
+                step = min(L - a, R - slot)
+                spans.append(Span(self.ring_k[:, :, slot:slot + step], self.ring_v[:, :, slot:slot + step], a))
+                a += step
         return [Group(0, self.batch, L, tuple(spans))]
 
     def __repr__(self):
