@@ -323,8 +323,8 @@ def test_mismatched_shards_and_a_stalled_rank_end_with_clear_errors():
     t0 = time.monotonic()
     res = _values(launch(_worker_failures, 2, 3, pg_timeout=3, deadline=60))
     for rank, seen in enumerate(res):
-        assert "disagree" in seen["mismatch"] and "(1, 2, 16, 8)" in seen["mismatch"], seen
-        assert "rank 1" in seen["invalid"], seen  # every rank names the rank whose input is bad
+        assert "disagree" in seen["mismatch"] and "q (1, 2, 8, 8)" in seen["mismatch"], seen
+        assert "rank 1: TypeError" in seen["invalid"] and "int32" in seen["invalid"], seen  # names the bad rank
     name, msg, waited = res[0]["stalled"]
     assert name == "DistributedError" and "rank 0" in msg and "timeout" in msg, msg
     assert waited < 3 * 3, f"rank 0 waited {waited:.1f}s with a 3s group timeout"

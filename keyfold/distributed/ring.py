@@ -253,6 +253,10 @@ def _validate(q, k, v, P, layout, strategy, mask, score, head_groups):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D local shard (batch, heads, seq, head_dim), "
                              f"got {getattr(t, 'shape', type(t).__name__)}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32,
+                                                              torch.float64):
+        raise TypeError(f"q, k, v must share one float dtype (float16, bfloat16, float32, float64), got "
+                        f"{q.dtype}, {k.dtype}, {v.dtype}; cast them first")
     if not (q.shape[2] == k.shape[2] == v.shape[2]):
         raise ValueError(f"local shards must hold the same positions for q, k and v, got lengths "
                          f"{q.shape[2]}, {k.shape[2]}, {v.shape[2]} (self-attention over one sharded sequence)")
@@ -304,9 +308,10 @@ def ring_attention(q, k, v, *, group=None, mask=None, score=None, scale=None,
         _validate(q, k, v, comm.size, layout, strategy, mask, score, head_groups)
     except (ValueError, TypeError) as e:
         error = e
-    meta = tuple(tuple(getattr(t, "shape", ())) for t in (q, k, v)) + (
-        str(getattr(q, "dtype", None)), getattr(layout, "name", layout), getattr(strategy, "name", strategy),
-        repr(mask), repr(score), scale, head_groups)
+    shapes = ", ".join(f"{n} {tuple(getattr(t, 'shape', ()))}" for n, t in (("q", q), ("k", k), ("v", v)))
+    meta = (f"{shapes}, {getattr(q, 'dtype', None)}, layout={getattr(layout, 'name', layout)}, "
+            f"strategy={getattr(strategy, 'name', strategy)}, mask={mask!r}, score={score!r}, scale={scale}, "
+            f"head_groups={head_groups}")
     if check_shards:
         comm.agree("ring_attention", meta, error)
     elif error is not None:
