@@ -27,7 +27,8 @@ def kv_block(k, v, *, heads: int, head_dim: int, value_dim: int, owner: str, bat
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{owner}.append({name}): expected a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(f"{owner}.append({name}): expected (batch, heads, tokens, dim), got shape {tuple(t.shape)}")
+            raise ValueError(f"{owner}.append({name}): expected (batch, heads, tokens, dim), "
+                             f"got shape {tuple(t.shape)}")
         if t.dtype not in _FLOATS:
             raise TypeError(f"{owner}.append({name}): expected a floating dtype, got {t.dtype}")
         if t.shape[1] != heads or t.shape[3] != last:
@@ -54,3 +55,14 @@ def seq_list(seq_ids, owner: str, what: str = "seq_ids") -> list[int]:
     if len(set(ids)) != len(ids):
         raise ValueError(f"{owner}({what}=...): ids repeat in {ids}; pass each sequence once")
     return ids
+
+
+def block_lengths(lengths, rows: int, n: int, owner: str) -> list[int]:
+    """Valid tokens per row of an appended block: ``rows`` ints in ``[0, n]`` (default ``n`` each)."""
+    if lengths is None:
+        return [n] * rows
+    lens = lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
+    if len(lens) != rows or any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= n for x in lens):
+        raise ValueError(f"{owner}.append(lengths=...): expected {rows} ints in [0, {n}] (valid tokens "
+                         f"per row), got {lens}")
+    return lens

@@ -21,7 +21,8 @@ import torch
 from ..masks import Mask
 from ..scores import ScoreMod
 
-__all__ = ["Cache", "Span", "Group", "CacheFullError", "BatchRows", "BatchRowsScore", "QueryRows", "QueryRowsScore", "RowMap"]
+__all__ = ["Cache", "Span", "Group", "CacheFullError", "BatchRows", "BatchRowsScore", "QueryRows",
+           "QueryRowsScore", "RowMap"]
 
 
 class CacheFullError(RuntimeError):
@@ -90,7 +91,8 @@ class BatchRows(Mask):
         return f"{self.mask!r}[rows {self.b0}:{self.b0 + self.n} of {self.B}]"
 
     def __eq__(self, other):
-        return type(other) is BatchRows and (self.mask, self.B, self.b0, self.n) == (other.mask, other.B, other.b0, other.n)
+        return (type(other) is BatchRows
+                and (self.mask, self.B, self.b0, self.n) == (other.mask, other.B, other.b0, other.n))
 
     def __hash__(self):
         return hash(("batch_rows", self.mask, self.B, self.b0, self.n))

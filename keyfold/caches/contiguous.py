@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import float_dtype, kv_block, positive_int, seq_list
+from ._checks import block_lengths, float_dtype, kv_block, positive_int, seq_list
 from ._pieces import CacheFullError, Group, Span
 
 __all__ = ["KVCache"]
@@ -90,13 +90,7 @@ class KVCache:
         kv_block(k, v, heads=self.heads, head_dim=self.head_dim, value_dim=self.value_dim,
                  owner="KVCache", batch=len(ids))
         n = k.shape[2]
-        if lengths is None:
-            lens = [n] * len(ids)
-        else:
-            lens = lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
-            if len(lens) != len(ids) or any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= n for x in lens):
-                raise ValueError(f"KVCache.append(lengths=...): expected {len(ids)} ints in [0, {n}] "
-                                 f"(valid tokens per row), got {lens}")
+        lens = block_lengths(lengths, len(ids), n, "KVCache")
         over = [(s, self._len[s], m) for s, m in zip(ids, lens) if self._len[s] + m > self.capacity]
         if over:
             s, have, m = over[0]

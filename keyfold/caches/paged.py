@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import float_dtype, kv_block, positive_int, seq_list
+from ._checks import block_lengths, float_dtype, kv_block, positive_int, seq_list
 from ._pieces import CacheFullError, Group, Span
 
 __all__ = ["PagedKVCache", "PageStats", "default_page_size"]
@@ -67,7 +67,9 @@ class PagedKVCache:
     def __init__(self, num_pages: int, page_size: int | None, heads: int, head_dim: int, dtype=torch.float32,
                  value_dim: int | None = None, device=None):
         positive_int(num_pages, "num_pages", "PagedKVCache")
-        page_size = default_page_size(device) if page_size is None else positive_int(page_size, "page_size", "PagedKVCache")
+        if page_size is None:
+            page_size = default_page_size(device)
+        positive_int(page_size, "page_size", "PagedKVCache")
         positive_int(heads, "heads", "PagedKVCache")
         positive_int(head_dim, "head_dim", "PagedKVCache")
         value_dim = head_dim if value_dim is None else positive_int(value_dim, "value_dim", "PagedKVCache")
@@ -202,10 +204,7 @@ class PagedKVCache:
             self._seq(s)
         kv_block(k, v, heads=self.heads, head_dim=self.head_dim, value_dim=self.value_dim,
                  owner="PagedKVCache", batch=len(ids))
-        n = k.shape[2]
-        lens = [n] * len(ids) if lengths is None else (lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths))
-        if len(lens) != len(ids) or any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= n for x in lens):
-            raise ValueError(f"PagedKVCache.append(lengths=...): expected {len(ids)} ints in [0, {n}], got {lens}")
+        lens = block_lengths(lengths, len(ids), k.shape[2], "PagedKVCache")
         need = self._pages_needed(ids, lens)
         if need > self._nfree:
             raise CacheFullError(f"PagedKVCache.append: needs {need} free pages but the pool has {self._nfree} "
