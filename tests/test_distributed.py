@@ -9,7 +9,6 @@ rank computes for which shard) is checked in-process with Hypothesis, without an
 from __future__ import annotations
 
 import math
-import os
 import queue as queue_mod
 import socket
 import time

@@ -110,7 +110,7 @@ def shard(x: torch.Tensor, group=None, layout: Layout = Layout.CONTIGUOUS, *, di
     x: ``(..., N, D)`` the same full tensor on every rank. Returns ``(..., N // P, D)``, a new
     contiguous tensor holding the positions of :func:`shard_positions` in that order.
 
-    >>> # on each of 2 ranks:  q_local = shard(q, layout=Layout.ZIGZAG)   # doctest: +SKIP
+    >>> q_local = shard(q, layout=Layout.ZIGZAG)   # on every rank of the group  # doctest: +SKIP
     """
     rank, P = _group_rank_size(group)
     return shard_of(x, P, rank, layout, dim=dim)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 
 from ..engine import Backend, attend, attend_backward
 from ..masks import Mask

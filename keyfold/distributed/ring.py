@@ -298,7 +298,6 @@ def ring_attention(q, k, v, *, group=None, mask=None, score=None, scale=None,
     Python objects per call); pass False in a tight loop whose shapes are known to agree, and a
     mismatch then surfaces as a :class:`DistributedError` at the group timeout instead.
 
-    >>> # torchrun --nproc_per_node 4 examples/ring_attention_torchrun.py        # doctest: +SKIP
     >>> out = ring_attention(shard(q), shard(k), shard(v), mask=causal(), layout=Layout.ZIGZAG)  # doctest: +SKIP
     """
     comm = Comm(group)
