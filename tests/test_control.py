@@ -279,8 +279,8 @@ def test_bench_smoke_writes_reports(tmp_path, one_thread):
     assert main(["--predictors", "arx", "--plants", "msd", "--seeds", "1", "--steps", "20",
                  "--out", str(tmp_path)]) == 0
     import json
-    out = json.loads((tmp_path / "control.json").read_text())
+    out = json.loads((tmp_path / "control-quick.json").read_text())
     on = out["plants"]["msd"]["predictors"]["arx"]["filter_on"]
     assert on["violation_steps"] == 0 and on["steps"] == 20
-    assert (tmp_path / "control.png").stat().st_size > 10_000
-    assert "| arx | on |" in (tmp_path / "control.md").read_text()
+    assert (tmp_path / "control-quick.png").stat().st_size > 10_000
+    assert "| arx | on |" in (tmp_path / "control-quick.md").read_text()

@@ -4,7 +4,7 @@ For each plant: log excitation data, train each predictor on it (ARX by least sq
 toolbox models with the same number of Adam steps and a swept learning rate), then run MPC over
 each predictor for several seeds with the safety filter on and off, on the wall clock. Writes
 ``control.md`` (tables), ``control.json`` (every number) and ``control.png`` (trajectories with
-the limits drawn) under ``--out``. Ratios are against the ARX baseline measured in the same run.
+the limits drawn) under ``--out`` (``control-quick.*`` for the quick preset). Ratios are against the ARX baseline measured in the same run.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ class BenchConfig:
 
 PRESETS = {
     "quick": BenchConfig(),
-    "full": BenchConfig(seeds=8, steps=400, episodes=100, episode_steps=300,
-                        train=TrainConfig(steps=1500, lrs=(1e-3, 3e-3, 1e-2)), preset="full"),
+    "full": BenchConfig(seeds=6, steps=300, episodes=100, episode_steps=300,
+                        train=TrainConfig(steps=1000, lrs=(1e-3, 3e-3, 1e-2)), preset="full"),
 }
 
 # the reference each plant tracks: a square wave (amplitude, period in steps), near the limits
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m keyfold control bench", description=__doc__.splitlines()[0])
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true", help="2 seeds x 150 steps, short training (default)")
-    g.add_argument("--full", action="store_true", help="8 seeds x 400 steps, longer training with a swept lr")
+    g.add_argument("--full", action="store_true", help="6 seeds x 300 steps, longer training with a swept lr")
     ap.add_argument("--predictors", help=f"comma list from {','.join(PREDICTORS)},{ADVERSARY} "
                     "(other toolbox mixer names work too)")
     ap.add_argument("--plants", help="comma list from msd,pendulum")
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int)
     ap.add_argument("--train-steps", type=int)
     ap.add_argument("--out", default="benchmarks/results", help="folder for control.md/json/png")
-    ap.add_argument("--name", default="control", help="file stem of the outputs")
+    ap.add_argument("--name", help="file stem of the outputs (default control-quick / control for --full)")
     args = ap.parse_args(argv)
     cfg = PRESETS["full" if args.full else "quick"]
     if args.predictors:
@@ -313,12 +313,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, steps=args.steps)
     if args.train_steps:
         cfg = replace(cfg, train=replace(cfg.train, steps=args.train_steps))
+    name = args.name or ("control" if args.full else "control-quick")
     out, traj = run_bench(cfg)
     folder = Path(args.out)
     folder.mkdir(parents=True, exist_ok=True)
     command = "python -m keyfold control bench " + " ".join(argv or [])
-    (folder / f"{args.name}.json").write_text(json.dumps(out, indent=1))
-    (folder / f"{args.name}.md").write_text(markdown(out, command.strip()))
-    plot(traj, folder / f"{args.name}.png")
+    (folder / f"{name}.json").write_text(json.dumps(out, indent=1))
+    (folder / f"{name}.md").write_text(markdown(out, command.strip()))
+    plot(traj, folder / f"{name}.png")
     print(markdown(out, command.strip()))
     return 0

@@ -15,7 +15,6 @@ The math and the assumptions: ``docs/control.md``.
 from __future__ import annotations
 
 import enum
-import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -323,7 +322,3 @@ def excite(plant: Plant, episodes: int, steps: int, rng: np.random.Generator,
             X[e, t + 1], U[e, t] = x, u
     return Episodes(X, U)
 
-
-def _vertices(lo, hi):
-    """All corners of a box, ``(2^n, n)``."""
-    return np.array(list(itertools.product(*zip(lo, hi))))
