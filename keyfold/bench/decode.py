@@ -180,18 +180,20 @@ def bench_window(W, S, max_tokens, steps, bar) -> list[dict]:
             cache.append(block_k[:, :, :n], block_v[:, :, :n])
             if with_full:
                 full.append(block_k[:, :, :n], block_v[:, :, :n])
-        times, ftimes = [], []
+        times, ftimes, cpu = [], [], []
         for _ in range(steps):  # the window cache alone, so no other cache evicts its bytes
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             cache.append(k1, v1)
             decode(q, cache)
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
         for _ in range(steps if with_full else 0):
             t0 = time.perf_counter()
             full.append(k1, v1)
             decode(q, full)
             ftimes.append(time.perf_counter() - t0)
         rows.append(dict(tokens=cache.length, step_ms=statistics.median(times) * 1e3,
+                         step_cpu_ms=statistics.median(cpu) * 1e3,
                          cache_bytes=cache.nbytes, rss_bytes=rss_bytes(),
                          full_cache_step_ms=statistics.median(ftimes) * 1e3 if ftimes else None))
         bar.update(1)
@@ -206,7 +208,7 @@ def _plot(res, path: Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, ax = plt.subplots(1, 3, figsize=(17, 5))
     dec = [r for r in res["decode"] if r["case"] == "float32"]
     ax[0].plot([r["tokens"] for r in dec], [r["ratio"] for r in dec], "o-", label="keyfold / SDPA, fp32")
     for r in res["decode"]:
@@ -219,7 +221,7 @@ def _plot(res, path: Path):
 
     labels = [f"paged {r['page_size']}\n{r['decoded']}" for r in res["paged"]] + ["cascade"]
     ratios = [r["ratio"] for r in res["paged"]] + [res["cascade"]["ratio"]]
-    ax[1].tick_params(axis="x", labelsize=7)
+    ax[1].tick_params(axis="x", labelsize=7, labelrotation=35)
     ax[1].bar(labels, ratios, color=["C0"] * len(res["paged"]) + ["C2"])
     ax[1].axhline(1.0, color="gray", lw=0.8)
     ax[1].set(ylabel="time ratio vs peer", title="paged / contiguous; cascade / full copies (SDPA)")
@@ -236,7 +238,7 @@ def _plot(res, path: Path):
     ax2.plot(xs, [r["rss_bytes"] / 2**20 for r in win], "r:", label="process RSS MiB")
     ax2.set_ylabel("MiB")
     ax2.set_ylim(bottom=0)
-    ax[2].set(xscale="log", xlabel="tokens streamed", ylabel="ms per step",
+    ax[2].set(xscale="log", yscale="log", xlabel="tokens streamed", ylabel="ms per step (log)",
               title=f"WindowCache(W={res['config']['window']}, S={res['config']['sinks']}) streamed")
     h1, l1 = ax[2].get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
@@ -288,11 +290,12 @@ def _markdown(res, cmd: str) -> str:
     win = res["window"]
     steps = [r["step_ms"] for r in win]
     out += ["", f"## 4. Window cache streamed (W={c['window']}, S={c['sinks']})", "",
-            "| tokens streamed | step ms (append + decode) | cache bytes | process RSS MiB | full KV cache step ms |",
-            "|---|---|---|---|---|"]
+            "| tokens streamed | step ms (append + decode) | step CPU ms (all threads) | cache bytes | process RSS MiB "
+            "| full KV cache step ms |",
+            "|---|---|---|---|---|---|"]
     for r in win:
         f = "—" if r["full_cache_step_ms"] is None else f"{r['full_cache_step_ms']:.3f}"
-        out.append(f"| {r['tokens']} | {r['step_ms']:.3f} | {r['cache_bytes']} | {r['rss_bytes'] / 2**20:.0f} | {f} |")
+        out.append(f"| {r['tokens']} | {r['step_ms']:.3f} | {r['step_cpu_ms']:.3f} | {r['cache_bytes']} | {r['rss_bytes'] / 2**20:.0f} | {f} |")
     full = [r["step_ms"] for r in win if r["tokens"] >= c["window"] + c["sinks"]] or steps
     grow = [r for r in win if r["full_cache_step_ms"] is not None]
     out += ["", f"Step time max/min once the window is full (from {c['window'] + c['sinks']} tokens on): "
