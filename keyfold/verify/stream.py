@@ -28,7 +28,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..caches import WindowCache, decode
+from ..caches import KVCache, WindowCache, decode
 from .certify import BlockWeights, block_forward
 
 __all__ = ["Stream", "stream", "full_forward", "LatencyReport", "measure_latency", "profile_allocations",
@@ -41,10 +41,12 @@ class Stream:
     layers: :class:`BlockWeights` (self-attention made causal by the stream; ``norm_first``
         either way). window, sinks: each layer's :class:`WindowCache` size. batch: independent
         streams advancing together. dtype: compute dtype (weights are cast once).
+    window=None with ``capacity``: the peer the report compares against, a full
+        :class:`keyfold.caches.KVCache` per layer (exact causal attention, cost grows).
     """
 
-    def __init__(self, layers: Sequence[BlockWeights], *, window: int, sinks: int = 0, batch: int = 1,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(self, layers: Sequence[BlockWeights], *, window: int | None, sinks: int = 0, batch: int = 1,
+                 dtype: torch.dtype = torch.float32, capacity: int | None = None):
         if not layers:
             raise ValueError("Stream(layers): pass at least one BlockWeights layer")
         for i, w in enumerate(layers):
@@ -54,14 +56,22 @@ class Stream:
         self.layers = [_cast(w, dtype) for w in layers]
         self.E = self.layers[0].attn.wq.shape[1]
         self.H = self.layers[0].attn.heads
-        self.caches = [WindowCache(window=window, sinks=sinks, heads=self.H, head_dim=self.E // self.H,
-                                   batch=batch, dtype=dtype) for _ in self.layers]
+        dh = self.E // self.H
+        if window is None:  # the peer: a growing full cache (memory and work grow with the stream)
+            if capacity is None:
+                raise ValueError("Stream(window=None) keeps every token: pass capacity=<max stream length>")
+            self.caches = [KVCache(batch=batch, heads=self.H, head_dim=dh, capacity=capacity, dtype=dtype)
+                           for _ in self.layers]
+        else:
+            self.caches = [WindowCache(window=window, sinks=sinks, heads=self.H, head_dim=dh, batch=batch,
+                                       dtype=dtype) for _ in self.layers]
         self.batch, self.dtype = batch, dtype
 
     @property
     def length(self) -> int:
         """Tokens streamed so far."""
-        return self.caches[0].length
+        c = self.caches[0]
+        return c.length if isinstance(c, WindowCache) else int(c.lengths[0])
 
     @property
     def nbytes(self) -> int:
@@ -163,6 +173,9 @@ class LatencyReport:
     cache_bytes: int
     budget_ms: float | None
     worst_step: int              # index of the slowest step
+    cpu_p50: float = 0.0         # this thread's CPU time per step (ms): the work, without preemption
+    cpu_p99: float = 0.0
+    cpu_max: float = 0.0
     allocs_per_step: dict = field(default_factory=dict)
 
     @property
@@ -189,7 +202,9 @@ def profile_allocations(s: Stream, x: torch.Tensor, steps: int = 20) -> dict:
 
 def measure_latency(s: Stream, steps: int, *, budget_ms: float | None = None, warmup: int = 200,
                     threads: int | None = 1, progress: bool = True, seed: int = 0) -> tuple[LatencyReport, torch.Tensor]:
-    """Step ``s`` ``steps`` times with random tokens; time each step with ``perf_counter_ns``.
+    """Step ``s`` ``steps`` times with random tokens; time each step with ``perf_counter_ns``
+    (wall clock, what a deadline sees) and ``thread_time_ns`` (CPU time: the work itself, which
+    other processes on the machine cannot inflate).
 
     Inputs are drawn up front (outside the timed region). Allocation is counted with the
     profiler over 20 steps right after warm-up and again at the end (they must agree).
@@ -207,30 +222,34 @@ def measure_latency(s: Stream, steps: int, *, budget_ms: float | None = None, wa
         allocs_start = profile_allocations(s, xs[0])
         rss_start = _rss_bytes()
         times = torch.empty(steps, dtype=torch.float64)
+        cpu = torch.empty(steps, dtype=torch.float64)
         it = range(steps)
         if progress:
             from tqdm import tqdm
             it = tqdm(it, desc="stream steps", mininterval=1.0, leave=False)
         gc.collect()
         gc.freeze()                       # long-lived objects out of the collector's way
-        clock = time.perf_counter_ns
+        clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
         for i in it:
             x = xs[i & 1023]
+            c0 = cpu_clock()
             t0 = clock()
             s.step(x)
             times[i] = clock() - t0
+            cpu[i] = cpu_clock() - c0
         gc.unfreeze()
         rss_end = _rss_bytes()
         allocs_end = profile_allocations(s, xs[1])
     finally:
         torch.set_num_threads(old_threads)
-    ms = times / 1e6
+    ms, cpu_ms = times / 1e6, cpu / 1e6
     tenth = max(1, steps // 10)
+    cq = torch.quantile(cpu_ms, torch.tensor([0.5, 0.99], dtype=torch.float64)).tolist()
     q = torch.quantile(ms, torch.tensor([0.5, 0.99, 0.999], dtype=torch.float64)).tolist()
     rep = LatencyReport(steps=steps, p50=q[0], p99=q[1], p999=q[2], max=float(ms.max()),
                         first_median=float(ms[:tenth].median()), last_median=float(ms[-tenth:].median()),
                         rss_start=rss_start, rss_end=rss_end, cache_bytes=s.nbytes, budget_ms=budget_ms,
-                        worst_step=int(ms.argmax()),
+                        worst_step=int(ms.argmax()), cpu_p50=cq[0], cpu_p99=cq[1], cpu_max=float(cpu_ms.max()),
                         allocs_per_step={"start": allocs_start, "end": allocs_end})
     return rep, ms
 
