@@ -139,11 +139,13 @@ def _errors_vs_full(rank, P, group, layout, strategy, mask, dtype, N, score=None
 LAYOUTS = list(Layout)
 
 
-def _worker_matrix(rank, P, N, strategies):
+def _worker_matrix(rank, P, N, strategies, masks=("causal", "window", "documents", "none")):
     """Every layout x mask x strategy against single-process attention on the full sequence."""
     out = {}
     for layout in LAYOUTS:
         for mname, mask in _masks(N).items():
+            if mname not in masks:
+                continue
             for strategy in strategies:
                 out[(layout.name, mname, strategy.name)] = _errors_vs_full(
                     rank, P, None, layout, strategy, mask, torch.float32, N)
@@ -216,7 +218,8 @@ def test_two_ranks_every_layout_mask_and_strategy():
 
 def _worker_four(rank, P, N):
     """Four ranks: the matrix for ring and all-to-all, then error at 1, 2 and 4 ranks (subgroups)."""
-    out = {"matrix": _worker_matrix(rank, P, N, [Strategy.RING, Strategy.ALL_TO_ALL]),
+    out = {"matrix": _worker_matrix(rank, P, N, [Strategy.RING, Strategy.ALL_TO_ALL],
+                                    masks=("causal", "window", "documents")),
            "small": _worker_small(rank, P)}
     singles = [dist.new_group([r]) for r in range(P)]
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -384,7 +387,7 @@ def _mask_cases(N):
             keyfold.causal() & (keyfold.window(2) | keyfold.sinks(2)), lambda b, h, q, k: (q - k) % 3 == 0]
 
 
-@settings(max_examples=25)
+@settings(max_examples=20)
 @given(N_over=st.integers(1, 4), P=st.sampled_from([1, 2, 3, 4]), layout=st.sampled_from(LAYOUTS),
        which=st.integers(0, 5), alibi=st.booleans())
 def test_every_rank_every_shard_merges_to_attention(N_over, P, layout, which, alibi):
