@@ -656,9 +656,12 @@ class _Config:
     num_stages: int
 
 
-def _configs(q, D: int, Dv: int) -> tuple[_Config, _Config]:
+def _configs(q, D: int, Dv: int, nlit: int) -> tuple[_Config, _Config]:
     """(forward, backward) configs. The interpreter uses 16 x 16 tiles so tiny test shapes
-    still have empty, partial and full tiles; CUDA sizes are the usual FlashAttention-2 ones."""
+    still have empty, partial and full tiles. CUDA sizes were chosen by compiling for sm_90
+    (``compile_for_gpu``) and reading ptxas's register report: no spills in the forward for
+    bf16 head_dim 128 (128 x 128 tiles; 128 x 64 once the mask program has > 3 literals),
+    none in dQ, ~200 bytes in dK/dV at 64 x 64 (smaller tiles lose Hopper's wgmma)."""
     if q.device.type != "cuda":
         return _Config(16, 16, 4, 1), _Config(16, 16, 4, 1)
     width = max(D, Dv)
@@ -669,7 +672,7 @@ def _configs(q, D: int, Dv: int) -> tuple[_Config, _Config]:
     if width <= 64:
         return _Config(128, 64, 4, 3), _Config(64, 64, 4, 2)
     if width <= 128:
-        return _Config(128, 64, 8, 3), _Config(64, 64, 8, 2)
+        return _Config(128, 128 if nlit <= 3 else 64, 8, 3), _Config(64, 64, 8, 2)
     return _Config(64, 32, 8, 2), _Config(32, 32, 8, 1)
 
 
@@ -814,7 +817,7 @@ class _Launch:
         self.B, self.Hq, self.Nq, self.D = q.shape
         self.Hkv, self.Nk, self.Dv = k.shape[1], k.shape[2], v.shape[-1]
         self.G = self.Hq // self.Hkv
-        self.prog = _mask_program(pb.mask) if pb.mask is not None else _ALL_VISIBLE
+        self.prog = _program_of(pb)
         self.layout = _layout(pb, self.prog, q, self.Nk, cfg)
         kind, slopes, cap = _score_program(pb.score)
         self.score = int(kind)
@@ -827,6 +830,10 @@ class _Launch:
                           BLOCK_DV=_pow2(self.Dv), IEEE=self.ieee,
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         self.scalars = (pb.q_offset, pb.kv_offset, pb.scale)
+
+
+def _program_of(pb: Problem) -> _MaskProgram:
+    return _mask_program(pb.mask) if pb.mask is not None else _ALL_VISIBLE
 
 
 def _tiles_forward(q, k, v, pb, why):
@@ -847,7 +854,7 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
         if st is not None:
             return st
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-    cfg = _configs(q, q.shape[-1], v.shape[-1])[0]
+    cfg = _configs(q, q.shape[-1], v.shape[-1], _program_of(pb).nlit)[0]
     L = _Launch(q, k, v, pb, cfg)
     if L.layout is None:
         return _tiles_forward(q, k, v, pb, "the mask callable's tile bitmaps exceed 256 MiB: it runs on "
@@ -875,7 +882,7 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem):
         _warn_once(why, why)
         return _tiles.backward(q, k, v, out, lse, dout, dlse, _fallback_plan(q, k, pb), pb)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-    cfg = _configs(q, q.shape[-1], v.shape[-1])[1]
+    cfg = _configs(q, q.shape[-1], v.shape[-1], _program_of(pb).nlit)[1]
     L = _Launch(q, k, v, pb, cfg)
     if L.layout is None:
         _warn_once("bitmaps", "the mask callable's tile bitmaps exceed 256 MiB: it runs on the tile kernel")
@@ -966,7 +973,7 @@ def compile_for_gpu(arch: int = 90, dtype: str = "bf16", head_dim: int = 128, ma
                  IEEE=dtype == "fp32")
     fake = torch.empty(1, dtype={"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype],
                        device="meta")
-    fwd, bwd = _configs(_MetaCuda(fake), head_dim, head_dim)
+    fwd, bwd = _configs(_MetaCuda(fake), head_dim, head_dim, prog.nlit)
     ptrs = {n: "*i32" for n in ("p_ptr", "p_col", "f_ptr", "f_lo", "f_hi", "p_row", "p_slot", "prm", "aux")}
     ptrs.update(bits="*i8", slopes="*fp32", O="*fp32", LSE="*fp32", DELTA="*fp32", DQ="*fp32", DK="*fp32",
                 DV="*fp32", **{n: "*" + dtype for n in ("Q", "K", "V", "DO")})
