@@ -73,7 +73,10 @@ PRESETS = {
     "not_causal": dict(mask=~kf.causal()),                  # the last row sees nothing
     "empty_rows": dict(mask=kf.window(6) & ~kf.window(3)),  # the first rows see nothing
     "callable": dict(mask=lambda b, h, q, k: (q - k).abs() % 7 < 4),
+    "callable_bh": dict(mask=lambda b, h, q, k: ((q - k + b) % (h + 2) == 0) | (k <= 2 * b)),
+    "documents_batch": dict(mask=kf.documents(torch.stack([_docs(), torch.arange(N) // 20]))),
 }
+BATCHED = ("sinks_batch", "callable_bh", "documents_batch")
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
@@ -81,7 +84,7 @@ def test_preset_forward_backward(name):
     """Every preset, forward and backward, against the float64 reference (float32 and float16
     alternate across presets to keep the interpreter's time down)."""
     dtype = torch.float16 if list(PRESETS).index(name) % 2 else torch.float32
-    B = 2 if name == "sinks_batch" else 1
+    B = 2 if name in BATCHED else 1
     q, k, v = _qkv(dtype, B=B)
     check_forward(q, k, v, backend=T, **PRESETS[name])
     check_backward(q, k, v, backend=T, **PRESETS[name])
