@@ -112,6 +112,21 @@ def test_kv_cache_ragged_decode_equals_attention(B, Hkv, g, Nq, data, mask, scor
         assert_close_by_rule(got[b:b + 1], ref, naive, rows)
 
 
+def test_ragged_batch_without_mask_is_one_call():
+    """Nothing reads positions: sequences of any lengths share one call, extra keys hidden."""
+    lens, D = [30, 10, 20, 25], 8
+    k, v = torch.randn(4, 2, 30, D), torch.randn(4, 2, 30, D)
+    cache = KVCache(4, 2, D, 40)
+    cache.append(k, v, lengths=lens)
+    q = torch.randn(4, 2, 1, D)
+    calls = _split_calls(lambda: decode(q, cache))
+    assert calls == [((4, 2, 1, D), (4, 2, 30, D))]
+    got = decode(q, cache)
+    for b, L in enumerate(lens):
+        check_rows(got[b:b + 1], q[b:b + 1], k[b:b + 1, :, :L], v[b:b + 1, :, :L])
+    assert len(_split_calls(lambda: decode(q, cache, mask=keyfold.causal()))) == 4  # positions differ
+
+
 def test_decode_is_the_last_row_of_attention():
     q_all, k, v = torch.randn(2, 4, 50, 16), torch.randn(2, 2, 50, 16), torch.randn(2, 2, 50, 16)
     cache = KVCache(2, 2, 16, 64)
@@ -483,5 +498,7 @@ def test_bench_decode_smoke(tmp_path):
     assert (tmp_path / "decode.png").stat().st_size > 0 and "## 4. Window cache" in md
     assert [r["tokens"] for r in saved["decode"]] == [256, 512, 512, 512]
     assert saved["cascade"]["max_abs_diff"] < 1e-5
+    assert saved["ragged"]["lengths"] == [128, 146, 164, 182, 201, 219, 237, 256]
+    assert saved["ragged"]["max_abs_diff"] < 1e-5
     assert len({r["cache_bytes"] for r in saved["window"]}) == 1
     assert [r["tokens"] for r in saved["window"]] == [1024, 2048]

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..caches import KVCache, PagedKVCache, WindowCache, cascade, choose_splits, decode
+from ..masks import causal
 
 RESULTS = Path("benchmarks/results")
 B, H, D = 1, 8, 64  # the decode shape of DESIGN.md section 5
@@ -107,6 +108,31 @@ def bench_decode(lengths, reps, bar) -> list[dict]:
         del cache, k, v
         bar.update(1)
     return rows
+
+
+def bench_ragged(N, batch, reps, bar) -> dict:
+    """A batch of sequences of different lengths (N/2 .. N): keyfold's one ragged call vs SDPA with a
+    key-padding mask over the same cache, and keyfold one call per sequence (what a mask forces)."""
+    lens = [N // 2 + (N // 2) * i // max(1, batch - 1) for i in range(batch)]
+    cache = KVCache(batch, H, D, N)
+    for t in range(0, N, 8192):
+        n = min(8192, N - t)
+        cache.append(torch.randn(batch, H, n, D), torch.randn(batch, H, n, D),
+                     lengths=[max(0, min(n, L - t)) for L in lens])
+    q = torch.randn(batch, H, 1, D)
+    k, v = cache.k[:, :, :N], cache.v[:, :, :N]
+    pad = (torch.arange(N).view(1, 1, 1, N) < torch.tensor(lens).view(batch, 1, 1, 1))  # (b, 1, 1, N)
+    t = interleaved({"keyfold": lambda: decode(q, cache),
+                     "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=pad),
+                     # causal() reads positions, which differ per sequence: one call each
+                     "per_sequence": lambda: decode(q, cache, mask=causal())}, max(3, reps * 4096 // N))
+    gb = sum(lens) * H * D * 2 * 4 / 1e9
+    err = (decode(q, cache) - F.scaled_dot_product_attention(q, k, v, attn_mask=pad)).abs().max().item()
+    bar.update(1)
+    return dict(case=f"ragged batch of {batch}", tokens=N, lengths=lens, keyfold_ms=t["keyfold"] * 1e3,
+                sdpa_ms=t["sdpa"] * 1e3, per_sequence_ms=t["per_sequence"] * 1e3, ratio=t["keyfold"] / t["sdpa"],
+                ratio_of_min=t.best["keyfold"] / t.best["sdpa"], keyfold_GBps=gb / t["keyfold"],
+                sdpa_GBps=gb / t["sdpa"], max_abs_diff=err)
 
 
 def bench_paged(N, seqs, reps, bar) -> list[dict]:
@@ -263,6 +289,11 @@ def _markdown(res, cmd: str) -> str:
         extra = f" (no split: {r['nosplit_ms']:.2f} ms, split-KV gain {r['split_gain']:.2f}x)" if "nosplit_ms" in r else ""
         out.append(f"| {r['case']}{extra} | {r['tokens']} | {r['keyfold_ms']:.3f} | {r['sdpa_ms']:.3f} | "
                    f"**{r['ratio']:.2f}x** | {r['ratio_of_min']:.2f}x | {r['keyfold_GBps']:.1f} | {r['sdpa_GBps']:.1f} | {r['splits']} |")
+    rg = res["ragged"]
+    out.append(f"| {rg['case']} ({rg['lengths'][0]}..{rg['lengths'][-1]} tokens; SDPA with a key-padding mask; "
+               f"one call per sequence: {rg['per_sequence_ms']:.2f} ms; max abs diff {rg['max_abs_diff']:.1e}) | {rg['tokens']} | {rg['keyfold_ms']:.3f} | "
+               f"{rg['sdpa_ms']:.3f} | **{rg['ratio']:.2f}x** | {rg['ratio_of_min']:.2f}x | {rg['keyfold_GBps']:.1f} | "
+               f"{rg['sdpa_GBps']:.1f} | 1 |")
     fp32 = {r["tokens"]: r for r in res["decode"] if r["case"] == "float32"}
     bf = next((r for r in res["decode"] if r["case"] == "bfloat16"), None)
     if bf is not None and bf["tokens"] in fp32:
@@ -311,9 +342,10 @@ def _markdown(res, cmd: str) -> str:
 def run(cfg: dict, lengths, reps: int, paged_tokens: int, cascade_shape, window_steps: int, progress=True) -> dict:
     """All four sections; ``cfg`` is stored with the results (window, sinks, stream_tokens used)."""
     n_win = len([p_ for p_ in range(10, 21) if (1 << p_) <= cfg["stream_tokens"]])
-    with tqdm(total=len(lengths) + 2 + 3 + 1 + n_win, desc="bench decode", disable=not progress) as bar:
+    with tqdm(total=len(lengths) + 2 + 1 + 3 + 1 + n_win, desc="bench decode", disable=not progress) as bar:
         res = dict(config=cfg)
         res["decode"] = bench_decode(lengths, reps, bar)
+        res["ragged"] = bench_ragged(paged_tokens, 8, reps, bar)
         res["paged"] = bench_paged(paged_tokens, 4, reps, bar)
         res["cascade"] = bench_cascade(*cascade_shape, reps, bar)
         res["window"] = bench_window(cfg["window"], cfg["sinks"], cfg["stream_tokens"], window_steps, bar)

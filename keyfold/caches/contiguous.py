@@ -121,10 +121,17 @@ class KVCache:
         """Query rows grouped with their key spans: row ``i`` is sequence ``seq_ids[i]``.
 
         Rows of neighbouring sequences with equal lengths form one group (one batched call).
+        When nothing reads positions (``exact_positions=False``) neighbouring sequences of any
+        lengths form one group, the keys past each one's length hidden by decode.
         """
         ids = list(range(self.batch)) if seq_ids is None else seq_list(seq_ids, "decode")
         for s in ids:
             self._seq(s)
+        neighbours = ids == list(range(ids[0], ids[0] + len(ids))) if ids else False
+        if not exact_positions and neighbours and len({self._len[s] for s in ids}) > 1:
+            s0, s1, L = ids[0], ids[-1] + 1, max(self._len[s] for s in ids)
+            span = Span(self.k[s0:s1, :, :L], self.v[s0:s1, :, :L], 0)
+            return [Group(0, len(ids), L, (span,), tuple(self._len[s] for s in ids))]
         groups = []
         for i0, i1, s0 in _runs(ids, [0] * len(ids), self._len):
             L = self._len[s0]

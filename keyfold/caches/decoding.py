@@ -15,7 +15,7 @@ import math
 import torch
 
 from ..engine import Backend, attend
-from ..masks import BlockKind, Mask, as_mask
+from ..masks import BlockKind, Mask, as_mask, sinks
 from ..scores import as_score
 from ..state import State, empty_state, merge, merge_all, state_dtype
 from ._pieces import BatchRows, BatchRowsScore, Cache, Group, QueryRows, QueryRowsScore, RowMap, Span
@@ -120,6 +120,8 @@ def _group_state(q, group: Group, mask, score, scale, splits, backend, Dv: int) 
     """Attention of the group's query rows over all its spans, merged."""
     b, Hq, Nq, _ = q.shape
     q_offset = group.length - Nq
+    if group.row_lengths is not None:  # a ragged group (nothing reads positions): row r sees keys < its length
+        mask = sinks(torch.tensor(group.row_lengths))
     states: list[State] = []
     kinds = _kinds(mask, q_offset, group.length, group.spans) if mask is not None else [None] * len(group.spans)
     for span, kind in zip(group.spans, kinds):
@@ -188,9 +190,9 @@ def attend_cache(q, cache: Cache, *, mask=None, score=None, scale=None, seq_ids=
     if rows != q.shape[0]:
         raise ValueError(f"decode(q): {q.shape[0]} query rows for {rows} sequences; pass one row per "
                          f"sequence id (seq_ids)")
-    short = [g for g in groups if g.length < Nq]
+    short = [L for g in groups for L in (g.row_lengths or (g.length,)) if L < Nq]
     if short:
-        raise ValueError(f"decode(q): {Nq} query tokens but a sequence holds only {short[0].length}; the "
+        raise ValueError(f"decode(q): {Nq} query tokens but a sequence holds only {short[0]}; the "
                          f"queries are the cache's last tokens, so append their k/v first (chunked "
                          f"prefill is append, then decode(q_block, cache, mask=causal()))")
     qc = q if q.dtype == cache.dtype else q.to(cache.dtype)
