@@ -5,7 +5,7 @@ Every case must end in one of two ways:
 
 - ``correct``: a result with the right shape, no NaN, rows that see no key exactly 0 with lse
   ``-inf``, and every other row within the a-priori error bound of :mod:`.bounds` against the
-  float64 reference;
+  float64 reference; where the case asks for it, backward through out and lse gives finite gradients;
 - ``clear error``: a ``TypeError`` or ``ValueError`` whose message names the argument at fault.
 
 Anything else (another exception, a NaN, a wrong value, silence where an error was due) is a
@@ -122,9 +122,10 @@ def _case(draw, kind):
     sname, score = _score(draw, Hq)
     backend = draw(st.sampled_from(_BACKENDS))
     chunks = draw(st.integers(1, 3))
+    grad = draw(st.booleans())
     desc = (f"{kind}: q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)} {dtype} mask={mname} "
-            f"score={sname} backend={backend.name} chunks={chunks} mag={mag:g}")
-    return dict(q=q, k=k, v=v, mask=mask, score=score, backend=backend, chunks=chunks, desc=desc)
+            f"score={sname} backend={backend.name} chunks={chunks} mag={mag:g} grad={grad}")
+    return dict(q=q, k=k, v=v, mask=mask, score=score, backend=backend, chunks=chunks, grad=grad, desc=desc)
 
 
 # ------------------------------------------------------------------------------ checking
@@ -154,6 +155,20 @@ def _run_valid(c) -> tuple[Outcome, str]:
         err = observed_error(got.out, ref.out, ref.lse)
         if not bool((err <= bound.out).all()):
             return Outcome.FAILURE, f"error {float((err / bound.out).max()):.2f}x the a-priori bound"
+    if c["grad"]:
+        return _check_grads(c, q_off)
+    return Outcome.CORRECT, ""
+
+
+def _check_grads(c, q_off) -> tuple[Outcome, str]:
+    """Backward through out and lse: every gradient finite, rows that see no key contribute 0."""
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (c["q"], c["k"], c["v"]))
+    st_ = attend(q, k, v, mask=c["mask"], score=c["score"], q_offset=q_off, backend=c["backend"])
+    lse = torch.where(torch.isfinite(st_.lse), st_.lse, torch.zeros_like(st_.lse))
+    (st_.out.sum() + lse.sum()).backward()
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.grad is not None and not bool(torch.isfinite(t.grad).all()):
+            return Outcome.FAILURE, f"non-finite gradient of {name}"
     return Outcome.CORRECT, ""
 
 
