@@ -500,6 +500,13 @@ def test_cost_model_arithmetic_by_hand():
     g = costs.estimate("all_gather", w, 4, prof, groups=2)
     assert g.bytes_per_rank == e.bytes_per_rank
     assert g.step_s == pytest.approx(3 * tm / 2 + max(4 * tc, 3 * tm) / 2 + 4 * tc / 2)
+    # forward + backward: backward 2.5x the FLOPs; K/V again plus float32 dK/dV, P sends of those
+    t = costs.estimate("ring", w, 4, prof, train=True)
+    grad_bytes = 2 * 8 * 2048 * 128 * 4            # 16,777,216
+    tm_b = (shard_bytes + grad_bytes) / 100e9
+    assert t.bytes_per_rank == 3 * shard_bytes + 3 * shard_bytes + 4 * grad_bytes == 117_440_512
+    assert t.flops_per_rank == pytest.approx(3.5 * e.flops_per_rank)
+    assert t.step_s == pytest.approx(e.step_s + 2.5 * tc + 3 * max(2.5 * tc, tm_b) + grad_bytes / 100e9)
 
 
 @given(tokens_log=st.integers(10, 22), P_log=st.integers(1, 10), heads=st.sampled_from([8, 32]),

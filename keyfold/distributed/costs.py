@@ -2,7 +2,8 @@
 communication, for ring, all-gather and all-to-all (Ulysses) attention.
 
 ``python -m keyfold costs`` prints the Ring Attention paper's condition for its devices and a
-table of predicted forward time from 1 to 1024 devices for a 1M-token sequence. The model, per
+table of predicted forward time (``--train``: forward + backward) from 1 to 1024 devices for a
+1M-token sequence. The model, per
 rank, with ``c = N / P`` tokens, ``f = 1/2`` for causal (1 otherwise), ``e`` bytes per element:
 
 - attention FLOPs: ``4 * B * H * N^2 * d * f`` (QK^T and PV, 2 FLOPs per multiply-add);
@@ -19,6 +20,9 @@ rank, with ``c = N / P`` tokens, ``f = 1/2`` for causal (1 otherwise), ``e`` byt
   group g+1 overlaps computing group g: ``t_m/G + (G-1) * max(t_c, t_m)/G + t_c/G``.
 - ALL_TO_ALL: four all-to-alls (q, k, v in, out back), each sending (P-1)/P of the local tensor,
   not overlapped: ``t_m + t_c``. Needs H divisible by P (P <= H).
+- backward (``train=True``): 2.5x the forward FLOPs (FlashAttention-2's count); the ring sends each
+  K/V shard again plus its float32 dK/dV (P sends, the last one not overlapped); the all-gather
+  re-gathers and reduce-scatters float32 dK/dV; the all-to-all moves as many bytes as forward.
 
 Links: P <= ``per_node`` devices talk over the intra-node link, more over the inter-node one
 (a ring or an all-to-all over several nodes is as fast as its slowest hop). The numbers used for
@@ -87,7 +91,7 @@ class Estimate:
     bytes_per_rank: float     # sent by each rank
     compute_s: float          # all of this rank's attention compute
     comm_s: float             # all of this rank's communication, if nothing overlapped
-    step_s: float             # predicted forward time
+    step_s: float             # predicted time of the call (forward, or forward + backward)
     hidden: bool              # whether compute hides communication
     note: str = ""
 
@@ -143,52 +147,71 @@ def _check(w: Workload, P: int):
         raise ValueError(f"heads ({w.heads}) must be a multiple of kv_heads ({w.kv_heads})")
 
 
-def estimate(strategy: str, w: Workload, P: int, prof: Profile, groups: int = 4) -> Estimate:
-    """Predicted forward cost of one attention call on ``P`` devices.
+STRATEGIES = ("ring", "all_gather", "all_to_all")
+BACKWARD_FLOPS = 2.5   # FlashAttention-2's count: backward = 2.5x forward (5 matmuls against 2)
+GRAD_BYTES = 4         # dK/dV travel and are reduced in float32
+
+
+def estimate(strategy: str, w: Workload, P: int, prof: Profile, groups: int = 4, train: bool = False) -> Estimate:
+    """Predicted cost of one attention call on ``P`` devices: forward, or forward + backward.
 
     strategy: ``"ring"``, ``"all_gather"`` or ``"all_to_all"`` (the values of
     :class:`keyfold.distributed.Strategy`). groups: head groups of the all-gather variant.
+    train: add the backward pass (2.5x the forward FLOPs; ring and all-gather also move dK/dV in
+    float32; all-to-all moves dout in and dq, dk, dv back, as many bytes as the forward).
     """
     _check(w, P)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be 'ring', 'all_gather' or 'all_to_all', got {strategy!r}")
+    fwd = _estimate(strategy, w, P, prof, groups, backward=False)
+    if not train:
+        return fwd
+    bwd = _estimate(strategy, w, P, prof, groups, backward=True)
+    return Estimate(strategy, P, fwd.tokens_per_rank, fwd.flops_per_rank + bwd.flops_per_rank,
+                    fwd.bytes_per_rank + bwd.bytes_per_rank, fwd.compute_s + bwd.compute_s,
+                    fwd.comm_s + bwd.comm_s, fwd.step_s + bwd.step_s, fwd.hidden and bwd.hidden,
+                    "forward + backward" + (f"; {fwd.note}" if fwd.note else ""))
+
+
+def _estimate(strategy: str, w: Workload, P: int, prof: Profile, groups: int, backward: bool) -> Estimate:
     link = prof.link(P)
     F = prof.flops * prof.mfu
     c = w.tokens / P
-    flops = attention_flops(w) / P
+    flops = attention_flops(w) / P * (BACKWARD_FLOPS if backward else 1.0)
     compute = flops / F
     shard = 2.0 * w.batch * w.kv_heads * c * w.head_dim * w.elem_bytes         # one K/V shard, bytes
+    grads = 2.0 * w.batch * w.kv_heads * c * w.head_dim * GRAD_BYTES if backward else 0.0  # its dK/dV
     if P == 1:
         return Estimate(strategy, 1, c, flops, 0.0, compute, 0.0, compute, True, "one device: no communication")
     if strategy == "ring":
         tc = compute / P
-        tm = link.latency + shard / link.bandwidth
-        step = tc + (P - 1) * max(tc, tm)
-        return Estimate(strategy, P, c, flops, (P - 1) * shard, compute, (P - 1) * tm, step, tc >= tm)
+        tm = link.latency + (shard + grads) / link.bandwidth    # K/V (and dK/dV) in flight together
+        last = link.latency + grads / link.bandwidth if backward else 0.0  # the last dK/dV send home
+        step = tc + (P - 1) * max(tc, tm) + last
+        sent = (P - 1) * shard + P * grads
+        return Estimate(strategy, P, c, flops, sent, compute, (P - 1) * tm + last, step, tc >= tm)
     if strategy == "all_gather":
         G = max(1, min(groups, w.kv_heads))
-        tm = (P - 1) * (link.latency + shard / link.bandwidth)                     # ring all-gather
+        rounds = 2 if backward else 1                          # backward: re-gather, reduce-scatter
+        tm = (P - 1) * (rounds * link.latency + (shard + grads) / link.bandwidth)
         step = tm / G + (G - 1) * max(compute, tm) / G + compute / G
-        return Estimate(strategy, P, c, flops, (P - 1) * shard, compute, tm, step, compute >= tm,
+        return Estimate(strategy, P, c, flops, (P - 1) * (shard + grads), compute, tm, step, compute >= tm,
                         f"{G} head groups; holds all N keys/values of a group")
-    if strategy == "all_to_all":
-        if w.heads % P:
-            return Estimate(strategy, P, c, flops, math.nan, compute, math.nan, math.nan, False,
-                            f"needs heads ({w.heads}) divisible by P")
-        kv = w.kv_heads if w.kv_heads % P == 0 else w.heads                       # too few kv heads: copies
-        local = w.batch * c * w.head_dim * w.elem_bytes * (2 * w.heads + 2 * kv)  # q, k, v in; out back
-        sent = local * (P - 1) / P
-        tm = 4 * (P - 1) * link.latency + sent / link.bandwidth
-        return Estimate(strategy, P, c, flops, sent, compute, tm, tm + compute, False, "not overlapped")
-    raise ValueError(f"strategy must be 'ring', 'all_gather' or 'all_to_all', got {strategy!r}")
+    if w.heads % P:
+        return Estimate(strategy, P, c, flops, math.nan, compute, math.nan, math.nan, False,
+                        f"needs heads ({w.heads}) divisible by P")
+    kv = w.kv_heads if w.kv_heads % P == 0 else w.heads                       # too few kv heads: copies
+    local = w.batch * c * w.head_dim * w.elem_bytes * (2 * w.heads + 2 * kv)  # q, k, v in; out back
+    sent = local * (P - 1) / P
+    tm = 4 * (P - 1) * link.latency + sent / link.bandwidth
+    return Estimate(strategy, P, c, flops, sent, compute, tm, tm + compute, False, "not overlapped")
 
 
-STRATEGIES = ("ring", "all_gather", "all_to_all")
-
-
-def table(w: Workload, prof: Profile, max_devices: int = 1024, groups: int = 4) -> list[dict]:
+def table(w: Workload, prof: Profile, max_devices: int = 1024, groups: int = 4, train: bool = False) -> list[dict]:
     """Rows for P = 1, 2, 4, ..., max_devices: every strategy's estimate."""
     rows, P = [], 1
     while P <= max_devices:
-        rows.append({"P": P, **{s: asdict(estimate(s, w, P, prof, groups)) for s in STRATEGIES}})
+        rows.append({"P": P, **{s: asdict(estimate(s, w, P, prof, groups, train)) for s in STRATEGIES}})
         P *= 2
     return rows
 
@@ -212,9 +235,9 @@ def paper_markdown() -> str:
     return "\n".join(lines)
 
 
-def table_markdown(rows: list[dict], w: Workload, prof: Profile) -> str:
+def table_markdown(rows: list[dict], w: Workload, prof: Profile, train: bool = False) -> str:
     head = [
-        f"Forward attention, {w.tokens:,} tokens, B={w.batch}, H={w.heads}, Hkv={w.kv_heads}, d={w.head_dim}, "
+        f"{'Forward + backward' if train else 'Forward'} attention, {w.tokens:,} tokens, B={w.batch}, H={w.heads}, Hkv={w.kv_heads}, d={w.head_dim}, "
         f"{w.elem_bytes}-byte elements, {'causal' if w.causal else 'no mask'}; {prof.name}: "
         f"{prof.flops / 1e12:.0f} TFLOP/s x {prof.mfu:g} achieved; {prof.intra.name} "
         f"{prof.intra.bandwidth / 1e9:g} GB/s per direction, {prof.intra.latency * 1e6:g} us within "
@@ -237,7 +260,7 @@ def table_markdown(rows: list[dict], w: Workload, prof: Profile) -> str:
     return "\n".join(head)
 
 
-def _plot(rows, w, prof, path: Path):
+def _plot(rows, w, prof, path: Path, train: bool = False):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -254,7 +277,7 @@ def _plot(rows, w, prof, path: Path):
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("devices P")
-    ax.set_ylabel("predicted forward time (s)")
+    ax.set_ylabel(f"predicted {'forward + backward' if train else 'forward'} time (s)")
     ax.set_title(f"{w.tokens:,} tokens, H={w.heads}/{w.kv_heads}, d={w.head_dim} on {prof.name} (model)")
     ax.legend()
     ax.grid(True, which="both", alpha=0.3)
@@ -276,22 +299,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mfu", type=float, default=None, help="achieved fraction of peak FLOP/s (default: profile's)")
     p.add_argument("--groups", type=int, default=4, help="head groups of the all-gather variant")
     p.add_argument("--max-devices", type=int, default=1024)
+    p.add_argument("--train", action="store_true", help="forward + backward instead of forward only")
     p.add_argument("--out", type=Path, default=None, help="also write costs_<profile>.md/.json/.png here")
     a = p.parse_args(argv)
     w = Workload(a.tokens, a.heads, a.kv_heads, a.head_dim, a.batch, a.elem_bytes, not a.no_causal)
     prof = PROFILES[a.profile]
     if a.mfu is not None:
         prof = Profile(prof.name, prof.flops, a.mfu, prof.intra, prof.inter, prof.per_node)
-    rows = table(w, prof, a.max_devices, a.groups)
+    rows = table(w, prof, a.max_devices, a.groups, a.train)
     text = "## Ring Attention's condition\n\n" + paper_markdown() + "\n\n## Predicted step time\n\n" + \
-        table_markdown(rows, w, prof)
+        table_markdown(rows, w, prof, a.train)
     print(text)
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)
-        stem = a.out / f"costs_{a.profile}"
+        stem = a.out / f"costs_{a.profile}{'_train' if a.train else ''}"
         stem.with_suffix(".md").write_text(text + "\n")
         stem.with_suffix(".json").write_text(json.dumps(
-            {"workload": asdict(w), "profile": asdict(prof), "rows": rows}, indent=1, default=str) + "\n")
-        _plot(rows, w, prof, stem.with_suffix(".png"))
+            {"workload": asdict(w), "profile": asdict(prof), "train": a.train, "rows": rows}, indent=1,
+            default=str) + "\n")
+        _plot(rows, w, prof, stem.with_suffix(".png"), a.train)
         print(f"\nwrote {stem}.md, .json, .png")
     return 0
