@@ -282,8 +282,8 @@ def _classify_exact(mask, B, H, Nq, Nk, q_offset, kv_offset, bq, bk) -> torch.Te
         b, h, qp, kp = grid_positions(Be, He, q_offset + r0, r1 - r0, kv_offset, Nk, None)
         m = mask.evaluate(b, h, qp, kp)
         m = torch.broadcast_to(m, (Be, He, r1 - r0, Nk))
-        anyv = torch.nn.functional.pad(m, (0, pad), value=False)
-        allv = torch.nn.functional.pad(m, (0, pad), value=True)
+        anyv = torch.nn.functional.pad(m, (0, pad), value=False) if pad else m
+        allv = torch.nn.functional.pad(m, (0, pad), value=True) if pad else m
         for s in range(0, r1 - r0, bq):
             e = min(r1 - r0, s + bq)
             a = anyv[:, :, s:e].reshape(Be, He, e - s, nkb, bk).any(4).any(2).flatten(0, 1).any(0)
