@@ -14,9 +14,11 @@ Then it decodes one token against a KV cache split across the ranks with ``tree_
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -53,6 +55,7 @@ def main() -> None:
     p.add_argument("--layout", choices=[x.value for x in Layout], default="zigzag")
     p.add_argument("--mask", choices=["causal", "window", "documents", "none"], default="causal")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--out", type=Path, default=None, help="rank 0 writes ring_<device>_<layout>_<mask>.md/.json/.png here")
     a = p.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -92,6 +95,7 @@ def main() -> None:
         print(f"{P} ranks ({'NCCL' if cuda else 'gloo'}), N={N}, H={a.heads}/{a.kv_heads}, d={a.head_dim}, "
               f"{layout.name}, mask {a.mask}: forward + backward")
         print(f"  single process, whole sequence, all cores: {t_full * 1e3:8.1f} ms")
+    rows = []
     for strategy in Strategy:
         if strategy is Strategy.ALL_TO_ALL and a.heads % P:
             continue
@@ -100,8 +104,13 @@ def main() -> None:
             a_, b_, c_, mask=mask, layout=layout, strategy=strategy), ql, kl, vl), a.repeat)
         err = torch.tensor([float((x - y).abs().max()) for x, y in zip(got, want)], device=device)
         dist.all_reduce(err, op=dist.ReduceOp.MAX)
+        t_max = torch.tensor([t], device=device)
+        dist.all_reduce(t_max, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+        t = float(t_max)
         if rank == 0:
             names = ("out", "dq", "dk", "dv")
+            rows.append({"strategy": strategy.name, "seconds": t, "ratio": t / t_full,
+                         "max_abs_error": dict(zip(names, err.tolist()))})
             print(f"  {strategy.name:<10}: {t * 1e3:8.1f} ms ({t / t_full:.2f}x single process)  max |error| "
                   + ", ".join(f"{n} {e:.1e}" for n, e in zip(names, err.tolist())))
 
@@ -112,7 +121,46 @@ def main() -> None:
     ref = keyfold.attention(q1, k, v)
     if rank == 0:
         print(f"  tree_decode of one token over {P} cache shards: max |error| {float((out - ref).abs().max()):.1e}")
+    if rank == 0 and a.out is not None:
+        _write(a, P, "cuda" if cuda else "cpu", t_full, rows, float((out - ref).abs().max()))
     dist.destroy_process_group()
+
+
+def _write(a, P, device, t_full, rows, decode_err):
+    """Markdown + JSON + PNG of this run (ratios against the single process measured in it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    a.out.mkdir(parents=True, exist_ok=True)
+    stem = a.out / f"ring_{device}_{a.layout}_{a.mask}"
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    setup = (f"{P} ranks ({device}), N={a.tokens}, H={a.heads}/{a.kv_heads}, d={a.head_dim}, layout {a.layout}, "
+             f"mask {a.mask}, forward + backward, {a.repeat} repeats; load average {load:.1f} on "
+             f"{os.cpu_count()} cores")
+    lines = [f"# ring attention, {setup}", "",
+             f"Single process on the whole sequence (same run, rank 0, all cores): {t_full * 1e3:.1f} ms", "",
+             "| strategy | ms (slowest rank) | x single process | max abs error out / dq / dk / dv |", "|---|---|---|---|"]
+    for r in rows:
+        e = r["max_abs_error"]
+        lines.append(f"| {r['strategy']} | {r['seconds'] * 1e3:.1f} | {r['ratio']:.2f} | "
+                     f"{e['out']:.1e} / {e['dq']:.1e} / {e['dk']:.1e} / {e['dv']:.1e} |")
+    lines += ["", f"tree_decode, one token over {P} cache shards: max abs error {decode_err:.1e}", "",
+              f"Command: `torchrun --nproc_per_node {P} examples/ring_attention_torchrun.py --tokens {a.tokens} "
+              f"--layout {a.layout} --mask {a.mask} --repeat {a.repeat} --out {a.out}`"]
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps({"setup": setup, "single_process_s": t_full, "rows": rows,
+                                                     "tree_decode_error": decode_err}, indent=1) + "\n")
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar([r["strategy"] for r in rows], [r["ratio"] for r in rows])
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_ylabel("time / single process (same run)")
+    ax.set_title(setup[:70] + "...", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(stem.with_suffix(".png"), dpi=110)
+    plt.close(fig)
+    print(f"  wrote {stem}.md, .json, .png")
 
 
 if __name__ == "__main__":
