@@ -147,9 +147,11 @@ def _apply_mods(mods, R, e_s, w, Hq, q_lo, q_hi, k_lo, k_hi):
             slopes = mod.slopes.t.double().abs().view(1, Hq, 1)           # (1, Hq, 1)
             dist = max(abs(q_hi - k_lo), abs(k_hi - q_lo))                # largest |qp - kp|
             bias = slopes * dist
-            # bias = -slope * |qp - kp| (one rounding), then s + bias (one rounding)
+            # bias = -slope * |qp - kp|, or the fused path's separable form (a key term s(kp - r)
+            # and a row term added to lse, each at most slope * the largest distance): two
+            # roundings of the bias, s + bias, and the row term's addition to lse
             R = R + bias
-            e_s = e_s + w * (R + bias)
+            e_s = e_s + w * (2 * R + 4 * bias)
         elif isinstance(mod, _Softcap):
             # cap * tanh(s / cap): division, tanh, product; tanh is 1-Lipschitz
             e_s = e_s + w * (R + (C_TANH + 2) * mod.cap)
