@@ -13,9 +13,10 @@ several senses (``Bank``: bank, bench, ...) has several index lines. One sense l
 
 Cleaning rules (simple on purpose, documented in docs/transformer.md):
 
-1. German: the first line without ``/pronunciation/``, ``<grammar>``, ``(...)``, ``[...]``, a leading
-   ``…`` and final ``.!?``; English: the second line, split at top-level commas, each part without
-   ``<grammar>``, ``[labels]``, ``(...)`` and ``/.../``.
+1. German: the first line without ``/pronunciation/``, ``<grammar>``, ``(...)``, ``[...]`` and the
+   ``…`` that marks a sentence fragment; English: the second line, split at top-level ``", "``
+   (a comma and a space: ``2,4,6-Trinitrophenol`` stays one word), each part cleaned the same way.
+   Punctuation is kept on both sides (``jdm. etw.``, ``aber dalli!``).
 2. A side is dropped if it is empty, longer than 100 characters, or still holds markup
    (``{}<>[]/|…"``) after step 1.
 3. Pairs are grouped by the German side: one :class:`Example` holds a German phrase and all its
@@ -161,20 +162,18 @@ def _accept(s: str) -> str | None:
 
 def clean_german(line: str) -> str | None:
     """The German phrase of a headword line, or None if it does not pass the cleaning rules."""
-    s = _strip(line.replace("…", " "))
-    s = s.rstrip(".!?;: ").strip()
-    return _accept(s)
+    return _accept(_strip(line.replace("…", " ")))
 
 
 def _split_top_level(s: str) -> list[str]:
-    """Split at commas that are not inside (), [] or <>."""
+    """Split at ``", "`` (comma, space) where it is not inside (), [] or <>."""
     parts, depth, cur = [], 0, []
-    for c in s:
+    for i, c in enumerate(s):
         if c in "([<":
             depth += 1
         elif c in ")]>":
             depth = max(0, depth - 1)
-        if c == "," and depth == 0:
+        if c == "," and depth == 0 and s[i + 1:i + 2].isspace():
             parts.append("".join(cur))
             cur = []
         else:
@@ -187,7 +186,7 @@ def clean_english(line: str) -> list[str]:
     """The English translations on one translation line, cleaned; rejected parts are dropped."""
     out = []
     for part in _split_top_level(line):
-        s = _accept(_strip(part))
+        s = _accept(_strip(part.replace("…", " ")))
         if s is not None and s not in out:
             out.append(s)
     return out

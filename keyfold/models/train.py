@@ -59,7 +59,7 @@ TRAIN_CONFIGS = {
     "small": TrainConfig(model="small", steps=20_000, batch_tokens=8000),
     # under 30 minutes on the 2 shared CPU cores (docs/transformer.md has the measured time and
     # scores); one thread, because with the cores oversubscribed two threads ran 5x slower
-    "cpu": TrainConfig(model="cpu", steps=900, batch_tokens=2000, warmup=200, lr_scale=0.4,
+    "cpu": TrainConfig(model="cpu", steps=800, batch_tokens=2000, warmup=200, lr_scale=0.4,
                        eval_every=300, checkpoint_every=100, threads=1),
     "tiny": TrainConfig(model="tiny", steps=40, batch_tokens=64, warmup=10, eval_every=20,
                         checkpoint_every=10, threads=1),
