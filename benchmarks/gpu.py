@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/gpu.py                 # on a CUDA machine, < 5 minutes
     PYTHONPATH=. python benchmarks/gpu.py --dry-run       # tiny shapes on a CPU: checks the script
+    PYTHONPATH=. python benchmarks/gpu.py --accuracy      # error table by the rule of DESIGN.md §6
 
 bfloat16, B=4, H=16, D=128, N in {2k, 8k, 32k}; variants dense, causal, causal sliding window
 1024, documents (8 packed documents of uneven length, bidirectional inside each); forward and
@@ -26,10 +27,11 @@ import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-if "--dry-run" in sys.argv:  # the kernel runs in Triton's CPU interpreter: set before triton loads
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import torch  # noqa: E402
+
+if "--dry-run" in sys.argv or ("--accuracy" in sys.argv and not torch.cuda.is_available()):
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the CPU interpreter: set before triton loads
+
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -290,6 +292,36 @@ def write_png(path: Path, rows):
     plt.close(fig)
 
 
+# ------------------------------------------------------------------------------ accuracy
+
+
+def accuracy(cuda: bool) -> str:
+    """Markdown table: keyfold Triton's and the naive same-dtype error against float64."""
+    from keyfold.kernels._common import Problem
+    from keyfold.kernels.reference import attend_naive
+    device = "cuda" if cuda else "cpu"
+    N, D = (2048, 128) if cuda else (96, 64)
+    cases = {"dense": None, "causal": kf.causal(), "causal & window(24)": kf.causal() & kf.window(24),
+             "documents": kf.documents(torch.arange(N) * 4 // N),
+             "causal & (window(16) \\| sinks(4))": kf.causal() & (kf.window(16) | kf.sinks(4)),
+             "callable `\\|q-k\\| % 7 < 4`": lambda b, h, q, k: (q - k).abs() % 7 < 4}
+    dtypes = (torch.float32, torch.float16) + ((torch.bfloat16,) if cuda else ())
+    lines = ["| mask | dtype | keyfold Triton error | naive error | ratio |", "|---|---|---|---|---|"]
+    torch.manual_seed(0)
+    for name, mask in cases.items():
+        m = kf.as_mask(mask)
+        for dt in dtypes:
+            q, k, v = (torch.randn(2, 4, N, D, dtype=dt, device=device) for _ in range(3))
+            out = kf.attention(q, k, v, mask=m, backend=kf.Backend.TRITON)
+            ref = kf.attention(q.double(), k.double(), v.double(), mask=m, backend=kf.Backend.REFERENCE)
+            naive = attend_naive(q, k, v, Problem(m, None, D ** -0.5, 0, 0))
+            seen = torch.ones(N, dtype=torch.bool, device=device) if m is None else m.to_dense(N, N, device=device).any(-1)
+            err = lambda x: float(((x.double() - ref).abs() * seen[:, None]).nan_to_num(float("inf")).max())  # noqa: E731
+            a, b = err(out), err(naive)
+            lines.append(f"| {name} | {str(dt).replace('torch.', '')} | {a:.2e} | {b:.2e} | {a / b:.2f} |")
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------ main
 
 
@@ -299,7 +331,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="tiny float32 shapes on the CPU (interpreter)")
     ap.add_argument("--budget", type=float, default=240.0, help="seconds; later cases are skipped past it")
     ap.add_argument("--sizes", default=None, help="comma-separated N (default 2048,8192,32768)")
+    ap.add_argument("--accuracy", action="store_true", help="print the error table (DESIGN.md §6) and exit")
     args = ap.parse_args(argv)
+    if args.accuracy:
+        print(accuracy(torch.cuda.is_available() and not args.dry_run))
+        return 0
 
     cuda = torch.cuda.is_available() and not args.dry_run
     if not cuda and not args.dry_run:
