@@ -270,7 +270,7 @@ def _score_program(score):
             ("s", "a"): _Score.SOFTCAP_ALIBI}.get(names)
     if kind is None:
         return None
-    slopes = next((m.slopes.t for m in mods if isinstance(m, _s._Alibi)), None)
+    slopes = next((m.slopes for m in mods if isinstance(m, _s._Alibi)), None)  # a _TensorKey
     cap = next((m.cap for m in mods if isinstance(m, _s._Softcap)), 1.0)
     return kind, slopes, cap
 
@@ -821,7 +821,8 @@ class _Launch:
         self.layout = _layout(pb, self.prog, q, self.Nk, cfg)
         kind, slopes, cap = _score_program(pb.score)
         self.score = int(kind)
-        self.slopes = (slopes if slopes is not None else torch.zeros(self.Hq)).to(q.device, torch.float32)
+        # device copies are cached: a host-to-device copy per call would wait for the GPU
+        self.slopes = slopes.on(q.device) if slopes is not None else _zeros(self.Hq, q.device)
         self.cap = float(cap)
         self.cfg = cfg
         self.ieee = q.dtype == torch.float32 and not (q.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
@@ -830,6 +831,17 @@ class _Launch:
                           BLOCK_DV=_pow2(self.Dv), IEEE=self.ieee,
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         self.scalars = (pb.q_offset, pb.kv_offset, pb.scale)
+
+
+_ZEROS: dict = {}
+
+
+def _zeros(n: int, device) -> torch.Tensor:
+    """A cached float32 zero vector on ``device`` (the slopes of a call without ALiBi)."""
+    key = (n, str(device))
+    if key not in _ZEROS:
+        _ZEROS[key] = torch.zeros(n, dtype=torch.float32, device=device)
+    return _ZEROS[key]
 
 
 def _program_of(pb: Problem) -> _MaskProgram:
