@@ -270,12 +270,15 @@ def _worker_small(rank, P):
     k, v = torch.randn(1, 2, T, 16, generator=g), torch.randn(1, 2, T, 16, generator=g)
     lo = sum(lengths[:rank])
     kl, vl = k[:, :, lo:lo + lengths[rank]], v[:, :, lo:lo + lengths[rank]]
-    for mname, mask in (("none", None), ("window+sinks", keyfold.causal() & (keyfold.window(24) | keyfold.sinks(4)))):
-        ref = keyfold.attention(q.double(), k.double(), v.double(), mask=mask, backend=REF)
-        nai = naive_attention(q, k, v, mask=mask)
+    q3 = torch.randn(1, 4, 3, 16, generator=g)  # three new tokens (chunked decoding), causal among them
+    cases = [("none", None, q), ("window+sinks", keyfold.causal() & (keyfold.window(24) | keyfold.sinks(4)), q),
+             ("3 tokens causal", keyfold.causal(), q3)]
+    for mname, mask, qq in cases:
+        ref = keyfold.attention(qq.double(), k.double(), v.double(), mask=mask, backend=REF)
+        nai = naive_attention(qq, k, v, mask=mask)
         for how in Reduce:
-            got, lse = tree_decode(q, kl, vl, mask=mask, reduce=how, return_lse=True)
-            ref_lse = keyfold.attend(q.double(), k.double(), v.double(), mask=mask, backend=REF).lse
+            got, lse = tree_decode(qq, kl, vl, mask=mask, reduce=how, return_lse=True)
+            ref_lse = keyfold.attend(qq.double(), k.double(), v.double(), mask=mask, backend=REF).lse
             out[("decode", mname, how.name)] = (max_err(got, ref), max_err(nai, ref), max_err(lse, ref_lse))
     return out
 
@@ -283,7 +286,7 @@ def _worker_small(rank, P):
 def _check_small(P, results):
     """shard/unshard round trips; tree_decode within the rule, both reductions."""
     for res in results:
-        assert len(res) == 2 * len(LAYOUTS) + 2 * len(Reduce)
+        assert len(res) == 2 * len(LAYOUTS) + 3 * len(Reduce)
         for key, val in res.items():
             if key[0] in ("shard", "unshard"):
                 assert val, f"P={P}: {key} does not round-trip"
