@@ -502,3 +502,18 @@ def test_bench_decode_smoke(tmp_path):
     assert saved["ragged"]["max_abs_diff"] < 1e-5
     assert len({r["cache_bytes"] for r in saved["window"]}) == 1
     assert [r["tokens"] for r in saved["window"]] == [1024, 2048]
+
+
+def test_window_cache_bad_input_leaves_it_unchanged():
+    cache = WindowCache(window=4, sinks=2, heads=2, head_dim=8, batch=2)
+    cache.append(torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8))
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match="2 heads of size 8"):
+        cache.append(torch.randn(2, 3, 1, 8), torch.randn(2, 3, 1, 8))
+    with pytest.raises(ValueError, match="2 sequences"):
+        cache.append(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
+    with pytest.raises(ValueError, match="advance together"):
+        decode(torch.randn(1, 2, 1, 8), cache, seq_ids=[1])
+    with pytest.raises(ValueError, match="window"):
+        WindowCache(window=0, heads=1, head_dim=4)
+    assert_unchanged(cache, snap)

@@ -12,7 +12,7 @@ this machine's 2 cores are shared. Sections (DESIGN.md section 7 targets):
    (target <= 0.3x);
 4. the window cache streamed from 1k to 1M tokens: step time and memory stay flat (plot).
 
-Results: ``benchmarks/results/decode.{md,json,png}`` (``--quick``: ``decode-quick.*``).
+Results: ``benchmarks/results/decode.{md,json,png}`` (``--quick``: ``decode.quick.*``).
 """
 
 from __future__ import annotations
@@ -379,5 +379,5 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     res = run(cfg, lengths, reps, 8192 if quick else 32768, (16, 8192, 128), 10 if quick else 30)
     cmd = "python -m keyfold bench decode" + (" --quick" if quick else "")
-    print(write(res, args.out, "decode-quick" if quick else "decode", cmd))
+    print(write(res, args.out, "decode.quick" if quick else "decode", cmd))
     return 0
