@@ -140,6 +140,9 @@ def _preflight(plant: Plant, controller: Controller, reference: np.ndarray, conf
     if config.filter_on:
         if safety is None:
             raise ValueError("filter_on=True needs a SafetyFilter (SafetyFilter.from_plant(plant))")
+        if (safety.n_x, safety.n_u) != (plant.n_x, plant.n_u):
+            raise ValueError(f"the safety filter is for n_x={safety.n_x}, n_u={safety.n_u} but the plant has "
+                             f"n_x={plant.n_x}, n_u={plant.n_u}; build it with SafetyFilter.from_plant(plant)")
         return safety.initial_plan(plant.x0)
     return None
 
