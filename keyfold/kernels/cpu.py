@@ -101,13 +101,6 @@ def _unfold(x, g, Hq):
     return x.reshape(B, Hq, gL // g, *x.shape[3:])
 
 
-def _expand_kv(x, g):
-    if g == 1:
-        return x
-    B, Hkv, S, W = x.shape
-    return x.unsqueeze(2).expand(B, Hkv, g, S, W).reshape(B, Hkv * g, S, W)
-
-
 class _Tile(NamedTuple):
     """The mask side of one fused call: additive float mask, empty rows, lse shift."""
 
@@ -150,7 +143,13 @@ def _tile(piece: Piece, pb: Problem, q_orig, folded: bool, g: int, memo: dict) -
 
 
 def _piece_args(inp: _Inputs, piece: Piece, pb: Problem, q_orig, memo: dict):
-    """Tensors and flags for one fused call: (q, k, v, causal, tile, folded)."""
+    """Tensors and flags for one fused call: (q, k, v, causal, tile, folded).
+
+    With GQA (g query heads per key/value head) a piece either *folds* the group's heads into
+    the query rows (one call, k and v untouched) or, for the fused causal flag, which folding
+    would break, runs once per group member (``q`` is then ``(B, Hkv, g, L, W)``, k and v are
+    never copied).
+    """
     causal = piece.kind is PieceKind.CAUSAL
     folded = not causal and inp.g > 1
     tile = _tile(piece, pb, q_orig, folded, inp.g, memo)
@@ -159,9 +158,14 @@ def _piece_args(inp: _Inputs, piece: Piece, pb: Problem, q_orig, memo: dict):
     vs = inp.v[:, :, piece.k0:piece.k1]
     if folded:
         qs = _fold(qs, inp.g)
-    else:
-        ks, vs = _expand_kv(ks, inp.g), _expand_kv(vs, inp.g)
+    elif inp.g > 1:
+        qs = qs.unflatten(1, (-1, inp.g))  # (B, Hkv, g, L, W): member j is qs[:, :, j]
     return qs, ks, vs, causal, tile, folded
+
+
+def _members(x, g):
+    """(B, Hq, L, *) -> (B, Hkv, g, L, *) view, or None when there is no group."""
+    return None if g == 1 else x.unflatten(1, (-1, g))
 
 
 def _bias_needed(pb: Problem) -> bool:
@@ -179,7 +183,13 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
     memo: dict = {}
     for piece in plan.pieces:
         qs, ks, vs, causal, tile, folded = _piece_args(inp, piece, pb, q, memo)
-        out, lse = _FWD(qs, ks, vs, 0.0, causal, attn_mask=tile.mask, scale=pb.scale)
+        if qs.dim() == 5:  # GQA under the causal flag: one call per group member
+            parts = [_FWD(qs[:, :, j], ks, vs, 0.0, causal, attn_mask=tile.mask, scale=pb.scale)
+                     for j in range(inp.g)]
+            out = torch.stack([p[0] for p in parts], 2).flatten(1, 2)   # (B, Hq, L, W)
+            lse = torch.stack([p[1] for p in parts], 2).flatten(1, 2)   # (B, Hq, L)
+        else:
+            out, lse = _FWD(qs, ks, vs, 0.0, causal, attn_mask=tile.mask, scale=pb.scale)
         if folded:
             out, lse = _unfold(out, inp.g, Hq), _unfold(lse, inp.g, Hq)
         out = out[..., :Dv].to(sd)
@@ -221,7 +231,6 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem):
     dq = torch.zeros(B, Hq, Nq, W, dtype=sd, device=q.device)
     dk = torch.zeros(k.shape[:3] + (W,), dtype=sd, device=q.device)
     dv = torch.zeros(k.shape[:3] + (W,), dtype=sd, device=q.device)
-    Hkv = k.shape[1]
     memo: dict = {}
     for piece in plan.pieces:
         qs, ks, vs, causal, tile, folded = _piece_args(inp, piece, pb, q, memo)
@@ -231,13 +240,18 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem):
             l_p = l_p - tile.row_shift
         if folded:
             o_p, do_p, l_p = _fold(o_p, inp.g), _fold(do_p, inp.g), _fold(l_p, inp.g)
-        gq, gk, gv = _BWD(do_p.contiguous(), qs, ks, vs, o_p.contiguous(), l_p.contiguous(),
-                          0.0, causal, attn_mask=tile.mask, scale=pb.scale)
+        if qs.dim() == 5:  # GQA under the causal flag: per member, dk / dv summed over the group
+            o5, do5, l5 = (_members(t.contiguous(), inp.g) for t in (o_p, do_p, l_p))
+            parts = [_BWD(do5[:, :, j], qs[:, :, j], ks, vs, o5[:, :, j], l5[:, :, j],
+                          0.0, causal, attn_mask=tile.mask, scale=pb.scale) for j in range(inp.g)]
+            gq = torch.stack([p[0] for p in parts], 2).flatten(1, 2)
+            gk = sum(p[1].to(sd) for p in parts)
+            gv = sum(p[2].to(sd) for p in parts)
+        else:
+            gq, gk, gv = _BWD(do_p.contiguous(), qs, ks, vs, o_p.contiguous(), l_p.contiguous(),
+                              0.0, causal, attn_mask=tile.mask, scale=pb.scale)
         if folded:
             gq = _unfold(gq, inp.g, Hq)
-        elif inp.g > 1:  # k, v were expanded to Hq heads: sum each group back
-            gk = gk.reshape(B, Hkv, inp.g, *gk.shape[2:]).sum(2)
-            gv = gv.reshape(B, Hkv, inp.g, *gv.shape[2:]).sum(2)
         dq[:, :, rows] += gq
         dk[:, :, keys] += gk
         dv[:, :, keys] += gv
