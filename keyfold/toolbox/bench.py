@@ -472,6 +472,7 @@ def markdown(result: dict) -> str:
              f"standardised values. Train s: seconds for the fixed budget (× attention: the same run's "
              f"attention time). Step: streaming latency at batch 1 over one sequence. State: bytes one "
              f"sequence keeps at its last token.", ""]
+    lines += _summary(result["rows"])
     titles = {"recall": "Synthetic recall tasks (trained end to end)",
               "probe": "Random-initialisation probe (mixers frozen at init; embeddings and readout trained)",
               "forecast": "Forecasting, statsmodels data sets (test MSE; lower is better)",
@@ -493,6 +494,28 @@ def markdown(result: dict) -> str:
         lines.append("")
     lines += ["## Where attention wins and loses (computed from the rows above)", ""] + _verdicts(result["rows"])
     return "\n".join(lines) + "\n"
+
+
+def _summary(rows: list[dict]) -> list[str]:
+    """One line per task, one column per kind: the test metric's mean (best in bold)."""
+    kinds = list(dict.fromkeys(r["mixer"] for r in rows))
+    out = ["## Summary (test metric, mean over seeds; best per task in bold; details below)", "",
+           "| task | metric | " + " | ".join(kinds) + " |", "|---|---|" + "---|" * len(kinds)]
+    for task in dict.fromkeys(r["task"] for r in rows):
+        rs = {r["mixer"]: r for r in rows if r["task"] == task}
+        any_r = next(iter(rs.values()))
+        hib = any_r["metric"] == "accuracy"
+        best = (max if hib else min)(r["mean"] for r in rs.values())
+        cells = []
+        for k in kinds:
+            if k not in rs:
+                cells.append("")
+                continue
+            v = f"{100 * rs[k]['mean']:.1f}" if hib else f"{rs[k]['mean']:.3f}"
+            cells.append(f"**{v}**" if rs[k]["mean"] == best else v)
+        metric = "acc %" if hib else "MSE"
+        out.append(f"| {task} | {metric} | " + " | ".join(cells) + " |")
+    return out + [""]
 
 
 def _verdicts(rows: list[dict]) -> list[str]:
