@@ -184,7 +184,7 @@ class Methods:
 def bench_ms(fn, cuda: bool, reps: int) -> float:
     if cuda:
         import triton.testing
-        return float(triton.testing.do_bench(fn, warmup=25, rep=max(50, reps * 10)))
+        return float(triton.testing.do_bench(fn, warmup=10, rep=max(40, reps * 4)))
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -246,11 +246,11 @@ def write_markdown(path: Path, meta, rows, checks, rats):
              "TFLOP/s counted on needed work (4·D FLOPs per visible pair forward, 3.5x that for "
              "forward + backward); `keyfold` is the Triton kernel alone, `keyfold-auto` sends plain dense "
              "pieces to PyTorch's flash op (what `Backend.AUTO` does on CUDA).", ""]
-    for mode in MODES:
+    for mode in [m for m in MODES if any(r.mode == m for r in rows)]:
         lines += [f"## {mode}", "", "| N | variant | " + " | ".join(METHODS) + " |",
                   "|---|---|" + "---|" * len(METHODS)]
         for N in sorted({r.N for r in rows}):
-            for variant in VARIANTS:
+            for variant in [x for x in VARIANTS if any(r.variant == x for r in rows)]:
                 cells = []
                 for m in METHODS:
                     r = next((x for x in rows if (x.N, x.variant, x.mode, x.method) == (N, variant, mode, m)), None)
@@ -331,6 +331,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="tiny float32 shapes on the CPU (interpreter)")
     ap.add_argument("--budget", type=float, default=240.0, help="seconds; later cases are skipped past it")
     ap.add_argument("--sizes", default=None, help="comma-separated N (default 2048,8192,32768)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     ap.add_argument("--accuracy", action="store_true", help="print the error table (DESIGN.md §6) and exit")
     args = ap.parse_args(argv)
     if args.accuracy:
@@ -353,7 +355,12 @@ def main(argv=None) -> int:
             setattr(torch._dynamo.config, name, 512)
 
     # Most important first, so the budget can only cut what matters least.
-    order = [(N, var, mode) for mode in MODES for N in Ns for var in VARIANTS]
+    variants = [x for x in args.variants.split(",") if x]
+    modes = [x for x in args.modes.split(",") if x]
+    bad = sorted(set(variants) - set(VARIANTS)) + sorted(set(modes) - set(MODES))
+    if bad:
+        ap.error(f"unknown variant/mode {bad}; choose from {VARIANTS} and {MODES}")
+    order = [(N, var, mode) for mode in modes for N in Ns for var in variants]
     rows, checks = [], {}
     for N, variant, mode in tqdm(order, desc="cases"):
         q, k, v = (torch.randn(B, H, N, D, device=device, dtype=dtype) for _ in range(3))

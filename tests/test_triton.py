@@ -223,7 +223,7 @@ def test_kernels_compile_for_h200(tmp_path):
     """Ahead-of-time compile (no GPU needed) for sm_90, bfloat16, head_dim 128, with a mask
     program of causal, documents, window and block_sparse literals and ALiBi + softcap: the
     three kernels lower to a cubin and fit the H200's 227 KiB of shared memory per block."""
-    from triton.backends.nvidia import compiler as nv  # noqa: F401 - the CUDA backend must exist
+    pytest.importorskip("triton.backends.nvidia.compiler")  # the CUDA backend (and its ptxas)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # a cold compile, not a cache hit

@@ -19,7 +19,6 @@ falls back to the tile kernel with one warning. Details and numbers: ``docs/gpu.
 """
 
 import enum
-import math
 import os
 import threading
 import warnings
@@ -60,8 +59,6 @@ _FALLBACK_SPAN = 1024   # the tile kernel's longest key span per piece (its tile
 _MAX_POS = 1 << 30      # absolute positions stay below this so int32 arithmetic cannot wrap
 _BIG = _MAX_POS         # stands for "unbounded" in window/sinks parameters
 _TILE_BITMAP_BUDGET = 1 << 28  # bytes of per-tile bitmaps a mask callable may use
-_LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 
 
 def _interpreting() -> bool:
@@ -277,9 +274,10 @@ def _score_program(score):
 
 # ============================================================================ Triton kernels
 # Conventions: scores are kept in log2 units inside the online softmax (exp2 is the fast
-# path); lse is returned in natural log. Tiles are BLOCK_M queries x BLOCK_N keys; head
-# dims are padded to BLOCK_D / BLOCK_DV (powers of 2, >= 16) with masked loads. Every
-# program's base offset is int64 so tensors over 2^31 elements cannot wrap.
+# path; 1.4426950408889634 = log2 e); lse is returned in natural log (0.6931471805599453 =
+# ln 2). Tiles are BLOCK_M queries x BLOCK_N keys; head dims are padded to BLOCK_D / BLOCK_DV
+# (powers of 2, >= 16) with masked loads. Every program's base offset is int64 so tensors
+# over 2^31 elements cannot wrap.
 
 _BIG_K = tl.constexpr(_BIG) if triton is not None else _BIG
 
