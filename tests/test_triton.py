@@ -12,29 +12,34 @@ import subprocess
 import sys
 import warnings
 
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import keyfold as kf
+from keyfold import Backend
+from tests.helpers import check_backward, check_forward
+
 # triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when keyfold.kernels.triton is
-# imported: set it first, and re-import the module if something imported it without.
+# imported: set it around that import (re-importing if something imported it without), then
+# leave the environment of later test modules as it was.
 _PREV = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-pytest.importorskip("triton")
-
-import keyfold as kf  # noqa: E402
-import keyfold.kernels.triton as kt  # noqa: E402
-from keyfold import Backend  # noqa: E402
-from tests.helpers import check_backward, check_forward  # noqa: E402
-
-if type(kt._fwd_kernel).__name__ != "InterpretedFunction":
-    kt = importlib.reload(kt)
-if _PREV is None:  # leave the environment of later test modules as it was
-    del os.environ["TRITON_INTERPRET"]
-else:
-    os.environ["TRITON_INTERPRET"] = _PREV
+try:
+    import triton  # noqa: F401
+    import keyfold.kernels.triton as kt
+    if type(kt._fwd_kernel).__name__ != "InterpretedFunction":
+        kt = importlib.reload(kt)
+except ImportError:
+    kt = None
+finally:
+    if _PREV is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = _PREV
+if kt is None:
+    pytest.skip("triton is not installed (pip install triton)", allow_module_level=True)
 
 T = Backend.TRITON
 N = 45  # 3 query tiles of 16, the last one ragged
@@ -104,8 +109,11 @@ def test_scores_in_kernel(score, dtype):
 
 
 def test_gqa_offsets_and_value_width():
-    """GQA (4 query heads on 1 kv head), Nq != Nk, a key chunk at kv_offset, Dv != D."""
-    q, k, v = _qkv(torch.float32, B=2, Hq=4, Hkv=1, Nq=21, Nk=37, D=24, Dv=40)
+    """GQA (4 query heads on 1 kv head), Nq != Nk, a key chunk at kv_offset, Dv != D, and q, v
+    as strided views of (B, N, H, D) tensors."""
+    _, k, _ = _qkv(torch.float32, B=2, Hq=4, Hkv=1, Nq=21, Nk=37, D=24, Dv=40)
+    q = torch.randn(2, 21, 4, 24).transpose(1, 2)   # (B, H, N, D) view, not contiguous
+    v = torch.randn(2, 37, 1, 40).transpose(1, 2)
     kw = dict(mask=kf.causal() & (kf.window(11) | kf.sinks(2)), kv_offset=5)
     check_forward(q, k, v, backend=T, **kw)
     check_backward(q, k, v, backend=T, **kw)
@@ -246,9 +254,10 @@ def test_gpu_benchmark_dry_run(tmp_path):
     sys.modules[spec.name] = bench  # Flex's tracer looks modules up by name
     spec.loader.exec_module(bench)
     assert bench.visible_pairs("window1024", 3000, None) == sum(min(i, 1024) + 1 for i in range(3000))
-    assert bench.main(["--dry-run", "--sizes", "32", "--out", str(tmp_path)]) == 0
+    assert bench.main(["--dry-run", "--sizes", "32", "--variants", "causal,documents", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "gpu-dry-run.json").read_text())
     assert (tmp_path / "gpu-dry-run.md").exists() and (tmp_path / "gpu-dry-run.png").stat().st_size > 1000
-    assert {r["variant"] for r in res["rows"] if r["method"] == "keyfold" and r["tflops"]} == set(bench.VARIANTS)
+    timed = {(r["variant"], r["mode"]) for r in res["rows"] if r["method"] == "keyfold" and r["tflops"]}
+    assert timed == {(v, m) for v in ("causal", "documents") for m in bench.MODES}
     diffs = [d for c in res["checks"].values() for d in c.values()]
-    assert len(diffs) == 6 and all(isinstance(d, float) and d < 1e-5 for d in diffs), res["checks"]
+    assert len(diffs) == 3 and all(isinstance(d, float) and d < 1e-5 for d in diffs), res["checks"]
