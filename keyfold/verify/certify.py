@@ -39,6 +39,7 @@ __all__ = ["Method", "Bounds", "AttentionWeights", "BlockWeights", "certify_atte
 U64 = 2.0 ** -53          # float64 unit roundoff
 FN_SLACK = 1e-13          # relative allowance for one float64 exp / log / sqrt / division (< 1000 ulps)
 TINY = 1e-300             # keeps radii positive where everything is exact zero
+_EXP_MAX = 600.0          # exp(600) ~ 1e260: above this a linear enclosure of exp would overflow
 
 
 def _gamma(k: int) -> float:
@@ -202,6 +203,14 @@ class Abstract:
         out = self.scale(lam)
         return Abstract(out.c + mu, out.G, out.r + beta + FN_SLACK * scale_ + TINY)
 
+    def select(self, cond: torch.Tensor, other: "Abstract") -> "Abstract":
+        """Elementwise ``other`` where ``cond``, else ``self`` (shared terms of ``other`` kept)."""
+        zero = torch.zeros((), dtype=torch.float64)
+        G = None
+        if self.G is not None or other.G is not None:
+            G = torch.where(cond, zero if other.G is None else other.G, zero if self.G is None else self.G)
+        return Abstract(torch.where(cond, other.c, self.c), G, torch.where(cond, other.r, self.r))
+
     def tighten(self, lo: torch.Tensor, hi: torch.Tensor) -> "Abstract":
         """Replace an element by the box ``[lo, hi]`` where that box is narrower (both are sound)."""
         cur_lo, cur_hi = self.bounds()
@@ -337,19 +346,11 @@ EXP, RECIP, RSQRT, SQUARE, RELU = _Exp(), _Recip(), _Rsqrt(), _Square(), _Relu()
 def _softmax(s: Abstract, vis: torch.Tensor) -> Abstract:
     """Row softmax of scores ``(H, N, N)`` over visible keys ``vis`` ``(N, N)``; hidden p = 0 exactly."""
     if s.G is None:
-        lo, hi = s.bounds()
-        hidden = torch.tensor(float("-inf"), dtype=torch.float64)
-        # p_j >= 1 / (1 + sum_{k != j} exp(u_k - l_j)),  p_j <= 1 / (1 + sum_{k != j} exp(l_k - u_j))
-        eye = torch.eye(vis.shape[-1], dtype=torch.bool)
-        others = vis.unsqueeze(-2) & ~eye                                   # (N, j, k)
-        lse_lo = torch.logsumexp(torch.where(others, hi.unsqueeze(-2) - lo.unsqueeze(-1), hidden), -1)
-        lse_hi = torch.logsumexp(torch.where(others, lo.unsqueeze(-2) - hi.unsqueeze(-1), hidden), -1)
-        p_lo, p_hi = torch.sigmoid(-lse_lo), torch.sigmoid(-lse_hi)
-        p_lo = torch.where(vis, p_lo * (1 - FN_SLACK), torch.zeros_like(p_lo))
-        p_hi = torch.where(vis, (p_hi * (1 + FN_SLACK)).clamp_max(1.0), torch.zeros_like(p_hi))
-        return Abstract((p_lo + p_hi) / 2, None, (p_hi - p_lo) / 2 + TINY * vis)
+        return _softmax_interval(s, vis)
     # p_j = 1 / sum_k exp(s_k - s_j): the differences keep the shared part of the scores exact
     diff = s.unsqueeze(-2) - s.unsqueeze(-1)                                # (H, N, j, k) = s_k - s_j
+    # where a difference may exceed exp's range, that p_j takes the interval softmax instead
+    wild = ((diff.bounds()[1] > _EXP_MAX) & vis.unsqueeze(-2)).any(-1)      # (H, N, j)
     e = diff.apply(EXP)
     # k = j is exactly exp(0) = 1 (the form cannot see that both private terms are one element)
     diag = torch.eye(vis.shape[-1], dtype=torch.bool)
@@ -360,9 +361,26 @@ def _softmax(s: Abstract, vis: torch.Tensor) -> Abstract:
     e = e.scale(vis.unsqueeze(-2).double())                                 # hidden keys contribute 0
     den = e.sum(-1)                                                         # (H, N, j), >= 1
     d_lo = 1 + torch.where(vis.unsqueeze(-2) & ~diag, e_lo.clamp_min(0), 0 * one).sum(-1)
-    p = den.apply(RECIP, floor=d_lo * (1 - FN_SLACK))
+    p = den.apply(RECIP, floor=torch.where(wild, one, d_lo * (1 - FN_SLACK)))
     p = p.scale(vis.double())
+    if bool(wild.any()):
+        p = p.select(wild, _softmax_interval(s, vis))
     return p.tighten(torch.zeros_like(p.c), vis.double())
+
+
+def _softmax_interval(s: Abstract, vis: torch.Tensor) -> Abstract:
+    """The tight per-coordinate interval of the softmax (IBP), as a pure interval."""
+    lo, hi = s.bounds()
+    hidden = torch.tensor(float("-inf"), dtype=torch.float64)
+    # p_j >= 1 / (1 + sum_{k != j} exp(u_k - l_j)),  p_j <= 1 / (1 + sum_{k != j} exp(l_k - u_j))
+    eye = torch.eye(vis.shape[-1], dtype=torch.bool)
+    others = vis.unsqueeze(-2) & ~eye                                   # (N, j, k)
+    lse_lo = torch.logsumexp(torch.where(others, hi.unsqueeze(-2) - lo.unsqueeze(-1), hidden), -1)
+    lse_hi = torch.logsumexp(torch.where(others, lo.unsqueeze(-2) - hi.unsqueeze(-1), hidden), -1)
+    p_lo, p_hi = torch.sigmoid(-lse_lo), torch.sigmoid(-lse_hi)
+    p_lo = torch.where(vis, p_lo * (1 - FN_SLACK), torch.zeros_like(p_lo))
+    p_hi = torch.where(vis, (p_hi * (1 + FN_SLACK)).clamp_max(1.0), torch.zeros_like(p_hi))
+    return Abstract((p_lo + p_hi) / 2, None, (p_hi - p_lo) / 2 + TINY * vis)
 
 
 # -------------------------------------------------------------------------------- weights
@@ -580,7 +598,7 @@ def certify_attention(x: torch.Tensor, weights: AttentionWeights, *, eps: float 
     _check_x(x, weights.wq.shape[1])
     box = Abstract.box(*_input_box(x, eps, lo, hi), method)
     y = _attention(box, weights, _visible(mask, x.shape[0]))
-    return Bounds(*y.bounds(), method)
+    return _result(y, method)
 
 
 def certify_block(x: torch.Tensor, weights: BlockWeights, *, eps: float | None = None,
@@ -591,7 +609,15 @@ def certify_block(x: torch.Tensor, weights: BlockWeights, *, eps: float | None =
     _check_x(x, weights.attn.wq.shape[1])
     box = Abstract.box(*_input_box(x, eps, lo, hi), method)
     y = _block(box, weights, _visible(mask, x.shape[0]))
-    return Bounds(*y.bounds(), method)
+    return _result(y, method)
+
+
+def _result(y: Abstract, method: Method) -> Bounds:
+    lo, hi = y.bounds()
+    if bool(torch.isnan(lo).any()) or bool(torch.isnan(hi).any()):
+        raise RuntimeError("certify: a bound came out NaN (an overflow the relaxations did not catch); "
+                           "this is a bug in keyfold.verify.certify, please report the layer and box")
+    return Bounds(lo, hi, method)
 
 
 # --------------------------------------------------------------- concrete forward (float64)
