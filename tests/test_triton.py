@@ -261,3 +261,12 @@ def test_gpu_benchmark_dry_run(tmp_path):
     assert timed == {(v, m) for v in ("causal", "documents") for m in bench.MODES}
     diffs = [d for c in res["checks"].values() for d in c.values()]
     assert len(diffs) == 3 and all(isinstance(d, float) and d < 1e-5 for d in diffs), res["checks"]
+
+
+def test_mask_tensors_must_fit_the_call():
+    """The kernel reads per-head layouts and per-batch ids unchecked, so sizes are checked first."""
+    q, k, v = _qkv(torch.float32, B=2, Hq=4, Nq=16, Nk=16)
+    with pytest.raises(ValueError, match="layout has 2 heads but q has 4"):
+        kf.attend(q, k, v, mask=kf.block_sparse(torch.ones(2, 2, 2, dtype=torch.bool), 8), backend=T)
+    with pytest.raises(ValueError, match="3 rows of ids but the batch has 2"):
+        kf.attend(q, k, v, mask=kf.documents(torch.zeros(3, 16, dtype=torch.long)), backend=T)

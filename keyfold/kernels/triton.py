@@ -206,6 +206,31 @@ def _encode(clauses, aux, tile_mask=None) -> _MaskProgram:
 _ALL_VISIBLE = _encode([[(_Op.TRUE, False, (0, 0, 0, 0))]], [])  # the program of mask=None
 
 
+def _leaves(mask):
+    if isinstance(mask, _m._Not):
+        return _leaves(mask.a)
+    if isinstance(mask, _m._And):  # also _Or and _Prefix
+        return _leaves(mask.a) + _leaves(mask.b)
+    return [mask]
+
+
+def _check_extents(mask, B: int, Hq: int) -> None:
+    """Per-batch and per-head tensors of the mask must fit the call: the kernel reads them
+    without bounds checks (the torch paths would raise an IndexError instead)."""
+    for leaf in _leaves(mask):
+        if isinstance(leaf, _m._Sinks) and not isinstance(leaf.n, int) and leaf.n.t.numel() not in (1, B):
+            raise ValueError(f"{leaf.name}(n): n has {leaf.n.t.numel()} entries but the batch has {B}; "
+                             f"pass one count per batch entry")
+        if isinstance(leaf, _m._Documents):
+            for name, key in (("ids", leaf.ids), ("kv_ids", leaf.kv_ids)):
+                if key is not None and key.t.dim() == 2 and key.t.shape[0] not in (1, B):
+                    raise ValueError(f"documents({name}): {key.t.shape[0]} rows of ids but the batch has {B}; "
+                                     f"pass ids of shape (N,) or ({B}, N)")
+        if isinstance(leaf, _m._BlockSparse) and leaf.layout.t.dim() == 3 and leaf.layout.t.shape[0] not in (1, Hq):
+            raise ValueError(f"block_sparse(layout): the layout has {leaf.layout.t.shape[0]} heads but q has {Hq}; "
+                             f"pass one layout per query head, or a 2-D layout for all")
+
+
 def _push(aux: list, t: torch.Tensor) -> int:
     """Append ``t`` (flattened, int32) to the aux buffer; returns its offset."""
     off = sum(x.numel() for x in aux)
@@ -816,6 +841,8 @@ class _Launch:
         self.Hkv, self.Nk, self.Dv = k.shape[1], k.shape[2], v.shape[-1]
         self.G = self.Hq // self.Hkv
         self.prog = _program_of(pb)
+        if pb.mask is not None and self.prog.tile_mask is None:
+            _check_extents(pb.mask, self.B, self.Hq)
         self.layout = _layout(pb, self.prog, q, self.Nk, cfg)
         kind, slopes, cap = _score_program(pb.score)
         self.score = int(kind)
