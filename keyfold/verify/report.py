@@ -198,6 +198,7 @@ def stream_section(p: Preset, budget_ms: float) -> dict:
                 report={**asdict(rep), "margin_ms": rep.margin_ms, "growth": rep.growth},
                 peer={**asdict(prep), "growth": prep.growth, "peer_over_window_at_step": at_k, "step": k},
                 equal_max_abs=equal, load_avg=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+                niceness=os.nice(0) if hasattr(os, "nice") else 0,
                 trace=_trace(ms), peer_trace=_trace(pms))
 
 
@@ -268,7 +269,8 @@ def _markdown(r: dict, cmd: str) -> str:
           f"**Evidence.** Streaming equals the whole sequence under `causal() & (window(W-1) | sinks(S))` "
           f"(300 steps, float64, max |diff| {s['equal_max_abs']:.1e}). Model: {mo['layers']} pre-LN blocks, "
           f"d_model {mo['d_model']}, {mo['heads']} heads, ff {mo['ff']}, float32, {mo['threads']} thread; "
-          f"load average during the run {s['load_avg']:.1f} on 2 shared cores.", "",
+          f"load average {s['load_avg']:.1f} on {os.cpu_count()} shared cores, this process at nice "
+          f"{s['niceness']}.", "",
           "| | steps | p50 ms | p99 ms | p99.9 ms | max ms | CPU ms p50 / p99 / max | late/early median | RSS start -> end | cache bytes | allocs/step (start, end) |",
           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, x in (("window cache", sr), ("full cache (peer)", pr)):
