@@ -85,7 +85,22 @@ def evaluate(model, tok, data_dir: Path, *, beam: int, limit: int | None = None)
                "copy source": _bl.score(_bl.copy_source(test), test),
                "word by word": _bl.score(_bl.WordByWord(train)(test), test)}
     samples = [{"de": ex.german, "model": h, "refs": list(ex.english[:3])} for ex, h in zip(test[:20], hyps[:20])]
-    return {"systems": systems, "decode_seconds": round(decode_s, 1), "beam": beam, "samples": samples}
+    return {"systems": systems, "decode_seconds": round(decode_s, 1), "beam": beam, "samples": samples,
+            "cache_check": cache_check(model, tok, [ex.german for ex in test[:64]])}
+
+
+def cache_check(model, tok, texts: list[str], max_len: int = 24) -> dict:
+    """Greedy decoding with the KV caches vs re-running the decoder over the prefix (same tokens?)."""
+    ids = [seq[:30] + [EOS] for seq in tok.encode(texts)]
+    src = torch.nn.utils.rnn.pad_sequence([torch.tensor(x) for x in ids], batch_first=True, padding_value=PAD)
+    t = time.perf_counter()
+    cached = greedy(model, src, max_len=max_len)
+    t_cached = time.perf_counter() - t
+    t = time.perf_counter()
+    full = greedy(model, src, max_len=max_len, use_cache=False)
+    t_full = time.perf_counter() - t
+    return {"phrases": len(texts), "steps": cached.shape[1], "cached_s": round(t_cached, 2),
+            "recompute_s": round(t_full, 2), "identical": bool(torch.equal(cached, full))}
 
 
 def _write_results(res: dict, out: Path) -> None:
@@ -110,6 +125,9 @@ def _write_results(res: dict, out: Path) -> None:
               f"Decoding: beam {res['beam']}, {res['decode_seconds']} s for the split.",
               f"Training: {tr.get('steps')} steps, {tr.get('tokens')} tokens, {tr.get('train_seconds')} s, "
               f"final validation loss {tr.get('final_valid_loss')}; config {res.get('config')}.",
+              f"KV-cache check (greedy, {res['cache_check']['phrases']} phrases, {res['cache_check']['steps']} steps): "
+              f"cached {res['cache_check']['cached_s']} s, re-running the prefix {res['cache_check']['recompute_s']} s, "
+              f"identical tokens: {res['cache_check']['identical']}.",
               "", "| German | model | references |", "|---|---|---|"]
     lines += [f"| {s['de']} | {s['model']} | {' / '.join(s['refs'])} |" for s in res["samples"]]
     (out / "translate.md").write_text("\n".join(lines) + "\n")
