@@ -276,3 +276,14 @@ def test_fuzz_campaign_every_case_is_correct_or_a_clear_error():
     assert rep.by_outcome[Outcome.FAILURE.value] == 0, rep.failures
     assert rep.by_outcome[Outcome.CORRECT.value] > 50 and rep.by_outcome[Outcome.CLEAR_ERROR.value] > 50
     assert set(rep.by_kind) == set(KINDS)      # every kind of case was drawn
+
+
+def test_verify_command_writes_its_json(tmp_path):
+    from keyfold.verify import report
+    out = tmp_path / "v"
+    assert report.main(["--only", "fuzz", "--fuzz-cases", "20", "--out", str(out)]) == 0
+    import json
+    r = json.loads((tmp_path / "v.json").read_text())
+    assert r["fuzz"]["cases"] == 20 and r["error"] is None
+    with pytest.raises(SystemExit):
+        report.main(["--budget-ms", "0"])
