@@ -76,8 +76,8 @@ def test_adversary_violates_without_filter(name):
 
 def test_osqp_backend_is_safe_too():
     plant, sf = _plant_and_filter("pendulum", QPSolver.OSQP)
-    res = run_loop(plant, _adversary("worst", plant, 0), _ref(80),
-                   LoopConfig(steps=80, disturbance=Disturbance.WORST, seed=3), sf, FakeClock())
+    res = run_loop(plant, _adversary("worst", plant, 0), _ref(50),
+                   LoopConfig(steps=50, disturbance=Disturbance.WORST, seed=3), sf, FakeClock())
     _assert_safe(res)
 
 
