@@ -460,7 +460,7 @@ def _fwd_kernel(Q, K, V, O, LSE,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr):
     """Program (query block, batch*head): partial key blocks with the mask, then full ones."""
-    qb = tl.program_id(0)
+    qb = tl.num_programs(0) - 1 - tl.program_id(0)  # last (under causal: heaviest) blocks first
     bh = tl.program_id(1)
     b = bh // Hq
     h = bh % Hq
@@ -540,7 +540,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr):
     """Program (query block, batch*head): dQ over the same key lists as the forward."""
-    qb = tl.program_id(0)
+    qb = tl.num_programs(0) - 1 - tl.program_id(0)  # last (under causal: heaviest) blocks first
     bh = tl.program_id(1)
     b = bh // Hq
     h = bh % Hq
@@ -999,8 +999,7 @@ def compile_for_gpu(arch: int = 90, dtype: str = "bf16", head_dim: int = 128, ma
         raise RuntimeError("compile_for_gpu needs TRITON_INTERPRET unset (run it in a fresh process)")
     if mask is None:
         mask = _m.causal() & (_m.window(64) | _m.sinks(4))
-    if score is None:
-        score = _s.as_score([_s.alibi(torch.ones(1)), _s.softcap(30.0)])
+    score = _s.as_score([_s.alibi(torch.ones(1)), _s.softcap(30.0)] if score is None else score)
     prog = _mask_program(_m.as_mask(mask))
     kind = _score_program(score)
     if kind is None:
