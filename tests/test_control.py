@@ -104,12 +104,18 @@ def test_shifted_plan_stays_certified(name, data):
 
 
 def test_certify_projects_inputs_exactly():
+    """A solver answer a hair past the input bound (as ADMM tolerances give) is clipped exactly."""
     plant, sf = _plant_and_filter("msd")
-    v = np.full((sf.N, 1), 10.0)                      # far outside |u| <= 1.5
-    plan = sf.certify(np.zeros(2), v)
-    if plan is not None:
-        assert np.all(plan.v <= plant.input_limits.hi) and np.all(plan.v >= plant.input_limits.lo)
-    u, plan, src = sf.filter(np.zeros(2), np.array([10.0]), sf.initial_plan(np.zeros(2)))
+    x = np.array([0.2, 0.1])
+    _, plan, _ = sf.filter(x, np.array([10.0]), sf.initial_plan(x))     # saturated: v_0 at the bound
+    assert plan.v[0, 0] == plant.u_max
+    leaky = plan.v.copy()
+    leaky[0] = plant.input_limits.hi + 1e-7 if leaky[0, 0] > 0 else plant.input_limits.lo - 1e-7
+    fixed = sf.certify(x, leaky)
+    assert fixed is not None
+    assert plant.input_limits.contains(fixed.v[0])
+    assert abs(fixed.v[0, 0]) == plant.u_max
+    u, _, _ = sf.filter(x, np.array([10.0]), sf.initial_plan(x))
     assert plant.input_limits.contains(u)
 
 

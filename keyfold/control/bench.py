@@ -238,7 +238,7 @@ def plot(traj: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    fig, axes = plt.subplots(len(traj), 2, figsize=(13, 4.2 * len(traj)), squeeze=False)
+    fig, axes = plt.subplots(len(traj), 2, figsize=(14, 4.2 * len(traj)), squeeze=False)
     for row, (pname, t) in enumerate(traj.items()):
         plant, ref = t["plant"], t["ref"]
         lo, hi = plant.state_limits.bounding_box()
@@ -258,7 +258,7 @@ def plot(traj: dict, path: Path) -> None:
         ax.set_xlabel("time (s)")
         ax.set_ylabel(plant.labels[plant.tracked])
         ax.set_title(f"{plant.name}: tracked state, limits in red (seed 0)")
-        ax.legend(fontsize=7, loc="lower left")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         ax = axes[row, 1]
         _draw_polytope(ax, plant.state_limits, lo, hi)
         for (name, on), r in t["runs"].items():
@@ -268,7 +268,6 @@ def plot(traj: dict, path: Path) -> None:
         ax.set_xlabel(plant.labels[0])
         ax.set_ylabel(plant.labels[1])
         ax.set_title(f"{plant.name}: state plane, limits in red")
-        ax.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
