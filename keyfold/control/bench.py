@@ -82,6 +82,7 @@ def _closed_loop_error(pred: Predictor, runs: list[LoopResult]) -> float:
 def _aggregate(runs: list[LoopResult]) -> dict:
     s = [r.summary() for r in runs]
     lat = np.concatenate([r.latency for r in runs])
+    filt = np.concatenate([r.filter_latency for r in runs])
     corr = np.concatenate([np.abs(r.inputs - r.proposals).max(1) for r in runs])
     inter = np.concatenate([[src is Source.CORRECTED for src in r.sources] for r in runs]).astype(bool)
     return {
@@ -100,6 +101,8 @@ def _aggregate(runs: list[LoopResult]) -> dict:
         "latency_p50_ms": float(np.percentile(lat, 50) * 1e3),
         "latency_p99_ms": float(np.percentile(lat, 99) * 1e3),
         "latency_max_ms": float(lat.max() * 1e3),
+        "filter_p50_ms": float(np.percentile(filt, 50) * 1e3),
+        "filter_p99_ms": float(np.percentile(filt, 99) * 1e3),
         "max_disturbance_ratio": float(max(x["max_disturbance_ratio"] for x in s)),
         "steps": int(sum(x["steps"] for x in s)),
     }
@@ -204,9 +207,9 @@ def markdown(out: dict, command: str) -> str:
         lines += [f"## {p['name']} (period {p['dt'] * 1e3:.0f} ms, w_bar {np.round(p['w_bar'], 5).tolist()}, "
                   f"horizon {p['horizon']}, {p['qp_rows']} QP rows, solver {p['solver']})", "",
                   "| predictor | filter | tracking MSE | vs ARX | violations (steps / runs) | interventions | "
-                  "mean / max correction | test RMSE | closed-loop RMSE | p50 / p99 / max ms | deadline misses | "
-                  "max \\|w\\|/w_bar |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "mean / max correction | test RMSE | closed-loop RMSE | step p50 / p99 / max ms | filter p50 / p99 ms | "
+                  "deadline misses | max \\|w\\|/w_bar |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, r in entry["predictors"].items():
             for side in ("filter_on", "filter_off"):
                 a = r[side]
@@ -217,6 +220,7 @@ def markdown(out: dict, command: str) -> str:
                     f"{a['mean_correction']:.3f} / {a['max_correction']:.3f} | "
                     f"{_num(r['test_rmse'])} | {_num(a['closed_loop_rmse'])} | "
                     f"{a['latency_p50_ms']:.1f} / {a['latency_p99_ms']:.1f} / {a['latency_max_ms']:.1f} | "
+                    f"{a['filter_p50_ms']:.2f} / {a['filter_p99_ms']:.2f} | "
                     f"{a['deadline_misses']} | {a['max_disturbance_ratio']:.3f} |")
         lines += ["", "| predictor | parameters | train s | lr | p50 latency vs ARX |", "|---|---|---|---|---|"]
         for name, r in entry["predictors"].items():

@@ -68,7 +68,8 @@ class LoopResult:
     """Everything one run logged. T = steps.
 
     states ``(T + 1, n_x)``, inputs ``(T, n_u)`` applied, proposals ``(T, n_u)`` (projected on the
-    input box), reference ``(T + 1,)``, latency ``(T,)`` seconds, sources (T :class:`Source`),
+    input box), reference ``(T + 1,)``, latency ``(T,)`` seconds per step and filter_latency ``(T,)``
+    the filter's share of it (0 with the filter off), sources (T :class:`Source`),
     disturbance ``(T, n_x)`` measured ``x+ - (A x + B u)``, w_bar ``(n_x,)``, violation ``(T + 1,)``
     distance outside the state limits (0 inside), input_lo / input_hi the input box."""
 
@@ -78,6 +79,7 @@ class LoopResult:
     proposals: np.ndarray
     reference: np.ndarray
     latency: np.ndarray
+    filter_latency: np.ndarray
     sources: list
     disturbance: np.ndarray
     w_bar: np.ndarray
@@ -110,6 +112,8 @@ class LoopResult:
             "latency_p50_ms": float(np.percentile(self.latency, 50) * 1e3),
             "latency_p99_ms": float(np.percentile(self.latency, 99) * 1e3),
             "latency_max_ms": float(self.latency.max() * 1e3),
+            "filter_p50_ms": float(np.percentile(self.filter_latency, 50) * 1e3),
+            "filter_p99_ms": float(np.percentile(self.filter_latency, 99) * 1e3),
             "max_disturbance_ratio": float(ratio.max()) if ratio.size else 0.0,
             "steps": int(len(self.inputs)),
         }
@@ -163,7 +167,7 @@ def run_loop(plant: Plant, controller: Controller, reference: np.ndarray, config
     T, n_x, n_u, L = config.steps, plant.n_x, plant.n_u, max(controller.window, 1)
     X = np.empty((T + 1, n_x))
     U, P, W = np.empty((T, n_u)), np.empty((T, n_u)), np.empty((T, n_x))
-    lat, sources = np.empty(T), []
+    lat, filt, sources = np.empty(T), np.zeros(T), []
     X[0] = plant.x0
     x = plant.x0.copy()
     x_hist = np.repeat(x[None], L, 0)                     # (L, n_x), padded with x0
@@ -177,7 +181,9 @@ def run_loop(plant: Plant, controller: Controller, reference: np.ndarray, config
         proposal = np.atleast_2d(controller.propose(x_hist, u_hist, reference[k + 1:k + 1 + controller.horizon]))
         u_prop = plant.input_limits.project(proposal[0])
         if config.filter_on:
+            t1 = clock.now()
             u, new_plan, src = safety.filter(x, u_prop, fallback)
+            filt[k] = clock.now() - t1
         else:
             u, src = u_prop, Source.UNFILTERED
         lat[k] = clock.now() - t0
@@ -200,6 +206,6 @@ def run_loop(plant: Plant, controller: Controller, reference: np.ndarray, config
         x_hist = np.vstack([x_hist[1:], x[None]])
         u_hist = np.vstack([u_hist[1:], u[None]]) if L > 1 else u_hist
     return LoopResult(plant=plant.name, states=X, inputs=U, proposals=P, reference=reference[:T + 1].copy(),
-                      latency=lat, sources=sources, disturbance=W, w_bar=plant.disturbance_bound(),
+                      latency=lat, filter_latency=filt, sources=sources, disturbance=W, w_bar=plant.disturbance_bound(),
                       violation=plant.state_limits.violation(X), deadline=deadline, tracked=plant.tracked,
                       input_lo=plant.input_limits.lo, input_hi=plant.input_limits.hi)
