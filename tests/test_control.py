@@ -290,3 +290,12 @@ def test_bench_smoke_writes_reports(tmp_path, one_thread):
     assert on["violation_steps"] == 0 and on["steps"] == 20
     assert (tmp_path / "control-quick.png").stat().st_size > 10_000
     assert "| arx | on |" in (tmp_path / "control-quick.md").read_text()
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from keyfold.control import loop, plants, predictors, safety
+    for mod in (loop, plants, predictors, safety):
+        result = doctest.testmod(mod)
+        assert result.attempted > 0 and result.failed == 0, mod.__name__

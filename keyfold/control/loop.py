@@ -158,7 +158,16 @@ def run_loop(plant: Plant, controller: Controller, reference: np.ndarray, config
     Raises ``FilterConfigError`` / ``ValueError`` before the first step if the configuration
     cannot work (initial state outside the limits or the filter's feasible set, a disturbance
     bound the limits cannot absorb, a short reference). Reproducible from ``config.seed`` when
-    the clock is deterministic (with a wall clock, deadline misses depend on the machine)."""
+    the clock is deterministic (with a wall clock, deadline misses depend on the machine).
+
+    >>> from keyfold.control import SafetyFilter, WorstActionController, make_plant
+    >>> plant = make_plant("msd")
+    >>> adversary = WorstActionController(plant.A, plant.B, plant.state_limits, plant.input_limits)
+    >>> res = run_loop(plant, adversary, np.zeros(52), LoopConfig(steps=50), SafetyFilter.from_plant(plant),
+    ...                FakeClock())
+    >>> res.summary()["violations"], res.summary()["interventions"] > 0
+    (0, True)
+    """
     plan = _preflight(plant, controller, reference, config, safety)
     clock = clock or WallClock()
     deadline = plant.dt if config.deadline is None else config.deadline

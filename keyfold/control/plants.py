@@ -277,7 +277,12 @@ PLANTS = {"msd": MassSpringDamper, "pendulum": InvertedPendulum}
 
 
 def make_plant(name: str, **overrides) -> Plant:
-    """A plant by short name (``msd`` or ``pendulum``) with field overrides."""
+    """A plant by short name (``msd`` or ``pendulum``) with field overrides.
+
+    >>> p = make_plant("pendulum", theta_max=0.4)
+    >>> p.n_x, p.n_u, p.dt, bool(p.state_limits.contains(p.x0))
+    (2, 1, 0.05, True)
+    """
     if name not in PLANTS:
         raise ValueError(f"unknown plant {name!r}; choose one of {sorted(PLANTS)}")
     return PLANTS[name](**overrides)

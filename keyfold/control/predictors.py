@@ -95,7 +95,16 @@ def prediction_rmse(pred: Predictor, data: Windows) -> np.ndarray:
     return err.pow(2).mean(0).sqrt().numpy().astype(np.float64)
 
 class ARXPredictor(Predictor):
-    """Linear ARX: ``x_{k+1} = x_k + Theta [vec(xs); vec(us); 1]``, ridge least squares."""
+    """Linear ARX: ``x_{k+1} = x_k + Theta [vec(xs); vec(us); 1]``, ridge least squares.
+
+    >>> import numpy as np
+    >>> from keyfold.control import excite, make_plant
+    >>> plant = make_plant("msd")
+    >>> data = windows(excite(plant, 4, 50, np.random.default_rng(0)), 8)
+    >>> pred = ARXPredictor(8).fit(data)
+    >>> pred.predict(data.xs[:3], data.us[:3]).shape
+    torch.Size([3, 2])
+    """
 
     name = "arx"
 
