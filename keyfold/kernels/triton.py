@@ -981,7 +981,8 @@ def _aten_dense(q, k, v, pb: Problem) -> State | None:
 # ============================================================================ compile check
 
 
-def compile_for_gpu(arch: int = 90, dtype: str = "bf16", head_dim: int = 128, mask=None, score=None) -> dict:
+def compile_for_gpu(arch: int = 90, dtype: str = "bf16", head_dim: int = 128, mask=None, score=None,
+                    kernels=("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel")) -> dict:
     """Compile the three kernels ahead of time for an NVIDIA GPU of compute capability ``arch``
     (90 = H100/H200) without one: proves they lower to a cubin. Returns per kernel
     ``{"seconds", "shared_bytes"}``. Needs triton with its bundled ptxas, and must run in a
@@ -989,6 +990,7 @@ def compile_for_gpu(arch: int = 90, dtype: str = "bf16", head_dim: int = 128, ma
 
     mask, score: the settings whose programs to compile (default ``causal() & (window(64) |
     sinks(4))`` with ``[alibi, softcap]``, which exercises most of the in-kernel code).
+    kernels: which of the three to compile.
     """
     import time
 
@@ -1016,6 +1018,8 @@ def compile_for_gpu(arch: int = 90, dtype: str = "bf16", head_dim: int = 128, ma
     result = {}
     for fn, cfg, extra in ((_fwd_kernel, fwd, dict(EVEN_N=False)), (_bwd_dq_kernel, bwd, dict(EVEN_N=False)),
                            (_bwd_dkdv_kernel, bwd, {})):
+        if fn.__name__ not in kernels:
+            continue
         c = dict(const, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **extra)
         sig = {n: "constexpr" if n in c else ptrs.get(n, "fp32" if n in ("cap", "sm_scale") else "i32")
                for n in fn.arg_names}
