@@ -42,9 +42,11 @@ VARIANTS = ("dense", "causal", "window1024", "documents")
 MODES = ("fwd", "fwd+bwd")
 METHODS = ("keyfold", "keyfold-auto", "sdpa-flash", "flex", "flash-attn")
 WINDOW = 1024
-# (variant, mode, peer, minimum keyfold/peer TFLOP/s ratio) from issue 7
-TARGETS = (("dense", "fwd", "sdpa-flash", 0.8), ("causal", "fwd", "flex", 1.0), ("causal", "fwd+bwd", "flex", 1.0),
-           ("window1024", "fwd", "flex", 1.0), ("window1024", "fwd+bwd", "flex", 1.0))
+# (keyfold method, variant, mode, peer, minimum keyfold/peer TFLOP/s ratio) from issue 7; the
+# dense target is reported for the Triton kernel alone and for what Backend.AUTO runs
+TARGETS = (("keyfold", "dense", "fwd", "sdpa-flash", 0.8), ("keyfold-auto", "dense", "fwd", "sdpa-flash", 0.8),
+           ("keyfold", "causal", "fwd", "flex", 1.0), ("keyfold", "causal", "fwd+bwd", "flex", 1.0),
+           ("keyfold", "window1024", "fwd", "flex", 1.0), ("keyfold", "window1024", "fwd+bwd", "flex", 1.0))
 
 
 @dataclass
@@ -230,11 +232,11 @@ def check_outputs(methods: Methods, q, k, v) -> dict:
 def ratios(rows):
     by = {(r.N, r.variant, r.mode, r.method): r for r in rows if r.tflops}
     out = []
-    for variant, mode, peer, goal in TARGETS:
+    for method, variant, mode, peer, goal in TARGETS:
         for N in sorted({r.N for r in rows}):
-            a, b = by.get((N, variant, mode, "keyfold")), by.get((N, variant, mode, peer))
+            a, b = by.get((N, variant, mode, method)), by.get((N, variant, mode, peer))
             if a and b:
-                out.append(dict(N=N, variant=variant, mode=mode, peer=peer, ratio=a.tflops / b.tflops,
+                out.append(dict(N=N, method=method, variant=variant, mode=mode, peer=peer, ratio=a.tflops / b.tflops,
                                 target=goal, met=a.tflops / b.tflops >= goal))
     return out
 
@@ -257,9 +259,9 @@ def write_markdown(path: Path, meta, rows, checks, rats):
                     cells.append(f"{r.tflops:.3g}" if r and r.tflops else (r.note if r else "") or "—")
                 lines.append(f"| {N} | {variant} | " + " | ".join(cells) + " |")
         lines.append("")
-    lines += ["## targets (keyfold / peer, TFLOP/s)", "", "| N | variant | mode | peer | ratio | target | met |",
-              "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['N']} | {r['variant']} | {r['mode']} | {r['peer']} | {r['ratio']:.2f} | "
+    lines += ["## targets (keyfold / peer, TFLOP/s)", "", "| N | keyfold | variant | mode | peer | ratio | target | met |",
+              "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['N']} | {r['method']} | {r['variant']} | {r['mode']} | {r['peer']} | {r['ratio']:.2f} | "
               f">= {r['target']} | {'yes' if r['met'] else 'NO'} |" for r in rats]
     lines += ["", "## output check (max |method - keyfold|, first N, forward)", ""]
     lines += [f"- {variant}: " + ", ".join(f"{m} {d:.2e}" if isinstance(d, float) else f"{m} {d}"

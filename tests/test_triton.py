@@ -271,3 +271,15 @@ def test_mask_tensors_must_fit_the_call():
         kf.attend(q, k, v, mask=kf.block_sparse(torch.ones(2, 2, 2, dtype=torch.bool), 8), backend=T)
     with pytest.raises(ValueError, match="3 rows of ids but the batch has 2"):
         kf.attend(q, k, v, mask=kf.documents(torch.zeros(3, 16, dtype=torch.long)), backend=T)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the compiled kernels)")
+def test_compiled_kernels_on_cuda_by_the_rule():
+    """Where a GPU exists: the real compiled kernels, bfloat16, N=2048, D=128, forward and
+    backward for six masks, by the rule of DESIGN.md §6 (the script exits 1 on a miss)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.join(os.path.dirname(__file__), os.pardir)
+    res = subprocess.run([sys.executable, os.path.join("benchmarks", "gpu.py"), "--accuracy"], cwd=root,
+                         env=dict(env, PYTHONPATH=root), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.stdout.count("| yes |") == 6
