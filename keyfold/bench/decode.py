@@ -393,7 +393,13 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="small preset (< 3 minutes)")
     p.add_argument("--out", type=Path, default=RESULTS, help="results folder (default benchmarks/results)")
     p.add_argument("--reps", type=int, default=None, help="repeats at 4k tokens (fewer for longer caches)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's); results then go to decode.<n>threads.*")
     args = p.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            p.error("--threads must be >= 1")
+        torch.set_num_threads(args.threads)
     quick = args.quick
     reps = args.reps or (40 if quick else 120)
     lengths = [4096, 32768, 131072]
@@ -403,5 +409,9 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     res = run(cfg, lengths, reps, 8192 if quick else 32768, (16, 8192, 128), 10 if quick else 30)
     cmd = "python -m keyfold bench decode" + (" --quick" if quick else "")
-    print(write(res, args.out, "decode.quick" if quick else "decode", cmd))
+    stem = "decode.quick" if quick else "decode"
+    if args.threads is not None:
+        cmd += f" --threads {args.threads}"
+        stem += f".{args.threads}threads"
+    print(write(res, args.out, stem, cmd))
     return 0
