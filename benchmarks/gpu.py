@@ -274,9 +274,11 @@ def write_png(path: Path, rows):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     Ns = sorted({r.N for r in rows})
-    fig, axes = plt.subplots(len(MODES), len(VARIANTS), figsize=(4 * len(VARIANTS), 3.2 * len(MODES)), squeeze=False)
-    for i, mode in enumerate(MODES):
-        for j, variant in enumerate(VARIANTS):
+    modes = [m for m in MODES if any(r.mode == m for r in rows)]
+    variants = [v for v in VARIANTS if any(r.variant == v for r in rows)]
+    fig, axes = plt.subplots(len(modes), len(variants), figsize=(4 * len(variants), 3.2 * len(modes)), squeeze=False)
+    for i, mode in enumerate(modes):
+        for j, variant in enumerate(variants):
             ax = axes[i][j]
             for m in METHODS:
                 ys = [next((r.tflops for r in rows if (r.N, r.variant, r.mode, r.method) == (N, variant, mode, m)
@@ -284,12 +286,16 @@ def write_png(path: Path, rows):
                 if not all(math.isnan(y) for y in ys):
                     ax.plot(Ns, ys, marker="o", label=m)
             ax.set_xscale("log", base=2)
+            ax.set_xticks(Ns, [f"{n // 1024}k" if n >= 1024 else str(n) for n in Ns])
+            ax.minorticks_off()
             ax.set_title(f"{variant}, {mode}")
             ax.set_xlabel("N")
             ax.set_ylabel("TFLOP/s (needed work)")
             ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
