@@ -233,7 +233,7 @@ def _grid_pieces(kinds, Nq, Nk, bq, bk, max_span) -> tuple[Piece, ...]:
                 j2 += 1
             spans.append([j * bk, min(Nk, j2 * bk), PieceKind.FULL if kind == FULL else PieceKind.MASKED])
             j = j2
-        per_block.append((q0, q1, _bounded(spans, max_span)))
+        per_block.append((q0, q1, _bounded(_absorb_short_full(spans), max_span)))
 
     pieces: list[Piece] = []
     open_full: dict[tuple[int, int], list[int]] = {}  # (k0, k1) -> [q0, q1] being extended
@@ -257,6 +257,26 @@ def _grid_pieces(kinds, Nq, Nk, bq, bk, max_span) -> tuple[Piece, ...]:
         pieces.append(Piece(a, b, k0, k1, PieceKind.FULL))
     pieces.sort(key=lambda p: (p.q0, p.k0))
     return tuple(pieces)
+
+
+ABSORB_FULL = 256  # a FULL run this short between/next to MASKED spans rides along in their call
+
+
+def _absorb_short_full(spans):
+    """Fold short FULL runs that touch a MASKED span into it: one fused call with a slightly
+    larger mask beats an extra call plus a merge (sliding windows: MASKED|FULL|MASKED -> one)."""
+    out = []
+    for span in spans:
+        k0, k1, kind = span
+        prev = out[-1] if out else None
+        touching = prev is not None and prev[1] == k0
+        if touching and prev[2] is PieceKind.MASKED and (kind is PieceKind.MASKED or k1 - k0 <= ABSORB_FULL):
+            prev[1] = k1
+        elif touching and kind is PieceKind.MASKED and prev[2] is PieceKind.FULL and prev[1] - prev[0] <= ABSORB_FULL:
+            prev[1], prev[2] = k1, PieceKind.MASKED
+        else:
+            out.append([k0, k1, kind])
+    return out
 
 
 def _bounded(spans, max_span):
