@@ -684,7 +684,8 @@ def _configs(q, D: int, Dv: int, nlit: int) -> tuple[_Config, _Config]:
     still have empty, partial and full tiles. CUDA sizes were chosen by compiling for sm_90
     (``compile_for_gpu``) and reading ptxas's register report: no spills in the forward for
     bf16 head_dim 128 (128 x 128 tiles; 128 x 64 once the mask program has > 3 literals),
-    none in dQ, ~200 bytes in dK/dV at 64 x 64 (smaller tiles lose Hopper's wgmma)."""
+    none in dQ, none in dK/dV at 64 x 64 without GQA (~200 bytes with its head loop; smaller
+    tiles lose Hopper's wgmma)."""
     if q.device.type != "cuda":
         return _Config(16, 16, 4, 1), _Config(16, 16, 4, 1)
     width = max(D, Dv)
