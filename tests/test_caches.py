@@ -197,6 +197,21 @@ def _split_calls(fn):
     return calls
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_is_differentiable_in_q(splits):
+    """Gradients flow through the pieces and the merges (split or not) like through attention."""
+    cache = KVCache(2, 2, 8, 300)
+    k, v = torch.randn(2, 2, 300, 8), torch.randn(2, 2, 300, 8)
+    cache.append(k, v)
+    q = torch.randn(2, 4, 2, 8, dtype=torch.float32, requires_grad=True)
+    dout = torch.randn(2, 4, 2, 8)
+    (g,) = torch.autograd.grad((decode(q, cache, splits=splits, mask=keyfold.causal()) * dout).sum(), q)
+    q64 = q.detach().double().requires_grad_(True)
+    (ref,) = torch.autograd.grad((keyfold.attention(q64, k.double(), v.double(), mask=keyfold.causal(),
+                                                    backend=keyfold.Backend.REFERENCE) * dout).sum(), q64)
+    assert (g.double() - ref).abs().max() < 1e-5
+
+
 @given(n=st.integers(1, 1 << 20), tasks=st.integers(1, 64), threads=st.integers(1, 64))
 def test_choose_splits_properties(n, tasks, threads):
     s = choose_splits(n, tasks, threads)

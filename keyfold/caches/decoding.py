@@ -82,7 +82,7 @@ def _folded(q, span: Span, s: int, scale, backend) -> list[State] | None:
         vf = span.v[:, :, :s * c].view(b * Hkv, s, c, Dv)  # (b*Hkv, s, c, Dv)
     except RuntimeError:
         return None
-    qf = q.reshape(b * Hkv, 1, g * Nq, D).expand(b * Hkv, s, g * Nq, D)  # (b*Hkv, s, g*Nq, D)
+    qf = q.reshape(b * Hkv, 1, g * Nq, D).expand(b * Hkv, s, g * Nq, D).contiguous()  # (b*Hkv, s, g*Nq, D)
     st = attend(qf, kf, vf, scale=scale, q_offset=0, backend=backend)
     chunks = [State(st.out[:, i], st.lse[:, i]) for i in range(s)]      # each (b*Hkv, g*Nq, ...)
     m = merge_all(chunks)
