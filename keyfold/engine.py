@@ -88,7 +88,10 @@ class _Call:
         if self.backend is Backend.CPU and (Nq == 0 or Nk == 0):  # the fused op dies of SIGFPE on an empty sequence
             self.backend = Backend.TILES
         self.plan: Plan | None = None
-        if self.backend is not Backend.REFERENCE:
+        if self.backend is Backend.TRITON:  # it plans at its own tile size (cached)
+            if mask is not None:
+                mask.check_positions(q_offset, q_offset + Nq, kv_offset, kv_offset + Nk)
+        elif self.backend is not Backend.REFERENCE:
             bounded = self.backend is Backend.TILES or (score is not None)
             self.plan = _plan(mask, Nq, Nk, q_offset=q_offset, kv_offset=kv_offset, B=B, H=Hq,
                               block_size=block_size, max_span=TILE_SPAN if bounded else None,
@@ -154,8 +157,8 @@ class _AttendFn(torch.autograd.Function):
         call: _Call = ctx.call
         if dout is None:
             dout = torch.zeros_like(out)
-        if dlse is not None and not bool(dlse.any()):
-            dlse = None
+        if dlse is not None and q.device.type == "cpu" and not bool(dlse.any()):
+            dlse = None  # (on a GPU this check would cost a sync; the kernels take dlse = 0 as is)
         dq, dk, dv = call.backward(q, k, v, out, lse, dout, dlse)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
