@@ -3,8 +3,6 @@ bounded, and bad input either works or fails clearly."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,8 +11,6 @@ from hypothesis import strategies as st
 import keyfold
 from keyfold.verify import bounds
 from keyfold.verify.bounds import error_bound, observed_error, pieces_per_row
-
-from .helpers import visible_rows
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 VARIANTS = ("none", "causal", "window", "sinks", "documents", "alibi", "softcap", "causal+alibi")

@@ -231,9 +231,9 @@ def _markdown(r: dict, cmd: str) -> str:
          f"Command: `{cmd}` · torch {r['env']['torch']} · {r['env']['machine']} · {r['env']['threads']} threads · "
          f"{r['env']['seconds']:.0f} s", ""]
     L += ["## 1. Forward error bound", "",
-          f"**Guarantee.** For every row that sees a key, |keyfold - exact| <= the a-priori bound of "
-          f"`keyfold.verify.bounds.error_bound` (derivation: docs/error_bounds.md), in terms of the unit roundoff, "
-          f"the number of keys n, the merged pieces m and the score range.",
+          "**Guarantee.** For every row that sees a key, |keyfold - exact| <= the a-priori bound of "
+          "`keyfold.verify.bounds.error_bound` (derivation: docs/error_bounds.md), in terms of the unit roundoff, "
+          "the number of keys n, the merged pieces m and the score range.",
           f"**Evidence.** {e['cases']} calls ({len(VARIANTS)} variants x fp32/bf16/fp16 x m in "
           f"{list(r['preset']['pieces'])}), keys split into m chunks merged with `merge_all`, against float64: "
           f"**{e['violations']} violations**. Tightness = max(observed / bound):", "",
@@ -287,10 +287,10 @@ def _markdown(r: dict, cmd: str) -> str:
           f"median step is {pr['peer_over_window_at_step']:.2f}x the window stream's, and its late/early "
           f"median ratio is {pr['growth']:.2f} (the window stream's {sr['growth']:.2f}). Wall-clock latency on a "
           f"shared machine is evidence, not a hard real-time proof: where the wall-clock tail exceeds the CPU-time "
-          f"tail, the step was waiting for a core held by another process, not working.", "",
+          "tail, the step was waiting for a core held by another process, not working.", "",
           "## 4. Robustness to bad input", "",
-          f"**Guarantee.** Every call either returns a finite result that is correct (within the a-priori bound, "
-          f"rows with no key exactly 0) or raises a TypeError/ValueError naming the argument.",
+          "**Guarantee.** Every call either returns a finite result that is correct (within the a-priori bound, "
+          "rows with no key exactly 0) or raises a TypeError/ValueError naming the argument.",
           f"**Evidence.** {f['cases']:,} Hypothesis cases in {f['seconds']:.0f} s: "
           f"{f['by_outcome'].get('correct', 0):,} correct, {f['by_outcome'].get('clear error', 0):,} clear errors, "
           f"**{f['by_outcome'].get('failure', 0)} failures**.", "",
