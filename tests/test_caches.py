@@ -449,7 +449,7 @@ def test_window_cache_blocks_alibi_and_chunked_prefill():
 
 
 @settings(max_examples=20)
-@given(R=st.integers(1, 5), Nq=st.integers(1, 3), P=st.integers(1, 40), data=st.data(),
+@given(R=st.integers(1, 5), Nq=st.integers(1, 3), P=st.integers(0, 40), data=st.data(),
        mask=st.sampled_from(["none", "causal", "window", "documents", "callable_b"]),
        score=st.sampled_from(["none", "alibi", "callable_b"]))
 def test_cascade_equals_attention_over_each_full_copy(R, Nq, P, data, mask, score):
@@ -532,3 +532,19 @@ def test_window_cache_bad_input_leaves_it_unchanged():
     with pytest.raises(ValueError, match="window"):
         WindowCache(window=0, heads=1, head_dim=4)
     assert_unchanged(cache, snap)
+
+
+def test_cascade_ragged_suffixes_without_mask_are_one_call():
+    R, P, S, D = 5, 64, 7, 8
+    pk, pv = torch.randn(1, 2, P, D), torch.randn(1, 2, P, D)
+    sk, sv = torch.randn(R, 2, S, D), torch.randn(R, 2, S, D)
+    q, lens = torch.randn(R, 2, 1, D), [7, 0, 3, 7, 5]
+    calls = _split_calls(lambda: cascade(q, pk, pv, sk, sv, suffix_lengths=lens))
+    assert [c[1] for c in calls] == [(1, 2, P, D), (R, 2, S, D)]
+    got = cascade(q, pk, pv, sk, sv, suffix_lengths=lens)
+    for r, L in enumerate(lens):
+        k = torch.cat([pk, sk[r:r + 1, :, :L]], 2)
+        v = torch.cat([pv, sv[r:r + 1, :, :L]], 2)
+        check_rows(got[r:r + 1], q[r:r + 1], k, v)
+    empty_prefix = cascade(q, pk[:, :, :0], pv[:, :, :0], sk, sv)  # no shared prefix at all
+    check_rows(empty_prefix[:1], q[:1], sk[:1], sv[:1])

@@ -52,9 +52,9 @@ class Group:
     The group's queries are the last ``Nq`` tokens of each sequence (bottom-right):
     query ``i`` sits at absolute position ``length - Nq + i``.
 
-    ``row_lengths`` (only when nothing reads positions): the rows hold different numbers of
-    tokens, row ``r`` the first ``row_lengths[r]`` keys of the spans (``length`` is the largest);
-    decode hides the rest with a per-row key count, so a ragged batch is one call.
+    ``row_lengths`` (only when nothing reads positions): the rows' sequences hold different
+    numbers of tokens, row ``r``'s keys are the positions below ``row_lengths[r]`` (``length`` is
+    the largest); decode hides the rest with a per-row key count, so a ragged batch is one call.
     """
 
     r0: int

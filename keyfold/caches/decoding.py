@@ -291,7 +291,7 @@ def cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix_lengths=None, m
         rowmap = RowMap(pos, req, R)
         m = None if m is None else QueryRows(m, rowmap)
         sc = None if sc is None else QueryRowsScore(sc, rowmap)
-    if m is not None and _kinds(m, 0, R * Nq, [prefix])[0] is BlockKind.EMPTY:
+    if P == 0 or (m is not None and _kinds(m, 0, R * Nq, [prefix])[0] is BlockKind.EMPTY):
         pre = empty_state(1, Hq, R * Nq, prefix_v.shape[-1], dtype=state_dtype(dtype), device=q.device)
     else:
         pre = merge_all(_span_states(qf, prefix, m, sc, scale, 0, splits, backend))
@@ -299,8 +299,14 @@ def cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix_lengths=None, m
     pre = State(pre.out.reshape(Hq, R, Nq, Dv).permute(1, 0, 2, 3),               # (R, Hq, Nq, Dv)
                 pre.lse.reshape(Hq, R, Nq).permute(1, 0, 2))                       # (R, Hq, Nq)
 
-    # each request's own suffix, at positions P..; equal-length neighbours share a call
+    # each request's own suffix, at positions P..: one ragged call when nothing reads positions,
+    # else equal-length neighbours share a call
     groups, r = [], 0
+    if mask is None and score is None and len(set(lens)) > 1:
+        L = max(lens)
+        groups.append(Group(0, R, P + L, (Span(suffix_k[:, :, :L], suffix_v[:, :, :L], P),),
+                            tuple(P + x for x in lens)))
+        r = R
     while r < R:
         e = r + 1
         while e < R and lens[e] == lens[r]:
