@@ -283,3 +283,19 @@ def test_verify_command_writes_its_json(tmp_path):
     assert r["fuzz"]["cases"] == 20 and r["error"] is None
     with pytest.raises(SystemExit):
         report.main(["--budget-ms", "0"])
+
+
+def test_report_renders_markdown_and_plot_from_a_stored_run(tmp_path):
+    import json
+    import pathlib
+    from keyfold.verify import report
+    stored = pathlib.Path(__file__).parent.parent / "benchmarks" / "results" / "verify-quick.json"
+    if not stored.exists():
+        pytest.skip("no stored quick run")
+    r = json.loads(stored.read_text())
+    md = report._markdown(r, "python -m keyfold verify --quick")
+    for heading in ("## 1. Forward error bound", "## 2. Certified output bounds", "## 3. Bounded-latency streaming",
+                    "## 4. Robustness to bad input"):
+        assert heading in md
+    report._plot(r, str(tmp_path / "v.png"))
+    assert (tmp_path / "v.png").stat().st_size > 10_000
