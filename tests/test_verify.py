@@ -299,3 +299,17 @@ def test_report_renders_markdown_and_plot_from_a_stored_run(tmp_path):
         assert heading in md
     report._plot(r, str(tmp_path / "v.png"))
     assert (tmp_path / "v.png").stat().st_size > 10_000
+
+
+def test_stream_runs_keyfold_nn_decoder_only_layers_exactly():
+    knn = pytest.importorskip("keyfold.nn")
+    layers = [knn.TransformerDecoderLayer(16, 2, 32, dropout=0.0, norm_first=nf, cross_attention=False).double().eval()
+              for nf in (False, True)]
+    x = torch.randn(1, 12, 16, dtype=torch.float64)
+    with torch.no_grad():
+        ref = layers[1](layers[0](x))[0]                       # the modules' own causal forward
+    s = S.Stream([C.BlockWeights.from_module(m) for m in layers], window=16, dtype=torch.float64)
+    ys = torch.stack([s.step(x[0, i:i + 1])[0] for i in range(12)])
+    assert torch.allclose(ys, ref, atol=1e-12)
+    with pytest.raises(ValueError, match="cross_attention=False"):
+        C.BlockWeights.from_module(knn.TransformerDecoderLayer(16, 2, 32, dropout=0.0))
