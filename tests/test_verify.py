@@ -215,14 +215,15 @@ def test_certify_rejects_bad_boxes_clearly():
 from keyfold.verify import stream as S  # noqa: E402
 
 
-@pytest.mark.parametrize("window,sinks", [(8, 2), (5, 0), (1, 3)])
-def test_streaming_equals_the_whole_sequence_under_the_window_mask(window, sinks):
+@pytest.mark.parametrize("window,sinks,batch", [(8, 2, 1), (5, 0, 2), (1, 3, 1)])
+def test_streaming_equals_the_whole_sequence_under_the_window_mask(window, sinks, batch):
     layers = [C.BlockWeights.random(16, 2, 32, seed=i, norm_first=(i == 0)) for i in range(2)]
-    x = torch.randn(40, 16, dtype=torch.float64)
-    s = S.Stream(layers, window=window, sinks=sinks, dtype=torch.float64)
-    ys = torch.stack([s.step(x[i:i + 1])[0] for i in range(40)])
-    ref = S.full_forward(layers, x, window=window, sinks=sinks)
-    assert torch.allclose(ys, ref, atol=1e-12)
+    x = torch.randn(40, batch, 16, dtype=torch.float64)
+    s = S.Stream(layers, window=window, sinks=sinks, batch=batch, dtype=torch.float64)
+    ys = torch.stack([s.step(x[i]) for i in range(40)])                 # (40, batch, 16)
+    for b in range(batch):                                              # streams advance independently
+        ref = S.full_forward(layers, x[:, b], window=window, sinks=sinks)
+        assert torch.allclose(ys[:, b], ref, atol=1e-12)
     assert s.length == 40
 
 
