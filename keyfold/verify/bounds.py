@@ -12,12 +12,13 @@ Per query row ``i`` with ``n`` keys, ``m`` merged pieces, score magnitude ``R`` 
 and ``A = scale * max_j sum_d |q_id k_jd|`` (the size of the score's dot product), and per
 value column ``c`` with ``V_c = max_j |v_jc|``, to first order::
 
-    |out - exact| <= V_c * ( 2 (e_s + w (2R + c_exp)) + 2 u_in + (4n + 2) w + n eta_in
-                             + (m - 1) (4 delta + w (3L + c)) )      with e_s = (D + 2) w A,
-    |lse - exact| <= e_s + w (2R + (c_log + 2) log n + c) + (m - 1) w (L + c),   L = R + log n + 1
+    |out - exact| <~ V_c * (2 e_s + 3 u_in + 2 eps_exp + w (6 n + 5 R) + n eta_in
+                            + (m - 1) (2 delta + 3 w L)),          e_s = (D + 2) w A,
+    |lse - exact| <~ delta + (m - 1) w (L + C_LAE),   delta ~ e_s + 3 w R + eps_exp + 2 n w,
+    L = R + log n + 1,
 
-where ``delta`` is the lse bound and ``eta_in`` half the smallest subnormal of the input dtype
-(probabilities that underflow). :func:`error_bound` evaluates the exact (not first-order)
+where ``delta`` is one piece's lse bound, ``eps_exp`` the relative error of exp and ``eta_in``
+half the smallest subnormal of the input dtype (probabilities that underflow). :func:`error_bound` evaluates the exact (not first-order)
 recurrence of the derivation, so the numbers it returns are the bound itself.
 """
 
