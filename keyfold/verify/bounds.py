@@ -18,8 +18,9 @@ value column ``c`` with ``V_c = max_j |v_jc|``, to first order::
     L = R + log n + 1,
 
 where ``delta`` is one piece's lse bound, ``eps_exp`` the relative error of exp and ``eta_in``
-half the smallest subnormal of the input dtype (probabilities that underflow). :func:`error_bound` evaluates the exact (not first-order)
-recurrence of the derivation, so the numbers it returns are the bound itself.
+half the smallest subnormal of the input dtype (probabilities that underflow).
+:func:`error_bound` evaluates the exact (not first-order) recurrence of the derivation, so the
+numbers it returns are the bound itself.
 """
 
 from __future__ import annotations
