@@ -424,6 +424,27 @@ def test_window_cache_equals_masked_attention_at_every_step(W, S, alibi):
     check_rows(torch.cat(got, 2), qs, ks, vs, mask=m, score=sc)
 
 
+@settings(max_examples=25)
+@given(W=st.integers(1, 9), S=st.integers(0, 5), max_block=st.integers(1, 4),
+       blocks=st.lists(st.integers(1, 30), min_size=1, max_size=8), alibi=st.booleans())
+def test_window_cache_property_any_blocks(W, S, max_block, blocks, alibi):
+    """Any block sizes (longer than the ring too), any window/sinks: the last block's queries equal
+    attention over the whole stream with the window mask."""
+    H, D = 1, 4
+    T = sum(blocks)
+    ks, vs, qs = torch.randn(1, H, T, D), torch.randn(1, H, T, D), torch.randn(1, H, T, D)
+    cache = WindowCache(window=W, sinks=S, heads=H, head_dim=D, max_block=max_block)
+    t = 0
+    for n in blocks:
+        cache.append(ks[:, :, t:t + n], vs[:, :, t:t + n])
+        t += n
+    nq = min(max_block, blocks[-1])
+    m = keyfold.causal() & (keyfold.window(W - 1) | keyfold.sinks(S))
+    sc = keyfold.alibi(keyfold.alibi_slopes(H)) if alibi else None
+    got = decode(qs[:, :, T - nq:], cache, score=sc)
+    check_rows(got, qs[:, :, T - nq:], ks, vs, mask=m, score=sc)
+
+
 def test_window_cache_blocks_alibi_and_chunked_prefill():
     """Blocks of tokens (chunked prefill) with max_block, and ALiBi at true positions."""
     W, S, T, H, D = 12, 3, 200, 2, 8
