@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -107,6 +108,14 @@ class _QP:
 
     def __init__(self, solver: QPSolver, p: np.ndarray, G: np.ndarray, l: np.ndarray, u: np.ndarray,
                  cfg: "FilterConfig"):
+        if solver is QPSolver.DAQP:
+            try:
+                import daqp  # noqa: PLC0415  (optional solver, imported where used)
+                self._daqp = daqp
+            except ImportError:
+                warnings.warn("daqp is not installed; the safety filter uses OSQP instead "
+                              "(pip install daqp for the exact active-set solver)", stacklevel=3)
+                solver = QPSolver.OSQP
         self.solver, self.cfg = solver, cfg
         if solver is QPSolver.OSQP:
             self._osqp = osqp.OSQP()
@@ -114,8 +123,6 @@ class _QP:
                              eps_abs=cfg.eps, eps_rel=cfg.eps, max_iter=cfg.max_iter, polishing=False,
                              verbose=False, warm_starting=True)
         else:
-            import daqp  # noqa: PLC0415  (optional solver, imported where used)
-            self._daqp = daqp
             self._H = np.ascontiguousarray(np.diag(p))
             self._G = np.ascontiguousarray(G)
             self._big = 1e30            # DAQP wants finite bounds; 1e30 is its "no bound"
