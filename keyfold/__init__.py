@@ -11,6 +11,7 @@ from .masks import (BlockKind, Mask, as_mask, block_sparse, causal, dilated, doc
 from .planner import Plan, clear_plan_cache, plan
 from .scores import ScoreMod, alibi, alibi_slopes, as_score, softcap
 from .state import State, empty_state, merge, merge_all
+from .caches import CacheFullError, KVCache, PagedKVCache, WindowCache, attend_cache, cascade, decode
 
 __version__ = "0.1.0"
 
@@ -21,4 +22,5 @@ __all__ = [
     "block_sparse", "dilated", "full",
     "ScoreMod", "as_score", "alibi", "alibi_slopes", "softcap",
     "Plan", "plan", "clear_plan_cache",
+    "KVCache", "PagedKVCache", "WindowCache", "CacheFullError", "decode", "attend_cache", "cascade",
 ]

@@ -178,9 +178,10 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
     B, Hq, Nq, _ = q.shape
     Dv = v.shape[-1]
     inp = _Inputs(q, k, v)
-    acc = empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
-    touched = torch.zeros(Nq, dtype=torch.bool)
     memo: dict = {}
+    single = len(plan.pieces) == 1 and plan.pieces[0].q0 == 0 and plan.pieces[0].q1 == Nq
+    acc = None if single else empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
+    touched = torch.zeros(Nq, dtype=torch.bool)
     for piece in plan.pieces:
         qs, ks, vs, causal, tile, folded = _piece_args(inp, piece, pb, q, memo)
         if qs.dim() == 5:  # GQA under the causal flag: one call per group member
@@ -199,6 +200,8 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
         if tile.empty is not None:  # the op reports lse = 0 for rows it saw no key in
             lse = lse.masked_fill(tile.empty, NEG_INF)
             out = out.masked_fill(tile.empty.unsqueeze(-1), 0.0)
+        if single:  # one piece covers every row: it is the whole state, no accumulator
+            return State(out, lse)
         rows = slice(piece.q0, piece.q1)
         if not bool(touched[rows].any()):
             acc.out[:, :, rows] = out
@@ -207,6 +210,8 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
         else:
             merge_into(State(acc.out[:, :, rows], acc.lse[:, :, rows]), State(out, lse))
             touched[rows] = True
+    if acc is None:  # a single piece of no rows: nothing ran
+        return empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
     return acc
 
 
