@@ -572,7 +572,7 @@ def plot(result: dict, path: Path) -> None:
            for r in rows if r["task"] in base]
     _bars(ax, rel, tasks, fmixers, scale=1)
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, 3)  # the stateless MLP, which only sees the last value, runs off the top
     ax.set_ylabel("test MSE / seasonal-naive MSE")
     ax.set_title("Forecasting (below the line beats seasonal naive)")
     ax = axes[1, 1]
@@ -580,7 +580,7 @@ def plot(result: dict, path: Path) -> None:
     if longest:
         n_max = max(_length(r["task"]) for r in longest)
         for r in (r for r in longest if _length(r["task"]) == n_max and r["task"].startswith("mqar")):
-            ax.scatter(max(r["state_bytes"], 1) / 1024, r["p50_us"], s=40)
+            ax.scatter(max(r["state_bytes"], 1) / 1024, r["p50_us"], s=40, color=_COLORS.get(r["mixer"]))
             ax.annotate(r["mixer"], (max(r["state_bytes"], 1) / 1024, r["p50_us"]), fontsize=8)
         ax.set_xscale("log")
         ax.set_yscale("log")
@@ -600,6 +600,9 @@ def _length(task: str) -> int:
     return 0
 
 
+_COLORS = {k: f"C{i}" for i, k in enumerate([m.value for m in MixerKind] + ["dlinear", "seasonal_naive"])}
+
+
 def _bars(ax, rows, tasks, mixers, scale):
     if not tasks:
         ax.set_visible(False)
@@ -611,7 +614,7 @@ def _bars(ax, rows, tasks, mixers, scale):
             r = next((r for r in rows if r["task"] == t and r["mixer"] == m), None)
             means.append(scale * r["mean"] if r else np.nan)
             errs.append(scale * r["ci95"] if r else 0)
-        ax.bar(np.arange(len(tasks)) + i * w, means, w, yerr=errs, label=m, capsize=2)
+        ax.bar(np.arange(len(tasks)) + i * w, means, w, yerr=errs, label=m, capsize=2, color=_COLORS.get(m))
     ax.set_xticks(np.arange(len(tasks)) + 0.4 - w / 2)
     ax.set_xticklabels(tasks, rotation=15, fontsize=7)
     ax.legend(fontsize=7, ncol=2)
