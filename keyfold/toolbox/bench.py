@@ -73,13 +73,13 @@ PRESETS = {
                    recall_lengths=(16,), recall_widths=(), kv_pairs=2, copy_length=16, copy_tokens=4,
                    induction_length=16, eval_examples=16, forecast_sets=("nile",),
                    ucr_sets=("ItalyPowerDemand",), probe=True),
-    "quick": Preset("quick", seeds=3, lrs=(3e-3, 1e-2), small_lrs=(2e-3, 6e-3), steps=150, small_steps=80, batch=32, width=32,
-                    depth=2, recall_lengths=(32, 64), recall_widths=(), kv_pairs=4, copy_length=48,
+    "quick": Preset("quick", seeds=3, lrs=(3e-3, 1e-2), small_lrs=(2e-3, 6e-3), steps=150, small_steps=80,
+                    batch=32, width=32, depth=2, recall_lengths=(32, 64), recall_widths=(), kv_pairs=4, copy_length=48,
                     copy_tokens=8, induction_length=48, eval_examples=256, forecast_sets=("nile", "sunspots"),
                     ucr_sets=("ItalyPowerDemand",), probe=True),
-    # sized for about 30 min on 2 idle cores (one thread); a loaded machine takes longer
-    "full": Preset("full", seeds=3, lrs=(2e-3, 6e-3, 1.8e-2), small_lrs=(2e-3, 6e-3), steps=300, small_steps=100, batch=32, width=32,
-                   depth=2, recall_lengths=(32, 16, 64), recall_widths=(64,), kv_pairs=4, copy_length=32,
+    # 42 min on 2 cores shared with other jobs (one thread); idle cores take less
+    "full": Preset("full", seeds=3, lrs=(2e-3, 6e-3, 1.8e-2), small_lrs=(2e-3, 6e-3), steps=300, small_steps=100,
+                   batch=32, width=32, depth=2, recall_lengths=(32, 16, 64), recall_widths=(64,), kv_pairs=4, copy_length=32,
                    copy_tokens=6, induction_length=32, eval_examples=512,
                    forecast_sets=_data.FORECAST_SETS, ucr_sets=("ItalyPowerDemand",), probe=True),
 }
@@ -468,7 +468,8 @@ def markdown(result: dict) -> str:
              f"AdamW steps for every kind ({p['steps']} on synthetic tasks with fresh batches of {p['batch']}, "
              f"{p['small_steps']} on the small real sets), "
              f"learning rate swept over {p['lrs']} (synthetic) and {p['small_lrs']} (real sets) on seed 0 "
-             f"(validation), then {p['seeds']} seeds at the chosen rate; metric on the test part, mean ± 95 % t-interval over seeds. Accuracy in %, MSE on "
+             f"(validation), then {p['seeds']} seeds at the chosen rate; metric on the test part, "
+             f"mean ± 95 % t-interval over seeds. Accuracy in %, MSE on "
              f"standardised values. Train s: seconds for the fixed budget (× attention: the same run's "
              f"attention time). Step: streaming latency at batch 1 over one sequence. State: bytes one "
              f"sequence keeps at its last token.", ""]
@@ -482,7 +483,8 @@ def markdown(result: dict) -> str:
         if not rows:
             continue
         lines += [f"## {title}", "",
-                  "| task | mixer | metric | lr | params (trainable) | train s (× attn) | step p50 / p99 µs | state KiB |",
+                  "| task | mixer | metric | lr | params (trainable) | train s (× attn) "
+                  "| step p50 / p99 µs | state KiB |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in rows:
             ratio = f" ({r['train_vs_attention']:.2f}×)" if r["train_vs_attention"] else ""
@@ -566,7 +568,8 @@ def plot(result: dict, path: Path) -> None:
     ax.set_title("Random-init probe: mixers frozen")
     ax = axes[1, 0]
     tasks = list(dict.fromkeys(r["task"] for r in rows if r["group"] in ("forecast",)))
-    fmixers = list(dict.fromkeys(r["mixer"] for r in rows if r["group"] == "forecast" and r["mixer"] != "seasonal_naive"))
+    fmixers = list(dict.fromkeys(r["mixer"] for r in rows
+                                 if r["group"] == "forecast" and r["mixer"] != "seasonal_naive"))
     base = {r["task"]: r["mean"] for r in rows if r["mixer"] == "seasonal_naive"}
     rel = [dict(r, mean=r["mean"] / base[r["task"]], ci95=r["ci95"] / base[r["task"]])
            for r in rows if r["task"] in base]
