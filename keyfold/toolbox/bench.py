@@ -79,8 +79,8 @@ PRESETS = {
                     ucr_sets=("ItalyPowerDemand",), probe=True),
     # 42 min on 2 cores shared with other jobs (one thread); idle cores take less
     "full": Preset("full", seeds=3, lrs=(2e-3, 6e-3, 1.8e-2), small_lrs=(2e-3, 6e-3), steps=300, small_steps=100,
-                   batch=32, width=32, depth=2, recall_lengths=(32, 16, 64), recall_widths=(64,), kv_pairs=4, copy_length=32,
-                   copy_tokens=6, induction_length=32, eval_examples=512,
+                   batch=32, width=32, depth=2, recall_lengths=(32, 16, 64), recall_widths=(64,), kv_pairs=4,
+                   copy_length=32, copy_tokens=6, induction_length=32, eval_examples=512,
                    forecast_sets=_data.FORECAST_SETS, ucr_sets=("ItalyPowerDemand",), probe=True),
 }
 
