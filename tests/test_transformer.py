@@ -298,3 +298,26 @@ def test_resume_continues_the_same_loss_curve(tmp_path):
     for (n, p), q in zip(whole.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(p, q), n
     assert not list((tmp_path / "b").glob("*.tmp"))             # atomic writes leave no temp files
+
+
+class _CharTok:
+    """A stand-in tokenizer: one id per character."""
+
+    def encode(self, texts):
+        return [[4 + (ord(c) % 50) for c in t] for t in texts]
+
+
+def test_encode_pairs_and_batches_are_deterministic():
+    from keyfold.models.data import Example
+
+    exs = [Example("Bank", ("bank", "bench")), Example("Haus", ("house",))]
+    every = T.encode_pairs(exs, _CharTok(), 64)
+    first = T.encode_pairs(exs, _CharTok(), 64, translations=1)
+    assert len(every) == 3 and len(first) == 2
+    src, tgt = every[1]
+    assert src[-1] == EOS and tgt[0] == BOS and tgt[-1] == EOS and len(tgt) == len("bench") + 2
+    pairs = _synthetic_pairs(200)
+    a = T.make_batches(pairs, 40, seed=3, epoch=1)
+    assert a == T.make_batches(pairs, 40, seed=3, epoch=1) != T.make_batches(pairs, 40, seed=3, epoch=2)
+    assert sorted(i for b in a for i in b) == list(range(200))           # every pair once per epoch
+    assert all(len(b) * max(max(map(len, pairs[i])) for i in b) <= 40 for b in a if len(b) > 1)

@@ -114,7 +114,10 @@ def _write_results(res: dict, out: Path) -> None:
     sys_ = res["systems"]
     model = sys_["transformer"]
     lines = [f"# Transformer on German-English dictionary phrases (test split, {model['n']} phrases)", "",
-             f"Command: `{res['command']}`", "",
+             "Reproduce (data, training, this table):", "",
+             "```sh", "python -m keyfold train translate --prepare",
+             f"python -m keyfold train translate --config {res.get('config', {}).get('name', 'cpu')}",
+             res["command"], "```", "",
              "| system | BLEU | chrF | BLEU / model | chrF / model |", "|---|---|---|---|---|"]
     for name, s in sys_.items():
         rb = s["bleu"] / model["bleu"] if model["bleu"] else float("nan")
@@ -124,7 +127,7 @@ def _write_results(res: dict, out: Path) -> None:
     lines += ["", f"sacrebleu: BLEU `{model['bleu_signature']}`, chrF `{model['chrf_signature']}`",
               f"Decoding: beam {res['beam']}, {res['decode_seconds']} s for the split.",
               f"Training: {tr.get('steps')} steps, {tr.get('tokens')} tokens, {tr.get('train_seconds')} s, "
-              f"final validation loss {tr.get('final_valid_loss')}; config {res.get('config')}.",
+              f"final validation loss {tr.get('final_valid_loss'):.3f}; config {res.get('config')}.",
               f"KV-cache check (greedy, {res['cache_check']['phrases']} phrases, {res['cache_check']['steps']} steps): "
               f"cached {res['cache_check']['cached_s']} s, re-running the prefix {res['cache_check']['recompute_s']} s, "
               f"identical tokens: {res['cache_check']['identical']}.",
@@ -181,7 +184,7 @@ def main(argv: list[str]) -> int:
         res = evaluate(model, tok, args.data, beam=args.beam, limit=args.limit)
         run_dir = args.checkpoint if args.checkpoint.is_dir() else args.checkpoint.parent
         res["training"] = _training_summary(run_dir)
-        res["config"] = meta["train_config"]
+        res["config"] = {"name": run_dir.name, **meta["train_config"]}
         res["command"] = "python -m keyfold translate " + " ".join(
             a for a in ["--checkpoint", str(args.checkpoint), "--test", f"--beam {args.beam}"]
             + ([f"--limit {args.limit}"] if args.limit else []))
