@@ -279,13 +279,16 @@ def prepare(data_dir: str | Path, *, dict_dir: str | Path = DICT_DIR, vocab_size
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     index, dic = ensure_package(Path(dict_dir), install=install)
-    senses = [s for _, s in read_senses(index, dic)]
+    from tqdm import tqdm
+
+    senses = [s for _, s in tqdm(read_senses(index, dic), desc="parsing", unit=" senses", mininterval=2)]
     examples = examples_from_senses(senses)
     splits = {name: [] for name in Split.ALL}
     for ex in examples:
         splits[split_of(ex.german)].append(ex)
     for name, exs in splits.items():
         _write_jsonl(data_dir / f"{name}.jsonl", exs)
+    print(f"training the {vocab_size}-piece tokenizer on {len(splits[Split.TRAIN])} phrases ...", flush=True)
     train_tokenizer(splits[Split.TRAIN], data_dir / "spm", vocab_size=vocab_size)
     stats = {"senses": len(senses), "examples": len(examples),
              "multiword": sum(" " in ex.german for ex in examples),
