@@ -321,3 +321,37 @@ def test_encode_pairs_and_batches_are_deterministic():
     assert a == T.make_batches(pairs, 40, seed=3, epoch=1) != T.make_batches(pairs, 40, seed=3, epoch=2)
     assert sorted(i for b in a for i in b) == list(range(200))           # every pair once per epoch
     assert all(len(b) * max(max(map(len, pairs[i])) for i in b) <= 40 for b in a if len(b) > 1)
+
+
+def test_command_line_prepare_train_resume_translate(tmp_path, capsys):
+    """The three commands end to end on a small dictionary written here (no Debian package)."""
+    import importlib.util
+    import pathlib
+
+    from keyfold.models import translate as TR
+
+    spec = importlib.util.spec_from_file_location("_kf_test_data", pathlib.Path(__file__).with_name("test_data.py"))
+    td = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(td)  # the dictd writer and entries of tests/test_data.py
+    ENTRIES, write_dictd = td.ENTRIES, td.write_dictd
+
+    dict_dir = tmp_path / "dictd"
+    dict_dir.mkdir()
+    entries = ENTRIES + [(f"wort{i}", f"Wort{i} /v/ <n>\nword{i} <n>\n") for i in range(200)]
+    write_dictd(dict_dir, entries)
+    data_dir, run = tmp_path / "data", tmp_path / "run"
+    assert T.main(["--prepare", "--dict-dir", str(dict_dir), "--data", str(data_dir), "--vocab-size", "80"]) == 0
+    common = ["--config", "tiny", "--data", str(data_dir), "--run-dir", str(run)]
+    assert T.main(common + ["--steps", "6", "--stop-after", "3"]) == 0
+    assert json.loads((run / "checkpoint.json").read_text())["step"] == 3
+    assert T.main(common + ["--steps", "6"]) == 0            # resumes at step 3
+    assert "resumed" in capsys.readouterr().out
+    assert [r["step"] for r in _log(run)] == [1, 2, 3, 4, 5, 6]
+    out = tmp_path / "results"
+    assert TR.main(["--checkpoint", str(run), "--data", str(data_dir), "--test", "--out", str(out),
+                    "--beam", "2", "Wort3"]) == 0
+    res = json.loads((out / "translate.json").read_text())
+    assert set(res["systems"]) == {"transformer", "copy source", "word by word"}
+    assert res["cache_check"]["identical"] and (out / "translate.png").stat().st_size > 0
+    with pytest.raises(FileNotFoundError, match="pass the run folder"):
+        TR.load_checkpoint(tmp_path / "nothing")

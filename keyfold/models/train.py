@@ -303,6 +303,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dict-dir", type=Path, default=_data.DICT_DIR, help="folder with the dictd files")
     p.add_argument("--prepare", action="store_true", help="install (apt-get) and parse the dictionary, "
                    "train the tokenizer, then stop")
+    p.add_argument("--vocab-size", type=int, default=8000, help="tokenizer pieces (with --prepare)")
     p.add_argument("--run-dir", type=Path, default=None, help="checkpoints and log (default runs/<config>)")
     p.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint and start over")
     p.add_argument("--steps", type=int, default=None, help="override the recipe's total steps")
@@ -310,7 +311,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.prepare or not (args.data / "spm.model").exists():
         t = time.perf_counter()
-        stats = _data.prepare(args.data, dict_dir=args.dict_dir)
+        stats = _data.prepare(args.data, dict_dir=args.dict_dir, vocab_size=args.vocab_size)
         print(f"prepared {args.data} in {time.perf_counter() - t:.0f} s: {json.dumps(stats)}")
         if args.prepare:
             return 0
