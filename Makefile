@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-quick data clean
+.PHONY: demo test bench bench-quick data translate verify clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,18 @@ bench-quick: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m keyfold bench kernels
+
+# German-English data (installs Debian's dict-freedict-deu-eng with apt-get when missing) + tokenizer
+data: $(STAMP)
+	$(BIN)/python -m keyfold train translate --prepare
+
+# The reported Transformer numbers: train the `cpu` config, then BLEU/chrF on the test split
+translate: data
+	$(BIN)/python -m keyfold train translate --config cpu
+	$(BIN)/python -m keyfold translate --checkpoint runs/cpu --test
+
+verify: $(STAMP)
+	$(BIN)/python -m keyfold verify
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
