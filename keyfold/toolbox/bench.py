@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import json
 import math
 import os
@@ -37,9 +38,16 @@ from . import tasks as _tasks
 from .mixers import MixerKind
 from .model import SequenceModel
 
-__all__ = ["Preset", "PRESETS", "run", "main"]
+__all__ = ["Preset", "PRESETS", "Baseline", "run", "main", "markdown", "plot"]
 
 ALL_MIXERS = tuple(MixerKind)
+
+
+class Baseline(enum.Enum):
+    """Forecasting baselines that run beside the mixers (no sequence model inside)."""
+
+    SEASONAL_NAIVE = "seasonal_naive"  # repeat the last season; nothing to train
+    DLINEAR = "dlinear"                # Zeng et al. 2023, trained like the mixers
 
 
 @dataclass(frozen=True)
@@ -173,9 +181,9 @@ def _forecast_problem(name: str, preset: Preset) -> _Problem:
 
     def make(kind, seed):
         torch.manual_seed(seed)
-        if kind == "dlinear":
+        if kind is Baseline.DLINEAR:
             return _Forecaster(_data.DLinear(L, H), H, C, sequence=False)
-        if kind == "seasonal_naive":
+        if kind is Baseline.SEASONAL_NAIVE:
             return _SeasonalNaive(H, fs.period)
         core = SequenceModel(kind, d_in=C, d_out=H * C, width=preset.width, depth=preset.depth, seq_len=L)
         return _Forecaster(core, H, C, sequence=True)
@@ -195,7 +203,7 @@ def _forecast_problem(name: str, preset: Preset) -> _Problem:
 
     return _Problem("forecast", f"{name} (L={L}, H={H}, C={C})", "mse", L, make, batch, loss, score,
                     parts["test"][0][0], steps=preset.small_steps, lrs=preset.small_lrs,
-                    kinds=("seasonal_naive", "dlinear") + preset.mixers,
+                    kinds=(Baseline.SEASONAL_NAIVE, Baseline.DLINEAR) + preset.mixers,
                     extra={"period": fs.period, "train_windows": n})
 
 
@@ -348,12 +356,12 @@ def _interval(xs: list[float]) -> tuple[float, float]:
 
 
 def _kind_name(kind) -> str:
-    return kind.value if isinstance(kind, MixerKind) else str(kind)
+    return kind.value
 
 
 def _run_kind(prob: _Problem, kind, preset: Preset, bar) -> dict:
     """LR sweep on seed 0 (chosen on validation), then every seed at the chosen LR."""
-    learned = kind != "seasonal_naive"
+    learned = kind is not Baseline.SEASONAL_NAIVE
     lrs = prob.lrs if learned else (0.0,)
     sweep, first = {}, None
     for lr in lrs:
@@ -395,7 +403,7 @@ def run(preset: Preset, *, progress: bool = True, on_row: Callable[[dict], None]
     load0 = _loadavg()
     try:
         probs = _problems(preset)
-        total = sum(len(p.lrs) + preset.seeds - 1 if k != "seasonal_naive" else 1
+        total = sum(len(p.lrs) + preset.seeds - 1 if k is not Baseline.SEASONAL_NAIVE else 1
                     for p in probs for k in p.kinds if (p.name, _kind_name(k)) not in finished)
         rows = []
         t0 = time.perf_counter()
@@ -569,8 +577,8 @@ def plot(result: dict, path: Path) -> None:
     ax = axes[1, 0]
     tasks = list(dict.fromkeys(r["task"] for r in rows if r["group"] in ("forecast",)))
     fmixers = list(dict.fromkeys(r["mixer"] for r in rows
-                                 if r["group"] == "forecast" and r["mixer"] != "seasonal_naive"))
-    base = {r["task"]: r["mean"] for r in rows if r["mixer"] == "seasonal_naive"}
+                                 if r["group"] == "forecast" and r["mixer"] != Baseline.SEASONAL_NAIVE.value))
+    base = {r["task"]: r["mean"] for r in rows if r["mixer"] == Baseline.SEASONAL_NAIVE.value}
     rel = [dict(r, mean=r["mean"] / base[r["task"]], ci95=r["ci95"] / base[r["task"]])
            for r in rows if r["task"] in base]
     _bars(ax, rel, tasks, fmixers, scale=1)
@@ -603,7 +611,7 @@ def _length(task: str) -> int:
     return 0
 
 
-_COLORS = {k: f"C{i}" for i, k in enumerate([m.value for m in MixerKind] + ["dlinear", "seasonal_naive"])}
+_COLORS = {k.value: f"C{i}" for i, k in enumerate(list(MixerKind) + [Baseline.DLINEAR, Baseline.SEASONAL_NAIVE])}
 
 
 def _bars(ax, rows, tasks, mixers, scale):
