@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,6 +53,8 @@ class Plan:
     block_k: int
     kinds: torch.Tensor
     pieces: tuple[Piece, ...]
+    #: Evaluated mask tiles the kernels keep between calls with this plan (bounded, see TileCache).
+    tiles: "TileCache" = field(default_factory=lambda: TileCache(), compare=False, repr=False)
 
     @property
     def density(self) -> float:
@@ -89,6 +91,29 @@ class Plan:
         return (f"Plan(Nq={self.Nq}, Nk={self.Nk}, blocks={self.block_q}x{self.block_k}, "
                 f"full={c['full']}, partial={c['partial']}, empty={c['empty']}, "
                 f"pieces={len(self.pieces)}, density={self.density:.3f})")
+
+
+class TileCache:
+    """Mask tiles a plan's calls reuse, so a training or decoding loop evaluates each partial
+    tile once, like Flex's BlockMask. At most ``budget`` bytes per plan; past that, kernels
+    rebuild tiles per call (still memoised within the call)."""
+
+    budget = 64 << 20
+
+    def __init__(self):
+        self._d: dict = {}
+        self.bytes = 0
+
+    def get(self, key):
+        return self._d.get(key)
+
+    def put(self, key, value, nbytes: int) -> None:
+        if key not in self._d and self.bytes + nbytes <= self.budget:
+            self._d[key] = value
+            self.bytes += nbytes
+
+    def __len__(self):
+        return len(self._d)
 
 
 def _causal_area(p: Piece) -> int:

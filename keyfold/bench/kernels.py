@@ -263,20 +263,21 @@ def repeats_for(case: Case, preset: str) -> int:
 _MEM_CHILD = r"""
 import resource, sys, torch
 import torch.nn.functional as F
+import keyfold as kf
 N, impl = int(sys.argv[1]), sys.argv[2]
 torch.set_num_threads(2)
 q, k, v = (torch.randn(1, 8, N, 64) for _ in range(3))
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+# Baseline: the memory resident right now (not the high-water mark, which an earlier transient
+# may have raised). peak - baseline can only over-state what the call needed.
+rss_now = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
 if impl == "keyfold":
-    import keyfold as kf
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     kf.attention(q, k, v, mask=kf.causal() & kf.window(256))
 elif impl == "sdpa":
     i = torch.arange(N)
     m = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] <= 256)
     F.scaled_dot_product_attention(q, k, v, attn_mask=m)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print((peak - base) * 1024)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(max(0, peak - rss_now))
 """
 
 

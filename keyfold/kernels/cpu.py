@@ -109,10 +109,13 @@ class _Tile(NamedTuple):
     row_shift: torch.Tensor | None  # (1, H|1, L) separable bias's row term, added to lse
 
 
-def _tile(piece: Piece, pb: Problem, q_orig, folded: bool, g: int, memo: dict) -> _Tile:
-    """Build (or reuse) the tile of one piece. Tiles of translation-invariant masks and
-    biases depend only on the piece's shape and diagonal offset, so each distinct one is
-    built once per call."""
+def _tile(piece: Piece, pb: Problem, q_orig, folded: bool, g: int, memo: dict, cache) -> _Tile:
+    """Build (or reuse) the tile of one piece.
+
+    Tiles of translation-invariant masks and biases depend only on the piece's shape and
+    diagonal offset, so each distinct one is built once per call (``memo``); every tile is
+    also kept in the plan's bounded ``cache`` for the next call with the same plan.
+    """
     score = pb.score if _bias_needed(pb) else None
     if piece.kind is not PieceKind.MASKED and score is None:
         return _Tile(None, None, None)
@@ -120,10 +123,13 @@ def _tile(piece: Piece, pb: Problem, q_orig, folded: bool, g: int, memo: dict) -
     qa, ka = pb.q_offset + piece.q0, pb.kv_offset + piece.k0
     invariant = ((pb.mask is None or pb.mask.translation_invariant or piece.kind is not PieceKind.MASKED)
                  and (score is None or score.translation_invariant))
-    key = (piece.kind, L, S, qa - ka, folded) if invariant else None
-    if key is not None and key in memo:
-        return memo[key]
-    Hq = q_orig.shape[1]
+    where = (L, S, qa - ka) if invariant else (qa, ka, L, S)
+    B, Hq = q_orig.shape[:2]
+    key = (piece.kind, where, folded, g, B, Hq, score, q_orig.dtype, q_orig.device)
+    hit = memo.get(key) or cache.get(key)
+    if hit is not None:
+        memo[key] = hit
+        return hit
     row_shift = None
     sep = score.separable(qa, qa + L, ka, ka + S, q_orig.device) if (
         score is not None and piece.kind is PieceKind.FULL) else None
@@ -137,12 +143,12 @@ def _tile(piece: Piece, pb: Problem, q_orig, folded: bool, g: int, memo: dict) -
     if folded:
         m = _fold_mask(m, g, Hq, L)
     tile = _Tile(m, empty_rows(vis), row_shift)
-    if key is not None:
-        memo[key] = tile
+    memo[key] = tile
+    cache.put(key, tile, sum(t.numel() * t.element_size() for t in tile if t is not None))
     return tile
 
 
-def _piece_args(inp: _Inputs, piece: Piece, pb: Problem, q_orig, memo: dict):
+def _piece_args(inp: _Inputs, piece: Piece, pb: Problem, q_orig, memo: dict, cache):
     """Tensors and flags for one fused call: (q, k, v, causal, tile, folded).
 
     With GQA (g query heads per key/value head) a piece either *folds* the group's heads into
@@ -152,7 +158,7 @@ def _piece_args(inp: _Inputs, piece: Piece, pb: Problem, q_orig, memo: dict):
     """
     causal = piece.kind is PieceKind.CAUSAL
     folded = not causal and inp.g > 1
-    tile = _tile(piece, pb, q_orig, folded, inp.g, memo)
+    tile = _tile(piece, pb, q_orig, folded, inp.g, memo, cache)
     qs = inp.q[:, :, piece.q0:piece.q1]
     ks = inp.k[:, :, piece.k0:piece.k1]
     vs = inp.v[:, :, piece.k0:piece.k1]
@@ -183,7 +189,7 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
     acc = None if single else empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
     touched = torch.zeros(Nq, dtype=torch.bool)
     for piece in plan.pieces:
-        qs, ks, vs, causal, tile, folded = _piece_args(inp, piece, pb, q, memo)
+        qs, ks, vs, causal, tile, folded = _piece_args(inp, piece, pb, q, memo, plan.tiles)
         if qs.dim() == 5:  # GQA under the causal flag: one call per group member
             parts = [_FWD(qs[:, :, j], ks, vs, 0.0, causal, attn_mask=tile.mask, scale=pb.scale)
                      for j in range(inp.g)]
@@ -238,7 +244,7 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem):
     dv = torch.zeros(k.shape[:3] + (W,), dtype=sd, device=q.device)
     memo: dict = {}
     for piece in plan.pieces:
-        qs, ks, vs, causal, tile, folded = _piece_args(inp, piece, pb, q, memo)
+        qs, ks, vs, causal, tile, folded = _piece_args(inp, piece, pb, q, memo, plan.tiles)
         rows, keys = slice(piece.q0, piece.q1), slice(piece.k0, piece.k1)
         o_p, do_p, l_p = o[:, :, rows], do[:, :, rows], lse_safe[:, :, rows]
         if tile.row_shift is not None:  # the op sees scores without the row term
