@@ -41,6 +41,10 @@ class ScoreMod:
     def bias(self, b, h, qp, kp):
         raise NotImplementedError(f"{self!r} is not additive")
 
+    def apply_(self, s, b, h, qp, kp):
+        """``apply`` that may overwrite ``s`` (the forward kernels own their score tiles)."""
+        return self.apply(s, b, h, qp, kp)
+
     def check_heads(self, H: int) -> None:
         """Raise if the modifier cannot serve ``H`` query heads."""
 
@@ -98,6 +102,9 @@ class _Softcap(ScoreMod):
     def apply(self, s, b, h, qp, kp):
         return self.cap * torch.tanh(s / self.cap)
 
+    def apply_(self, s, b, h, qp, kp):
+        return s.div_(self.cap).tanh_().mul_(self.cap)
+
     def __repr__(self):
         return f"softcap({self.cap:g})"
 
@@ -140,6 +147,11 @@ class _Chain(ScoreMod):
     def apply(self, s, b, h, qp, kp):
         for m in self.mods:
             s = m.apply(s, b, h, qp, kp)
+        return s
+
+    def apply_(self, s, b, h, qp, kp):
+        for m in self.mods:
+            s = m.apply_(s, b, h, qp, kp)
         return s
 
     def bias(self, b, h, qp, kp):

@@ -32,6 +32,17 @@ def _modify(raw, pb: Problem, pos, vis):
     return s
 
 
+def _visible_cached(q, piece, pb: Problem, pos, plan: Plan):
+    """The piece's bool tile, kept in the plan's tile cache between calls."""
+    key = ("visible", piece, q.shape[0], q.shape[1], q.device)
+    vis = plan.tiles.get(key)
+    if vis is None:
+        vis = visible(q, piece, pb, pos)
+        if vis is not None:
+            plan.tiles.put(key, vis, vis.numel())
+    return vis
+
+
 def forward(q, k, v, plan: Plan, pb: Problem) -> State:
     sd = state_dtype(q.dtype)
     B, Hq, Nq, _ = q.shape
@@ -40,11 +51,15 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
     acc = empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
     for piece in plan.pieces:
         pos = positions(q, piece, pb)
-        vis = visible(q, piece, pb, pos)
+        vis = _visible_cached(q, piece, pb, pos, plan)
         qs = q[:, :, piece.q0:piece.q1].to(sd)
         ks = k[:, :, piece.k0:piece.k1].to(sd)
         vs = v[:, :, piece.k0:piece.k1].to(sd)
-        s = _modify(_scores(qs, ks, pb), pb, pos, vis)                       # (B, Hq, L, S)
+        s = _scores(qs, ks, pb)                                              # (B, Hq, L, S), ours
+        if pb.score is not None:
+            s = pb.score.apply_(s, *pos)
+        if vis is not None:
+            s = s.masked_fill_(~vis, NEG_INF)
         # softmax in place: one max, one exp pass, one sum (empty rows: max = -inf -> use 0)
         m = s.amax(-1, keepdim=True)
         m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
@@ -74,7 +89,7 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem):
         delta = delta - dlse.to(sd)
     for piece in plan.pieces:
         pos = positions(q, piece, pb)
-        vis = visible(q, piece, pb, pos)
+        vis = _visible_cached(q, piece, pb, pos, plan)
         rows, keys = slice(piece.q0, piece.q1), slice(piece.k0, piece.k1)
         qs, ks, vs = q[:, :, rows].to(sd), k[:, :, keys].to(sd), v[:, :, keys].to(sd)
         do = dout[:, :, rows].to(sd)
