@@ -232,6 +232,12 @@ def cases(preset: str) -> list[Case]:
         out += [Case("dense", 4096, 64, "bfloat16", "fwd"), Case("causal", 4096, 64, "float32", "fwd+bwd")]
         out += [Case(n, 16384, 64, "float32", "fwd") for n in ("window256", "documents8", "custom-callable")]
         return out
+    if preset == "standard":  # every variant vs N with Flex (the plot), backward and bf16 at 4096: ~15 min
+        out = [Case(v.name, N, 64, "float32", "fwd") for N in (1024, 4096, 16384) for v in VARIANTS]
+        out += [Case(v.name, 4096, 64, "float32", "fwd+bwd") for v in VARIANTS if v.differentiable]
+        out += [Case(n, 4096, D, dt, "fwd") for n in ("dense", "causal", "window256", "documents8")
+                for D, dt in ((64, "bfloat16"), (128, "float32"))]
+        return out
     out = []
     for N in (1024, 4096, 16384):
         for D in (64, 128):
@@ -248,7 +254,7 @@ def flex_wanted(preset: str, case: Case) -> bool:
         return False
     if preset == "quick":
         return case.N == 16384 and case.variant in ("window256", "documents8")
-    return True
+    return case.mode == "fwd"
 
 
 def repeats_for(case: Case, preset: str) -> int:
@@ -379,7 +385,9 @@ def plot(results: list[Result], path: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m keyfold bench kernels", description=__doc__)
-    ap.add_argument("--preset", choices=("tiny", "quick", "full"), default="full")
+    ap.add_argument("--preset", choices=("tiny", "quick", "standard", "full"), default="standard",
+                    help="quick: the issue's targets (< 3 min); standard: every variant vs N (~15 min); "
+                         "full: N x D x dtype x mode (about an hour)")
     ap.add_argument("--quick", action="store_const", const="quick", dest="preset", help="the issue's targets, < 3 min")
     ap.add_argument("--out", type=Path, default=RESULTS, help="output directory")
     ap.add_argument("--name", default="kernels", help="file stem for the results")
