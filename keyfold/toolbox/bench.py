@@ -85,7 +85,7 @@ PRESETS = {
                     batch=32, width=32, depth=2, recall_lengths=(32, 64), recall_widths=(), kv_pairs=4, copy_length=48,
                     copy_tokens=8, induction_length=48, eval_examples=256, forecast_sets=("nile", "sunspots"),
                     ucr_sets=("ItalyPowerDemand",), probe=True),
-    # 42 min on 2 cores shared with other jobs (one thread); idle cores take less
+    # 18 min on 2 lightly loaded cores (one thread), 42 min under a load of 10
     "full": Preset("full", seeds=3, lrs=(2e-3, 6e-3, 1.8e-2), small_lrs=(2e-3, 6e-3), steps=300, small_steps=100,
                    batch=32, width=32, depth=2, recall_lengths=(32, 16, 64), recall_widths=(64,), kv_pairs=4,
                    copy_length=32, copy_tokens=6, induction_length=32, eval_examples=512,
