@@ -11,6 +11,8 @@ $(STAMP): pyproject.toml
 	# The CPU build of torch that lies on these machines, before anything that asks for torch.
 	$(BIN)/pip install --disable-pip-version-check -q torch==2.13.0
 	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev]'
+	# sktime only for the UCR .ts files its wheel ships (read from disk; a full install would downgrade pandas)
+	$(BIN)/pip install --disable-pip-version-check -q --no-deps sktime==1.2.0
 	touch $(STAMP)
 
 demo: $(STAMP)

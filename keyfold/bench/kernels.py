@@ -111,6 +111,7 @@ class Result:
     compile_s: float | None = None                 # FlexAttention's first call
     plan_s: float | None = None                    # keyfold plan build (first call), custom mask
     plan_reused: bool | None = None
+    block_mask_s: float | None = None              # Flex's create_block_mask, same callable
     errors: dict = field(default_factory=dict)     # impl -> why it did not run
 
     def ratio(self, peer):
@@ -177,6 +178,13 @@ def run_case(case: Case, repeats: int, with_flex: bool) -> Result:
         before = kf.planner.plan_cache_stats()["hits"]
         kf.plan(mask, case.N, case.N, B=case.B, H=case.H)
         res.plan_reused = kf.planner.plan_cache_stats()["hits"] == before + 1
+        try:  # the peer: Flex's create_block_mask on the same callable (DESIGN.md section 7)
+            from torch.nn.attention.flex_attention import create_block_mask
+            t0 = time.perf_counter()
+            create_block_mask(mask, None, None, case.N, case.N, device="cpu")
+            res.block_mask_s = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001
+            res.errors["create_block_mask"] = f"{type(e).__name__}: {e}"
 
     fns = {"keyfold": lambda: kf.attention(q, k, v, mask=mask, score=score)}
     sdpa_mask = None
@@ -335,8 +343,9 @@ def markdown(results: list[Result], mem: dict | None, header: str) -> str:
     if plans:
         lines += ["", "Planning a user's mask callable (cold, then cached):", ""]
         for r in plans:
-            lines.append(f"- N={r.case.N}: plan built in {r.plan_s:.3f} s (one keyfold call: "
-                         f"{_fmt(r.times.get('keyfold'), '.3f')} s); second call reused the plan: {r.plan_reused}")
+            lines.append(f"- N={r.case.N}: plan built in {r.plan_s:.3f} s; Flex's create_block_mask on the same "
+                         f"callable {_fmt(r.block_mask_s, '.3f')} s; one keyfold call "
+                         f"{_fmt(r.times.get('keyfold'), '.3f')} s; the second call reused the plan: {r.plan_reused}")
     if mem:
         lines += ["", f"Peak extra memory, sliding window 256, N={mem['N']} (fresh process each, ru_maxrss):", "",
                   f"- keyfold: {_fmt(mem['keyfold'] and mem['keyfold'] / 2**20, '.0f')} MiB = "
@@ -393,7 +402,10 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="kernels", help="file stem for the results")
     ap.add_argument("--no-memory", action="store_true", help="skip the subprocess peak-memory measurement")
     ap.add_argument("--variants", nargs="*", help="only these variants")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for every implementation")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     todo = [c for c in cases(args.preset) if not args.variants or c.variant in args.variants]
     results = []
