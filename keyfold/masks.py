@@ -160,12 +160,12 @@ class Mask:
         return False, False
 
 
-def grid_positions(B, H, q0, Nq, k0, Nk, device):
+def grid_positions(B, H, q0, Nq, k0, Nk, device, dtype=torch.int64):
     """Broadcastable batch, head, query-position and key-position index tensors."""
-    b = torch.arange(B, device=device).view(B, 1, 1, 1)
-    h = torch.arange(H, device=device).view(1, H, 1, 1)
-    qp = torch.arange(q0, q0 + Nq, device=device).view(1, 1, Nq, 1)
-    kp = torch.arange(k0, k0 + Nk, device=device).view(1, 1, 1, Nk)
+    b = torch.arange(B, device=device, dtype=dtype).view(B, 1, 1, 1)
+    h = torch.arange(H, device=device, dtype=dtype).view(1, H, 1, 1)
+    qp = torch.arange(q0, q0 + Nq, device=device, dtype=dtype).view(1, 1, Nq, 1)
+    kp = torch.arange(k0, k0 + Nk, device=device, dtype=dtype).view(1, 1, 1, Nk)
     return b, h, qp, kp
 
 

@@ -315,26 +315,30 @@ def _bounded(spans, max_span):
 
 
 def _classify_exact(mask, B, H, Nq, Nk, q_offset, kv_offset, bq, bk) -> torch.Tensor:
-    """Evaluate the mask on every pair, a few query blocks at a time (never Nq x Nk at once)."""
+    """Evaluate the mask on every pair, a few query blocks at a time (never Nq x Nk at once),
+    and count the visible pairs of every tile in one reduction: EMPTY at 0, FULL at all."""
     dep_b, dep_h = mask.depends_on_batch_head()
     Be, He = (B if dep_b else 1), (H if dep_h else 1)
     nkb = -(-Nk // bk)
     pad = nkb * bk - Nk
     rows_per_chunk = max(bq, ((1 << 23) // max(1, Nk * Be * He)) // bq * bq)
+    cols = torch.full((nkb,), bk, dtype=torch.int32)
+    cols[-1] = Nk - (nkb - 1) * bk
     out = []
     for r0 in range(0, Nq, rows_per_chunk):
         r1 = min(Nq, r0 + rows_per_chunk)
-        b, h, qp, kp = grid_positions(Be, He, q_offset + r0, r1 - r0, kv_offset, Nk, None)
-        m = mask.evaluate(b, h, qp, kp)
-        m = torch.broadcast_to(m, (Be, He, r1 - r0, Nk))
-        anyv = torch.nn.functional.pad(m, (0, pad), value=False) if pad else m
-        allv = torch.nn.functional.pad(m, (0, pad), value=True) if pad else m
-        for s in range(0, r1 - r0, bq):
-            e = min(r1 - r0, s + bq)
-            a = anyv[:, :, s:e].reshape(Be, He, e - s, nkb, bk).any(4).any(2).flatten(0, 1).any(0)
-            f = allv[:, :, s:e].reshape(Be, He, e - s, nkb, bk).all(4).all(2).flatten(0, 1).all(0)
-            row = torch.full((nkb,), int(BlockKind.PARTIAL), dtype=torch.int8)
-            row[~a] = int(BlockKind.EMPTY)
-            row[f] = int(BlockKind.FULL)
-            out.append(row)
-    return torch.stack(out) if out else torch.empty(0, nkb, dtype=torch.int8)  # no query rows
+        R = r1 - r0
+        nrb = -(-R // bq)
+        # int32 positions, as FlexAttention passes them: half the bytes of int64 arithmetic
+        b, h, qp, kp = grid_positions(Be, He, q_offset + r0, R, kv_offset, Nk, None, dtype=torch.int32)
+        m = torch.broadcast_to(mask.evaluate(b, h, qp, kp), (Be, He, R, Nk))
+        if pad or nrb * bq != R:
+            m = torch.nn.functional.pad(m, (0, pad, 0, nrb * bq - R), value=False)
+        count = m.view(torch.uint8).reshape(Be * He, nrb, bq, nkb, bk).sum(dim=(0, 2, 4), dtype=torch.int32)
+        rows = torch.full((nrb, 1), bq, dtype=torch.int32)
+        rows[-1] = R - (nrb - 1) * bq
+        kinds = torch.full((nrb, nkb), int(BlockKind.PARTIAL), dtype=torch.int8)
+        kinds[count == 0] = int(BlockKind.EMPTY)
+        kinds[count == rows * cols * (Be * He)] = int(BlockKind.FULL)
+        out.append(kinds)
+    return torch.cat(out) if out else torch.empty(0, nkb, dtype=torch.int8)  # no query rows
