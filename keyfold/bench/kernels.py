@@ -12,6 +12,7 @@ Results go to ``benchmarks/results/kernels.{md,json,png}``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
@@ -146,6 +147,9 @@ def _flex_fns(case: Case, mask_mod, score_mod, q, k, v):
     """Compiled FlexAttention with its block mask; returns (fn, compile seconds) or raises."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    # Each case compiles afresh: without a reset, dynamo stops compiling after its recompile
+    # limit (8) and silently runs Flex eagerly, which materialises N x N and is not the peer.
+    torch._dynamo.reset()
     compiled = torch.compile(flex_attention, dynamic=False)
     block = None
     if mask_mod is not None:
@@ -414,6 +418,8 @@ def main(argv=None) -> int:
     results = []
     for case in tqdm(todo, desc="bench kernels", unit="case"):
         results.append(run_case(case, repeats_for(case, args.preset), flex_wanted(args.preset, case)))
+        torch._dynamo.reset()  # free the compiled peer and its block mask before the next case
+        gc.collect()
     mem = None if (args.no_memory or args.preset == "tiny") else memory()
     header = (f"# keyfold kernels vs SDPA and compiled FlexAttention ({args.preset})\n\n"
               f"Machine: {machine()}. Median of alternating repeats; `work` is the fraction of the dense "
