@@ -553,6 +553,7 @@ class MaskFn(Mask):
         if not callable(fn):
             raise TypeError(f"mask must be a keyfold mask or a callable mask_mod, got {type(fn).__name__}")
         self.fn = fn
+        self._deps = None
 
     def evaluate(self, b, h, qp, kp):
         out = self.fn(b, h, qp, kp)
@@ -563,7 +564,15 @@ class MaskFn(Mask):
         return out
 
     def depends_on_batch_head(self):
-        return True, True
+        """Probed once: called with batch and head indices of size 2 (and one query, one key),
+        a callable that never reads ``b`` / ``h`` returns a result without those dimensions,
+        so its plan is built once for all batch entries and heads (Flex's ``B=None, H=None``)."""
+        if self._deps is None:
+            b, h, qp, kp = grid_positions(2, 2, 0, 1, 0, 1, None, dtype=torch.int32)
+            shape = self.evaluate(b, h, qp, kp).shape
+            shape = (1,) * (4 - len(shape)) + tuple(shape)
+            self._deps = (shape[0] != 1, shape[1] != 1)
+        return self._deps
 
     def __repr__(self):
         return f"mask_fn({_fn_name(self.fn)})"

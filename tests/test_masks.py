@@ -155,3 +155,16 @@ def test_no_piece_covers_more_than_a_band_for_windows():
 def test_bad_mask_arguments(bad, exc, match):
     with pytest.raises(exc, match=match):
         bad()
+
+
+def test_callables_plan_once_unless_they_read_batch_or_head():
+    from keyfold.masks import MaskFn
+    assert MaskFn(lambda b, h, q, k: q >= k).depends_on_batch_head() == (False, False)
+    assert MaskFn(lambda b, h, q, k: (q >= k) & (h < 1)).depends_on_batch_head() == (False, True)
+    assert MaskFn(lambda b, h, q, k: (q >= k) | (b == 0)).depends_on_batch_head() == (True, False)
+    q, k, v = (torch.randn(2, 3, 16, 8) for _ in range(3))
+    per_head = lambda b, h, qi, ki: (qi >= ki) & ((qi - ki) <= h)  # noqa: E731 - head h sees h+1 keys
+    out = kf.attention(q, k, v, mask=per_head, block_size=4)
+    for h in range(3):
+        want = kf.attention(q[:, h:h + 1], k[:, h:h + 1], v[:, h:h + 1], mask=kf.causal() & kf.window(h))
+        torch.testing.assert_close(out[:, h:h + 1], want, atol=1e-6, rtol=0)
