@@ -187,7 +187,7 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
     memo: dict = {}
     single = len(plan.pieces) == 1 and plan.pieces[0].q0 == 0 and plan.pieces[0].q1 == Nq
     acc = None if single else empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
-    touched = torch.zeros(Nq, dtype=torch.bool)
+    touched = None if single else torch.zeros(Nq, dtype=torch.bool)
     for piece in plan.pieces:
         qs, ks, vs, causal, tile, folded = _piece_args(inp, piece, pb, q, memo, plan.tiles)
         if qs.dim() == 5:  # GQA under the causal flag: one call per group member
@@ -199,8 +199,12 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
             out, lse = _FWD(qs, ks, vs, 0.0, causal, attn_mask=tile.mask, scale=pb.scale)
         if folded:
             out, lse = _unfold(out, inp.g, Hq), _unfold(lse, inp.g, Hq)
-        out = out[..., :Dv].to(sd)
-        lse = lse.to(sd)
+        if out.shape[-1] != Dv:
+            out = out[..., :Dv]
+        if out.dtype != sd:  # 16-bit pieces are upcast before any merge
+            out = out.to(sd)
+        if lse.dtype != sd:
+            lse = lse.to(sd)
         if tile.row_shift is not None:
             lse = lse + tile.row_shift
         if tile.empty is not None:  # the op reports lse = 0 for rows it saw no key in
