@@ -113,3 +113,18 @@ def test_finite_inputs_never_give_nan_even_with_extreme_scores():
     v = torch.randn(1, 1, 4, 8)
     for m in (None, kf.causal(), kf.window(1)):
         assert torch.isfinite(kf.attention(q, k, v, mask=m)).all()
+
+
+def test_the_unmasked_fast_path_validates_like_the_engine():
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    with pytest.raises(ValueError, match="kv_offset"):
+        kf.attention(q, k, v, kv_offset=-1)
+    with pytest.raises(TypeError, match="q_offset"):
+        kf.attention(q, k, v, q_offset=1.5)
+    with pytest.raises(ValueError, match="scale"):
+        kf.attention(q, k, v, scale=float("inf"))
+    st = kf.attend(q, k, v)
+    ref = kf.attend(q.double(), k.double(), v.double(), backend=kf.Backend.REFERENCE)
+    assert st.out.dtype == torch.float32 and st.lse.dtype == torch.float32
+    torch.testing.assert_close(st.out.double(), ref.out, atol=1e-6, rtol=0)
+    torch.testing.assert_close(st.lse.double(), ref.lse, atol=1e-5, rtol=0)
