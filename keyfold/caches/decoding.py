@@ -19,6 +19,7 @@ from ..masks import BlockKind, Mask, as_mask, sinks
 from ..scores import as_score
 from ..state import State, empty_state, merge, merge_all, state_dtype
 from ._pieces import BatchRows, BatchRowsScore, Cache, Group, QueryRows, QueryRowsScore, RowMap, Span
+from .contiguous import KVCache
 
 __all__ = ["decode", "attend_cache", "cascade", "choose_splits", "MIN_CHUNK"]
 
@@ -175,11 +176,31 @@ def _check_splits(splits):
                          f"threads; got {splits!r}")
 
 
+def _whole_batch(q, cache, scale, splits, backend) -> State | None:
+    """The common decode step: every sequence of a contiguous cache at one length, nothing that
+    reads positions, no split worth making. One call over the cache's keys, without building
+    groups and spans (at 4k keys those cost as much as a tenth of the kernel)."""
+    lengths = cache.lengths
+    L = lengths[0] if lengths else 0
+    if q.shape[0] != cache.batch or L < q.shape[2] or any(n != L for n in lengths):
+        return None
+    tasks = cache.batch * cache.heads
+    if (splits or choose_splits(L, tasks, _threads(q.device))) > 1:
+        return None
+    qc = q if q.dtype == cache.dtype else q.to(cache.dtype)
+    return attend(qc, cache.k[:, :, :L], cache.v[:, :, :L], scale=scale, q_offset=L - q.shape[2],
+                  backend=backend)
+
+
 def attend_cache(q, cache: Cache, *, mask=None, score=None, scale=None, seq_ids=None, splits=None,
                  backend=Backend.AUTO) -> State:
     """Partial-state form of :func:`decode`: a mergeable ``State`` (float32; float64 for float64)."""
     _check_q(q, cache.heads, cache.head_dim, "decode")
     _check_splits(splits)
+    if mask is None and score is None and seq_ids is None and isinstance(cache, KVCache):
+        st = _whole_batch(q, cache, scale, splits, backend)
+        if st is not None:
+            return st
     Nq = q.shape[2]
     mask, score, implied = as_mask(mask), as_score(score), cache.implied_mask(Nq)
     mask = implied if mask is None else (mask if implied is None else mask & implied)
