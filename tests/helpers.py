@@ -54,7 +54,7 @@ def assert_close_by_rule(got, ref, naive, rows, factor=2.0, what="out"):
     return e_got, e_naive
 
 
-def check_forward(q, k, v, **kw):
+def assert_forward_by_rule(q, k, v, **kw):
     """Run keyfold (AUTO backend unless given), the float64 reference and naive; assert the rule."""
     backend = kw.pop("backend", keyfold.Backend.AUTO)
     out = keyfold.attention(q, k, v, backend=backend, **kw)
@@ -75,7 +75,7 @@ def _grads(fn, q, k, v, dout):
     return out, q.grad, k.grad, v.grad
 
 
-def check_backward(q, k, v, **kw):
+def assert_backward_by_rule(q, k, v, **kw):
     """Assert the rule (3x) for dq, dk, dv against the float64 reference's autograd."""
     backend = kw.pop("backend", keyfold.Backend.AUTO)
     dout = torch.randn(q.shape[:3] + (v.shape[-1],), dtype=torch.float64)

@@ -32,7 +32,7 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-def check_rows(got, q, k, v, **kw):
+def assert_rows_by_rule(got, q, k, v, **kw):
     """``got`` = decode of q against keys k/v: hold it to the rule against attention over k/v."""
     ref = keyfold.attention(q.double(), k.double(), v.double(), backend=keyfold.Backend.REFERENCE, **kw)
     naive = naive_attention(q, k, v, **kw)
@@ -123,7 +123,7 @@ def test_ragged_batch_without_mask_is_one_call():
     assert calls == [((4, 2, 1, D), (4, 2, 30, D))]
     got = decode(q, cache)
     for b, L in enumerate(lens):
-        check_rows(got[b:b + 1], q[b:b + 1], k[b:b + 1, :, :L], v[b:b + 1, :, :L])
+        assert_rows_by_rule(got[b:b + 1], q[b:b + 1], k[b:b + 1, :, :L], v[b:b + 1, :, :L])
     assert len(_split_calls(lambda: decode(q, cache, mask=keyfold.causal()))) == 4  # positions differ
 
 
@@ -133,7 +133,7 @@ def test_decode_is_the_last_row_of_attention():
     cache.append(k, v)
     full = keyfold.attention(q_all, k, v, mask=keyfold.causal())
     got = decode(q_all[:, :, -1:], cache)
-    check_rows(got, q_all[:, :, -1:], k, v)
+    assert_rows_by_rule(got, q_all[:, :, -1:], k, v)
     assert (got - full[:, :, -1:]).abs().max() < 1e-5
 
 
@@ -147,7 +147,7 @@ def test_chunked_prefill_equals_full_causal_attention():
         cache.append(k[:, :, t:t + n], v[:, :, t:t + n])
         outs.append(decode(q[:, :, t:t + n], cache, mask=keyfold.causal()))
         t += n
-    check_rows(torch.cat(outs, 2), q, k, v, mask=keyfold.causal())
+    assert_rows_by_rule(torch.cat(outs, 2), q, k, v, mask=keyfold.causal())
 
 
 @pytest.mark.parametrize("mask", ["none", "window", "documents"])
@@ -161,7 +161,7 @@ def test_split_kv_equals_unsplit(mask, splits):
     q = torch.randn(B, Hkv * g, 2, D)
     m = MASKS[mask](B, N, Hkv * g)
     got = decode(q, cache, mask=m, splits=splits)
-    check_rows(got, q, k, v, mask=m)
+    assert_rows_by_rule(got, q, k, v, mask=m)
     one = decode(q, cache, mask=m, splits=1)
     assert (got - one).abs().max() < 1e-5
 
@@ -177,7 +177,7 @@ def test_split_kv_auto_folds_long_mqa_cache():
     torch.set_num_threads(2)  # the fixture restores it
     calls = _split_calls(lambda: decode(q, cache))
     assert calls == [((1, 3, 4, D), (1, 3, 4096, D))], "one call, 3 chunks folded into heads"
-    check_rows(decode(q, cache), q, k, v)
+    assert_rows_by_rule(decode(q, cache), q, k, v)
 
 
 def _split_calls(fn):
@@ -331,7 +331,7 @@ def test_paged_cache_matches_its_model_through_forks_and_frees(ops, page_size):
         q = torch.randn(len(live), 2 * H, 1, D)
         got = decode(q, pool, seq_ids=live, mask=keyfold.causal())
         for i, t in enumerate(live):
-            check_rows(got[i:i + 1], q[i:i + 1], model.k[t], model.v[t], mask=keyfold.causal())
+            assert_rows_by_rule(got[i:i + 1], q[i:i + 1], model.k[t], model.v[t], mask=keyfold.causal())
 
 
 def test_fork_then_diverging_appends_never_change_the_parent():
@@ -373,7 +373,7 @@ def test_paged_decode_equals_contiguous_and_coalesces_pages():
     want = decode(q, cont, mask=m, score=keyfold.alibi(keyfold.alibi_slopes(2 * H)))
     assert (got - want).abs().max() < 1e-5
     for i, s in enumerate(ids):
-        check_rows(got[i:i + 1], q[i:i + 1], pool.keys(s), pool.values(s), mask=m,
+        assert_rows_by_rule(got[i:i + 1], q[i:i + 1], pool.keys(s), pool.values(s), mask=m,
                    score=keyfold.alibi(keyfold.alibi_slopes(2 * H)))
 
 
@@ -421,7 +421,7 @@ def test_window_cache_equals_masked_attention_at_every_step(W, S, alibi):
         assert held == min(t + 1, W + S), "each token held once, S + W at most"
     assert cache.nbytes == nbytes and cache.length == T
     # attention over the full stream with the equivalent mask, all steps at once
-    check_rows(torch.cat(got, 2), qs, ks, vs, mask=m, score=sc)
+    assert_rows_by_rule(torch.cat(got, 2), qs, ks, vs, mask=m, score=sc)
 
 
 @settings(max_examples=25)
@@ -442,7 +442,7 @@ def test_window_cache_property_any_blocks(W, S, max_block, blocks, alibi):
     m = keyfold.causal() & (keyfold.window(W - 1) | keyfold.sinks(S))
     sc = keyfold.alibi(keyfold.alibi_slopes(H)) if alibi else None
     got = decode(qs[:, :, T - nq:], cache, score=sc)
-    check_rows(got, qs[:, :, T - nq:], ks, vs, mask=m, score=sc)
+    assert_rows_by_rule(got, qs[:, :, T - nq:], ks, vs, mask=m, score=sc)
 
 
 def test_window_cache_blocks_alibi_and_chunked_prefill():
@@ -459,7 +459,7 @@ def test_window_cache_blocks_alibi_and_chunked_prefill():
         cache.append(ks[:, :, t:t + n], vs[:, :, t:t + n])
         got.append(decode(qs[:, :, t:t + n], cache, score=sc))
         t, i = t + n, i + 1
-    check_rows(torch.cat(got, 2), qs, ks, vs, mask=m, score=sc)
+    assert_rows_by_rule(torch.cat(got, 2), qs, ks, vs, mask=m, score=sc)
     with pytest.raises(ValueError, match="max_block=9"):
         decode(torch.randn(2, H, 9, D), cache)
     cache.append(torch.randn(2, H, 1000, D), torch.randn(2, H, 1000, D))  # one block longer than the ring
@@ -515,7 +515,7 @@ def test_cascade_and_state_merge_with_other_pieces():
     q = torch.randn(1, 2, 1, 8)
     past = attend_cache(q, cache)
     new = keyfold.attend(q, k[:, :, 20:], v[:, :, 20:], q_offset=29, kv_offset=20)
-    check_rows(keyfold.merge(past, new).out, q, k, v)
+    assert_rows_by_rule(keyfold.merge(past, new).out, q, k, v)
     with pytest.raises(ValueError, match="batch 1"):
         cascade(q, k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), k, v)
 
@@ -566,6 +566,6 @@ def test_cascade_ragged_suffixes_without_mask_are_one_call():
     for r, L in enumerate(lens):
         k = torch.cat([pk, sk[r:r + 1, :, :L]], 2)
         v = torch.cat([pv, sv[r:r + 1, :, :L]], 2)
-        check_rows(got[r:r + 1], q[r:r + 1], k, v)
+        assert_rows_by_rule(got[r:r + 1], q[r:r + 1], k, v)
     empty_prefix = cascade(q, pk[:, :, :0], pv[:, :, :0], sk, sv)  # no shared prefix at all
-    check_rows(empty_prefix[:1], q[:1], sk[:1], sv[:1])
+    assert_rows_by_rule(empty_prefix[:1], q[:1], sk[:1], sv[:1])

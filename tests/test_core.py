@@ -5,7 +5,7 @@ import torch
 
 import keyfold as kf
 from keyfold import Backend
-from tests.helpers import check_backward, check_forward
+from tests.helpers import assert_backward_by_rule, assert_forward_by_rule
 
 N_DOC = 97
 
@@ -51,7 +51,7 @@ def _qkv(B=2, Hq=4, Hkv=4, Nq=97, Nk=97, D=32, Dv=None, dtype=torch.float32, mag
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_forward(name, backend):
     q, k, v = _qkv()
-    check_forward(q, k, v, backend=backend, block_size=16, **PRESETS[name])
+    assert_forward_by_rule(q, k, v, backend=backend, block_size=16, **PRESETS[name])
 
 
 @pytest.mark.parametrize("backend", [Backend.CPU, Backend.TILES])
@@ -61,7 +61,7 @@ def test_presets_backward(name, backend):
     kw = dict(PRESETS[name])
     if "score" in kw and name == "alibi":
         kw["score"] = kf.alibi(kf.alibi_slopes(2))
-    check_backward(q, k, v, backend=backend, block_size=16, **kw)
+    assert_backward_by_rule(q, k, v, backend=backend, block_size=16, **kw)
 
 
 SHAPES = [
@@ -82,27 +82,27 @@ def test_shapes(shape, mask):
     if mask.startswith("documents"):
         kw["mask"] = kf.documents(torch.arange(300) // 40) & kf.causal()
         kw["q_offset"] = max(0, shape.get("Nk", 97) - shape.get("Nq", 97))
-    check_forward(q, k, v, block_size=16, **kw)
-    check_backward(q[:1], k[:1], v[:1], block_size=16, **kw)
+    assert_forward_by_rule(q, k, v, block_size=16, **kw)
+    assert_backward_by_rule(q[:1], k[:1], v[:1], block_size=16, **kw)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("mask", ["dense", "causal", "window", "documents", "alibi", "softcap"])
 def test_dtypes(dtype, mask):
     q, k, v = _qkv(dtype=dtype, Nq=80, Nk=80)
-    check_forward(q, k, v, block_size=32, **PRESETS[mask])
+    assert_forward_by_rule(q, k, v, block_size=32, **PRESETS[mask])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_dtypes_backward(dtype):
     q, k, v = _qkv(dtype=dtype, B=1, Nq=64, Nk=64)
-    check_backward(q, k, v, block_size=16, mask=kf.causal() & kf.window(20))
+    assert_backward_by_rule(q, k, v, block_size=16, mask=kf.causal() & kf.window(20))
 
 
 @pytest.mark.parametrize("mask", ["dense", "causal", "window", "softcap"])
 def test_huge_scores_do_not_overflow(mask):
     q, k, v = _qkv(mag=100.0)  # scores of magnitude ~1e4
-    check_forward(q, k, v, block_size=16, **PRESETS[mask])
+    assert_forward_by_rule(q, k, v, block_size=16, **PRESETS[mask])
 
 
 def test_offsets_pieces_and_kv_offset():
@@ -186,5 +186,5 @@ def test_alibi_separable_pieces_and_gqa(heads, mask):
     hq, hkv = heads
     q, k, v = _qkv(Hq=hq, Hkv=hkv, Nq=150, Nk=150)
     kw = dict(mask=mask, score=kf.alibi(kf.alibi_slopes(hq)), block_size=32)
-    check_forward(q, k, v, **kw)
-    check_backward(q[:1], k[:1], v[:1], **kw)
+    assert_forward_by_rule(q, k, v, **kw)
+    assert_backward_by_rule(q[:1], k[:1], v[:1], **kw)

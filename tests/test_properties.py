@@ -29,7 +29,7 @@ def _state(seed, n=3, dv=4, empty_rows=()):
     return State(out, lse)
 
 
-def _close(a: State, b: State, tol=1e-5):
+def assert_states_close(a: State, b: State, tol=1e-5):
     assert torch.equal(a.lse.isneginf(), b.lse.isneginf())
     fin = ~a.lse.isneginf()
     torch.testing.assert_close(a.lse[fin], b.lse[fin], atol=tol, rtol=tol)
@@ -43,15 +43,15 @@ rowsets = st.sets(st.integers(0, 2), max_size=3)
 @given(seeds, seeds, seeds, rowsets, rowsets)
 def test_merge_is_associative_and_commutative(s1, s2, s3, e1, e2):
     a, b, c = _state(s1, empty_rows=e1), _state(s2, empty_rows=e2), _state(s3)
-    _close(merge(merge(a, b), c), merge(a, merge(b, c)))
-    _close(merge(a, b), merge(b, a))
+    assert_states_close(merge(merge(a, b), c), merge(a, merge(b, c)))
+    assert_states_close(merge(a, b), merge(b, a))
 
 
 @given(seeds, rowsets)
 def test_empty_state_is_the_identity_and_empty_stays_empty(s, e):
     a = _state(s, empty_rows=e)
     z = empty_state(1, 2, 3, 4)
-    _close(merge(a, z), a, tol=0)
+    assert_states_close(merge(a, z), a, tol=0)
     zz = merge(z, z)
     assert bool(zz.lse.isneginf().all()) and bool((zz.out == 0).all())
     assert not torch.isnan(merge_all([z, a, z]).out).any()
@@ -72,7 +72,7 @@ def test_any_partition_of_the_keys_merged_equals_the_whole(nk, nparts, mask_name
     pieces = [kf.attend(q, k[:, :, a:b], v[:, :, a:b], mask=mask, q_offset=q_offset, kv_offset=a)
               for a, b in zip(bounds, bounds[1:])]
     order = data.draw(st.permutations(range(len(pieces))))
-    _close(merge_all([pieces[i] for i in order]), whole, tol=1e-10)
+    assert_states_close(merge_all([pieces[i] for i in order]), whole, tol=1e-10)
 
 
 @given(seeds, st.sampled_from(sorted(MASKS)))

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import keyfold as kf
 from keyfold import Backend
-from tests.helpers import check_backward, check_forward
+from tests.helpers import assert_backward_by_rule, assert_forward_by_rule
 
 # triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when keyfold.kernels.triton is
 # imported: set it around that import (re-importing if something imported it without), then
@@ -91,8 +91,8 @@ def test_preset_forward_backward(name):
     dtype = torch.float16 if list(PRESETS).index(name) % 2 else torch.float32
     B = 2 if name in BATCHED else 1
     q, k, v = _qkv(dtype, B=B)
-    check_forward(q, k, v, backend=T, **PRESETS[name])
-    check_backward(q, k, v, backend=T, **PRESETS[name])
+    assert_forward_by_rule(q, k, v, backend=T, **PRESETS[name])
+    assert_backward_by_rule(q, k, v, backend=T, **PRESETS[name])
 
 
 @pytest.mark.parametrize("score,dtype", [("alibi", torch.float32), ("softcap", torch.float16),
@@ -104,8 +104,8 @@ def test_scores_in_kernel(score, dtype):
     q, k, v = _qkv(dtype, Hq=4, Hkv=2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback to the tile kernel
-        check_forward(q, k, v, backend=T, mask=kf.causal(), score=mods)
-        check_backward(q, k, v, backend=T, mask=kf.causal(), score=mods)
+        assert_forward_by_rule(q, k, v, backend=T, mask=kf.causal(), score=mods)
+        assert_backward_by_rule(q, k, v, backend=T, mask=kf.causal(), score=mods)
 
 
 def test_gqa_offsets_and_value_width():
@@ -115,8 +115,8 @@ def test_gqa_offsets_and_value_width():
     q = torch.randn(2, 21, 4, 24).transpose(1, 2)   # (B, H, N, D) view, not contiguous
     v = torch.randn(2, 37, 1, 40).transpose(1, 2)
     kw = dict(mask=kf.causal() & (kf.window(11) | kf.sinks(2)), kv_offset=5)
-    check_forward(q, k, v, backend=T, **kw)
-    check_backward(q, k, v, backend=T, **kw)
+    assert_forward_by_rule(q, k, v, backend=T, **kw)
+    assert_backward_by_rule(q, k, v, backend=T, **kw)
 
 
 def test_lse_gradient_and_merge():
@@ -182,7 +182,7 @@ _TREES = st.recursive(_LEAVES, lambda c: st.one_of(st.tuples(c, c).map(lambda t:
 @given(mask=_TREES, q_offset=st.integers(0, 12))
 def test_mask_program_matches_mask(mask, q_offset):
     q, k, v = _qkv(torch.float32, Nq=24, Nk=36)
-    check_forward(q, k, v, backend=T, mask=mask, q_offset=q_offset)
+    assert_forward_by_rule(q, k, v, backend=T, mask=mask, q_offset=q_offset)
 
 
 def test_mask_program_encoding():
