@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .masks import BlockKind, Mask, _Causal, grid_positions
+from .masks import BlockKind, Mask, _Causal, as_mask, grid_positions
 
 __all__ = ["PieceKind", "Piece", "Plan", "plan", "clear_plan_cache"]
 
@@ -161,8 +161,6 @@ def plan(mask: Mask | None, Nq: int, Nk: int, *, q_offset: int | None = None, kv
     >>> plan(causal() & window(4), 16, 16, block_size=4).counts()
     {'empty': 9, 'partial': 7, 'full': 0}
     """
-    from .masks import as_mask
-
     mask = as_mask(mask)
     q_offset = Nk - Nq if q_offset is None else q_offset
     if block_size is None:

@@ -32,12 +32,12 @@ def _modify(raw, pb: Problem, pos, vis):
     return s
 
 
-def _visible_cached(q, piece, pb: Problem, pos, plan: Plan):
+def _visible_cached(q, piece, pb: Problem, plan: Plan):
     """The piece's bool tile, kept in the plan's tile cache between calls."""
     key = ("visible", piece, q.shape[0], q.shape[1], q.device)
     vis = plan.tiles.get(key)
     if vis is None:
-        vis = visible(q, piece, pb, pos)
+        vis = visible(q, piece, pb)
         if vis is not None:
             plan.tiles.put(key, vis, vis.numel())
     return vis
@@ -50,8 +50,8 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
     g = Hq // Hkv
     acc = empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
     for piece in plan.pieces:
-        pos = positions(q, piece, pb)
-        vis = _visible_cached(q, piece, pb, pos, plan)
+        vis = _visible_cached(q, piece, pb, plan)
+        pos = positions(q, piece, pb) if pb.score is not None else None  # only modifiers read positions
         qs = q[:, :, piece.q0:piece.q1].to(sd)
         ks = k[:, :, piece.k0:piece.k1].to(sd)
         vs = v[:, :, piece.k0:piece.k1].to(sd)
@@ -88,8 +88,8 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem):
     if dlse is not None:
         delta = delta - dlse.to(sd)
     for piece in plan.pieces:
-        pos = positions(q, piece, pb)
-        vis = _visible_cached(q, piece, pb, pos, plan)
+        vis = _visible_cached(q, piece, pb, plan)
+        pos = positions(q, piece, pb) if pb.score is not None else None  # only modifiers read positions
         rows, keys = slice(piece.q0, piece.q1), slice(piece.k0, piece.k1)
         qs, ks, vs = q[:, :, rows].to(sd), k[:, :, keys].to(sd), v[:, :, keys].to(sd)
         do = dout[:, :, rows].to(sd)
