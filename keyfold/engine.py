@@ -212,17 +212,25 @@ def attend(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offs
 def _plain_fused(q, k, v, backend, block_size, check_inputs, scale, q_offset, kv_offset) -> bool:
     """A call with nothing to plan (no mask, no score, equal heads and head dims, no autograd):
     one fused call, without the planner's bookkeeping. Decoding steps are mostly this, and at
-    4k keys the kernel takes ~0.4 ms, so ~50 us of Python around it is worth not paying."""
-    return (backend in (Backend.AUTO, Backend.CPU) and block_size is None and not check_inputs
-            and _cpu.AVAILABLE and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
-            and q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and q.device.type == "cpu"
-            and q.dtype in _FLOATS and q.dtype == k.dtype == v.dtype and k.device == q.device == v.device
-            and q.shape[0] == k.shape[0] == v.shape[0] and q.shape[1] == k.shape[1] == v.shape[1]
-            and q.shape[3] == k.shape[3] == v.shape[3] and k.shape[2] == v.shape[2]
-            and q.shape[2] > 0 and k.shape[2] > 0
-            and (scale is None or (type(scale) in (int, float) and math.isfinite(scale)))
-            and type(kv_offset) is int and kv_offset >= 0 and (q_offset is None or type(q_offset) is int)
-            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)))
+    4k keys the kernel takes ~0.4 ms. The test is written for speed (shapes read once, cheap
+    attributes first): after the kernel has streamed the cache through L2, every Python object
+    this touches is a cache miss, so each line here costs ~5x what it costs in a warm loop."""
+    if ((backend is not Backend.AUTO and backend is not Backend.CPU) or block_size is not None or check_inputs
+            or type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor):
+        return False
+    dt = q.dtype
+    if not (q.is_cpu and k.is_cpu and v.is_cpu and k.dtype == dt and v.dtype == dt and dt in _FLOATS
+            and _cpu.AVAILABLE):
+        return False
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if not (len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and qs[0] == ks[0] == vs[0] and qs[1] == ks[1] == vs[1]
+            and qs[3] == ks[3] == vs[3] and ks[2] == vs[2] and qs[2] > 0 and ks[2] > 0):
+        return False
+    if not (scale is None or (type(scale) in (int, float) and math.isfinite(scale))):
+        return False
+    if type(kv_offset) is not int or kv_offset < 0 or not (q_offset is None or type(q_offset) is int):
+        return False
+    return not ((q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
 
 
 def attention(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offset=0,

@@ -137,6 +137,31 @@ def test_decode_is_the_last_row_of_attention():
     assert (got - full[:, :, -1:]).abs().max() < 1e-5
 
 
+def test_whole_batch_step_follows_appends_and_resets():
+    """The decode hot path keeps views of the cache between steps: they must follow every
+    append, a reset and a ragged append (which leaves the hot path), step after step."""
+    B, H, D, steps = 2, 2, 8, 6
+    k, v = torch.randn(B, H, steps + 4, D), torch.randn(B, H, steps + 4, D)
+    cache = KVCache(B, H, D, steps + 4)
+    cache.append(k[:, :, :4], v[:, :, :4])
+    for t in range(4, steps + 4):
+        cache.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        q = torch.randn(B, H, 1, D)
+        assert_rows_by_rule(decode(q, cache), q, k[:, :, :t + 1], v[:, :, :t + 1])
+        assert cache.whole()[2] == t + 1
+    cache.reset([1])
+    assert cache.whole() is None  # ragged now: the general path serves it
+    cache.append(k[1:, :, :3], v[1:, :, :3], seq_ids=[1])
+    q = torch.randn(B, H, 1, D)
+    got = decode(q, cache)
+    assert_rows_by_rule(got[:1], q[:1], k[:1], v[:1])
+    assert_rows_by_rule(got[1:], q[1:], k[1:, :, :3], v[1:, :, :3])
+    cache.reset()
+    cache.append(k[:, :, :2], v[:, :, :2])
+    assert cache.whole()[2] == 2
+    assert_rows_by_rule(decode(q, cache), q, k[:, :, :2], v[:, :, :2])
+
+
 def test_chunked_prefill_equals_full_causal_attention():
     """append a block, then decode(q_block, mask=causal()): prefill in chunks of any size."""
     N, D = 70, 8

@@ -41,6 +41,7 @@ class KVCache:
         self.k = torch.zeros(batch, heads, capacity, head_dim, dtype=dtype, device=device)   # (B, H, C, D)
         self.v = torch.zeros(batch, heads, capacity, value_dim, dtype=dtype, device=device)  # (B, H, C, Dv)
         self._len = [0] * batch
+        self._whole = None  # (k, v, L) views when every sequence holds L tokens; see whole()
 
     # ------------------------------------------------------------------------- state
     @property
@@ -105,14 +106,26 @@ class KVCache:
                 self.v[s0:s0 + i1 - i0, :, L:L + m] = v[i0:i1, :, :m]
         for s, m in zip(ids, lens):
             self._len[s] += m
+        self._whole = None
 
     def reset(self, seq_ids=None) -> None:
         """Forget the tokens of some sequences (default all); storage is kept."""
         ids = list(range(self.batch)) if seq_ids is None else seq_list(seq_ids, "KVCache.reset")
         for s in ids:
             self._len[self._seq(s)] = 0
+        self._whole = None
 
     # ------------------------------------------------------------------------- reads
+    def whole(self):
+        """``(k, v, L)``: views of every sequence's keys and values when all hold ``L`` tokens,
+        else None. Kept between appends, so a decoding step does not rebuild them."""
+        if self._whole is None:
+            L = self._len[0]
+            if any(n != L for n in self._len):
+                return None
+            self._whole = (self.k[:, :, :L], self.v[:, :, :L], L)
+        return self._whole
+
     def implied_mask(self, n_queries: int = 1):
         """None: every cached key is visible unless decode is given a mask."""
         return None

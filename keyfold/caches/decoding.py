@@ -176,31 +176,36 @@ def _check_splits(splits):
                          f"threads; got {splits!r}")
 
 
-def _whole_batch(q, cache, scale, splits, backend) -> State | None:
-    """The common decode step: every sequence of a contiguous cache at one length, nothing that
-    reads positions, no split worth making. One call over the cache's keys, without building
-    groups and spans (at 4k keys those cost as much as a tenth of the kernel)."""
-    lengths = cache.lengths
-    L = lengths[0] if lengths else 0
-    if q.shape[0] != cache.batch or L < q.shape[2] or any(n != L for n in lengths):
+def _whole_batch(q, cache: KVCache, scale, splits, backend) -> State | None:
+    """The common decode step: every sequence of a contiguous cache at one length, as many query
+    heads as key heads, nothing that reads positions, no split worth making. One call over the
+    cache's kept views, without groups and spans. Anything unusual (including bad input) answers
+    None and takes the general path, which checks and explains."""
+    whole = cache.whole()
+    if whole is None or type(q) is not torch.Tensor or q.dtype != cache.dtype:
         return None
-    tasks = cache.batch * cache.heads
-    if (splits or choose_splits(L, tasks, _threads(q.device))) > 1:
+    k, v, L = whole
+    shape = q.shape
+    if len(shape) != 4 or shape[0] != cache.batch or shape[1] != cache.heads or shape[3] != cache.head_dim \
+            or not 0 < shape[2] <= L:
         return None
-    qc = q if q.dtype == cache.dtype else q.to(cache.dtype)
-    return attend(qc, cache.k[:, :, :L], cache.v[:, :, :L], scale=scale, q_offset=L - q.shape[2],
-                  backend=backend)
+    if splits is None:
+        if L >= 2 * MIN_CHUNK and choose_splits(L, cache.batch * cache.heads, _threads(q.device)) > 1:
+            return None
+    elif type(splits) is not int or splits != 1:
+        return None
+    return attend(q, k, v, scale=scale, backend=backend)
 
 
 def attend_cache(q, cache: Cache, *, mask=None, score=None, scale=None, seq_ids=None, splits=None,
                  backend=Backend.AUTO) -> State:
     """Partial-state form of :func:`decode`: a mergeable ``State`` (float32; float64 for float64)."""
-    _check_q(q, cache.heads, cache.head_dim, "decode")
-    _check_splits(splits)
-    if mask is None and score is None and seq_ids is None and isinstance(cache, KVCache):
+    if mask is None and score is None and seq_ids is None and type(cache) is KVCache:
         st = _whole_batch(q, cache, scale, splits, backend)
         if st is not None:
             return st
+    _check_q(q, cache.heads, cache.head_dim, "decode")
+    _check_splits(splits)
     Nq = q.shape[2]
     mask, score, implied = as_mask(mask), as_score(score), cache.implied_mask(Nq)
     mask = implied if mask is None else (mask if implied is None else mask & implied)
@@ -243,9 +248,13 @@ def decode(q, cache: Cache, *, mask=None, score=None, scale=None, seq_ids=None, 
     >>> torch.allclose(decode(q, cache), keyfold.attention(q, k, v), atol=1e-6)
     True
     """
-    st = attend_cache(q, cache, mask=mask, score=score, scale=scale, seq_ids=seq_ids, splits=splits,
-                      backend=backend)
-    out = st.out.to(q.dtype)
+    st = None
+    if mask is None and score is None and seq_ids is None and type(cache) is KVCache:
+        st = _whole_batch(q, cache, scale, splits, backend)  # the hot path, without a second call
+    if st is None:
+        st = attend_cache(q, cache, mask=mask, score=score, scale=scale, seq_ids=seq_ids, splits=splits,
+                          backend=backend)
+    out = st.out if st.out.dtype == q.dtype else st.out.to(q.dtype)
     return (out, st.lse) if return_lse else out
 
 
