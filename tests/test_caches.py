@@ -162,6 +162,27 @@ def test_whole_batch_step_follows_appends_and_resets():
     assert_rows_by_rule(decode(q, cache), q, k[:, :, :2], v[:, :, :2])
 
 
+def test_cache_storage_is_zeroed_aligned_and_owned_by_its_tensor():
+    """Cache buffers may come from a huge-page mapping: they must behave as torch.zeros does."""
+    import gc
+
+    from keyfold.caches._storage import _HUGE, huge_pages_available, zeros
+    big = zeros(4, 2, 1024, 64, dtype=torch.float32)  # 2 MiB: eligible
+    small = zeros(2, 3, dtype=torch.bfloat16)         # too small: torch.zeros
+    for t, shape, dtype in ((big, (4, 2, 1024, 64), torch.float32), (small, (2, 3), torch.bfloat16)):
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and not bool(t.any())
+    big.fill_(3.0)
+    gc.collect()  # the mapping lives as long as the tensor, not the function that made it
+    assert float(big.sum()) == 3.0 * big.numel()
+    if huge_pages_available():
+        assert big.data_ptr() % _HUGE == 0
+        assert KVCache(1, 8, 64, 4096).k.data_ptr() % _HUGE == 0
+    cache = KVCache(2, 8, 64, 4096)
+    cache.append(torch.randn(2, 8, 5, 64), torch.randn(2, 8, 5, 64))
+    twin = copy.deepcopy(cache)  # beam search and tests copy caches
+    assert torch.equal(twin.k, cache.k) and twin.k.data_ptr() != cache.k.data_ptr()
+
+
 def test_chunked_prefill_equals_full_causal_attention():
     """append a block, then decode(q_block, mask=causal()): prefill in chunks of any size."""
     N, D = 70, 8

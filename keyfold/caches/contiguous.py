@@ -6,6 +6,7 @@ import torch
 
 from ._checks import block_lengths, float_dtype, kv_block, positive_int, seq_list
 from ._pieces import CacheFullError, Group, Span
+from ._storage import zeros
 
 __all__ = ["KVCache"]
 
@@ -38,8 +39,8 @@ class KVCache:
         float_dtype(dtype, "KVCache")
         self.batch, self.heads, self.head_dim, self.value_dim = batch, heads, head_dim, value_dim
         self.capacity, self.dtype = capacity, dtype
-        self.k = torch.zeros(batch, heads, capacity, head_dim, dtype=dtype, device=device)   # (B, H, C, D)
-        self.v = torch.zeros(batch, heads, capacity, value_dim, dtype=dtype, device=device)  # (B, H, C, Dv)
+        self.k = zeros(batch, heads, capacity, head_dim, dtype=dtype, device=device)   # (B, H, C, D)
+        self.v = zeros(batch, heads, capacity, value_dim, dtype=dtype, device=device)  # (B, H, C, Dv)
         self._len = [0] * batch
         self._whole = None  # (k, v, L) views when every sequence holds L tokens; see whole()
 

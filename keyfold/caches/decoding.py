@@ -99,8 +99,8 @@ def _span_states(q, span: Span, mask, score, scale, q_offset, splits, backend) -
     b, Hq = q.shape[:2]
     n = span.n
     free = mask is None and score is None
-    if splits is None:
-        s = choose_splits(n, b * span.k.shape[1], _threads(q.device)) if free else 1
+    if splits is None:  # (a short span never splits: skip asking for the threads)
+        s = choose_splits(n, b * span.k.shape[1], _threads(q.device)) if free and n >= 2 * MIN_CHUNK else 1
     else:
         s = min(splits, n)
     if s <= 1:

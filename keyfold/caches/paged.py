@@ -15,6 +15,7 @@ import torch
 
 from ._checks import block_lengths, float_dtype, kv_block, positive_int, seq_list
 from ._pieces import CacheFullError, Group, Span
+from ._storage import zeros
 
 __all__ = ["PagedKVCache", "PageStats", "default_page_size"]
 
@@ -76,8 +77,8 @@ class PagedKVCache:
         float_dtype(dtype, "PagedKVCache")
         self.num_pages, self.page_size = num_pages, page_size
         self.heads, self.head_dim, self.value_dim, self.dtype = heads, head_dim, value_dim, dtype
-        self.k_pages = torch.zeros(heads, num_pages, page_size, head_dim, dtype=dtype, device=device)   # (H, P, ps, D)
-        self.v_pages = torch.zeros(heads, num_pages, page_size, value_dim, dtype=dtype, device=device)  # (H, P, ps, Dv)
+        self.k_pages = zeros(heads, num_pages, page_size, head_dim, dtype=dtype, device=device)   # (H, P, ps, D)
+        self.v_pages = zeros(heads, num_pages, page_size, value_dim, dtype=dtype, device=device)  # (H, P, ps, Dv)
         self._tables: dict[int, list[int]] = {}
         self._len: dict[int, int] = {}
         self._ref = [0] * num_pages   # sequences referencing each page
@@ -252,9 +253,14 @@ class PagedKVCache:
         return runs
 
     def _span(self, p0, r, t0, n) -> Span:
-        H, ps = self.heads, self.page_size
-        k = self.k_pages[:, p0:p0 + r].view(H, r * ps, self.head_dim)[:, :n].unsqueeze(0)   # (1, H, n, D)
-        v = self.v_pages[:, p0:p0 + r].view(H, r * ps, self.value_dim)[:, :n].unsqueeze(0)  # (1, H, n, Dv)
+        """Views ``(1, H, n, D)`` of the ``n`` tokens in pages ``p0 .. p0 + r - 1`` (one view op each:
+        this runs for every span of every decoding step)."""
+        k, v = self.k_pages, self.v_pages  # (H, P, ps, D): consecutive pages are consecutive rows
+        sk, sv = k.stride(), v.stride()
+        k = k.as_strided((1, self.heads, n, self.head_dim), (sk[0], sk[0], sk[2], sk[3]),
+                         k.storage_offset() + p0 * sk[1])
+        v = v.as_strided((1, self.heads, n, self.value_dim), (sv[0], sv[0], sv[2], sv[3]),
+                         v.storage_offset() + p0 * sv[1])
         return Span(k, v, t0)
 
     def keys(self, seq: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch
 from ..masks import causal, sinks, window
 from ._checks import float_dtype, kv_block, positive_int, seq_list
 from ._pieces import Group, Span
+from ._storage import zeros
 
 __all__ = ["WindowCache"]
 
@@ -53,8 +54,8 @@ class WindowCache:
         kw = dict(dtype=dtype, device=device)
         # one buffer per tensor: the sinks, then the ring. Until the ring wraps it holds positions
         # 0 .. length-1 in order; afterwards, whole, it is exactly the keys one query sees.
-        self.k_buf = torch.zeros(batch, heads, sinks + self.ring, head_dim, **kw)   # (B, H, S+R, D)
-        self.v_buf = torch.zeros(batch, heads, sinks + self.ring, value_dim, **kw)  # (B, H, S+R, Dv)
+        self.k_buf = zeros(batch, heads, sinks + self.ring, head_dim, **kw)   # (B, H, S+R, D)
+        self.v_buf = zeros(batch, heads, sinks + self.ring, value_dim, **kw)  # (B, H, S+R, Dv)
         self.sink_k, self.ring_k = self.k_buf[:, :, :sinks], self.k_buf[:, :, sinks:]  # views
         self.sink_v, self.ring_v = self.v_buf[:, :, :sinks], self.v_buf[:, :, sinks:]
         self.length = 0  # tokens streamed so far (all of them, not only those held)
