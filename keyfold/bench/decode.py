@@ -216,6 +216,8 @@ def _stream(W, S, max_tokens, steps, bar) -> list[dict]:
     k1, v1, q = torch.randn(1, H, 1, D), torch.randn(1, H, 1, D), torch.randn(1, H, 1, D)
     full_limit = min(max_tokens, 1 << 17)  # the growing-cache contrast, up to 128k tokens
     full = KVCache(1, H, D, full_limit)
+    full.k.zero_(), full.v.zero_()  # commit its memory now (caches commit as they fill), so the RSS
+    #                                 column shows what the window cache and the stream add: nothing
     checkpoints = [1 << p for p in range(10, 21) if (1 << p) <= max_tokens]
     rows = []
     for cp in checkpoints:
