@@ -7,10 +7,10 @@ parameter names, so ``load_state_dict`` moves weights either way) whose core is
 keyfold masks without building an ``L x S`` tensor (a key padding mask becomes ``sinks(lengths)``,
 a per-row key count, when the padding is at the end, else ``documents`` ids of length S).
 
-Incremental decoding keeps keys and values in an :class:`AttentionCache` per layer (kept here,
-small on purpose: one growing K/V pair, or a static one for cross-attention), so one new token
-costs one attention call over the cache: ``keyfold.attention(q_new, k_all, v_all)`` with the
-query placed bottom-right, i.e. at its absolute position.
+Incremental decoding keeps keys and values in an :class:`AttentionCache` per layer: a
+:class:`keyfold.caches.KVCache` for self-attention (or the encoder's keys for cross-attention),
+so one new token costs one :func:`keyfold.caches.decode` step over the cache, the query at its
+absolute position.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .caches import KVCache, decode
 from .engine import attention
 from .masks import Mask, _TensorKey, as_mask, block_sparse, causal, documents, sinks
 from .scores import ScoreMod, as_score
@@ -115,32 +116,66 @@ def combine_masks(*masks) -> Mask | None:
 class AttentionCache:
     """Keys and values of one attention layer for incremental decoding.
 
-    ``k``, ``v``: ``(B, H, S, head_dim)`` after the projections, or None before the first step.
-    A self-attention cache grows by the new tokens' keys each step; a ``static`` cache (cross
-    attention) is filled once from the encoder output and reused. ``reorder(index)`` selects
-    batch rows (beam search).
+    A self-attention cache keeps the projected keys and values in a
+    :class:`keyfold.caches.KVCache` (preallocated, appended in place, rows reordered in place for
+    beam search) and each new token is one :func:`keyfold.caches.decode` over it. It is created
+    at the first step with room for ``capacity`` tokens and doubles when full. A ``static``
+    cache (cross-attention) holds the encoder's projected keys and values, filled once.
+
+    ``k``, ``v``: views ``(B, H, S, head_dim)`` of what is held, or None before the first step.
     """
 
-    def __init__(self, static: bool = False):
-        self.static = static
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
+    def __init__(self, static: bool = False, capacity: int = 128):
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"AttentionCache(capacity=...): a positive int of tokens, got {capacity!r}")
+        self.static, self.capacity = static, capacity
+        self.kv: KVCache | None = None          # self-attention: the memory wall's cache
+        self._static: tuple | None = None       # cross-attention: (k, v) of the encoder output
+
+    @property
+    def k(self) -> torch.Tensor | None:
+        held = self._held()
+        return None if held is None else held[0]
+
+    @property
+    def v(self) -> torch.Tensor | None:
+        held = self._held()
+        return None if held is None else held[1]
 
     @property
     def length(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
+        held = self._held()
+        return 0 if held is None else held[0].shape[2]
+
+    def _held(self):
+        if self.static:
+            return self._static
+        return None if self.kv is None else self.kv.whole()[:2]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.k is None:
-            self.k, self.v = k, v
-        else:
-            self.k = torch.cat([self.k, k], dim=2)  # (B, H, S + new, hd)
-            self.v = torch.cat([self.v, v], dim=2)
-        return self.k, self.v
+        """Add the new tokens' keys/values ``(B, H, n, head_dim)``; returns views of all held."""
+        if self.static:
+            self._static = (k, v)
+            return k, v
+        B, H, n, D = k.shape
+        if self.kv is None or self.kv.batch != B:
+            self.kv = KVCache(B, H, D, max(self.capacity, n), dtype=k.dtype, value_dim=v.shape[-1],
+                              device=k.device)
+        elif self.kv.lengths[0] + n > self.kv.capacity:  # double: amortised O(1) per token
+            old, L = self.kv, self.kv.lengths[0]
+            self.kv = KVCache(B, H, D, max(2 * old.capacity, L + n), dtype=old.dtype, value_dim=old.value_dim,
+                              device=k.device)
+            self.kv.append(old.k[:, :, :L], old.v[:, :, :L])
+        self.kv.append(k, v)
+        return self._held()
 
     def reorder(self, index: torch.Tensor) -> None:
-        if self.k is not None:
-            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+        """Row ``i`` takes what row ``index[i]`` held (beam search)."""
+        if self.static:
+            if self._static is not None:
+                self._static = tuple(t.index_select(0, index) for t in self._static)
+        elif self.kv is not None:
+            self.kv.reorder(index)
 
 
 # --------------------------------------------------------------------- MultiheadAttention
@@ -262,7 +297,10 @@ class MultiheadAttention(nn.Module):
                 raise ValueError(f"key_padding_mask must be (batch, S) = ({query.shape[0]}, {S}), "
                                  f"got {tuple(key_padding_mask.shape)}")
             masks.append(key_padding_to_mask(key_padding_mask, offset + L))
-        out = attention(q, k, v, mask=combine_masks(*masks), score=score, q_offset=offset)  # (B, H, L, hd)
+        if cache is not None and not cache.static:  # one decode step over the KV cache
+            out = decode(q, cache.kv, mask=combine_masks(*masks), score=score)  # (B, H, L, hd)
+        else:
+            out = attention(q, k, v, mask=combine_masks(*masks), score=score, q_offset=offset)
         out = out.transpose(1, 2).reshape(query.shape[0], L, self.embed_dim)  # (B, L, E)
         return self.out_proj(out), None
 

@@ -183,6 +183,27 @@ def test_cache_storage_is_zeroed_aligned_and_owned_by_its_tensor():
     assert torch.equal(twin.k, cache.k) and twin.k.data_ptr() != cache.k.data_ptr()
 
 
+def test_reorder_moves_rows_with_their_lengths_and_rejects_bad_index():
+    """Beam search keeps surviving hypotheses: row i takes old row index[i], lengths included."""
+    B, H, D = 3, 2, 8
+    k, v = torch.randn(B, H, 12, D), torch.randn(B, H, 12, D)
+    lens = [12, 5, 9]
+    cache = KVCache(B, H, D, 16)
+    cache.append(k, v, lengths=lens)
+    index = [1, 1, 0]
+    cache.reorder(torch.tensor(index))
+    assert cache.lengths == (5, 5, 12)
+    q = torch.randn(B, H, 1, D)
+    got = decode(q, cache)
+    for i, j in enumerate(index):
+        assert_rows_by_rule(got[i:i + 1], q[i:i + 1], k[j:j + 1, :, :lens[j]], v[j:j + 1, :, :lens[j]])
+    before = (cache.k.clone(), cache.lengths)
+    for bad in ([0, 1], [0, 1, 3], [0, -1, 2], [0.0, 1, 2]):
+        with pytest.raises(ValueError, match="reorder"):
+            cache.reorder(bad)
+    assert torch.equal(cache.k, before[0]) and cache.lengths == before[1]
+
+
 def test_chunked_prefill_equals_full_causal_attention():
     """append a block, then decode(q_block, mask=causal()): prefill in chunks of any size."""
     N, D = 70, 8

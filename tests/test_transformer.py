@@ -248,6 +248,27 @@ def test_beam_one_equals_greedy(overfit, seed):
         assert torch.equal(beam_search(m, src, beam=1, max_len=9), greedy(m, src, max_len=9))
 
 
+def test_attention_cache_grows_reorders_and_decodes_like_attention():
+    """The layer cache is a KVCache: it doubles when full, reorders rows for beams, and a cached
+    step equals attention over the keys it holds (the model's decoding rests on all three)."""
+    from keyfold.nn import AttentionCache, MultiheadAttention
+    torch.manual_seed(0)
+    mha = MultiheadAttention(16, 4).eval()
+    x = torch.randn(3, 9, 16)
+    cache = AttentionCache(capacity=2)
+    with torch.no_grad():
+        steps = [mha(x[:, t:t + 1], x[:, t:t + 1], x[:, t:t + 1], cache=cache)[0] for t in range(9)]
+        full = mha(x, x, x, is_causal=True)[0]
+    assert cache.kv.capacity >= 9 and cache.length == 9
+    assert (torch.cat(steps, 1) - full).abs().max() < 1e-5
+    held_k = cache.k.clone()
+    cache.reorder(torch.tensor([2, 2, 0]))
+    assert torch.equal(cache.k, held_k[[2, 2, 0]]) and cache.kv.lengths == (9, 9, 9)
+    with pytest.raises(ValueError, match="index"):
+        cache.reorder(torch.tensor([0, 3, 1]))
+    assert torch.equal(cache.k, held_k[[2, 2, 0]])  # unchanged by the bad call
+
+
 def test_length_penalty_and_beam_output():
     assert length_penalty(torch.tensor(1), 0.6).item() == pytest.approx((6 / 6) ** 0.6)
     assert length_penalty(torch.tensor(7), 0.6).item() == pytest.approx((12 / 6) ** 0.6)

@@ -116,6 +116,25 @@ class KVCache:
             self._len[self._seq(s)] = 0
         self._whole = None
 
+    def reorder(self, index) -> None:
+        """Row ``i`` becomes what row ``index[i]`` held (beam search: keep the surviving hypotheses).
+
+        index: ``batch`` ints in ``[0, batch)``, repeats allowed (a hypothesis may continue as
+        several beams). Copies only the filled prefix. Bad input raises and changes nothing.
+        """
+        idx = index.tolist() if isinstance(index, torch.Tensor) else list(index)
+        if (len(idx) != self.batch
+                or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.batch for i in idx)):
+            raise ValueError(f"KVCache.reorder(index=...): expected {self.batch} ints in [0, {self.batch}) "
+                             f"(the old row each new row takes), got {idx}")
+        L = max(self._len)
+        if L:
+            rows = torch.tensor(idx, device=self.k.device)
+            self.k[:, :, :L] = self.k[:, :, :L].index_select(0, rows)  # index_select copies first
+            self.v[:, :, :L] = self.v[:, :, :L].index_select(0, rows)
+        self._len = [self._len[i] for i in idx]
+        self._whole = None
+
     # ------------------------------------------------------------------------- reads
     def whole(self):
         """``(k, v, L)``: views of every sequence's keys and values when all hold ``L`` tokens,

@@ -5,7 +5,8 @@ embedding matrix shared by source, target and the output projection (embeddings 
 ``sqrt(d_model)``, the projection unscaled), dropout 0.1, and a decoder-only language model.
 Decoding is greedy or beam search (GNMT length penalty ``((5 + |Y|) / 6) ** alpha``), both
 incremental: each new token costs one decoder step over the per-layer K/V caches of
-:class:`keyfold.nn.AttentionCache`, never a re-run of the prefix. docs/transformer.md has the
+:class:`keyfold.nn.AttentionCache` (a :class:`keyfold.caches.KVCache` with a batch reorder for
+the beams), never a re-run of the prefix. docs/transformer.md has the
 details and the measured numbers.
 """
 
@@ -122,7 +123,7 @@ class Transformer(nn.Module):
         return self.embed.logits(self.dec_norm(x))
 
     def new_caches(self):
-        return [(AttentionCache(), AttentionCache(static=True)) for _ in self.decoder]
+        return [(AttentionCache(capacity=self.cfg.max_len), AttentionCache(static=True)) for _ in self.decoder]
 
     def forward(self, src, tgt_in):
         memory, src_mask = self.encode(src)
@@ -151,7 +152,7 @@ class TransformerLM(nn.Module):
         return self.embed.logits(self.dec_norm(x))
 
     def new_caches(self):
-        return [(AttentionCache(), None) for _ in self.decoder]
+        return [(AttentionCache(capacity=self.cfg.max_len), None) for _ in self.decoder]
 
 
 # ------------------------------------------------------------------------------ decoding
