@@ -204,6 +204,11 @@ def attend_cache(q, cache: Cache, *, mask=None, score=None, scale=None, seq_ids=
         st = _whole_batch(q, cache, scale, splits, backend)
         if st is not None:
             return st
+    return _attend_groups(q, cache, mask, score, scale, seq_ids, splits, backend)
+
+
+def _attend_groups(q, cache: Cache, mask, score, scale, seq_ids, splits, backend) -> State:
+    """The general path: check, ask the cache for its groups of rows and spans, attend, merge."""
     _check_q(q, cache.heads, cache.head_dim, "decode")
     _check_splits(splits)
     Nq = q.shape[2]
@@ -252,8 +257,7 @@ def decode(q, cache: Cache, *, mask=None, score=None, scale=None, seq_ids=None, 
     if mask is None and score is None and seq_ids is None and type(cache) is KVCache:
         st = _whole_batch(q, cache, scale, splits, backend)  # the hot path, without a second call
     if st is None:
-        st = attend_cache(q, cache, mask=mask, score=score, scale=scale, seq_ids=seq_ids, splits=splits,
-                          backend=backend)
+        st = _attend_groups(q, cache, mask, score, scale, seq_ids, splits, backend)
     out = st.out if st.out.dtype == q.dtype else st.out.to(q.dtype)
     return (out, st.lse) if return_lse else out
 
