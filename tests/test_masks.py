@@ -168,3 +168,17 @@ def test_callables_plan_once_unless_they_read_batch_or_head():
     for h in range(3):
         want = kf.attention(q[:, h:h + 1], k[:, h:h + 1], v[:, h:h + 1], mask=kf.causal() & kf.window(h))
         torch.testing.assert_close(out[:, h:h + 1], want, atol=1e-6, rtol=0)
+
+
+def test_narrow_windows_prefer_smaller_tiles():
+    """A band at most 256 keys wide plans on 128-tiles (half the wasted work of 256-tiles);
+    wider bands and other masks keep the default, and a block_sparse block still wins."""
+    import keyfold as kf
+    from keyfold.planner import plan
+    assert (kf.causal() & kf.window(256)).preferred_block() == 128
+    assert (kf.causal() & (kf.window(256) | kf.sinks(4))).preferred_block() == 128
+    assert kf.window(1024).preferred_block() is None and kf.causal().preferred_block() is None
+    layout = torch.ones(4, 4, dtype=torch.bool)
+    assert (kf.window(256) & kf.block_sparse(layout, 64)).preferred_block() == 64
+    narrow, wide = plan(kf.causal() & kf.window(256), 1024, 1024), plan(kf.causal() & kf.window(1024), 1024, 1024)
+    assert sum(narrow.counts().values()) == 64 and sum(wide.counts().values()) == 16  # 8x8 vs 4x4 tiles
