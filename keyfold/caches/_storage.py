@@ -13,6 +13,7 @@ construction. Anywhere else (CUDA, other systems, THP "never", small buffers), `
 
 from __future__ import annotations
 
+import math
 import mmap
 import sys
 
@@ -40,10 +41,7 @@ _AVAILABLE = huge_pages_available()
 
 def zeros(*shape: int, dtype: torch.dtype, device=None) -> torch.Tensor:
     """``torch.zeros(*shape, dtype=dtype, device=device)``, on huge pages for large CPU buffers."""
-    n = 1
-    for s in shape:
-        n *= s
-    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if not _AVAILABLE or nbytes < _HUGE or torch.device(device or "cpu").type != "cpu":
         return torch.zeros(*shape, dtype=dtype, device=device)
     try:
@@ -51,7 +49,6 @@ def zeros(*shape: int, dtype: torch.dtype, device=None) -> torch.Tensor:
         buf.madvise(mmap.MADV_HUGEPAGE)
     except (OSError, ValueError):
         return torch.zeros(*shape, dtype=dtype, device=device)
-    # start on a 2 MiB boundary, so every whole huge page of the buffer can be one
-    base = torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr()
-    pad = -base % _HUGE
-    return torch.frombuffer(buf, dtype=dtype, count=n, offset=pad).view(*shape)
+    raw = torch.frombuffer(buf, dtype=torch.uint8)  # keeps the mapping alive as long as any view
+    pad = -raw.data_ptr() % _HUGE  # start on a 2 MiB boundary, so every whole huge page can be one
+    return raw[pad:pad + nbytes].view(dtype).view(*shape)

@@ -50,6 +50,14 @@ def _threads(device: torch.device) -> int:
     return torch.get_num_threads()
 
 
+def _auto_splits(n_keys: int, tasks: int, q: torch.Tensor) -> int:
+    """:func:`choose_splits` for a span read by ``q``; a span too short to split answers 1 without
+    asking the device for its threads (this runs on every decoding step)."""
+    if n_keys < 2 * MIN_CHUNK:
+        return 1
+    return choose_splits(n_keys, tasks, _threads(q.device))
+
+
 # ------------------------------------------------------------------------- one span
 
 
@@ -99,8 +107,8 @@ def _span_states(q, span: Span, mask, score, scale, q_offset, splits, backend) -
     b, Hq = q.shape[:2]
     n = span.n
     free = mask is None and score is None
-    if splits is None:  # (a short span never splits: skip asking for the threads)
-        s = choose_splits(n, b * span.k.shape[1], _threads(q.device)) if free and n >= 2 * MIN_CHUNK else 1
+    if splits is None:
+        s = _auto_splits(n, b * span.k.shape[1], q) if free else 1
     else:
         s = min(splits, n)
     if s <= 1:
@@ -190,7 +198,7 @@ def _whole_batch(q, cache: KVCache, scale, splits, backend) -> State | None:
             or not 0 < shape[2] <= L:
         return None
     if splits is None:
-        if L >= 2 * MIN_CHUNK and choose_splits(L, cache.batch * cache.heads, _threads(q.device)) > 1:
+        if _auto_splits(L, cache.batch * cache.heads, q) > 1:
             return None
     elif type(splits) is not int or splits != 1:
         return None
@@ -253,11 +261,8 @@ def decode(q, cache: Cache, *, mask=None, score=None, scale=None, seq_ids=None, 
     >>> torch.allclose(decode(q, cache), keyfold.attention(q, k, v), atol=1e-6)
     True
     """
-    st = None
-    if mask is None and score is None and seq_ids is None and type(cache) is KVCache:
-        st = _whole_batch(q, cache, scale, splits, backend)  # the hot path, without a second call
-    if st is None:
-        st = _attend_groups(q, cache, mask, score, scale, seq_ids, splits, backend)
+    st = attend_cache(q, cache, mask=mask, score=score, scale=scale, seq_ids=seq_ids, splits=splits,
+                      backend=backend)
     out = st.out if st.out.dtype == q.dtype else st.out.to(q.dtype)
     return (out, st.lse) if return_lse else out
 
