@@ -14,12 +14,12 @@ COMMANDS = {
     ("plan",): ("keyfold.tour:plan_main", "draw the block plan of a preset mask"),
     ("bench", "kernels"): ("keyfold.bench.kernels:main", "CPU kernels vs SDPA and compiled FlexAttention"),
     ("bench", "decode"): ("keyfold.bench.decode:main", "KV-cache decoding, paged, cascade, window cache"),
-    ("bench", "toolbox"): ("keyfold.toolbox.bench:main", "attention beside GRU/LSTM/TCN/linear attention/S4D"),
+    ("bench", "toolbox"): ("keyfold.apps.toolbox.bench:main", "attention beside GRU/LSTM/TCN/linear attention/S4D"),
     ("costs",): ("keyfold.distributed.costs:main", "context-parallel cost model table"),
-    ("train", "translate"): ("keyfold.models.train:main", "train the Transformer on German-English"),
-    ("translate",): ("keyfold.models.translate:main", "translate with a checkpoint, or evaluate on the test split"),
-    ("verify",): ("keyfold.verify.report:main", "error bounds, certified bounds, streaming, fuzzing"),
-    ("control", "bench"): ("keyfold.control.bench:main", "predictors in a safe real-time closed loop"),
+    ("train", "translate"): ("keyfold.apps.translate.train:main", "train the Transformer on German-English"),
+    ("translate",): ("keyfold.apps.translate.translate:main", "translate with a checkpoint, or evaluate on the test split"),
+    ("verify",): ("keyfold.apps.verify.report:main", "error bounds, certified bounds, streaming, fuzzing"),
+    ("control", "bench"): ("keyfold.apps.control.bench:main", "predictors in a safe real-time closed loop"),
 }
 
 

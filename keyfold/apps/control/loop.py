@@ -1,0 +1,220 @@
+"""The real-time loop: a fixed control period, every step timed on an injectable clock.
+
+One step at time k, all inside the timed region:
+
+1. measure ``x_k``; compute the fallback, the previous certified plan shifted (cheap, no solver);
+2. the controller proposes an action (e.g. MPC over a learned predictor);
+3. the safety filter certifies it or the nearest input it can certify (a small QP).
+
+If the step took longer than its deadline it *missed*: the fallback is applied instead (the
+shifted plan certified at the previous step) and the miss is counted. The plant is simulated, so
+the loop does not sleep out the rest of the period; only compute time is measured. Tests inject a
+:class:`FakeClock` and a controller that advances it, so nothing depends on real timing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .controllers import Controller
+from .plants import Disturbance, Plant
+from .safety import FilterConfigError, Plan, SafetyFilter, Source
+
+__all__ = ["Clock", "WallClock", "FakeClock", "LoopConfig", "LoopResult", "run_loop", "square_reference"]
+
+
+class Clock:
+    """Seconds from an arbitrary origin; only differences are used."""
+
+    def now(self) -> float:
+        raise NotImplementedError
+
+
+class WallClock(Clock):
+    def now(self) -> float:
+        return time.perf_counter()
+
+
+class FakeClock(Clock):
+    """A clock that moves only when told to (tests)."""
+
+    def __init__(self, t: float = 0.0):
+        self.t = t
+
+    def now(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """One closed-loop run."""
+
+    steps: int = 200
+    filter_on: bool = True
+    deadline: float | None = None          # compute budget per step (s); None = the plant's period
+    disturbance: Disturbance = Disturbance.UNIFORM
+    seed: int = 0
+
+
+@dataclass(eq=False)
+class LoopResult:
+    """Everything one run logged. T = steps.
+
+    states ``(T + 1, n_x)``, inputs ``(T, n_u)`` applied, proposals ``(T, n_u)`` (projected on the
+    input box), reference ``(T + 1,)``, latency ``(T,)`` seconds per step and filter_latency ``(T,)``
+    the filter's share of it (0 with the filter off), sources (T :class:`Source`),
+    disturbance ``(T, n_x)`` measured ``x+ - (A x + B u)``, w_bar ``(n_x,)``, violation ``(T + 1,)``
+    distance outside the state limits (0 inside), input_lo / input_hi the input box."""
+
+    plant: str
+    states: np.ndarray
+    inputs: np.ndarray
+    proposals: np.ndarray
+    reference: np.ndarray
+    latency: np.ndarray
+    filter_latency: np.ndarray
+    sources: list
+    disturbance: np.ndarray
+    w_bar: np.ndarray
+    violation: np.ndarray
+    deadline: float
+    tracked: int
+    input_lo: np.ndarray
+    input_hi: np.ndarray
+    extra: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        """The numbers the benchmark reports for this run."""
+        corr = np.abs(self.inputs - self.proposals).max(axis=1)
+        counts = Counter(s.value for s in self.sources)
+        # an intervention: the filter changed a proposal that arrived in time
+        intervened = np.array([s is Source.CORRECTED for s in self.sources], dtype=bool)
+        inside = self.violation[:-1] == 0       # the W bound is claimed only while x is inside X
+        ratio = np.abs(self.disturbance[inside]) / np.maximum(self.w_bar, 1e-300)
+        return {
+            "tracking_mse": float(np.mean((self.states[1:, self.tracked] - self.reference[1:]) ** 2)),
+            "violations": int(np.count_nonzero(self.violation > 0)),
+            "max_violation": float(self.violation.max()),
+            "input_violations": int(np.count_nonzero(((self.inputs < self.input_lo) | (self.inputs > self.input_hi)).any(1))),
+            "interventions": int(np.count_nonzero(intervened)),
+            "mean_correction": float(corr[intervened].mean()) if intervened.any() else 0.0,
+            "max_correction": float(corr[intervened].max()) if intervened.any() else 0.0,
+            "deadline_misses": int(counts.get(Source.DEADLINE.value, 0)),
+            "solver_fallbacks": int(counts.get(Source.FALLBACK.value, 0)),
+            "uncertified": int(counts.get(Source.UNCERTIFIED.value, 0)),
+            "latency_p50_ms": float(np.percentile(self.latency, 50) * 1e3),
+            "latency_p99_ms": float(np.percentile(self.latency, 99) * 1e3),
+            "latency_max_ms": float(self.latency.max() * 1e3),
+            "filter_p50_ms": float(np.percentile(self.filter_latency, 50) * 1e3),
+            "filter_p99_ms": float(np.percentile(self.filter_latency, 99) * 1e3),
+            "max_disturbance_ratio": float(ratio.max()) if ratio.size else 0.0,
+            "steps": int(len(self.inputs)),
+        }
+
+
+def square_reference(steps: int, amplitude: float, period: int, horizon: int = 0) -> np.ndarray:
+    """A square wave ``+-amplitude`` (first half-period 0), ``(steps + horizon + 1,)``."""
+    k = np.arange(steps + horizon + 1)
+    wave = np.where((k // (period // 2)) % 2 == 0, amplitude, -amplitude)
+    wave[: period // 4] = 0.0
+    return wave.astype(np.float64)
+
+
+def _preflight(plant: Plant, controller: Controller, reference: np.ndarray, config: LoopConfig,
+               safety: SafetyFilter | None) -> Plan | None:
+    """Every configuration error, raised before the first step."""
+    if config.steps < 1:
+        raise ValueError(f"LoopConfig.steps must be >= 1, got {config.steps}")
+    if config.deadline is not None and not config.deadline > 0:
+        raise ValueError(f"LoopConfig.deadline must be > 0 seconds (or None for the period), got {config.deadline}")
+    if len(reference) < config.steps + controller.horizon + 1:
+        raise ValueError(f"reference has {len(reference)} entries; the loop needs steps + horizon + 1 = "
+                         f"{config.steps + controller.horizon + 1} (see square_reference)")
+    if not plant.state_limits.contains(plant.x0):
+        rows = np.nonzero(plant.state_limits.margins(plant.x0) < 0)[0].tolist()
+        raise FilterConfigError(f"the initial state x0={plant.x0} violates the state limits (rows {rows}); "
+                                f"start inside the limits or widen them")
+    if config.filter_on:
+        if safety is None:
+            raise ValueError("filter_on=True needs a SafetyFilter (SafetyFilter.from_plant(plant))")
+        if (safety.n_x, safety.n_u) != (plant.n_x, plant.n_u):
+            raise ValueError(f"the safety filter is for n_x={safety.n_x}, n_u={safety.n_u} but the plant has "
+                             f"n_x={plant.n_x}, n_u={plant.n_u}; build it with SafetyFilter.from_plant(plant)")
+        return safety.initial_plan(plant.x0)
+    return None
+
+
+def run_loop(plant: Plant, controller: Controller, reference: np.ndarray, config: LoopConfig = LoopConfig(),
+             safety: SafetyFilter | None = None, clock: Clock | None = None) -> LoopResult:
+    """Run the closed loop for ``config.steps`` periods and log everything.
+
+    Raises ``FilterConfigError`` / ``ValueError`` before the first step if the configuration
+    cannot work (initial state outside the limits or the filter's feasible set, a disturbance
+    bound the limits cannot absorb, a short reference). Reproducible from ``config.seed`` when
+    the clock is deterministic (with a wall clock, deadline misses depend on the machine).
+
+    >>> from keyfold.apps.control import SafetyFilter, WorstActionController, make_plant
+    >>> plant = make_plant("msd")
+    >>> adversary = WorstActionController(plant.A, plant.B, plant.state_limits, plant.input_limits)
+    >>> res = run_loop(plant, adversary, np.zeros(52), LoopConfig(steps=50), SafetyFilter.from_plant(plant),
+    ...                FakeClock())
+    >>> res.summary()["violations"], res.summary()["interventions"] > 0
+    (0, True)
+    """
+    plan = _preflight(plant, controller, reference, config, safety)
+    clock = clock or WallClock()
+    deadline = plant.dt if config.deadline is None else config.deadline
+    rng = np.random.default_rng(config.seed)
+    controller.reset(config.seed + 1)
+    T, n_x, n_u, L = config.steps, plant.n_x, plant.n_u, max(controller.window, 1)
+    X = np.empty((T + 1, n_x))
+    U, P, W = np.empty((T, n_u)), np.empty((T, n_u)), np.empty((T, n_x))
+    lat, filt, sources = np.empty(T), np.zeros(T), []
+    X[0] = plant.x0
+    x = plant.x0.copy()
+    x_hist = np.repeat(x[None], L, 0)                     # (L, n_x), padded with x0
+    u_hist = np.zeros((L - 1, n_u))                       # (L - 1, n_u)
+    last_plan = np.zeros((1, n_u))                        # the controller's previous plan
+    for k in range(T):
+        t0 = clock.now()
+        fallback = None
+        if config.filter_on:
+            fallback = plan if k == 0 else safety.shift(plan, x)
+        proposal = np.atleast_2d(controller.propose(x_hist, u_hist, reference[k + 1:k + 1 + controller.horizon]))
+        u_prop = plant.input_limits.project(proposal[0])
+        if config.filter_on:
+            t1 = clock.now()
+            u, new_plan, src = safety.filter(x, u_prop, fallback)
+            filt[k] = clock.now() - t1
+        else:
+            u, src = u_prop, Source.UNFILTERED
+        lat[k] = clock.now() - t0
+        if lat[k] > deadline:                             # missed: apply what was certified before
+            if config.filter_on:
+                new_plan = fallback
+                u, src = fallback.v[0].copy(), Source.DEADLINE if fallback.certified else Source.UNCERTIFIED
+            else:
+                last_plan = last_plan[1:] if len(last_plan) > 1 else last_plan   # shift the old plan
+                u, src = plant.input_limits.project(last_plan[0]), Source.DEADLINE
+        else:
+            last_plan = proposal
+        if config.filter_on:
+            plan = new_plan
+        x_new = plant.step(x, u, plant.sample_noise(rng, config.disturbance, x))
+        U[k], P[k], W[k] = u, u_prop, x_new - plant.A @ x - plant.B @ u
+        sources.append(src)
+        x = x_new
+        X[k + 1] = x
+        x_hist = np.vstack([x_hist[1:], x[None]])
+        u_hist = np.vstack([u_hist[1:], u[None]]) if L > 1 else u_hist
+    return LoopResult(plant=plant.name, states=X, inputs=U, proposals=P, reference=reference[:T + 1].copy(),
+                      latency=lat, filter_latency=filt, sources=sources, disturbance=W, w_bar=plant.disturbance_bound(),
+                      violation=plant.state_limits.violation(X), deadline=deadline, tracked=plant.tracked,
+                      input_lo=plant.input_limits.lo, input_hi=plant.input_limits.hi)

@@ -1,0 +1,378 @@
+"""The Transformer on keyfold: MultiheadAttention vs torch's, decoding, overfitting, resuming."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import keyfold
+from keyfold import nn as knn
+from keyfold.apps.translate import train as T
+from keyfold.apps.translate.data import BOS, EOS, PAD
+from keyfold.apps.translate.transformer import (MODEL_CONFIGS, Transformer, TransformerLM, beam_search, greedy,
+                                        length_penalty)
+
+TINY = MODEL_CONFIGS["tiny"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One torch thread: on the shared 2-core machine two threads ran these small ops 6x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ------------------------------------------------------------------- MultiheadAttention
+
+
+def _pair(E, H, bias=True):
+    ref = torch.nn.MultiheadAttention(E, H, bias=bias, batch_first=True)
+    ours = knn.MultiheadAttention(E, H, bias=bias)
+    ours.load_state_dict(ref.state_dict())
+    return ref, ours
+
+
+def _masks(draw, B, L, S, self_attn):
+    """torch-style masks (True = masked out) that leave every query row at least one key."""
+    kind = draw(st.sampled_from(["none", "pad_suffix", "pad_any", "bool", "float", "causal"]
+                                if self_attn else ["none", "pad_suffix", "pad_any", "bool", "float"]))
+    kw = {}
+    if kind.startswith("pad"):
+        kpm = torch.zeros(B, S, dtype=torch.bool)
+        for b in range(B):
+            if kind == "pad_suffix":
+                kpm[b, draw(st.integers(1, S)):] = True
+            else:
+                kpm[b] = torch.tensor(draw(st.lists(st.booleans(), min_size=S, max_size=S)))
+                kpm[b, draw(st.integers(0, S - 1))] = False
+        kw["key_padding_mask"] = kpm
+    elif kind == "bool":
+        m = torch.rand(L, S) < 0.4
+        m[torch.arange(L), torch.randint(0, S, (L,))] = False
+        kw["attn_mask"] = m
+    elif kind == "float":
+        kw["attn_mask"] = torch.randn(L, S)
+    elif kind == "causal":
+        kw["is_causal"] = True
+    return kind, kw
+
+
+@st.composite
+def mha_cases(draw):
+    B, H = draw(st.integers(1, 3)), draw(st.sampled_from([1, 2, 4]))
+    E = H * draw(st.sampled_from([4, 8]))
+    L = draw(st.integers(1, 9))
+    self_attn = draw(st.booleans())
+    S = L if self_attn else draw(st.integers(1, 11))
+    kind, kw = _masks(draw, B, L, S, self_attn)
+    return B, H, E, L, S, self_attn, kind, kw
+
+
+def _torch_kwargs(kw, L):
+    kw = dict(kw)
+    if kw.pop("is_causal", False):  # torch wants the mask too when is_causal is set
+        kw["attn_mask"], kw["is_causal"] = torch.triu(torch.ones(L, L, dtype=torch.bool), 1), True
+    return kw
+
+
+@settings(max_examples=20)
+@given(mha_cases())
+def test_multihead_attention_equals_torch_with_the_same_weights(case):
+    """Forward and input gradients within the correctness rule against torch's module in float64."""
+    B, H, E, L, S, self_attn, kind, kw = case
+    ref, ours = _pair(E, H)
+    x = torch.randn(B, L, E, requires_grad=True)
+    mem = x if self_attn else torch.randn(B, S, E, requires_grad=True)
+    ref64 = torch.nn.MultiheadAttention(E, H, batch_first=True).double()
+    ref64.load_state_dict({k: v.double() for k, v in ref.state_dict().items()})
+    tk = _torch_kwargs(kw, L)
+    tk64 = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in tk.items()}
+    x64 = x.detach().double().requires_grad_()
+    mem64 = x64 if self_attn else mem.detach().double().requires_grad_()
+    want, _ = ref64(x64, mem64, mem64, need_weights=False, **tk64)
+    naive, _ = ref(x, mem, mem, need_weights=False, **tk)
+    got, w = ours(x, mem, mem, **kw)
+    assert w is None and got.shape == want.shape
+    g = torch.randn_like(want)
+    err = (got.double() - want).abs().max().item()
+    err_naive = (naive.double() - want).abs().max().item()
+    assert err <= 2 * err_naive + 1e-6, (kind, err, err_naive)
+    ins, ins64 = ([x], [x64]) if self_attn else ([x, mem], [x64, mem64])
+    d_got = torch.autograd.grad(got, ins, g.float())
+    d_naive = torch.autograd.grad(naive, ins, g.float())
+    d_want = torch.autograd.grad(want, ins64, g)
+    for a, n, r in zip(d_got, d_naive, d_want):
+        e, en = (a.double() - r).abs().max().item(), (n.double() - r).abs().max().item()
+        assert e <= 3 * en + 1e-6, (kind, e, en)
+
+
+def test_fully_padded_row_gives_zero_not_nan():
+    ref, ours = _pair(8, 2, bias=False)
+    x = torch.randn(2, 3, 8)
+    kpm = torch.tensor([[True, True, True, True], [False, False, True, True]])
+    mem = torch.randn(2, 4, 8)
+    out, _ = ours(x, mem, mem, key_padding_mask=kpm)
+    assert torch.equal(out[0], torch.zeros(3, 8))      # every key of row 0 is padding
+    assert torch.isnan(ref(x, mem, mem, key_padding_mask=kpm)[0][0]).all()  # torch gives NaN there
+
+
+def test_key_padding_becomes_a_small_hashable_mask():
+    suffix = torch.tensor([[False, False, True], [False, True, True]])
+    m = knn.key_padding_to_mask(suffix)
+    assert "sinks" in repr(m) and m == knn.key_padding_to_mask(suffix.clone())  # hashes by content
+    holes = torch.tensor([[False, True, False]])
+    m2 = knn.key_padding_to_mask(holes, n_queries=5)
+    assert "documents" in repr(m2)
+    dense = m2.to_dense(5, 3, q_offset=0, B=1)
+    assert dense.reshape(5, 3).tolist() == [[True, False, True]] * 5
+
+
+def test_settings_and_bad_input_errors():
+    with pytest.raises(ValueError, match="dropout"):
+        knn.MultiheadAttention(8, 2, dropout=0.1)
+    mha = knn.MultiheadAttention(8, 2, mask=keyfold.causal() & keyfold.window(1))
+    x = torch.randn(1, 5, 8)
+    with pytest.raises(ValueError, match="need_weights"):
+        mha(x, x, x, need_weights=True)
+    with pytest.raises(TypeError, match="bool"):
+        mha(x, x, x, key_padding_mask=torch.zeros(1, 5))
+    # the mask setting is the same as passing the keyfold mask per call
+    plain = knn.MultiheadAttention(8, 2)
+    plain.load_state_dict(mha.state_dict())
+    dense = ~(keyfold.causal() & keyfold.window(1)).to_dense(5, 5)
+    assert torch.allclose(mha(x, x, x)[0], plain(x, x, x, attn_mask=dense)[0], atol=1e-6)
+
+
+def test_separate_kdim_vdim_match_torch():
+    ref = torch.nn.MultiheadAttention(8, 2, kdim=5, vdim=3, batch_first=True)
+    ours = knn.MultiheadAttention(8, 2, kdim=5, vdim=3)
+    ours.load_state_dict(ref.state_dict())
+    q, k, v = torch.randn(2, 4, 8), torch.randn(2, 6, 5), torch.randn(2, 6, 3)
+    assert torch.allclose(ours(q, k, v)[0], ref(q, k, v, need_weights=False)[0], atol=1e-6)
+
+
+# ------------------------------------------------------------------------------ the model
+
+
+def test_shared_embedding_scaled_and_tied():
+    cfg = dataclasses.replace(TINY, vocab_size=50)
+    m = Transformer(cfg).eval()
+    vocab_mats = [n for n, p in m.named_parameters() if p.shape[0] == cfg.vocab_size]
+    assert vocab_mats == ["embed.weight"]                # one matrix: source, target, output
+    tok = torch.tensor([[5, 6]])
+    x = m.embed(tok)
+    assert torch.allclose(x, m.embed.weight[tok] * math.sqrt(cfg.d_model) + m.embed.pe[:2])
+    h = torch.randn(1, 2, cfg.d_model)
+    assert torch.equal(m.embed.logits(h), h @ m.embed.weight.t())  # output projection unscaled
+
+
+def test_pre_ln_option_and_lm_config_run():
+    cfg = dataclasses.replace(TINY, norm_first=True)
+    assert Transformer(cfg)(torch.tensor([[5, 3]]), torch.tensor([[2, 7, 8]])).shape == (1, 3, TINY.vocab_size)
+    lm = TransformerLM(dataclasses.replace(TINY, n_encoder_layers=0)).eval()
+    toks = torch.randint(4, TINY.vocab_size, (2, 7))
+    full = lm(toks)
+    caches = lm.new_caches()
+    steps = torch.cat([lm(toks[:, t:t + 1], caches, offset=t) for t in range(7)], 1)
+    assert torch.allclose(full, steps, atol=1e-5)      # incremental LM == full forward
+
+
+def _handful():
+    g = torch.Generator().manual_seed(1)
+    pairs = []
+    for n in (3, 4, 5, 3, 6, 4):
+        src = torch.randint(4, TINY.vocab_size, (n,), generator=g).tolist() + [EOS]
+        tgt = [BOS] + torch.randint(4, TINY.vocab_size, (n,), generator=g).tolist() + [EOS]
+        pairs.append((src, tgt))
+    return pairs
+
+
+@pytest.fixture(scope="module")
+def overfit():
+    """A tiny model trained to memorise six random pairs (150 full-batch Adam steps)."""
+    torch.manual_seed(0)
+    pairs = _handful()
+    cfg = dataclasses.replace(TINY, dropout=0.0)
+    m = Transformer(cfg)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2, betas=(0.9, 0.98), eps=1e-9)
+    src, tgt = T.collate(pairs, list(range(len(pairs))))
+    lossf = torch.nn.CrossEntropyLoss(ignore_index=PAD)
+    for _ in range(150):
+        logits = m(src, tgt[:, :-1])
+        loss = lossf(logits.reshape(-1, cfg.vocab_size), tgt[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return m.eval(), pairs, src
+
+
+def _novel_sources(seed, B=4, S=6):
+    """Sources the model never saw (its outputs branch more), with ragged padding."""
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(4, TINY.vocab_size, (B, S), generator=g)
+    src[:, -1] = EOS
+    src[0, 3:] = PAD
+    src[0, 2] = EOS
+    return src
+
+
+def test_tiny_model_overfits_a_handful_of_pairs(overfit):
+    m, pairs, src = overfit
+    out = greedy(m, src, max_len=10)
+    for row, (_, t) in zip(out.tolist(), pairs):
+        assert row[:len(t) - 1] == t[1:]                 # every target reproduced, EOS included
+    best = beam_search(m, src, beam=4, max_len=10)
+    for row, (_, t) in zip(best.tolist(), pairs):
+        assert row[:len(t) - 1] == t[1:]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cached_decoding_equals_full_redecoding(overfit, seed):
+    m, _, train_src = overfit
+    for src in (train_src, _novel_sources(seed)):
+        a = greedy(m, src, max_len=9)
+        assert torch.equal(a, greedy(m, src, max_len=9, use_cache=False))
+        assert len(set(a.flatten().tolist())) > 3        # real, varied sequences, not one repeated token
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_beam_one_equals_greedy(overfit, seed):
+    m, _, train_src = overfit
+    for src in (train_src, _novel_sources(seed)):
+        assert torch.equal(beam_search(m, src, beam=1, max_len=9), greedy(m, src, max_len=9))
+
+
+def test_attention_cache_grows_reorders_and_decodes_like_attention():
+    """The layer cache is a KVCache: it doubles when full, reorders rows for beams, and a cached
+    step equals attention over the keys it holds (the model's decoding rests on all three)."""
+    from keyfold.nn import AttentionCache, MultiheadAttention
+    torch.manual_seed(0)
+    mha = MultiheadAttention(16, 4).eval()
+    x = torch.randn(3, 9, 16)
+    cache = AttentionCache(capacity=2)
+    with torch.no_grad():
+        steps = [mha(x[:, t:t + 1], x[:, t:t + 1], x[:, t:t + 1], cache=cache)[0] for t in range(9)]
+        full = mha(x, x, x, is_causal=True)[0]
+    assert cache.kv.capacity >= 9 and cache.length == 9
+    assert (torch.cat(steps, 1) - full).abs().max() < 1e-5
+    held_k = cache.k.clone()
+    cache.reorder(torch.tensor([2, 2, 0]))
+    assert torch.equal(cache.k, held_k[[2, 2, 0]]) and cache.kv.lengths == (9, 9, 9)
+    with pytest.raises(ValueError, match="index"):
+        cache.reorder(torch.tensor([0, 3, 1]))
+    assert torch.equal(cache.k, held_k[[2, 2, 0]])  # unchanged by the bad call
+
+
+def test_length_penalty_and_beam_output():
+    assert length_penalty(torch.tensor(1), 0.6).item() == pytest.approx((6 / 6) ** 0.6)
+    assert length_penalty(torch.tensor(7), 0.6).item() == pytest.approx((12 / 6) ** 0.6)
+
+
+# ---------------------------------------------------------------------------- training
+
+
+def _synthetic_pairs(n=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        k = int(torch.randint(2, 6, (1,), generator=g))
+        s = torch.randint(4, TINY.vocab_size, (k,), generator=g).tolist()
+        out.append((s + [EOS], [BOS] + [(t * 7) % (TINY.vocab_size - 4) + 4 for t in s] + [EOS]))
+    return out
+
+
+def _log(run_dir):
+    return [json.loads(ln) for ln in (run_dir / "log.jsonl").read_text().splitlines()]
+
+
+def test_learning_rate_is_warmup_then_inverse_sqrt():
+    cfg = T.TrainConfig(warmup=100)
+    lrs = [T.learning_rate(s, 512, cfg) for s in (1, 50, 100, 400)]
+    assert lrs[0] < lrs[1] < lrs[2] and lrs[3] == pytest.approx(lrs[2] / 2)
+    assert lrs[2] == pytest.approx(512 ** -0.5 * 100 ** -0.5)
+
+
+def test_resume_continues_the_same_loss_curve(tmp_path):
+    from safetensors.torch import load_file
+
+    cfg = dataclasses.replace(T.TRAIN_CONFIGS["tiny"], steps=12, checkpoint_every=5, eval_every=4)
+    pairs, valid = _synthetic_pairs(), _synthetic_pairs(8, seed=1)
+    whole = T.train(cfg, TINY, tmp_path / "a", pairs, valid, progress=False)
+    # a run that dies after step 7: its last checkpoint is step 5, steps 6-7 were logged and are lost
+    T.train(cfg, TINY, tmp_path / "b", pairs, valid, stop_after=5, progress=False)
+    with open(tmp_path / "b" / "log.jsonl", "a") as f:
+        for step in (6, 7):
+            f.write(json.dumps({"step": step, "loss": -1.0, "tokens": 0, "time": 0.0}) + "\n")
+    meta = json.loads((tmp_path / "b" / "checkpoint.json").read_text())
+    assert meta["step"] == 5 and meta["model_config"] == dataclasses.asdict(TINY)
+    tensors = load_file(str(tmp_path / "b" / meta["weights"]))
+    assert "rng.torch" in tensors and any(k.endswith(".exp_avg_sq") for k in tensors)
+    resumed = T.train(cfg, TINY, tmp_path / "b", pairs, valid, progress=False)
+    curve = lambda run: [(r["step"], r["loss"], r.get("valid_loss")) for r in _log(tmp_path / run)]  # noqa: E731
+    assert curve("b") == curve("a") and len(curve("a")) == 12   # bit-identical, no lost or repeated step
+    for (n, p), q in zip(whole.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), n
+    assert not list((tmp_path / "b").glob("*.tmp"))             # atomic writes leave no temp files
+
+
+class _CharTok:
+    """A stand-in tokenizer: one id per character."""
+
+    def encode(self, texts):
+        return [[4 + (ord(c) % 50) for c in t] for t in texts]
+
+
+def test_encode_pairs_and_batches_are_deterministic():
+    from keyfold.apps.translate.data import Example
+
+    exs = [Example("Bank", ("bank", "bench")), Example("Haus", ("house",))]
+    every = T.encode_pairs(exs, _CharTok(), 64)
+    first = T.encode_pairs(exs, _CharTok(), 64, translations=1)
+    assert len(every) == 3 and len(first) == 2
+    src, tgt = every[1]
+    assert src[-1] == EOS and tgt[0] == BOS and tgt[-1] == EOS and len(tgt) == len("bench") + 2
+    pairs = _synthetic_pairs(200)
+    a = T.make_batches(pairs, 40, seed=3, epoch=1)
+    assert a == T.make_batches(pairs, 40, seed=3, epoch=1) != T.make_batches(pairs, 40, seed=3, epoch=2)
+    assert sorted(i for b in a for i in b) == list(range(200))           # every pair once per epoch
+    assert all(len(b) * max(max(map(len, pairs[i])) for i in b) <= 40 for b in a if len(b) > 1)
+
+
+def test_command_line_prepare_train_resume_translate(tmp_path, capsys):
+    """The three commands end to end on a small dictionary written here (no Debian package)."""
+    import importlib.util
+    import pathlib
+
+    from keyfold.apps.translate import translate as TR
+
+    spec = importlib.util.spec_from_file_location("_kf_test_data", pathlib.Path(__file__).with_name("test_data.py"))
+    td = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(td)  # the dictd writer and entries of tests/test_data.py
+    ENTRIES, write_dictd = td.ENTRIES, td.write_dictd
+
+    dict_dir = tmp_path / "dictd"
+    dict_dir.mkdir()
+    entries = ENTRIES + [(f"wort{i}", f"Wort{i} /v/ <n>\nword{i} <n>\n") for i in range(200)]
+    write_dictd(dict_dir, entries)
+    data_dir, run = tmp_path / "data", tmp_path / "run"
+    assert T.main(["--prepare", "--dict-dir", str(dict_dir), "--data", str(data_dir), "--vocab-size", "80"]) == 0
+    common = ["--config", "tiny", "--data", str(data_dir), "--run-dir", str(run)]
+    assert T.main(common + ["--steps", "6", "--stop-after", "3"]) == 0
+    assert json.loads((run / "checkpoint.json").read_text())["step"] == 3
+    assert T.main(common + ["--steps", "6"]) == 0            # resumes at step 3
+    assert "resumed" in capsys.readouterr().out
+    assert [r["step"] for r in _log(run)] == [1, 2, 3, 4, 5, 6]
+    out = tmp_path / "results"
+    assert TR.main(["--checkpoint", str(run), "--data", str(data_dir), "--test", "--out", str(out),
+                    "--beam", "2", "Wort3"]) == 0
+    res = json.loads((out / "translate.json").read_text())
+    assert set(res["systems"]) == {"transformer", "copy source", "word by word"}
+    assert res["cache_check"]["identical"] and (out / "translate.png").stat().st_size > 0
+    with pytest.raises(FileNotFoundError, match="pass the run folder"):
+        TR.load_checkpoint(tmp_path / "nothing")
