@@ -571,6 +571,13 @@ def check_mixer(mixer: "MixerSpec | nn.Module", dim: int, *, batch: int = 2, seq
         got = tuple(full.shape) if isinstance(full, torch.Tensor) else type(full).__name__
         raise ValueError(f"mixer {name!r}: forward must map (B, N, dim) = {(batch, seq_len, dim)} to the same "
                          f"shape, got {got}")
+    scale = 1.0 + float(full.abs().max())
+    x2 = x.clone()
+    x2[:, -1] += 1.0
+    leak = float((m(x2)[:, :-1] - full[:, :-1]).abs().max()) if seq_len > 1 else 0.0
+    if not leak <= atol * scale:  # checked first: a mixer that peeks ahead cannot stream either
+        raise ValueError(f"mixer {name!r} is not causal: changing the last position moves earlier outputs "
+                         f"by {leak:.3g}; output t may depend on inputs 0..t only")
     st, ys = m.init_state(batch), []
     for t in range(seq_len):
         out = m.step(x[:, t], st)
@@ -579,14 +586,7 @@ def check_mixer(mixer: "MixerSpec | nn.Module", dim: int, *, batch: int = 2, seq
         y, st = out
         ys.append(y)
     stepped = torch.stack(ys, 1)
-    scale = 1.0 + float(full.abs().max())
     err = float((stepped - full).abs().max())
     if not err <= atol * scale:
         raise ValueError(f"mixer {name!r}: streaming step disagrees with the full-sequence forward by {err:.3g} "
                          f"(allowed {atol * scale:.3g}, float64); step over x[:, 0], x[:, 1], ... must equal mixer(x)")
-    x2 = x.clone()
-    x2[:, -1] += 1.0
-    leak = float((m(x2)[:, :-1] - full[:, :-1]).abs().max()) if seq_len > 1 else 0.0
-    if not leak <= atol * scale:
-        raise ValueError(f"mixer {name!r} is not causal: changing the last position moves earlier outputs "
-                         f"by {leak:.3g}")

@@ -323,28 +323,40 @@ def test_ucr_loader():
 
 
 def test_bench_tiny_preset_writes_honest_tables(tmp_path):
+    """The one end-to-end run of the bench in the suite (the tiny preset): tables, plots, the
+    budget rule's record (steps, why each run stopped, the curve) and the claim checks."""
     from keyfold.apps.toolbox import bench
 
     assert bench.main(["--tiny", "--out", str(tmp_path), "--no-progress"]) == 0
     result = json.loads((tmp_path / "toolbox.tiny.json").read_text())
-    assert (tmp_path / "toolbox.tiny.md").read_text().count("| attention |") >= 5
+    md = (tmp_path / "toolbox.tiny.md").read_text()
+    assert md.count("| attention |") >= 5
+    assert "## The cited papers' results, checked" in md and "Zoology" in md and "LTSF-Linear" in md
     assert (tmp_path / "toolbox.tiny.png").stat().st_size > 10_000
+    assert (tmp_path / "toolbox.tiny.curves.png").stat().st_size > 10_000
     rows = result["rows"]
     groups = {r["group"] for r in rows}
-    assert {"recall", "probe", "forecast"} <= groups
+    assert {"mqar", "recall", "probe", "forecast"} <= groups
     for r in rows:
         assert len(r["values"]) == (1 if r["mixer"] == "seasonal_naive" else 2)
         assert r["ci95"] >= 0 and math.isfinite(r["mean"])
         if r["metric"] == "accuracy":
             assert 0 <= r["mean"] <= 1
+        if r["mixer"] != "seasonal_naive":  # the budget rule's record
+            assert len(r["steps"]) == len(r["values"]) and all(1 <= s <= r["cap"] for s in r["steps"])
+            assert set(r["stops"]) <= {"plateau", "solved", "cap"}
+            assert r["curve"][0][0] == 0 and [c[0] for c in r["curve"]] == sorted(c[0] for c in r["curve"])
     by = {(r["task"], r["mixer"]): r for r in rows}
-    for task in {r["task"] for r in rows if r["group"] == "recall"}:
+    for task in {r["task"] for r in rows if r["group"] in ("mqar", "recall")}:
         assert set(m.value for m in MixerKind) <= {m for (t, m) in by if t == task}
         # streaming memory at the sequence's end: attention's k/v buffer vs a GRU's one vector
         assert by[(task, "attention")]["state_bytes"] > by[(task, "gru")]["state_bytes"]
         assert by[(task, "mlp")]["state_bytes"] == 0
     probe = [r for r in rows if r["group"] == "probe"]
     assert probe and all(r["trainable"] < r["params"] for r in probe)
+    ind = [r for r in rows if r["extra_tests"]]  # induction tested beyond its training length
+    assert {r["mixer"] for r in ind} == {m.value for m in MixerKind}
+    assert all(0 <= v["mean"] <= 1 for r in ind for v in r["extra_tests"].values())
 
 
 def test_interval_is_student_t():
