@@ -474,6 +474,7 @@ def _kind_name(kind) -> str:
 
 def _run_kind(prob: _Problem, kind, preset: Preset, bar) -> dict:
     """LR sweep on seed 0 (chosen on validation), then every seed at the chosen LR."""
+    t_row = time.perf_counter()
     learned = kind is not Baseline.SEASONAL_NAIVE
     lrs = prob.lrs if learned else (0.0,)
     sweep = {}
@@ -505,16 +506,23 @@ def _run_kind(prob: _Problem, kind, preset: Preset, bar) -> dict:
             "trainable": n_train, "train_s": statistics.fmean(i["seconds"] for i in infos),
             "steps": [i["steps"] for i in infos], "stops": [i["stop"] for i in infos],
             "cap": prob.cap if learned else 0, "curve": info0["curve"], "extra_tests": extra_tests,
-            **prob.extra, **_streaming(first, prob)}
+            **prob.extra, **_streaming(first, prob), "wall_s": time.perf_counter() - t_row}
+
+
+def _row_wall(r: dict) -> float:
+    """Seconds a saved row took (rows saved before ``wall_s`` existed: runs x mean run time)."""
+    return r.get("wall_s", r["train_s"] * (len(r["values"]) + len(r["val_by_lr"]) - 1))
 
 
 def run(preset: Preset, *, progress: bool = True, on_row: Callable[[dict], None] | None = None,
-        done: list[dict] = ()) -> dict:
+        done: list[dict] = (), groups: tuple[str, ...] | None = None) -> dict:
     """Run every problem of ``preset``; returns the JSON-ready result. ``on_row`` sees each
     finished (task, kind) row (the CLI appends it to a ``.partial.jsonl`` file); rows in ``done``
     (from an interrupted run of the same preset) are kept and not run again. Every run seeds its
     own data and initialisation, so a resumed run gives the same rows as an uninterrupted one.
-    A mixer of your own in ``preset.mixers`` is first held to :func:`check_mixer`."""
+    A mixer of your own in ``preset.mixers`` is first held to :func:`check_mixer`. ``groups``
+    keeps only those task groups (``mqar``, ``recall``, ``forecast``, ``classify``, ``probe``).
+    ``seconds`` counts this call plus the rows taken from ``done``."""
     finished = {(r["task"], r["mixer"]): r for r in done}
     from tqdm import tqdm
 
@@ -532,7 +540,7 @@ def run(preset: Preset, *, progress: bool = True, on_row: Callable[[dict], None]
     torch.set_num_threads(1)
     load0 = _loadavg()
     try:
-        probs = _problems(preset)
+        probs = [p for p in _problems(preset) if groups is None or p.group in groups]
         total = sum(len(p.lrs) + preset.seeds - 1 if k is not Baseline.SEASONAL_NAIVE else 1
                     for p in probs for k in p.kinds if (p.name, _kind_name(k)) not in finished)
         rows = []
@@ -547,7 +555,8 @@ def run(preset: Preset, *, progress: bool = True, on_row: Callable[[dict], None]
                     rows.append(_run_kind(prob, kind, preset, bar))
                     if on_row is not None:
                         on_row(rows[-1])
-        seconds = time.perf_counter() - t0
+        reused = sum(_row_wall(r) for r in rows if (r["task"], r["mixer"]) in finished)
+        seconds = time.perf_counter() - t0 + reused
     finally:
         torch.set_num_threads(threads)
     _add_ratios(rows)
@@ -971,6 +980,9 @@ def _bars(ax, rows, tasks, mixers, scale):
 # ---------------------------------------------------------------------------------- CLI
 
 
+_GROUPS = ("mqar", "recall", "forecast", "classify", "probe")
+
+
 def _stem(preset_name: str) -> str:
     return "toolbox" if preset_name == "full" else f"toolbox.{preset_name}"
 
@@ -987,6 +999,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated: built-in names and/or your own mixers as module.path:Name, "
                          "e.g. attention,gru,mypkg.mixers:MyMixer")
     ap.add_argument("--seeds", type=int, default=None, help="override the preset's seed count (>= 1)")
+    ap.add_argument("--tasks", default=None,
+                    help="comma-separated task groups to run: mqar, recall, forecast, classify, probe (default all)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--resume", action="store_true",
                     help="keep the rows an interrupted run saved (.partial.jsonl) and run the rest")
@@ -1001,6 +1015,12 @@ def main(argv: list[str] | None = None) -> int:
             preset = dataclasses.replace(preset, seeds=args.seeds)
     except ValueError as e:
         ap.error(f"--mixers/--seeds: {e}")
+    groups = None
+    if args.tasks:
+        groups = tuple(g.strip() for g in args.tasks.split(","))
+        unknown = set(groups) - set(_GROUPS)
+        if unknown:
+            ap.error(f"--tasks: unknown group(s) {sorted(unknown)}; choose from {', '.join(_GROUPS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     stem = _stem(preset.name)
     partial = args.out / f"{stem}.partial.jsonl"
@@ -1010,7 +1030,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [json.loads(line) for line in partial.read_text().splitlines() if line.strip()]
         _add_ratios(rows)
         result = {"preset": _preset_json(preset), "machine": _machine(None),
-                  "seconds": sum(r["train_s"] * (len(r["values"]) + len(r["val_by_lr"]) - 1) for r in rows),
+                  "seconds": sum(_row_wall(r) for r in rows),
                   "rows": rows, "incomplete": True}
         return _write(result, args.out, stem)
     done = []
@@ -1023,7 +1043,7 @@ def main(argv: list[str] | None = None) -> int:
         with partial.open("a") as f:
             f.write(json.dumps(row) + "\n")
 
-    result = run(preset, progress=not args.no_progress, on_row=save, done=done)
+    result = run(preset, progress=not args.no_progress, on_row=save, done=done, groups=groups)
     partial.unlink()
     return _write(result, args.out, stem)
 

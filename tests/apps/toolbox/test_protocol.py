@@ -112,7 +112,7 @@ def test_check_mixer_leaves_the_global_rng_alone():
 def test_own_mixer_through_the_bench(tmp_path):
     tiny = dataclasses.replace(B.PRESETS["tiny"], mixers=(MixerKind.ATTENTION, DecayMixer), forecast_sets=(),
                                ucr_sets=(), probe_widths=(), induction_factors=())
-    result = B.run(tiny, progress=False)
+    result = B.run(tiny, progress=False, groups=("mqar", "recall"))
     mixers = {r["mixer"] for r in result["rows"]}
     assert mixers == {"attention", "DecayMixer"}
     ours = [r for r in result["rows"] if r["mixer"] == "DecayMixer"]
@@ -134,6 +134,9 @@ def test_bench_cli_imports_a_mixer_by_path(tmp_path, capsys):
     with pytest.raises(SystemExit):
         B.main(["--tiny", "--out", str(tmp_path), "--seeds", "0"])
     assert "seeds must be a positive int" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        B.main(["--tiny", "--out", str(tmp_path), "--tasks", "mqar,weather"])
+    assert "--tasks: unknown group(s) ['weather']" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------- errors (regressions)
