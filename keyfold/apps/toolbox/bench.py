@@ -787,9 +787,9 @@ def _claims(rows: list[dict]) -> list[str]:
             out.append(f"- **Mamba (Gu & Dao 2023), selective copying**: time-invariant convolutions (S4D, TCN) fail "
                        f"where input-dependent mixing succeeds. {copy_[0]['task']}: {nums} %: "
                        f"**{'reproduces' if ok else 'does not reproduce'}**"
-                       + ("" if ok else " (at this short context a deep nonlinear convolution whose receptive field "
-                                        "covers the sequence can still place the tokens; the paper's contexts are "
-                                        "thousands of tokens long)") + ".")
+                       + ("" if ok else " (likely reason: at this short context a deep nonlinear convolution whose "
+                                        "receptive field covers the sequence can still place the tokens; the "
+                                        "paper's contexts are thousands of tokens long)") + ".")
     ind = [r for r in rows if r.get("extra_tests")]
     a = next((r for r in ind if r["mixer"] == "attention"), None)
     if a:
@@ -841,8 +841,9 @@ def _claims(rows: list[dict]) -> list[str]:
                        f"recall (needle in a haystack) once wide enough, and beats random recurrent networks. "
                        f"Accuracy % ({pr[0]['task'].rsplit(' ', 1)[0]}, chance {100 * chance:.0f} %): {nums}: "
                        f"**{'reproduces' if ok else 'does not reproduce'}**"
-                       + ("" if ok else f" (at width {widths[-1]} and this training budget the effect is not "
-                                        f"reached; the paper's models are wider and train far longer)") + ".")
+                       + ("" if ok else f" (likely reason: at width {widths[-1]} and this training budget the "
+                                        f"effect is not reached; the paper's models are larger and train longer)")
+                       + ".")
     return out or ["- (no task of this preset tests a cited result)"]
 
 
