@@ -20,6 +20,8 @@ COMMANDS = {
     ("bench", "decode"): ("keyfold.bench.decode:main", "KV-cache decoding, paged, cascade, window cache", "plot"),
     ("bench", "toolbox"): ("keyfold.apps.toolbox.bench:main", "attention beside GRU/LSTM/TCN/linear attention/S4D",
                            "toolbox"),
+    ("bench", "gpu"): ("keyfold.bench.gpu:main", "the Triton kernel vs SDPA-flash and compiled Flex on a GPU",
+                       "triton"),
     ("costs",): ("keyfold.distributed.costs:main", "context-parallel cost model table", "plot"),
     ("train", "translate"): ("keyfold.apps.translate.train:main", "train the Transformer on German-English",
                              "translate"),

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -31,34 +30,12 @@ from tqdm import tqdm
 
 from ..caches import KVCache, PagedKVCache, WindowCache, cascade, choose_splits, decode
 from ..masks import causal
+from .harness import interleaved, machine, results_dir
 
-RESULTS = Path("benchmarks/results")
 B, H, D = 1, 8, 64  # the decode shape of DESIGN.md section 5
 
 
 # ---------------------------------------------------------------------------- timing
-
-
-class Timing(dict):
-    """Median seconds per name (the dict), and the minimum in ``.best`` (less sensitive to a loaded machine)."""
-
-    best: dict
-
-
-def interleaved(fns: dict, reps: int, warmup: int = 2) -> Timing:
-    """Median seconds of each callable, run alternately ``reps`` times after ``warmup`` rounds."""
-    for _ in range(warmup):
-        for f in fns.values():
-            f()
-    times = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            times[name].append(time.perf_counter() - t0)
-    out = Timing({name: statistics.median(ts) for name, ts in times.items()})
-    out.best = {name: min(ts) for name, ts in times.items()}
-    return out
 
 
 def rss_bytes() -> int:
@@ -97,7 +74,7 @@ def bench_decode(lengths, reps, bar) -> list[dict]:
         if hkv != H:
             fns["keyfold_nosplit"] = lambda: decode(q, cache, splits=1)
         n_reps = max(3, reps * 4096 // N)
-        t = interleaved(fns, n_reps)
+        t = interleaved(fns, n_reps, warmup=2)
         gb = (k.nbytes + v.nbytes) / 1e9
         name = f"{'MQA ' if hkv != H else ''}{str(dtype).replace('torch.', '')}"
         row = dict(case=name, tokens=N, kv_heads=hkv, dtype=str(dtype), reps=n_reps,
@@ -130,7 +107,7 @@ def bench_ragged(N, batch, reps, bar) -> dict:
     t = interleaved({"keyfold": lambda: decode(q, cache),
                      "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=pad),
                      # causal() reads positions, which differ per sequence: one call each
-                     "per_sequence": lambda: decode(q, cache, mask=causal())}, max(3, reps * 4096 // N))
+                     "per_sequence": lambda: decode(q, cache, mask=causal())}, max(3, reps * 4096 // N), warmup=2)
     gb = sum(lens) * H * D * 2 * 4 / 1e9
     err = (decode(q, cache) - F.scaled_dot_product_attention(q, k, v, attn_mask=pad)).abs().max().item()
     bar.update(1)
@@ -160,9 +137,9 @@ def bench_paged(N, seqs, reps, bar) -> list[dict]:
         spans = [len(g.spans) for g in pool.pieces(ids)]
         n_reps = max(3, reps * 4096 // N)
         one = interleaved({"paged": lambda: decode(q[:1], pool, seq_ids=ids[:1]),
-                           "contiguous": lambda: decode(q[:1], cont, seq_ids=[0])}, n_reps)
+                           "contiguous": lambda: decode(q[:1], cont, seq_ids=[0])}, n_reps, warmup=2)
         every = interleaved({"paged": lambda: decode(q, pool, seq_ids=ids), "contiguous": lambda: decode(q, cont)},
-                            n_reps)
+                            n_reps, warmup=2)
         st = pool.stats()
         for label, t, n_seq, n_spans in (("one sequence", one, 1, spans[0]), (f"{seqs} sequences", every, seqs,
                                                                                sum(spans) / seqs)):
@@ -186,7 +163,7 @@ def bench_cascade(R, P, S, reps, bar) -> dict:
     q = torch.randn(R, H, 1, D)
     t = interleaved({"cascade": lambda: cascade(q, pk, pv, sk, sv),
                      "sdpa_copies": lambda: F.scaled_dot_product_attention(q, full_k, full_v),
-                     "keyfold_copies": lambda: decode(q, full)}, max(3, reps // 4))
+                     "keyfold_copies": lambda: decode(q, full)}, max(3, reps // 4), warmup=2)
     err = (cascade(q, pk, pv, sk, sv) - F.scaled_dot_product_attention(q, full_k, full_v)).abs().max().item()
     bar.update(1)
     return dict(requests=R, prefix=P, suffix=S, cascade_ms=t["cascade"] * 1e3, sdpa_copies_ms=t["sdpa_copies"] * 1e3,
@@ -406,7 +383,7 @@ def write(res: dict, out: Path, stem: str, cmd: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m keyfold bench decode", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small preset (< 3 minutes)")
-    p.add_argument("--out", type=Path, default=RESULTS, help="results folder (default benchmarks/results)")
+    p.add_argument("--out", type=Path, default=None, help="results folder (default: the repository's benchmarks/results)")
     p.add_argument("--reps", type=int, default=None, help="repeats at 4k tokens (fewer for longer caches)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's); results then go to decode.<n>threads.*")
@@ -418,7 +395,7 @@ def main(argv=None) -> int:
     quick = args.quick
     reps = args.reps or (40 if quick else 120)
     lengths = [4096, 32768, 131072]
-    cfg = dict(quick=quick, machine=platform.processor() or platform.machine(), torch=torch.__version__,
+    cfg = dict(quick=quick, machine=machine(), torch=torch.__version__,
                threads=torch.get_num_threads(), load_before=round(os.getloadavg()[0], 2),
                window=4096, sinks=4, stream_tokens=(1 << 16) if quick else (1 << 20))
     torch.manual_seed(0)
@@ -428,5 +405,5 @@ def main(argv=None) -> int:
     if args.threads is not None:
         cmd += f" --threads {args.threads}"
         stem += f".{args.threads}threads"
-    print(write(res, args.out, stem, cmd))
+    print(write(res, results_dir(args.out), stem, cmd))
     return 0

@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -29,7 +27,8 @@ from tqdm import tqdm
 
 import keyfold as kf
 
-RESULTS = Path("benchmarks/results")
+from .harness import interleaved, machine, results_dir
+
 
 
 # ------------------------------------------------------------------------------ cases
@@ -124,19 +123,6 @@ class Result:
 # ------------------------------------------------------------------------------ timing
 
 
-def _median_alternating(fns: dict, repeats: int, warmup: int = 1) -> dict:
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    samples = {k: [] for k in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():  # alternate, so drifting load hits every impl alike
-            t0 = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in samples.items()}
-
-
 def _visible_pairs(mask, N, H, B):
     if mask is None:
         return float(N * N)
@@ -229,7 +215,7 @@ def run_case(case: Case, repeats: int, with_flex: bool) -> Result:
             fns["flex"], res.compile_s = _flex_fns(case, mask_mod, score_mod, q, k, v)
         except Exception as e:  # noqa: BLE001 - the peer failing is a result to report
             res.errors["flex"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-    res.times = _median_alternating(fns, repeats)
+    res.times = dict(interleaved(fns, repeats))
     return res
 
 
@@ -318,18 +304,6 @@ def memory(N: int = 32768) -> dict:
 # ---------------------------------------------------------------------------- reports
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, Python {platform.python_version()}"
-
-
 def _fmt(x, spec=".3f"):
     return "n/a" if x is None else format(x, spec)
 
@@ -405,7 +379,7 @@ def main(argv=None) -> int:
                     help="quick: the issue's targets (< 3 min); standard: every variant vs N (~15 min); "
                          "full: N x D x dtype x mode (about an hour)")
     ap.add_argument("--quick", action="store_const", const="quick", dest="preset", help="the issue's targets, < 3 min")
-    ap.add_argument("--out", type=Path, default=RESULTS, help="output directory")
+    ap.add_argument("--out", type=Path, default=None, help="output directory (default: the repository's benchmarks/results)")
     ap.add_argument("--name", default="kernels", help="file stem for the results")
     ap.add_argument("--no-memory", action="store_true", help="skip the subprocess peak-memory measurement")
     ap.add_argument("--variants", nargs="*", help="only these variants")
@@ -424,7 +398,7 @@ def main(argv=None) -> int:
     header = (f"# keyfold kernels vs SDPA and compiled FlexAttention ({args.preset})\n\n"
               f"Machine: {machine()}. Median of alternating repeats; `work` is the fraction of the dense "
               f"N×N work keyfold's plan computes. B=1, H=8.")
-    args.out.mkdir(parents=True, exist_ok=True)
+    args.out = results_dir(args.out)
     md = markdown(results, mem, header)
     (args.out / f"{args.name}.md").write_text(md)
     (args.out / f"{args.name}.json").write_text(json.dumps(
