@@ -29,7 +29,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 try:
     import triton  # noqa: F401
     import keyfold.kernels.triton as kt
-    if type(kt._fwd_kernel).__name__ != "InterpretedFunction":
+    if type(kt._fwd_kernel).__name__ != "InterpretedFunction":  # re-decorate the kernels, then rebind
+        importlib.reload(importlib.import_module("keyfold.kernels.triton.source"))
         kt = importlib.reload(kt)
 except ImportError:
     kt = None
