@@ -10,13 +10,18 @@
 - :mod:`.bench`: ``python -m keyfold bench toolbox``. Docs: ``docs/toolbox.md``.
 """
 
+from keyfold._extras import require as _require
+
+_require("toolbox", "keyfold.apps.toolbox")
+
 from .mixers import (AttentionMixer, GRUMixer, LinearAttentionMixer, LSTMMixer, Mixer, MixerKind, MixerProtocol,
                      MixerSpec, check_mixer, mixer_name,
                      MLPMixer, S4DMixer, TCNMixer, make_mixer, state_nbytes)
 from .model import Block, SequenceModel
 
 __all__ = [
-    "MixerKind", "MixerProtocol", "MixerSpec", "check_mixer", "mixer_name", "Mixer", "AttentionMixer", "GRUMixer", "LSTMMixer", "TCNMixer",
+    "MixerKind", "MixerProtocol", "MixerSpec", "check_mixer", "mixer_name", "Mixer",
+    "AttentionMixer", "GRUMixer", "LSTMMixer", "TCNMixer",
     "LinearAttentionMixer", "S4DMixer", "MLPMixer", "make_mixer", "state_nbytes",
     "Block", "SequenceModel",
 ]

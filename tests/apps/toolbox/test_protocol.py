@@ -10,6 +10,10 @@ import pytest
 import torch
 from torch import nn
 
+from tests.helpers import require_extra
+
+require_extra("toolbox")  # skip, naming the pip line, where the extra is missing (before the app imports)
+
 from keyfold.apps.toolbox import MixerKind, MixerProtocol, SequenceModel, check_mixer, make_mixer
 from keyfold.apps.toolbox import bench as B
 
