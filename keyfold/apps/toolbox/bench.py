@@ -521,7 +521,8 @@ def run(preset: Preset, *, progress: bool = True, on_row: Callable[[dict], None]
     (from an interrupted run of the same preset) are kept and not run again. Every run seeds its
     own data and initialisation, so a resumed run gives the same rows as an uninterrupted one.
     A mixer of your own in ``preset.mixers`` is first held to :func:`check_mixer`. ``groups``
-    keeps only those task groups (``mqar``, ``recall``, ``forecast``, ``classify``, ``probe``).
+    keeps only those task groups (``mqar``, ``recall``, ``forecast``, ``classify``, ``probe``) or
+    single tasks (``selective``, ``induction``).
     ``seconds`` counts this call plus the rows taken from ``done``."""
     finished = {(r["task"], r["mixer"]): r for r in done}
     from tqdm import tqdm
@@ -540,7 +541,7 @@ def run(preset: Preset, *, progress: bool = True, on_row: Callable[[dict], None]
     torch.set_num_threads(1)
     load0 = _loadavg()
     try:
-        probs = [p for p in _problems(preset) if groups is None or p.group in groups]
+        probs = [p for p in _problems(preset) if groups is None or p.group in groups or p.name.split()[0] in groups]
         total = sum(len(p.lrs) + preset.seeds - 1 if k is not Baseline.SEASONAL_NAIVE else 1
                     for p in probs for k in p.kinds if (p.name, _kind_name(k)) not in finished)
         rows = []
@@ -981,7 +982,7 @@ def _bars(ax, rows, tasks, mixers, scale):
 # ---------------------------------------------------------------------------------- CLI
 
 
-_GROUPS = ("mqar", "recall", "forecast", "classify", "probe")
+_GROUPS = ("mqar", "recall", "forecast", "classify", "probe", "selective", "induction")
 
 
 def _stem(preset_name: str) -> str:
@@ -1001,7 +1002,8 @@ def main(argv: list[str] | None = None) -> int:
                          "e.g. attention,gru,mypkg.mixers:MyMixer")
     ap.add_argument("--seeds", type=int, default=None, help="override the preset's seed count (>= 1)")
     ap.add_argument("--tasks", default=None,
-                    help="comma-separated task groups to run: mqar, recall, forecast, classify, probe (default all)")
+                    help="comma-separated task groups to run: mqar, recall, forecast, classify, probe, or the "
+                         "single recall tasks selective, induction (default all)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--resume", action="store_true",
                     help="keep the rows an interrupted run saved (.partial.jsonl) and run the rest")
