@@ -355,10 +355,10 @@ def _problems(preset: Preset) -> list[_Problem]:
         lambda n, seed: _tasks.selective_copying(n, Nc, num_tokens=K, num_data=16, seed=seed),
         preset, preset.width, Nc, False))
     Ni = preset.induction_length
-    Vi = max(64, Ni * max(preset.induction_factors, default=1) // 2)  # distinct tokens for the longest test
+    Vi = max(64, Ni * max(preset.induction_factors, default=1))  # distinct tokens for the longest test
 
-    def induction(n_len):
-        return lambda n, seed: _tasks.repeated_tokens(n, n_len, vocab=Vi, seed=seed)
+    def induction(n_len):  # repeat lengths vary, so a fixed offset cannot stand in for the lookup
+        return lambda n, seed: _tasks.repeated_tokens(n, n_len, vocab=Vi, vary=True, seed=seed)
 
     probs.append(_token_problem("recall", f"induction N={Ni}", induction(Ni), preset, preset.width, Ni, False,
                                 extra_gens={f"N={f * Ni}": induction(f * Ni) for f in preset.induction_factors}))

@@ -273,20 +273,36 @@ def repeated_layout(tokens):
     return inputs, targets
 
 
-def repeated_tokens(num_examples: int, seq_len: int, *, vocab: int = 64, seed: int = 0) -> TokenTask:
+def repeated_tokens(num_examples: int, seq_len: int, *, vocab: int = 64, vary: bool = False,
+                    seed: int = 0) -> TokenTask:
     """Induction on repeated random tokens (Olsson et al. 2022): ``seq_len // 2`` distinct tokens
     drawn from ``[0, vocab)`` (distinct, as with a language model's large vocabulary, so every
     lookup is unambiguous), then the same tokens again; ``seq_len`` must be even and
-    ``vocab >= seq_len // 2``."""
+    ``vocab >= seq_len // 2``.
+
+    ``vary=True``: each example repeats ``M`` tokens, ``M`` uniform in ``[seq_len // 4,
+    seq_len // 2]``, after ``seq_len - 2M`` unscored random tokens, all ``seq_len - M`` distinct
+    (``vocab >= seq_len - seq_len // 4``). With one fixed ``M`` the answer always sits ``M - 1``
+    positions back, so a model can solve the task by that fixed offset instead of by looking the
+    token up, and fails at any other length for that reason alone; varying ``M`` rules the
+    shortcut out (the bench trains and tests induction this way).
+    """
     for name, v in (("num_examples", num_examples), ("seq_len", seq_len), ("vocab", vocab)):
         _positive(name, v)
     M = seq_len // 2
     if seq_len % 2 or M < 2:
         raise ValueError(f"repeated_tokens: seq_len must be even and >= 4, got {seq_len}")
-    if vocab < M:
-        raise ValueError(f"repeated_tokens: vocab={vocab} cannot give {M} distinct tokens; use vocab >= {M}")
+    need = seq_len - max(2, seq_len // 4) if vary else M
+    if vocab < need:
+        raise ValueError(f"repeated_tokens: vocab={vocab} cannot give {need} distinct tokens; use vocab >= {need}")
     rng = np.random.default_rng(seed)
-    rows = [repeated_layout(rng.choice(vocab, size=M, replace=False)) for _ in range(num_examples)]
+    rows = []
+    for _ in range(num_examples):
+        m = int(rng.integers(max(2, seq_len // 4), M + 1)) if vary else M
+        toks = rng.choice(vocab, size=seq_len - m, replace=False)
+        x, y = repeated_layout(toks[seq_len - 2 * m:])
+        prefix = toks[:seq_len - 2 * m]
+        rows.append((np.concatenate([prefix, x]), np.concatenate([np.full(len(prefix), IGNORE), y])))
     return _stack(rows, vocab)
 
 

@@ -368,3 +368,24 @@ def test_interval_is_student_t():
 
     mean, half = _interval([1.0, 2.0, 3.0])
     assert mean == 2.0 and half == pytest.approx(4.302653 / math.sqrt(3), rel=1e-5)
+
+
+def test_repeated_tokens_vary_rules_out_the_fixed_offset_shortcut():
+    """With one repeat length every answer sits M - 1 positions back, so a model that learned
+    that offset "solves" induction and scores exactly 0 at twice the length (seen in the bench:
+    attention 100 % at N=24, 0.0 % at N=48). vary=True: the offset differs between examples,
+    and every scored answer is still the successor of the current token's earlier occurrence."""
+    fixed = T.repeated_tokens(50, 24, vocab=64, seed=0)
+    offsets_fixed = {int(i) for i in (fixed.targets[0] != T.IGNORE).nonzero()[:, 0]}
+    assert min(offsets_fixed) == 12
+    t = T.repeated_tokens(200, 24, vocab=64, vary=True, seed=0)
+    starts = set()
+    for x, y in zip(t.inputs.tolist(), t.targets.tolist()):
+        assert len(set(x)) == len(x) - sum(yi != T.IGNORE for yi in y) - 1  # prefix and one copy distinct
+        scored = [i for i, yi in enumerate(y) if yi != T.IGNORE]
+        starts.add(scored[0])
+        for i in scored:
+            assert y[i] == x[x.index(x[i]) + 1]  # the induction rule, through the first occurrence
+    assert len(starts) >= 5  # the shortcut's offset is not one number any more
+    with pytest.raises(ValueError, match="vocab >= 18"):
+        T.repeated_tokens(2, 24, vocab=10, vary=True)
