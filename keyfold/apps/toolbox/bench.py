@@ -633,8 +633,10 @@ def markdown(result: dict) -> str:
              f"{mach['threads']} thread on {mach['cores']} shared cores (1-min load average {mach['load_before']} "
              f"before, {mach['load_after']} after: timings carry that noise), "
              f"{result['seconds'] / 60:.1f} min in all.", "",
-             *(["**Incomplete run**: the report was written from the rows saved before it stopped; tasks "
-                "that are missing did not run.", ""] if result.get("incomplete") else []),
+             *([f"**Incomplete run**: the report was written from the rows saved before it stopped "
+                f"({result['seconds'] / 60:.0f} min of single-thread work is the sum of the saved rows' wall "
+                f"times). Not run: {'; '.join(result.get('missing', [])) or 'nothing'}.", ""]
+               if result.get("incomplete") else []),
              f"Budget rule, the same for every mixer: AdamW on fresh batches of {p['batch']} (synthetic tasks), "
              f"validation every {p['eval_every']} steps; a run stops when validation has not gained "
              f"{p['min_delta']} (accuracy, or relative MSE) for {p['patience']} evaluations, when validation "
@@ -1035,9 +1037,12 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--from-partial: {partial} does not exist; run the preset first")
         rows = [json.loads(line) for line in partial.read_text().splitlines() if line.strip()]
         _add_ratios(rows)
-        result = {"preset": _preset_json(preset), "machine": _machine(None),
+        have = {(r["task"], r["mixer"]) for r in rows}
+        missing = [f"{p.name} / {_kind_name(k)}" for p in _problems(preset) for k in p.kinds
+                   if (p.name, _kind_name(k)) not in have]
+        result = {"preset": _preset_json(preset), "machine": _machine(_loadavg()),
                   "seconds": sum(_row_wall(r) for r in rows),
-                  "rows": rows, "incomplete": True}
+                  "rows": rows, "incomplete": True, "missing": missing}
         return _write(result, args.out, stem)
     done = []
     if args.resume and partial.is_file():
