@@ -637,7 +637,8 @@ def markdown(result: dict) -> str:
                 f"({result['seconds'] / 60:.0f} min of single-thread work is the sum of the saved rows' wall "
                 f"times). Not run: {'; '.join(result.get('missing', [])) or 'nothing'}.", ""]
                if result.get("incomplete") else []),
-             f"Budget rule, the same for every mixer: AdamW on fresh batches of {p['batch']} (synthetic tasks), "
+             f"Budget rule, the same for every mixer: AdamW (warm-up over the first evaluation interval, then a "
+             f"constant rate) on fresh batches of {p['batch']} (synthetic tasks), "
              f"validation every {p['eval_every']} steps; a run stops when validation has not gained "
              f"{p['min_delta']} (accuracy, or relative MSE) for {p['patience']} evaluations, when validation "
              f"accuracy reaches {p['solved']}, or at the cap ({p['cap']} steps on synthetic tasks, "
