@@ -789,7 +789,8 @@ def _claims(rows: list[dict]) -> list[str]:
         sel = {m: rs[m] for m in ("attention", "gru", "lstm") if m in rs}
         if lti and sel:
             best_sel = max(sel.values(), key=lambda r: r["mean"])
-            ok = all(r["mean"] < best_sel["mean"] and _apart(r, best_sel) for r in lti.values())
+            # "fail" as the paper means it: well below (>= 10 points), not just outside the interval
+            ok = all(r["mean"] <= best_sel["mean"] - 0.1 and _apart(r, best_sel) for r in lti.values())
             nums = ", ".join(f"{m} {_fmt_metric(r)}" for m, r in {**sel, **lti}.items())
             out.append(f"- **Mamba (Gu & Dao 2023), selective copying**: time-invariant convolutions (S4D, TCN) fail "
                        f"where input-dependent mixing succeeds. {copy_[0]['task']}: {nums} %: "
