@@ -49,13 +49,18 @@ def _weights(lse_a: torch.Tensor, lse_b: torch.Tensor):
     """Merged lse and the two rescaling weights, safe for empty rows.
 
     lse = logaddexp(lse_a, lse_b) never overflows (it shifts by the max internally), and
-    each weight exp(lse_x - lse) lies in [0, 1].  Where both sides are empty, lse is -inf
-    and ``-inf - -inf`` would be NaN, so we subtract a finite stand-in (0) there: the
-    weights become exp(-inf) = 0 and the empty row stays (0, -inf).
+    each weight exp(lse_x - lse) = sigmoid(+-(lse_b - lse_a)) lies in [0, 1].  Where both
+    sides are empty, lse is -inf and ``-inf - -inf`` would be NaN, so both weights are set to 0
+    there and the empty row stays (0, -inf).
     """
     lse = torch.logaddexp(lse_a, lse_b)
-    finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    return lse, torch.exp(lse_a - finite), torch.exp(lse_b - finite)
+    # the weights from the difference alone, wb = sigmoid(lse_b - lse_a), wa = 1 - wb: exp(lse_x - lse)
+    # stops summing to 1 once |lse| is so large (~1e10, 16-bit inputs at their maximum) that
+    # logaddexp's log(2) rounds away, and the merged output would double
+    empty = torch.isneginf(lse_a) & torch.isneginf(lse_b)
+    d = torch.where(empty, torch.zeros_like(lse), lse_b - lse_a)
+    zero = torch.zeros_like(lse)
+    return lse, torch.where(empty, zero, torch.sigmoid(-d)), torch.where(empty, zero, torch.sigmoid(d))
 
 
 def merge(a: State, b: State) -> State:
