@@ -19,6 +19,7 @@ COMMANDS = {
     ("train", "translate"): ("keyfold.apps.translate.train:main", "train the Transformer on German-English"),
     ("translate",): ("keyfold.apps.translate.translate:main", "translate with a checkpoint, or evaluate on the test split"),
     ("verify",): ("keyfold.apps.verify.report:main", "error bounds, certified bounds, streaming, fuzzing"),
+    ("verify", "faults"): ("keyfold.apps.verify.faults:main", "fuzz count per module: inputs, errors, wrong answers"),
     ("control", "bench"): ("keyfold.apps.control.bench:main", "predictors in a safe real-time closed loop"),
 }
 

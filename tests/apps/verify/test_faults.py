@@ -109,3 +109,21 @@ def test_merge_of_huge_equal_lse_is_the_average():
     empty = State(torch.zeros(1, 1, 2, 4), torch.full((1, 1, 2), float("-inf")))
     assert torch.equal(merge(empty, empty).out, empty.out) and torch.isneginf(merge(empty, empty).lse).all()
     assert torch.equal(merge(empty, a).out, a.out) and torch.equal(merge(a, empty).out, a.out)
+
+
+# ------------------------------------------------ the fuzz count per module (README's reliability)
+
+
+def test_fault_fuzz_counts_every_module_and_finds_an_injected_bug(monkeypatch, tmp_path):
+    from keyfold.apps.verify import faults as F
+    from keyfold.caches import KVCache
+
+    tallies = F.run_all(dict(core=20, caches=120, distributed=30, control=4, verify=6), progress=False)
+    assert [t.wrong for t in tallies] == [0] * 5, [c for t in tallies for c in t.cases]
+    assert all(t.inputs > 0 for t in tallies) and sum(t.errors for t in tallies) > 0
+    # the count can fail: put back the reset that kept the old request's values
+    monkeypatch.setattr(KVCache, "reset", lambda self, seq_ids=None: [self._len.__setitem__(s, 0) for s in (
+        range(self.batch) if seq_ids is None else seq_ids)] and setattr(self, "_whole", None))
+    assert F.fuzz_caches(200, 0).wrong > 0
+    assert F.main(["--quick", "--modules", "distributed", "--out", str(tmp_path)]) == 0
+    assert "| keyfold.distributed |" in (tmp_path / "faults-quick.md").read_text()
