@@ -12,6 +12,7 @@ import os
 import queue as queue_mod
 import time
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -83,6 +84,7 @@ def _worker_dies_mid_ring(rank, P, where):
         return (type(e).__name__, str(e), time.monotonic() - t0)
 
 
+@pytest.mark.slow  # ~20 s of spawned ranks; `make test` (CI) runs it, `make test-fast` skips it
 def test_a_rank_killed_mid_ring_step_ends_the_others_within_the_timeout():
     for where in ("forward",):          # "backward" (piece_grads) ends the same way; one spawn keeps it quick
         t0 = time.monotonic()

@@ -9,6 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.helpers import require_extra
+
+require_extra("control")  # skip, naming the pip line, where the extra is missing (before the app imports)
+
 from keyfold.apps.control import (Controller, Disturbance, FakeClock, LoopConfig, SafetyFilter, Source,
                                   WorstActionController, make_plant, run_loop)
 

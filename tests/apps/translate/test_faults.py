@@ -18,6 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import require_extra
+
+require_extra("translate")  # skip, naming the pip line, where the extra is missing (before the app imports)
+
 from keyfold.apps.translate import data
 from keyfold.apps.translate import train as T
 from keyfold.apps.translate.transformer import MODEL_CONFIGS
@@ -94,6 +98,7 @@ def _curve(run):
     return [(r["step"], r["loss"], r.get("valid_loss")) for r in _log(run)]
 
 
+@pytest.mark.slow  # trains 9 short runs (~35 s here); `make test` (CI) runs it, `make test-fast` skips it
 @pytest.mark.parametrize("where,on_disk", [("weights", 5), ("json", 5), ("cleanup", 10), ("log", 5)])
 def test_kill_while_checkpointing_then_resume_loses_nothing(tmp_path, uninterrupted, where, on_disk):
     run = tmp_path / "run"

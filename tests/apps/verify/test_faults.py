@@ -7,6 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import require_extra
+
+require_extra("verify")  # skip, naming the pip line, where the extra is missing (before the app imports)
+
 import keyfold
 import keyfold.nn as knn
 from keyfold.apps.verify import certify as C
