@@ -132,15 +132,15 @@ def test_contiguous_and_window_append_on_the_wrong_device_changes_nothing(make):
 # ------------------------------------- every slot reused after reset / fork / free, random order
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", range(2))
 def test_paged_random_walk_of_forks_and_frees_matches_fresh_caches(seed):
-    """300 random operations; poisoned sequences (NaN values) are freed while clean ones live on.
+    """200 random operations; poisoned sequences (NaN values) are freed while clean ones live on.
     Every clean live sequence must decode exactly as a fresh cache holding only its tokens."""
     rnd, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     pool = PagedKVCache(num_pages=12, page_size=4, heads=H, head_dim=D)
     oracle: dict[int, tuple[torch.Tensor, torch.Tensor, bool]] = {}     # id -> (k, v, poisoned)
     checks = 0
-    for step in range(300):
+    for step in range(200):
         op = rnd.choice(["new", "append", "append", "fork", "free", "decode"])
         live = pool.sequences
         if op == "new" or not live:
@@ -178,14 +178,14 @@ def test_paged_random_walk_of_forks_and_frees_matches_fresh_caches(seed):
     assert checks > 20
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", range(2))
 def test_contiguous_random_walk_of_resets_and_reorders_matches_fresh_caches(seed):
     rnd, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     B, C = 4, 16
     cache = KVCache(batch=B, heads=H, head_dim=D, capacity=C)
     rows = [(torch.zeros(1, H, 0, D), torch.zeros(1, H, 0, D), False) for _ in range(B)]
     checks = 0
-    for step in range(300):
+    for step in range(200):
         op = rnd.choice(["append", "append", "reset", "reorder", "decode"])
         if op == "append":
             ids = sorted(rnd.sample(range(B), rnd.randint(1, B)))
