@@ -82,6 +82,7 @@ class _Call:
         score = as_score(score)
         if score is not None:
             score.check_heads(Hq)
+            score.check_batch(B)
         q_offset = Nk - Nq if q_offset is None else q_offset
         self.pb = Problem(mask, score, float(1.0 / math.sqrt(D) if scale is None else scale), q_offset, kv_offset)
         self.backend = _resolve(backend, q, score)

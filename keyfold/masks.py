@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import operator
 from typing import Callable
 
 import torch
@@ -596,8 +597,15 @@ class MaskFn(Mask):
 
 
 def _int_arg(x, name, fn, minimum=0):
+    """``x`` as a Python int: an int, a numpy integer or a 0-d integer tensor (never a bool)."""
+    if isinstance(x, torch.Tensor) and x.dim() == 0 and not x.dtype.is_floating_point \
+            and not x.dtype.is_complex and x.dtype is not torch.bool:
+        x = int(x)
+    elif not isinstance(x, (bool, torch.Tensor)) and hasattr(x, "__index__") \
+            and "bool" not in type(x).__name__:
+        x = operator.index(x)  # numpy integers
     if isinstance(x, bool) or not isinstance(x, int):
-        raise TypeError(f"{fn}({name}): expected an int, got {type(x).__name__}")
+        raise TypeError(f"{fn}({name}): expected an int (or a numpy / 0-d tensor integer), got {type(x).__name__}")
     if x < minimum:
         raise ValueError(f"{fn}({name}): must be >= {minimum}, got {x}")
     return x
@@ -627,9 +635,9 @@ def window(left: int | None, right: int | None = 0) -> Mask:
     ``window(W)`` alone is causal-or-local: it admits the W keys before the query and the query's own.
     """
     if left is not None:
-        _int_arg(left, "left", "window")
+        left = _int_arg(left, "left", "window")
     if right is not None:
-        _int_arg(right, "right", "window")
+        right = _int_arg(right, "right", "window")
     return _Window(left, right)
 
 

@@ -293,6 +293,8 @@ def _score_program(score):
     if kind is None:
         return None
     slopes = next((m.slopes for m in mods if isinstance(m, _s._Alibi)), None)  # a _TensorKey
+    if slopes is not None and slopes.t.dim() != 1:
+        return None  # per-batch (B, H) slopes: the kernel reads slopes[h] only
     cap = next((m.cap for m in mods if isinstance(m, _s._Softcap)), 1.0)
     return kind, slopes, cap
 
