@@ -22,8 +22,11 @@ Meaning (``qp = q_offset + i``, ``kp = kv_offset + j``):
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import operator
+import types
+import weakref
 from typing import Callable
 
 import torch
@@ -159,6 +162,13 @@ class Mask:
     def depends_on_batch_head(self) -> tuple[bool, bool]:
         """Whether the mask can differ between batch entries / heads."""
         return False, False
+
+    def captured_stamp(self) -> tuple:
+        """What the mask reads besides its own value: a key that changes whenever a captured
+        tensor or value of a callable inside it changes (the plan cache adds it to its key).
+        Presets hold private copies and answer ``()``; wrappers and combinators ask their parts."""
+        parts = tuple(m.captured_stamp() for m in vars(self).values() if isinstance(m, Mask))
+        return parts if any(parts) else ()
 
 
 def grid_positions(B, H, q0, Nq, k0, Nk, device, dtype=torch.int64):
@@ -583,6 +593,9 @@ class MaskFn(Mask):
             self._deps = (shape[0] != 1, shape[1] != 1)
         return self._deps
 
+    def captured_stamp(self):
+        return captured_stamp(self.fn)
+
     def __repr__(self):
         return f"mask_fn({_fn_name(self.fn)})"
 
@@ -591,6 +604,147 @@ class MaskFn(Mask):
 
     def __hash__(self):
         return hash(("fn", id(self.fn)))
+
+
+# ------------------------------------------------------------ what a callable captures
+
+_SCALARS = (int, float, complex, bool, str, bytes, type(None))
+_MAX_CAPTURED = 4096  # objects visited per callable; past it the callable is never cached
+
+
+def _code_names(code) -> list[str]:
+    """Global names a code object and the functions nested in it may read."""
+    names = list(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names += _code_names(c)
+    return names
+
+
+def _library_code(f: types.FunctionType) -> bool:
+    """Functions of torch, numpy and keyfold hold no user state worth following."""
+    return (getattr(f, "__module__", None) or "").split(".")[0] in ("torch", "numpy", "keyfold", "functools")
+
+
+def _captured(fn) -> tuple[list, bool]:
+    """Tensors, numpy arrays and plain values a callable can read: its closure cells, defaults,
+    the globals its code names, a bound method's object, a partial's arguments, followed into
+    nested functions, containers and plain objects (an ``nn.Module``'s parameters and buffers).
+    Returns ``(objects, complete)``; ``complete`` is False when the walk gave up (too many
+    objects, or an object it cannot see into safely)."""
+    found, seen, complete = [], set(), True
+    stack = [(fn, 0)]
+    while stack:
+        obj, depth = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            if id(obj) not in seen:
+                seen.add(id(obj))
+                found.append(obj)
+            continue
+        if isinstance(obj, _SCALARS):
+            found.append(obj)
+            continue
+        if isinstance(obj, (types.ModuleType, type, types.BuiltinFunctionType, types.BuiltinMethodType)) \
+                or id(obj) in seen or (isinstance(obj, types.FunctionType) and _library_code(obj)):
+            continue
+        seen.add(id(obj))
+        if len(seen) > _MAX_CAPTURED or depth > 16:
+            complete = False
+            break
+        nxt: list = []
+        if isinstance(obj, types.FunctionType):
+            for cell in obj.__closure__ or ():
+                try:
+                    nxt.append(cell.cell_contents)
+                except ValueError:  # a cell not yet assigned
+                    nxt.append(None)
+            nxt += list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
+            g = obj.__globals__
+            nxt += [g[n] for n in _code_names(obj.__code__) if n in g]
+        elif isinstance(obj, types.MethodType):
+            nxt += [obj.__func__, obj.__self__]
+        elif isinstance(obj, functools.partial):
+            nxt += [obj.func, *obj.args, *obj.keywords.values()]
+        elif isinstance(obj, (list, tuple)):
+            nxt += list(obj)
+            found.append(len(obj))
+        elif isinstance(obj, dict):
+            nxt += [x for kv in obj.items() for x in kv]
+            found.append(len(obj))
+        elif isinstance(obj, (set, frozenset)):
+            nxt += sorted(obj, key=repr)
+            found.append(len(obj))
+        elif type(obj).__module__ == "numpy" and hasattr(obj, "tobytes"):  # an array or numpy scalar
+            found.append(obj)
+        elif isinstance(obj, _TensorKey) or isinstance(obj, Mask) and not isinstance(obj, MaskFn):
+            found.append(obj)  # immutable value objects: their equality is their content
+        elif isinstance(obj, MaskFn):
+            nxt.append(obj.fn)
+        elif hasattr(obj, "__dict__"):
+            nxt += list(vars(obj).values())
+            call = getattr(type(obj), "__call__", None)
+            if isinstance(call, types.FunctionType):  # a callable object: the globals its __call__ names
+                nxt.append(call)
+        elif callable(obj) or hasattr(obj, "__slots__"):
+            complete = False  # a C callable or slotted object: what it reads is hidden
+        stack += [(x, depth + 1) for x in reversed(nxt)]
+    return found, complete
+
+
+def captured_tensors(fn) -> list[torch.Tensor]:
+    """The tensors a mask or score callable can read (closure, defaults, globals it names,
+    nested functions, containers, objects): what keys its cached plans, and what FlexAttention
+    would lift as inputs of the mod. Each tensor once, in a stable order."""
+    return [x for x in _captured(fn)[0] if isinstance(x, torch.Tensor)]
+
+
+class _TensorStamp:
+    """A captured tensor as a cache key: equal only to a stamp of the very same tensor object
+    (held weakly) at the same version counter, storage, shape and strides. ``copy_``,
+    ``fill_``, ``x[i] = ...`` and every other in-place op bump the version."""
+
+    __slots__ = ("ref", "key")
+
+    def __init__(self, t: torch.Tensor):
+        self.ref = weakref.ref(t)
+        if t.is_inference():  # no version counter: the content itself (copied to the host) is the key
+            data = t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            self.key = ("content", tuple(t.shape), t.dtype, str(t.device), hashlib.sha1(data).hexdigest())
+        else:
+            self.key = (id(t), t._version, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, str(t.device))
+
+    def __hash__(self):
+        return hash(self.key)
+
+    def __eq__(self, other):
+        if not isinstance(other, _TensorStamp) or self.key != other.key:
+            return False
+        return self.key[0] == "content" or (self.ref() is not None and self.ref() is other.ref())
+
+
+def captured_stamp(fn) -> tuple:
+    """A hashable key of everything ``fn`` captures (:func:`captured_tensors`, numpy arrays by
+    content, plain values by value); it differs after any change a result could depend on.
+    A callable whose captures cannot be followed gets a fresh key every time (never reused)."""
+    objs, complete = _captured(fn)
+    if not complete:
+        return (object(),)
+    out = []
+    for x in objs:
+        if isinstance(x, torch.Tensor):
+            out.append(_TensorStamp(x))
+        elif type(x).__module__ == "numpy":
+            out.append((str(getattr(x, "dtype", "")), getattr(x, "shape", ()), hashlib.sha1(x.tobytes()).hexdigest()))
+        elif isinstance(x, float) and x != x:
+            out.append("nan")
+        else:
+            out.append((type(x).__name__, x))
+    return tuple(out)
+
+
+def captured_bytes(fn) -> int:
+    """Bytes of the tensors ``fn`` captures (what a cache holding ``fn`` keeps alive)."""
+    return sum(t.numel() * t.element_size() for t in captured_tensors(fn))
 
 
 # --------------------------------------------------------------------------- builders
