@@ -6,8 +6,8 @@ modifier on one engine (:func:`attend`, :func:`attention`). The math: ``docs/mat
 """
 
 from .engine import Backend, attend, attend_backward, attention
-from .masks import (BlockKind, Mask, as_mask, block_sparse, causal, dilated, documents, full,
-                    prefix, sinks, window)
+from .masks import (BlockKind, Mask, Varlen, as_mask, block_sparse, causal, dilated, documents, full,
+                    prefix, sinks, varlen, window)
 from .planner import Plan, clear_plan_cache, plan, plan_cache_stats
 from .scores import ScoreMod, alibi, alibi_slopes, as_score, softcap
 from .state import State, empty_state, merge, merge_all
@@ -19,7 +19,7 @@ __all__ = [
     "State", "merge", "merge_all", "empty_state",
     "attend", "attention", "attend_backward", "Backend",
     "Mask", "BlockKind", "as_mask", "causal", "window", "sinks", "prefix", "documents",
-    "block_sparse", "dilated", "full",
+    "block_sparse", "dilated", "full", "varlen", "Varlen",
     "ScoreMod", "as_score", "alibi", "alibi_slopes", "softcap",
     "Plan", "plan", "clear_plan_cache", "plan_cache_stats",
     "KVCache", "PagedKVCache", "WindowCache", "CacheFullError", "decode", "attend_cache", "cascade",

@@ -15,7 +15,7 @@ from .kernels import cpu as _cpu
 from .kernels import reference as _reference
 from .kernels import tiles as _tiles
 from .kernels._common import Problem
-from .masks import as_mask
+from .masks import as_mask, default_q_offset
 from .planner import Plan, plan as _plan
 from .scores import as_score
 from .state import State
@@ -205,7 +205,7 @@ def attend(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offs
                                                        q_offset, kv_offset):
         return _cpu.dense(q, k, v, float(q.shape[-1] ** -0.5 if scale is None else scale))
     if q_offset is None and isinstance(k, torch.Tensor) and isinstance(q, torch.Tensor) and k.dim() == 4 and q.dim() == 4:
-        q_offset = kv_offset + k.shape[2] - q.shape[2]
+        q_offset = default_q_offset(as_mask(mask), q.shape[2], k.shape[2], kv_offset)
     call = _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs)
     return _run(q, k, v, call)
 
@@ -264,7 +264,7 @@ def attend_backward(q, k, v, out, lse, dout, *, mask=None, score=None, scale=Non
     dv are this piece's keys' full gradients. Ring attention and split-KV backward use this.
     """
     if q_offset is None and isinstance(k, torch.Tensor) and k.dim() == 4 and q.dim() == 4:
-        q_offset = kv_offset + k.shape[2] - q.shape[2]
+        q_offset = default_q_offset(as_mask(mask), q.shape[2], k.shape[2], kv_offset)
     if backend is Backend.REFERENCE:
         backend = Backend.TILES
     call = _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, False)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .masks import BlockKind, Mask, MaskFn, _Causal, as_mask, captured_tensors, grid_positions
+from .masks import BlockKind, Mask, MaskFn, _Causal, as_mask, captured_tensors, default_q_offset, grid_positions
 
 __all__ = ["PieceKind", "Piece", "Plan", "plan", "clear_plan_cache", "plan_cache_stats", "PLAN_CACHE_BYTES"]
 
@@ -217,7 +217,7 @@ def plan(mask: Mask | None, Nq: int, Nk: int, *, q_offset: int | None = None, kv
     {'empty': 9, 'partial': 7, 'full': 0}
     """
     mask = as_mask(mask)
-    q_offset = Nk - Nq if q_offset is None else q_offset
+    q_offset = default_q_offset(mask, Nq, Nk, kv_offset) if q_offset is None else q_offset
     if block_size is None:
         bq, bk = default_block(Nq, Nk)
         hint = mask.preferred_block() if mask is not None else None
