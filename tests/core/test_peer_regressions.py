@@ -249,3 +249,134 @@ def test_window_takes_numpy_and_0d_tensor_integers():
         kf.window(torch.tensor(5.0))
     with pytest.raises(TypeError, match="window"):
         kf.window(True)
+
+
+# ------------------------------------------------------------ 6. varlen: FlashAttention's packing
+
+
+def _ragged(seed, n_seqs=5, max_len=40, zero=True):
+    """Random cu_seqlens for queries and keys; some sequences with no queries or no keys."""
+    g = torch.Generator().manual_seed(seed)
+    lq = torch.randint(1, max_len, (n_seqs,), generator=g)
+    lk = torch.randint(1, max_len, (n_seqs,), generator=g)
+    if zero:
+        lq[1] = 0
+        lk[3] = 0
+    cu = lambda x: torch.cat([torch.zeros(1, dtype=torch.long), x.cumsum(0)])  # noqa: E731
+    return cu(lq), cu(lk)
+
+
+def _fa_varlen_ref(q, k, v, cu_q, cu_k, causal, window, dtype):
+    """FlashAttention's varlen formula, one sequence at a time, computed in ``dtype`` (float64:
+    the reference; the input dtype: the plain same-dtype yardstick). Local query i sees local
+    key j when i + Lk - Lq - left <= j <= i + Lk - Lq + right (causal: right = 0); a row with
+    no key is 0."""
+    left, right = window if window is not None else (None, None)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    outs = []
+    for s in range(cu_q.numel() - 1):
+        a, b = int(cu_q[s]), int(cu_q[s + 1])
+        c, d = int(cu_k[s]), int(cu_k[s + 1])
+        qs, ks, vs = q[:, :, a:b].to(dtype), k[:, :, c:d].to(dtype), v[:, :, c:d].to(dtype)
+        Lq, Lk = b - a, d - c
+        i = torch.arange(Lq).view(-1, 1) + (Lk - Lq)
+        j = torch.arange(Lk).view(1, -1)
+        vis = torch.ones(Lq, Lk, dtype=torch.bool)
+        if right is not None:
+            vis &= j <= i + right
+        if left is not None:
+            vis &= j >= i - left
+        sc = (qs @ ks.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        sc = sc.masked_fill(~vis, float("-inf"))
+        seen = vis.any(-1, keepdim=True)
+        p = torch.softmax(sc.float() if dtype != torch.float64 else sc, -1).to(dtype)
+        p = torch.where(seen, p, torch.zeros_like(p))  # rows with no key: 0, not NaN
+        outs.append(p @ vs)
+    return torch.cat(outs, 2)
+
+
+VARLEN_CASES = {
+    "plain": dict(causal=False, window=None),
+    "causal": dict(causal=True, window=None),
+    "window": dict(causal=False, window=(5, 3)),
+    "causal_window": dict(causal=True, window=(7, None)),
+}
+
+
+def _varlen_mask(cu_q, cu_k, causal, window, spelled):
+    if spelled == "args":
+        return kf.varlen(cu_q, cu_k, causal=causal, window=window)
+    m = kf.varlen(cu_q, cu_k)  # the same through composition
+    if causal:
+        m = m & kf.causal()
+    if window is not None:
+        m = kf.window(*window) & m
+    return m
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(VARLEN_CASES))
+@pytest.mark.parametrize("spelled", ["args", "and"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_matches_flash_attention_formula(backend, case, spelled, dtype):
+    """flash_attn_varlen_func(cu_seqlens_q, cu_seqlens_k, causal=...): each sequence aligned
+    bottom-right on its own lengths. documents(q_ids, kv_ids) & causal() put the causal edge in
+    the wrong corner for every sequence but one."""
+    causal, window = VARLEN_CASES[case]["causal"], VARLEN_CASES[case]["window"]
+    seed = sum(map(ord, case + spelled + str(dtype)))
+    cu_q, cu_k = _ragged(seed)
+    Tq, Tk = int(cu_q[-1]), int(cu_k[-1])
+    q, k, v = _qkv(1, 4, Tq, Tk, 16, dtype=dtype, seed=seed, Hkv=2)
+    mask = _varlen_mask(cu_q, cu_k, causal, window, spelled)
+    dout = torch.randn(1, 4, Tq, 16, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+    def grads(fn, dt):
+        leaves = [t.detach().to(dt).requires_grad_(True) for t in (q, k, v)]
+        out = fn(*leaves)
+        out.backward(dout.to(out.dtype))
+        return [out.detach()] + [t.grad for t in leaves]
+
+    got = grads(lambda a, b, c: kf.attention(a, b, c, mask=mask, block_size=32, backend=backend), dtype)
+    rep = lambda t: t.repeat_interleave(2, dim=1)  # noqa: E731 - GQA for the per-sequence formula
+    ref = grads(lambda a, b, c: _fa_varlen_ref(a, rep(b), rep(c), cu_q, cu_k, causal, window, torch.float64),
+                torch.float64)
+    nai = grads(lambda a, b, c: _fa_varlen_ref(a, rep(b), rep(c), cu_q, cu_k, causal, window, dtype), dtype)
+    assert not any(torch.isnan(g).any() for g in got)
+    for name, g, r, n, factor in zip(("out", "dq", "dk", "dv"), got, ref, nai, (2.0, 3.0, 3.0, 3.0)):
+        assert_close_by_rule(g, r, n, None, factor=factor, what=name)
+    seen = torch.zeros(Tq, dtype=torch.bool)
+    dense = mask.to_dense(Tq, Tk, 0)
+    seen |= dense.any(-1)
+    assert (got[0][:, :, ~seen] == 0).all()  # rows of sequences without keys (and early causal rows)
+    assert int(cu_q[2] - cu_q[1]) == 0 and int(cu_k[4] - cu_k[3]) == 0  # the empty sequences are there
+
+
+def test_varlen_classification_is_sound_against_evaluation():
+    """The planner's closed form never says FULL or EMPTY wrongly (checked on every tile)."""
+    for seed in range(6):
+        cu_q, cu_k = _ragged(100 + seed, n_seqs=7, max_len=30)
+        Tq, Tk = int(cu_q[-1]), int(cu_k[-1])
+        for causal, window in [(False, None), (True, None), (False, (4, 2)), (True, (3, None))]:
+            m = kf.varlen(cu_q, cu_k, causal=causal, window=window)
+            dense = m.to_dense(Tq, Tk, 0)
+            p = kf.plan(m, Tq, Tk, q_offset=0, block_size=8)
+            for i in range(p.kinds.shape[0]):
+                for j in range(p.kinds.shape[1]):
+                    tile = dense[i * 8:(i + 1) * 8, j * 8:(j + 1) * 8]
+                    kind = int(p.kinds[i, j])
+                    if kind == int(kf.BlockKind.FULL):
+                        assert tile.all()
+                    if kind == int(kf.BlockKind.EMPTY):
+                        assert not tile.any()
+
+
+def test_varlen_refuses_misaligned_calls_and_bad_cu_seqlens():
+    cu_q, cu_k = torch.tensor([0, 3, 5]), torch.tensor([0, 4, 9])
+    q, k, v = _qkv(1, 1, 5, 9, 8)
+    with pytest.raises(ValueError, match="packs 5 queries and 9 keys"):
+        kf.attention(q, k, v, mask=kf.varlen(cu_q, cu_k), q_offset=4)
+    with pytest.raises(ValueError, match="never decrease"):
+        kf.varlen(torch.tensor([0, 3, 2]))
+    with pytest.raises(ValueError, match="same sequences"):
+        kf.varlen(torch.tensor([0, 3]), cu_k)
