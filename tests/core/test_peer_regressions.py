@@ -380,3 +380,25 @@ def test_varlen_refuses_misaligned_calls_and_bad_cu_seqlens():
         kf.varlen(torch.tensor([0, 3, 2]))
     with pytest.raises(ValueError, match="same sequences"):
         kf.varlen(torch.tensor([0, 3]), cu_k)
+
+
+# ---------------------------------------------------- 11. exact zeros where the gradient is 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_single_visible_key_gives_exactly_zero_dq_dk_on_tiles(dtype):
+    """FlashAttention's zero_len_k varlen cases: a row that sees one key has dS = 0, so its dq
+    and the key's dk are exactly 0, as the plain formula gives (keyfold gave 2e-7..6e-7)."""
+    cu_q, cu_k = torch.tensor([0, 5, 9, 12, 20]), torch.tensor([0, 1, 1, 7, 8])  # seqs 0 and 3: one key
+    q, k, v = _qkv(1, 2, 20, 8, 16, dtype=dtype, seed=11)
+    q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
+    out = kf.attention(q, k, v, mask=kf.varlen(cu_q, cu_k), backend=Backend.TILES)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype))
+    one_key_rows = torch.cat([torch.arange(0, 5), torch.arange(12, 20)])
+    assert (q.grad[:, :, one_key_rows] == 0).all()
+    assert (k.grad[:, :, [0, 7]] == 0).all()
+    assert (v.grad[:, :, [0, 7]] != 0).all()  # the values still get their gradient
+    (q2, k2, v2) = (t.detach()[:, :, :1].clone().requires_grad_(True) for t in (q, k, v))
+    o2 = kf.attention(q2, k2, v2, backend=Backend.TILES)  # one query, one key: the plain case
+    o2.backward(torch.ones_like(o2))
+    assert (q2.grad == 0).all() and (k2.grad == 0).all()
