@@ -402,3 +402,15 @@ def test_single_visible_key_gives_exactly_zero_dq_dk_on_tiles(dtype):
     o2 = kf.attention(q2, k2, v2, backend=Backend.TILES)  # one query, one key: the plain case
     o2.backward(torch.ones_like(o2))
     assert (q2.grad == 0).all() and (k2.grad == 0).all()
+
+
+def test_callable_plan_at_positions_past_2_31():
+    """Exact classification evaluated callables on int32 positions, which wrap past 2^31: tiles
+    across the wrap were classified FULL/EMPTY wrongly (a silently wrong plan)."""
+    base = 2**31 - 32
+    fn = lambda b, h, q_idx, kv_idx: kv_idx <= q_idx  # noqa: E731
+    p = kf.plan(fn, 64, 64, q_offset=base, kv_offset=base, block_size=16)
+    assert torch.equal(p.kinds, kf.plan(kf.causal(), 64, 64, q_offset=base, kv_offset=base, block_size=16).kinds)
+    q, k, v = _qkv(1, 2, 64, 64, 8, seed=9)
+    for backend in BACKENDS:
+        assert_forward_by_rule(q, k, v, mask=fn, q_offset=base, kv_offset=base, block_size=16, backend=backend)
