@@ -110,6 +110,9 @@ class Mask:
     ``translation_invariant``             the CPU kernel: tiles at equal diagonals are equal
     ``preferred_block()``                 the planner: a tile size that fits the structure
     ``check_positions(...)``              the engine: refuse positions the mask cannot answer
+    ``captured_stamp()``                  the plan cache: what callables inside capture (default:
+                                          the stamps of Mask-valued attributes)
+    ``packed_queries``                    the engine: default ``q_offset`` 0 (packed, :func:`varlen`)
     ``spec()`` / ``operands()``           compilers (Triton, the distributed views, the verifier):
                                           a preset's parameters / a combinator's operands; a mask
                                           with neither is evaluated tile by tile into a bitmap
