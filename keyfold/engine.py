@@ -187,6 +187,7 @@ def attend(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offs
     scale: defaults to ``1/sqrt(D)``.
     q_offset: absolute position of the first query; default ``kv_offset + Nk - Nq`` is
         bottom-right alignment relative to these keys (decoding); pass 0 for Flex's top-left.
+        With a ``varlen(...)`` mask (packed queries) the default is 0.
     kv_offset: absolute position of the first key (a chunk, page or shard of a longer sequence).
 
     Returns ``State(out, lse)``: out ``(B, Hq, Nq, Dv)`` and lse ``(B, Hq, Nq)`` in float32
