@@ -55,8 +55,7 @@ class TorchTransformer(nn.Module):
         pad = src.eq(PAD)
         return self.core.encoder(self.embed(src), src_key_padding_mask=pad), pad
 
-    def decode(self, tgt_in, state):
-        memory, pad = state
+    def decode(self, tgt_in, memory, pad):
         T = tgt_in.shape[1]
         causal = torch.triu(torch.full((T, T), True, device=tgt_in.device), 1)
         h = self.core.decoder(self.embed(tgt_in), memory, tgt_mask=causal, memory_key_padding_mask=pad,
@@ -64,7 +63,7 @@ class TorchTransformer(nn.Module):
         return self.embed.logits(h)
 
     def forward(self, src, tgt_in):
-        return self.decode(tgt_in, self.encode(src))
+        return self.decode(tgt_in, *self.encode(src))
 
 
 class GRUAttention(nn.Module):
@@ -100,8 +99,7 @@ class GRUAttention(nn.Module):
         e = e.masked_fill(pad, -math.inf)
         return (torch.softmax(e, -1).unsqueeze(-1) * h).sum(1)            # (B, d)
 
-    def decode(self, tgt_in, state):
-        h, keys, pad, s = state
+    def decode(self, tgt_in, h, keys, pad, s):
         outs = []
         for t in range(tgt_in.shape[1]):
             ctx = self._attend(s, keys, h, pad)
@@ -112,7 +110,7 @@ class GRUAttention(nn.Module):
         return torch.stack(outs, 1) @ self.embed.weight.t()  # (B, T, V)
 
     def forward(self, src, tgt_in):
-        return self.decode(tgt_in, self.encode(src))
+        return self.decode(tgt_in, *self.encode(src))
 
 
 SYSTEMS = {"keyfold": Transformer, "torch": TorchTransformer, "gru": GRUAttention}
@@ -120,15 +118,15 @@ SYSTEMS = {"keyfold": Transformer, "torch": TorchTransformer, "gru": GRUAttentio
 
 @torch.no_grad()
 def greedy_recompute(model, src: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
-    """Greedy decoding by re-running ``model.decode`` over the prefix each step (any of :data:`SYSTEMS`);
-    the same output rule as :func:`~keyfold.apps.translate.transformer.greedy`."""
+    """Greedy decoding by re-running ``model.decode(prefix, *model.encode(src))`` each step (any of
+    :data:`SYSTEMS`); the same output rule as :func:`~keyfold.apps.translate.transformer.greedy`."""
     steps, limit = _limits(src, max_len, model)
     state = model.encode(src)
     B = src.shape[0]
     out = torch.full((B, 1), BOS, dtype=torch.long, device=src.device)
     done = torch.zeros(B, dtype=torch.bool, device=src.device)
     for t in range(steps):
-        logits = model.decode(out, state)[:, -1]
+        logits = model.decode(out, *state)[:, -1]
         nxt = _force_eos(_never_special(logits), limit.eq(t + 1)).argmax(-1).masked_fill(done, PAD)
         out = torch.cat([out, nxt[:, None]], 1)
         done |= nxt.eq(EOS)
@@ -278,6 +276,8 @@ def main(argv: list[str]) -> int:
         cfg = dataclasses.replace(cfg, threads=args.threads)
     tok, train_pairs, _ = _train.load_data(args.data, cfg)
     valid = _data.load_split(args.data, "valid")
+    if not valid:
+        p.error(f"the validation split of {args.data} is empty: the curve needs validation phrases")
     test = _data.load_split(args.data, "test")[:args.test_limit]
     model_cfg = dataclasses.replace(MODEL_CONFIGS[cfg.model], vocab_size=tok.vocab_size)
     res = compare(cfg, model_cfg, tok, train_pairs, valid, test, args.out, minutes=args.minutes,
