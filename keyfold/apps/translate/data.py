@@ -272,6 +272,13 @@ def load_split(data_dir: str | Path, split: str) -> list[Example]:
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing: run `make data` "
                                 f"(or `.venv/bin/python -m keyfold train translate --prepare`) first")
+    if not (Path(data_dir) / "stats.json").exists():
+        raise FileNotFoundError(f"{data_dir} is incomplete (no stats.json: a --prepare was interrupted); rerun "
+                                f"`make data` (or `python -m keyfold train translate --prepare`): it resumes")
+    return _read_jsonl(path)
+
+
+def _read_jsonl(path: Path) -> list[Example]:
     with open(path, encoding="utf-8") as f:
         return [Example(d["de"], tuple(d["en"])) for d in map(json.loads, f)]
 
@@ -294,7 +301,8 @@ def prepare(data_dir: str | Path, *, dict_dir: str | Path = DICT_DIR, vocab_size
     Writes ``train/valid/test.jsonl`` (one Example per line) and ``spm.model``, each to a temporary
     name moved into place; two stamps mark finished stages: ``pairs.json`` after the splits,
     ``stats.json`` (the counts) after the tokenizer. A finished folder is reused as it is; a killed
-    preparation restarts at the first unfinished stage.
+    preparation restarts at the first unfinished stage. ``stats.json`` is removed before the
+    tokenizer stage and written last: the loaders refuse a folder without it.
     """
     from tqdm import tqdm
 
@@ -303,12 +311,20 @@ def prepare(data_dir: str | Path, *, dict_dir: str | Path = DICT_DIR, vocab_size
     if is_prepared(data_dir, vocab_size):
         print(f"{data_dir} is prepared already ({DONE_STAMP}); nothing to do", flush=True)
         return json.loads((data_dir / DONE_STAMP).read_text())
+    (data_dir / DONE_STAMP).unlink(missing_ok=True)     # incomplete until the end
+    for stale in data_dir.glob("*.tmp"):                 # an earlier prepare's unfinished writes
+        stale.unlink()
     pairs_stamp = data_dir / PAIRS_STAMP
-    if pairs_stamp.exists() and all((data_dir / f"{n}.jsonl").exists() for n in Split.ALL):
-        counts = json.loads(pairs_stamp.read_text())
+    index, dic = ensure_package(Path(dict_dir), install=install)
+    source = {"index": str(index.resolve()), "index_bytes": index.stat().st_size,
+              "dict_bytes": dic.stat().st_size, "dict_mtime_ns": dic.stat().st_mtime_ns,
+              "index_mtime_ns": index.stat().st_mtime_ns}
+    done = json.loads(pairs_stamp.read_text()) if pairs_stamp.exists() else {}
+    if done.get("source") == source and all((data_dir / f"{n}.jsonl").exists() for n in Split.ALL):
+        counts = {k: v for k, v in done.items() if k != "source"}
         print(f"[1/2] phrase pairs: reusing {data_dir}/{{train,valid,test}}.jsonl ({PAIRS_STAMP})", flush=True)
     else:
-        index, dic = ensure_package(Path(dict_dir), install=install)
+        pairs_stamp.unlink(missing_ok=True)
         print(f"[1/2] phrase pairs from {index.parent}", flush=True)
         rows = read_index(index)
         data = _read_dict(dic)
@@ -330,10 +346,9 @@ def prepare(data_dir: str | Path, *, dict_dir: str | Path = DICT_DIR, vocab_size
                   "multiword": sum(" " in ex.german for ex in examples),
                   "pairs": sum(len(ex.english) for ex in examples),
                   **{f"{k}_examples": len(v) for k, v in splits.items()}}
-        _write_atomic(pairs_stamp, json.dumps(counts, indent=1))
-    train = load_split(data_dir, Split.TRAIN)
+        _write_atomic(pairs_stamp, json.dumps({**counts, "source": source}, indent=1))
+    train = _read_jsonl(data_dir / f"{Split.TRAIN}.jsonl")
     print(f"[2/2] the shared {vocab_size}-piece tokenizer on {len(train)} training phrases", flush=True)
-    (data_dir / DONE_STAMP).unlink(missing_ok=True)
     train_tokenizer(train, data_dir / "spm", vocab_size=vocab_size, progress=progress)
     stats = {**counts, "vocab_size": vocab_size}
     _write_atomic(data_dir / DONE_STAMP, json.dumps(stats, indent=1))  # the commit point
