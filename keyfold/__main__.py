@@ -25,6 +25,8 @@ COMMANDS = {
     ("costs",): ("keyfold.distributed.costs:main", "context-parallel cost model table", "plot"),
     ("train", "translate"): ("keyfold.apps.translate.train:main", "train the Transformer on German-English",
                              "translate"),
+    ("train", "compare"): ("keyfold.apps.translate.compare:main",
+                           "Table 2: keyfold vs torch.nn Transformer vs GRU+attention at one budget", "translate"),
     ("translate",): ("keyfold.apps.translate.translate:main",
                      "translate with a checkpoint, or evaluate on the test split", "translate"),
     ("verify",): ("keyfold.apps.verify.report:main", "error bounds, certified bounds, streaming, fuzzing", "verify"),

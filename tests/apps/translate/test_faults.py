@@ -29,7 +29,8 @@ from tests.apps.translate.test_data import ENTRIES, write_dictd
 from tests.apps.translate.test_transformer import _log, _synthetic_pairs
 
 TINY = MODEL_CONFIGS["tiny"]
-CFG = dataclasses.replace(T.TRAIN_CONFIGS["tiny"], steps=12, checkpoint_every=5, eval_every=4)
+# keep=1: every checkpoint deletes the one before (the "cleanup" kill point needs a deletion)
+CFG = dataclasses.replace(T.TRAIN_CONFIGS["tiny"], steps=12, checkpoint_every=5, eval_every=4, keep=1)
 
 
 def _die():
@@ -114,7 +115,8 @@ def test_kill_while_checkpointing_then_resume_loses_nothing(tmp_path, uninterrup
     for n, p in resumed.model.named_parameters():
         assert torch.equal(p, weights[n]), n
     assert not list(run.glob("*.tmp"))                           # the interrupted write is gone
-    assert sorted(f.name for f in run.glob("step-*")) == ["step-0000012.safetensors"]
+    kept = json.loads((run / "checkpoint.json").read_text())["kept"]   # the last `keep`, for averaging
+    assert sorted(f.name for f in run.glob("step-*")) == kept and kept[-1] == "step-0000012.safetensors"
 
 
 # ------------------------------------------------------------------ data preparation killed halfway
@@ -144,8 +146,11 @@ def test_prepare_killed_halfway_is_refused_and_a_rerun_recovers(tmp_path, where,
     dict_dir, out = tmp_path / "dictd", tmp_path / "out"
     dict_dir.mkdir()
     write_dictd(dict_dir, ENTRIES)
-    if earlier:   # a complete folder from before, with a different vocabulary: must not pass for new
-        data.prepare(out, dict_dir=dict_dir, vocab_size=50, install=False)
+    if earlier:   # a complete folder from before, from another dictionary and vocabulary: must not pass
+        old = tmp_path / "old"
+        old.mkdir()
+        write_dictd(old, ENTRIES[:-2])
+        data.prepare(out, dict_dir=old, vocab_size=50, install=False)
     assert _in_child(_prepare_and_die, str(dict_dir), str(out), where) == -signal.SIGKILL
     assert not (out / "stats.json").exists()
     with pytest.raises(FileNotFoundError, match="(missing|incomplete).*--prepare"):
