@@ -9,7 +9,7 @@ from .engine import Backend, attend, attend_backward, attention
 from .masks import (BlockKind, Mask, as_mask, block_sparse, causal, dilated, documents, full,
                     prefix, sinks, window)
 from .planner import Plan, clear_plan_cache, plan
-from .scores import ScoreMod, alibi, alibi_slopes, as_score, softcap
+from .scores import ScoreMod, alibi, alibi_slopes, as_score, score_fn, softcap
 from .state import State, empty_state, merge, merge_all
 from .caches import CacheFullError, KVCache, PagedKVCache, WindowCache, attend_cache, cascade, decode
 
@@ -20,7 +20,7 @@ __all__ = [
     "attend", "attention", "attend_backward", "Backend",
     "Mask", "BlockKind", "as_mask", "causal", "window", "sinks", "prefix", "documents",
     "block_sparse", "dilated", "full",
-    "ScoreMod", "as_score", "alibi", "alibi_slopes", "softcap",
+    "ScoreMod", "as_score", "alibi", "alibi_slopes", "softcap", "score_fn",
     "Plan", "plan", "clear_plan_cache",
     "KVCache", "PagedKVCache", "WindowCache", "CacheFullError", "decode", "attend_cache", "cascade",
 ]

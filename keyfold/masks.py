@@ -27,6 +27,8 @@ from typing import Callable
 
 import torch
 
+from . import _callables
+
 __all__ = [
     "BlockKind", "Mask", "causal", "window", "sinks", "prefix", "documents",
     "block_sparse", "dilated", "full", "as_mask",
@@ -155,8 +157,9 @@ class Mask:
             visible += int(torch.broadcast_to(m, (B, H, i1 - i0, Nk)).sum())
         return 1.0 - visible / float(B * H * Nq * Nk)
 
-    def depends_on_batch_head(self) -> tuple[bool, bool]:
-        """Whether the mask can differ between batch entries / heads."""
+    def depends_on_batch_head(self, B: int | None = None, H: int | None = None) -> tuple[bool, bool]:
+        """Whether the mask can differ between batch entries / heads. ``B``, ``H``: the call's
+        batch and head counts, where known (a callable is probed only inside them)."""
         return False, False
 
 
@@ -289,7 +292,7 @@ class _Sinks(Mask):
         lo, hi = self._bounds()
         return _kind(k1 <= lo, k0 >= hi) + torch.zeros_like(q0, dtype=torch.int8)
 
-    def depends_on_batch_head(self):
+    def depends_on_batch_head(self, B=None, H=None):
         return isinstance(self.n, _TensorKey), False
 
     def __repr__(self):
@@ -362,7 +365,7 @@ class _Documents(Mask):
         empty = ((qhi < klo) | (khi < qlo)).all(0)
         return _kind(full, empty)
 
-    def depends_on_batch_head(self):
+    def depends_on_batch_head(self, B=None, H=None):
         return self.ids.t.dim() == 2 or self._kv().t.dim() == 2, False
 
     def __repr__(self):
@@ -418,7 +421,7 @@ class _BlockSparse(Mask):
         cells = (r1 - r0) * (c1 - c0) * self._heads
         return _kind(count == cells, count == 0)
 
-    def depends_on_batch_head(self):
+    def depends_on_batch_head(self, B=None, H=None):
         return False, self.layout.t.dim() == 3
 
     def preferred_block(self):
@@ -482,8 +485,8 @@ class _And(Mask):
         self.a.check_positions(*span)
         self.b.check_positions(*span)
 
-    def depends_on_batch_head(self):
-        (b1, h1), (b2, h2) = self.a.depends_on_batch_head(), self.b.depends_on_batch_head()
+    def depends_on_batch_head(self, B=None, H=None):
+        (b1, h1), (b2, h2) = self.a.depends_on_batch_head(B, H), self.b.depends_on_batch_head(B, H)
         return b1 or b2, h1 or h2
 
     def __repr__(self):
@@ -526,8 +529,8 @@ class _Not(Mask):
     def check_positions(self, *span):
         self.a.check_positions(*span)
 
-    def depends_on_batch_head(self):
-        return self.a.depends_on_batch_head()
+    def depends_on_batch_head(self, B=None, H=None):
+        return self.a.depends_on_batch_head(B, H)
 
     def __repr__(self):
         return f"~{_paren(self.a, (_And, _Or))}"
@@ -552,8 +555,10 @@ class _Prefix(_Or):
 class MaskFn(Mask):
     """A FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx) -> bool`` callable.
 
-    It is called once per tile with broadcastable index tensors (absolute positions), so it
-    must be written with tensor ops (``&``, ``|``, ``torch.where``), as Flex requires too.
+    It is called once per tile with broadcastable index tensors (absolute positions). Code
+    written per element for Flex's vmap (``lengths[b][0]``, ``bias[b][h][q_idx] > 0``), which
+    raises or gives another shape or other values on such grids, is evaluated per element under
+    ``torch.vmap`` instead, as Flex does (decided once per callable, see :mod:`keyfold._callables`).
     Hashes by the callable's identity: build it once and reuse it to reuse the plan.
     """
 
@@ -561,26 +566,21 @@ class MaskFn(Mask):
         if not callable(fn):
             raise TypeError(f"mask must be a keyfold mask or a callable mask_mod, got {type(fn).__name__}")
         self.fn = fn
-        self._deps = None
+        self._deps: dict = {}
 
     def evaluate(self, b, h, qp, kp):
-        out = self.fn(b, h, qp, kp)
-        if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
-            got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
-            raise TypeError(f"mask callable {_fn_name(self.fn)} must return a bool tensor, got {got}; "
-                            f"return a comparison such as `q_idx >= kv_idx` (a score callable goes in score=)")
-        return out
+        return _callables.call_mask(self.fn, b, h, qp, kp)
 
-    def depends_on_batch_head(self):
-        """Probed once: called with batch and head indices of size 2 (and one query, one key),
-        a callable that never reads ``b`` / ``h`` returns a result without those dimensions,
-        so its plan is built once for all batch entries and heads (Flex's ``B=None, H=None``)."""
-        if self._deps is None:
-            b, h, qp, kp = grid_positions(2, 2, 0, 1, 0, 1, None, dtype=torch.int32)
-            shape = self.evaluate(b, h, qp, kp).shape
-            shape = (1,) * (4 - len(shape)) + tuple(shape)
-            self._deps = (shape[0] != 1, shape[1] != 1)
-        return self._deps
+    def depends_on_batch_head(self, B=None, H=None):
+        """Probed once per (B > 1, H > 1): a callable that never reads ``b`` / ``h`` gives a
+        result without those dimensions, so its plan is built once for all batch entries and
+        heads (Flex's ``B=None, H=None``). The probe stays inside the real B and H (indices
+        b < min(B, 2), h < min(H, 2)), so ``lengths[b]`` with B = 1 never sees b = 1."""
+        key = (2 if B is None else min(B, 2), 2 if H is None else min(H, 2))
+        deps = self._deps.get(key)
+        if deps is None:
+            deps = self._deps[key] = _callables.batch_head_dependence(self.fn, B, H)
+        return deps
 
     def __repr__(self):
         return f"mask_fn({_fn_name(self.fn)})"
@@ -607,8 +607,7 @@ def _paren(m, kinds):
     return f"({m!r})" if isinstance(m, kinds) and not isinstance(m, _Prefix) else repr(m)
 
 
-def _fn_name(fn):
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+_fn_name = _callables.fn_name
 
 
 def full() -> Mask:

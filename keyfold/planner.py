@@ -174,7 +174,7 @@ def plan(mask: Mask | None, Nq: int, Nk: int, *, q_offset: int | None = None, kv
         bq, bk = block_size
     if bq < 1 or bk < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    dep_b, dep_h = mask.depends_on_batch_head() if mask is not None else (False, False)
+    dep_b, dep_h = mask.depends_on_batch_head(B, H) if mask is not None else (False, False)
     key = (mask, Nq, Nk, q_offset, kv_offset, B if dep_b else 0, H if dep_h else 0, bq, bk, max_span, allow_causal)
     with _LOCK:
         hit = _CACHE.get(key)
@@ -315,7 +315,7 @@ def _bounded(spans, max_span):
 def _classify_exact(mask, B, H, Nq, Nk, q_offset, kv_offset, bq, bk) -> torch.Tensor:
     """Evaluate the mask on every pair, a few query blocks at a time (never Nq x Nk at once),
     and count the visible pairs of every tile in one reduction: EMPTY at 0, FULL at all."""
-    dep_b, dep_h = mask.depends_on_batch_head()
+    dep_b, dep_h = mask.depends_on_batch_head(B, H)
     Be, He = (B if dep_b else 1), (H if dep_h else 1)
     nkb = -(-Nk // bk)
     pad = nkb * bk - Nk

@@ -12,7 +12,7 @@ from ..planner import Plan
 from ..state import State, empty_state, merge_into, state_dtype
 from ._common import NEG_INF, Problem, positions, visible
 
-__all__ = ["forward", "backward"]
+__all__ = ["forward", "backward", "backward_with_score"]
 
 
 def _scores(qp_, kp_, pb: Problem):
@@ -76,6 +76,13 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
 
 def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem):
     """Gradients of every piece from the global ``out``/``lse`` (and ``dlse``), summed."""
+    return backward_with_score(q, k, v, out, lse, dout, dlse, plan, pb, ())[:3]
+
+
+def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, score_tensors=()):
+    """``(dq, dk, dv, dts)``: as :func:`backward`, plus the gradients of ``score_tensors`` (tensors
+    the score modifier reads, see ``ScoreMod.tensors``), one per tensor (None if unused), by
+    autograd of ``score.apply`` on each tile, ``grad(s, [raw, *tensors], dS)``, summed over pieces."""
     sd = state_dtype(q.dtype)
     B, Hq, Nq, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
@@ -83,10 +90,12 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem):
     dq = torch.zeros(q.shape, dtype=sd, device=q.device)
     dk = torch.zeros(k.shape, dtype=sd, device=q.device)
     dv = torch.zeros(v.shape, dtype=sd, device=q.device)
+    dts: list = [None] * len(score_tensors)
     safe_lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).to(sd)
     delta = (dout.to(sd) * out.to(sd)).sum(-1)                               # (B, Hq, Nq)
     if dlse is not None:
         delta = delta - dlse.to(sd)
+    nonadd = pb.score is not None and not pb.score.additive
     for piece in plan.pieces:
         vis = _visible_cached(q, piece, pb, plan)
         pos = positions(q, piece, pb) if pb.score is not None else None  # only modifiers read positions
@@ -94,7 +103,6 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem):
         qs, ks, vs = q[:, :, rows].to(sd), k[:, :, keys].to(sd), v[:, :, keys].to(sd)
         do = dout[:, :, rows].to(sd)
         L, S = piece.q1 - piece.q0, piece.k1 - piece.k0
-        nonadd = pb.score is not None and not pb.score.additive
         with torch.enable_grad():
             raw = _scores(qs, ks, pb)
             if nonadd:
@@ -103,12 +111,20 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem):
         p = torch.exp(s.detach() - safe_lse[:, :, rows].unsqueeze(-1))      # (B, Hq, L, S)
         dp = (do.reshape(B, Hkv, g, L, Dv) @ vs.unsqueeze(2).transpose(-1, -2)).reshape(B, Hq, L, S)
         ds = p * (dp - delta[:, :, rows].unsqueeze(-1))
-        if nonadd:
-            (ds,) = torch.autograd.grad(s, raw, ds)
-            if vis is not None:  # a modifier's derivative may be non-finite where the mask hides the pair
-                ds = torch.where(vis, ds, torch.zeros_like(ds))
+        if score_tensors and s.requires_grad:
+            inputs = ([raw] if nonadd else []) + list(score_tensors)
+            grads = torch.autograd.grad(s, inputs, ds, allow_unused=True)
+            for i, gt in enumerate(grads[1:] if nonadd else grads):
+                if gt is not None:
+                    dts[i] = gt if dts[i] is None else dts[i] + gt
+            if nonadd:
+                ds = grads[0] if grads[0] is not None else torch.zeros_like(ds)
+        elif nonadd:
+            (ds,) = torch.autograd.grad(s, raw, ds)  # (with score_tensors, s always needs grad through raw)
+        if nonadd and vis is not None:  # a modifier's derivative may be non-finite where the mask hides the pair
+            ds = torch.where(vis, ds, torch.zeros_like(ds))
         ds5 = ds.reshape(B, Hkv, g, L, S)
         dq[:, :, rows] += (ds5 @ ks.unsqueeze(2)).reshape(B, Hq, L, D) * pb.scale
         dk[:, :, keys] += (ds5.transpose(-1, -2) @ qs.reshape(B, Hkv, g, L, D)).sum(2) * pb.scale
         dv[:, :, keys] += (p.reshape(B, Hkv, g, L, S).transpose(-1, -2) @ do.reshape(B, Hkv, g, L, Dv)).sum(2)
-    return dq, dk, dv
+    return dq, dk, dv, tuple(dts)
