@@ -150,7 +150,7 @@ def _element_score(fn, s, vecs):
 def _flat(fn, prefix, idx, grid, check):
     """Per element over index tensors that are not an axis-aligned grid: one vmap over every
     element of the broadcast grid (memory and time grow with the grid; rare)."""
-    grid = tuple(torch.broadcast_shapes(tuple(grid), *(t.shape for t in (*prefix, *idx))))
+    grid = _bshape(tuple(grid), *(t.shape for t in (*prefix, *idx)))
     args = [torch.broadcast_to(t, grid).reshape(-1) for t in (*prefix, *idx)]
     out = torch.vmap(fn)(*args)
     check(fn, out)
@@ -161,14 +161,29 @@ def _corner(vecs):
     return [vecs[0][:2], vecs[1][:2], vecs[2][:2], vecs[3][:3]]
 
 
+def _bshape(*shapes) -> tuple | None:
+    """Broadcast shape of ``shapes`` (None if they do not broadcast); plain Python, as
+    ``torch.broadcast_shapes`` costs ~20 us per call."""
+    n = max(len(s) for s in shapes)
+    out = [1] * n
+    for s in shapes:
+        off = n - len(s)
+        for i, d in enumerate(s):
+            o = out[off + i]
+            if o == 1:
+                out[off + i] = d
+            elif d != 1 and d != o:
+                return None
+    return tuple(out)
+
+
 def _fits(out, grid) -> bool:
     """Whether a broadcast result has the grid's shape (up to broadcasting, never beyond it)."""
-    if not isinstance(out, torch.Tensor) or out.dim() > 4:
+    if not isinstance(out, torch.Tensor) or out.dim() > len(grid):
         return False
-    try:
-        return torch.broadcast_shapes(out.shape, grid) == tuple(grid)
-    except RuntimeError:
-        return False
+    shape = out.shape
+    off = len(grid) - len(shape)
+    return all(d == 1 or d == grid[off + i] for i, d in enumerate(shape))
 
 
 def _agree(a, b, exact: bool) -> bool:
@@ -209,7 +224,12 @@ def _decide(fn, broadcast, element, corner_of, exact):
 
 def call_mask(fn, b, h, qp, kp) -> torch.Tensor:
     """``fn(b, h, qp, kp)`` as a bool tensor broadcastable to the grid of the four index tensors."""
-    grid = torch.broadcast_shapes(b.shape, h.shape, qp.shape, kp.shape)
+    if b.dim() == h.dim() == qp.dim() == kp.dim() == 4:
+        grid = tuple(map(max, b.shape, h.shape, qp.shape, kp.shape))  # (they broadcast: callers build them so)
+    else:
+        grid = _bshape(b.shape, h.shape, qp.shape, kp.shape)
+        if grid is None:
+            raise ValueError(f"index tensors of shapes {b.shape}, {h.shape}, {qp.shape}, {kp.shape} do not broadcast")
     mode = _get_mode(fn)
     vecs = None
     if mode is not Mode.ELEMENT:
@@ -268,9 +288,7 @@ def batch_head_dependence(fn, B: int | None, H: int | None) -> tuple[bool, bool]
     told apart, and needs no telling: there is only one entry to plan for."""
     Bp = 2 if B is None else max(1, min(B, 2))
     Hp = 2 if H is None else max(1, min(H, 2))
-    vecs = [torch.arange(Bp, dtype=torch.int32), torch.arange(Hp, dtype=torch.int32),
-            torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)]
-    grid = [vecs[0].view(-1, 1, 1, 1), vecs[1].view(1, -1, 1, 1), vecs[2].view(1, 1, 1, 1), vecs[3].view(1, 1, 1, 1)]
+    vecs, grid = _probe_grid(Bp, Hp)
     try:
         out = call_mask(fn, *grid)
     except Exception:  # noqa: BLE001
@@ -281,6 +299,15 @@ def batch_head_dependence(fn, B: int | None, H: int | None) -> tuple[bool, bool]
         shape = (1,) * (4 - out.dim()) + tuple(out.shape)
         return shape[0] != 1, shape[1] != 1
     return _reads(fn, vecs, 0) if Bp > 1 else False, _reads(fn, vecs, 1) if Hp > 1 else False
+
+
+@functools.lru_cache(maxsize=4)
+def _probe_grid(Bp: int, Hp: int):
+    """The dependence probe's index vectors and grids (built once; ~30 us each time otherwise)."""
+    vecs = [torch.arange(Bp, dtype=torch.int32), torch.arange(Hp, dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)]
+    grid = [vecs[0].view(-1, 1, 1, 1), vecs[1].view(1, -1, 1, 1), vecs[2].view(1, 1, 1, 1), vecs[3].view(1, 1, 1, 1)]
+    return vecs, grid
 
 
 def _reads(fn, vecs, axis: int) -> bool:
