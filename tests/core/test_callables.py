@@ -141,6 +141,44 @@ def test_gradients_with_a_mask_gqa_and_many_pieces(backend):
         assert_close_by_rule(g[name], r[name], n[name], None, factor=3.0, what=name)
 
 
+class _TableBias(kf.ScoreMod):
+    """An additive modifier reading a (possibly learnable) (Nq, Nk) table: the fused CPU forward
+    takes it as a bias tile; the ``tensors()`` hook gives the table its gradient."""
+
+    additive = True
+
+    def __init__(self, table):
+        self.table = table
+
+    def bias(self, b, h, qp, kp):
+        return self.table[qp, kp]   # (1, 1, L, S)
+
+    def apply(self, s, b, h, qp, kp):
+        return s + self.bias(b, h, qp, kp)
+
+    def tensors(self):
+        return (self.table,)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+def test_additive_modifier_with_tensors_gets_gradients(backend):
+    check_score_grads(lambda p: _TableBias(p["table"]), {"table": _rand(40, 40, seed=17)}, backend,
+                      mask=kf.window(9), N=40)
+
+
+def test_additive_tiles_follow_in_place_updates():
+    """The CPU kernel keeps bias tiles between calls; a table that trains must not go stale."""
+    q, k, v = _qkv(1, 2, 40)
+    table = torch.zeros(40, 40)
+    mod = _TableBias(table)
+    kf.attention(q, k, v, score=mod, mask=kf.window(9), backend=Backend.CPU)
+    with torch.no_grad():
+        table.copy_(_rand(40, 40, seed=18))
+    got = kf.attention(q, k, v, score=mod, mask=kf.window(9), backend=Backend.CPU)
+    want = kf.attention(q, k, v, score=mod, mask=kf.window(9), backend=Backend.REFERENCE)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_gradient_without_qkv_grads():
     """Only the table requires grad (q, k, v frozen): it still gets its gradient."""
     q, k, v = _qkv(1, 2, 24)
