@@ -445,3 +445,20 @@ def test_float64_table_with_lower_precision_inputs(backend, dtype):
     if dtype == torch.float32:
         torch.testing.assert_close(out, _flex(q, k, v, score_mod=score_mod), atol=2e-5, rtol=1e-4)
     assert_forward_by_rule(q, k, v, score=score_mod, backend=backend)
+
+
+def test_user_mask_whose_probe_takes_no_sizes():
+    """The protocol's ``depends_on_batch_head()`` may leave out B and H (docs/masks.md)."""
+    class PerBatchLength(kf.Mask):
+        def __init__(self, n):
+            self.n = n
+
+        def evaluate(self, b, h, qp, kp):
+            return kp < self.n[b]
+
+        def depends_on_batch_head(self):
+            return True, False
+
+    q, k, v = _qkv(2, 2, 24)
+    assert_forward_by_rule(q, k, v, mask=PerBatchLength(torch.tensor([7, 19])), backend=Backend.CPU)
+    assert PerBatchLength(None).depends_on_batch_head(2, 2) == (True, False)
