@@ -7,13 +7,15 @@ on scalar indices under ``torch.vmap``, so Flex users also write per-element cod
 (``bias[b][h][q_idx]``, ``torch.dot(x[q_idx], y[kv_idx])``) that raises, returns the wrong shape
 or silently reduces over the whole grid when given broadcast tensors.
 
-The first time a callable is seen, it runs on the tile in broadcast mode *and*, on a 2x2x2x3
-corner of that tile, per element under vmap (one flat vmap call, about 0.5 ms). It keeps broadcast mode when
-both agree (or vmap cannot run the callable), and switches to per-element mode when broadcast
-raises, gives the wrong shape or gives other values. Per-element mode is Flex's own evaluation:
-nested ``torch.vmap`` over (b, h, q, kv) on the tile's int32 index vectors, the whole tile at
-once (about 2x the cost of broadcast mode). The decision is remembered per callable (per code
-object and the shapes it captures, so a lambda re-created every step is decided once).
+The first time a callable is seen, it runs on the tile in broadcast mode *and*, at up to
+2x2x2x3 spread points of that tile (first/last b, h, q; first/middle/last kv), per element
+under vmap (one flat vmap call, about 0.5 ms). It keeps broadcast mode when both agree (or vmap
+cannot run the callable), and switches to per-element mode when broadcast raises, gives the
+wrong shape or gives other values. Per-element mode is Flex's own evaluation: nested
+``torch.vmap`` over (b, h, q, kv) on the tile's int32 index vectors, the whole tile at once
+(about 2x the cost of broadcast mode). The decision is remembered per callable (per code object
+and the shapes it captures, so a lambda re-created every step is decided once), unless the
+points could not have shown a difference (see :func:`_decide`).
 Gradients flow through both modes.
 
 This module also finds the tensors a callable captures (:func:`captured_tensors`), so tensors
@@ -157,10 +159,29 @@ def _flat(fn, prefix, idx, grid, check):
     return out.view(grid)
 
 
-def _corner(vecs):
-    """The 2x2x2x3 corner of the tile as broadcastable grids (checked with one flat vmap)."""
-    c = [vecs[0][:2], vecs[1][:2], vecs[2][:2], vecs[3][:3]]
-    return [v.view([-1 if i == axis else 1 for i in range(4)]) for axis, v in enumerate(c)]
+def _sample_index(vecs):
+    """Spread sample points of the tile: b, h, q at the first and last index, kv at the first,
+    middle and last (at most 2x2x2x3 points; spread so that masks see both sides of an edge)."""
+    out = []
+    for axis, v in enumerate(vecs):
+        n = len(v)
+        picks = (0, n // 2, n - 1) if axis == 3 else (0, n - 1)
+        out.append(torch.tensor(sorted(set(i for i in picks if n > 0)), dtype=torch.long))
+    return out
+
+
+def _sample(t, idx, grid):
+    """``t`` broadcast to ``grid``, at the sample points ``idx`` (one index vector per dim)."""
+    t = torch.broadcast_to(t, grid)
+    for d, i in enumerate(idx):
+        t = t.index_select(d, i.to(t.device))
+    return t
+
+
+def _sample_grids(vecs, idx):
+    """The index vectors at the sample points, as broadcastable grids (for one flat vmap)."""
+    return [v[i.to(v.device)].view([-1 if d == axis else 1 for d in range(4)])
+            for axis, (v, i) in enumerate(zip(vecs, idx))]
 
 
 def _bshape(*shapes) -> tuple | None:
@@ -195,8 +216,15 @@ def _agree(a, b, exact: bool) -> bool:
     return bool(torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6, equal_nan=True))
 
 
-def _decide(fn, broadcast, element, corner_of, exact):
-    """Run ``broadcast()``; check it against ``element`` on the tile's corner; remember the mode."""
+_UNSURE: "OrderedDict[object, int]" = OrderedDict()  # callables whose samples could not tell the modes apart
+_UNSURE_CHECKS = 16
+
+
+def _decide(fn, broadcast, element, sample_of, informative, exact):
+    """Run ``broadcast()``; check it against ``element`` at the tile's sample points; remember
+    the mode. An agreement that could not have shown a difference (a mask all True or all False
+    there, a score modifier adding one constant, as a zero-initialised table does) is not
+    remembered: the check runs again on the callable's next tiles, up to 16 times."""
     try:
         out = broadcast()
         err = None
@@ -204,21 +232,38 @@ def _decide(fn, broadcast, element, corner_of, exact):
         out, err = None, e
     if err is None and out is not None:
         try:
-            ref = element(corner=True)
+            ref = element(sample=True)
         except Exception:  # noqa: BLE001 - vmap cannot run it: broadcast mode is the only one
             _set_mode(fn, Mode.BROADCAST)
             return out
-        if _agree(corner_of(out), ref, exact):
-            _set_mode(fn, Mode.BROADCAST)
+        got = sample_of(out)
+        if _agree(got, ref, exact):
+            if informative(got) or _unsure_again(fn):
+                _set_mode(fn, Mode.BROADCAST)
             return out
     try:
-        res = element(corner=False)
+        res = element(sample=False)
     except Exception as e2:  # noqa: BLE001
         if err is not None:
             raise err from e2
         raise
     _set_mode(fn, Mode.ELEMENT)
     return res
+
+
+def _unsure_again(fn) -> bool:
+    """Count an uninformative check; True once there have been enough to stop checking."""
+    key = _mode_key(fn)
+    if key is None:
+        key = id(fn)
+    with _LOCK:
+        n = _UNSURE.pop(key, 0) + 1
+        if n >= _UNSURE_CHECKS:
+            return True
+        _UNSURE[key] = n
+        while len(_UNSURE) > _MODES_MAX:
+            _UNSURE.popitem(last=False)
+    return False
 
 
 # ----------------------------------------------------------------------------- masks
@@ -259,15 +304,17 @@ def call_mask(fn, b, h, qp, kp) -> torch.Tensor:
             except Exception:  # noqa: BLE001
                 return _flat(fn, (), (b, h, qp, kp), grid, _check_bool)
         if mode is None:
-            def element(corner):
-                if corner:
-                    c = _corner(vecs)
+            idx = _sample_index(vecs)
+
+            def element(sample):
+                if sample:
+                    c = _sample_grids(vecs, idx)
                     return _flat(fn, (), c, _bshape(*(t.shape for t in c)), _check_bool)
                 out = _element_mask(fn, vecs)
                 _check_bool(fn, out)
                 return out
-            return _decide(fn, broadcast, element,
-                           lambda o: torch.broadcast_to(o, grid)[:2, :2, :2, :3], exact=True)
+            return _decide(fn, broadcast, element, lambda o: _sample(o, idx, grid),
+                           lambda m: bool(m.any()) and not bool(m.all()), exact=True)
     vecs = vecs or _vectors(b, h, qp, kp)
     if vecs is None:
         return _flat(fn, (), (b, h, qp, kp), grid, _check_bool)
@@ -372,15 +419,21 @@ def call_score(fn, s, b, h, qp, kp) -> torch.Tensor:
             except Exception:  # noqa: BLE001
                 return _finish(_flat(fn, (s,), (b, h, qp, kp), s.shape, _check_float), s)
         if mode is None:
-            def element(corner):
-                if corner:
-                    sc = s.expand(tuple(len(v) for v in vecs))[:2, :2, :2, :3]
-                    return _flat(fn, (sc,), _corner(vecs), sc.shape, _check_float)
+            idx = _sample_index(vecs)
+            grid = tuple(len(v) for v in vecs)
+            s_at = _sample(s, idx, grid)
+
+            def element(sample):
+                if sample:
+                    return _flat(fn, (s_at,), _sample_grids(vecs, idx), s_at.shape, _check_float)
                 out = _element_score(fn, s, vecs)
                 _check_float(fn, out)
                 return out
-            out = _decide(fn, broadcast, element,
-                          lambda o: torch.broadcast_to(o, s.shape)[:2, :2, :2, :3], exact=False)
+
+            def informative(o):
+                d = torch.nan_to_num(o.detach().double() - s_at.detach().double())
+                return bool(d.max() != d.min())
+            out = _decide(fn, broadcast, element, lambda o: _sample(o, idx, grid), informative, exact=False)
             return _finish(out, s)
     vecs = vecs or _vectors(b, h, qp, kp)
     if vecs is None:

@@ -254,18 +254,22 @@ def test_attend_backward_returns_score_gradients_or_refuses():
     torch.testing.assert_close(total, rel.grad, atol=1e-5, rtol=1e-4)
 
 
+def _train_step_on_a_view(q, k, v, backend):
+    """One step whose score reads a non-leaf view of a parameter; returns (weakref to the view, param)."""
+    base = torch.randn(24, 24, 2, requires_grad=True)
+    bias = base.permute(2, 0, 1) * 1.0
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + bias[h, q_idx, kv_idx]
+    kf.attention(q, k, v, score=mod, mask=kf.causal(), backend=backend).sum().backward()
+    return weakref.ref(bias), base
+
+
 def test_no_graph_kept_alive_after_backward():
     """Plans and caches hold no tensor with a grad graph: the captured non-leaf is freed."""
     q, k, v = (t.requires_grad_(True) for t in _qkv(1, 2, 24))
     for backend in (Backend.CPU, Backend.TILES):
-        base = torch.randn(24, 24, 2, requires_grad=True)
-        bias = base.permute(2, 0, 1) * 1.0
-        alive = weakref.ref(bias)
-
-        def mod(score, b, h, q_idx, kv_idx):
-            return score + bias[h, q_idx, kv_idx]
-        kf.attention(q, k, v, score=mod, mask=kf.causal(), backend=backend).sum().backward()
-        del bias, mod
+        alive, base = _train_step_on_a_view(q, k, v, backend)
         gc.collect()
         assert alive() is None, backend
         assert base.grad is not None
@@ -367,6 +371,22 @@ def dot_score(score, b, h, q_idx, kv_idx):
 def summed_score(score, b, h, q_idx, kv_idx):
     """Per element a dot product; on a broadcast grid ``.sum()`` would add up the whole tile."""
     return score + 0.1 * (_xr[q_idx] * _yr[kv_idx]).sum()
+
+
+def test_zero_initialised_table_is_checked_again_once_it_trains():
+    """With a zero table, broadcast and per-element agree by accident (both add 0): the choice
+    must not be frozen then, or the first real values give a silently wrong answer."""
+    x = torch.zeros(N8, 8)
+    y = _rand(N8, 8, seed=35)
+
+    def dot_sum(score, b, h, q_idx, kv_idx):
+        return score + (x[q_idx] * y[kv_idx]).sum()
+    q, k, v = _qkv(B8, H8, N8)
+    kf.attention(q, k, v, score=dot_sum, q_offset=0, backend=Backend.TILES)
+    with torch.no_grad():
+        x.copy_(_rand(N8, 8, seed=36) * 0.1)   # an optimizer step
+    got = kf.attention(q, k, v, score=dot_sum, q_offset=0, backend=Backend.TILES)
+    torch.testing.assert_close(got, _flex(q, k, v, score_mod=dot_sum), atol=2e-5, rtol=1e-4)
 
 
 def interval_mask(b, h, q_idx, kv_idx):
