@@ -114,20 +114,21 @@ class _Call:
             return _triton.forward(q, k, v, self.plan, self.pb)
         return _tiles.forward(q, k, v, self.plan, self.pb)
 
-    def backward(self, q, k, v, out, lse, dout, dlse):
+    def backward(self, q, k, v, out, lse, dout, dlse, whole_rows: bool = True):
         """``(dq, dk, dv, d_score_tensors)``; the last is a tuple aligned with ``score_tensors``.
 
         The fused CPU op gives no dS, so when a score tensor needs its gradient the CPU backend
         runs the backward's pieces through the tile path (torch ops), which differentiates the
         score modifier tile by tile; the forward stays fused."""
         if self.score_tensors:
-            return _tiles.backward_with_score(q, k, v, out, lse, dout, dlse, self.plan, self.pb, self.score_tensors)
+            return _tiles.backward_with_score(q, k, v, out, lse, dout, dlse, self.plan, self.pb, self.score_tensors,
+                                              whole_rows)
         if self.backend is Backend.CPU:
             return (*_cpu.backward(q, k, v, out, lse, dout, dlse, self.plan, self.pb), ())
         if self.backend is Backend.TRITON:
             from .kernels import triton as _triton
             return (*_triton.backward(q, k, v, out, lse, dout, dlse, self.plan, self.pb), ())
-        return (*_tiles.backward(q, k, v, out, lse, dout, dlse, self.plan, self.pb), ())
+        return (*_tiles.backward(q, k, v, out, lse, dout, dlse, self.plan, self.pb, whole_rows), ())
 
 
 def _grad_tensors(score) -> tuple:
@@ -302,7 +303,7 @@ def attend_backward(q, k, v, out, lse, dout, *, mask=None, score=None, scale=Non
                          f"{len(call.score_tensors)} tensor(s) with requires_grad; pass score_grads=True "
                          f"and add the returned gradients to them, or detach them")
     dq, dk, dv, dts = call.backward(q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
-                                    dout.detach(), None if dlse is None else dlse.detach())
+                                    dout.detach(), None if dlse is None else dlse.detach(), whole_rows=False)
     if score_grads:
         return dq, dk, dv, tuple(zip(call.score_tensors, dts))
     return dq, dk, dv

@@ -74,12 +74,17 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
     return acc
 
 
-def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem):
-    """Gradients of every piece from the global ``out``/``lse`` (and ``dlse``), summed."""
-    return backward_with_score(q, k, v, out, lse, dout, dlse, plan, pb, ())[:3]
+def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows: bool = True):
+    """Gradients of every piece from the global ``out``/``lse`` (and ``dlse``), summed.
+
+    whole_rows: these keys are all the keys the rows see (the engine's own backward). False
+    for a piece of a larger computation (``attend_backward``): a row's D_i must then come
+    from the global ``out``, as the pieces outside this call also contribute to it."""
+    return backward_with_score(q, k, v, out, lse, dout, dlse, plan, pb, (), whole_rows)[:3]
 
 
-def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, score_tensors=()):
+def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, score_tensors=(),
+                        whole_rows: bool = True):
     """``(dq, dk, dv, dts)``: as :func:`backward`, plus the gradients of ``score_tensors`` (tensors
     the score modifier reads, see ``ScoreMod.tensors``), one per tensor (None if unused), by
     autograd of ``score.apply`` on each tile, ``grad(s, [raw, *tensors], dS)``, summed over pieces."""
@@ -103,7 +108,7 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
     cover = torch.zeros(Nq, dtype=torch.int32)
     for piece in plan.pieces:
         cover[piece.q0:piece.q1] += 1
-    alone = cover == 1
+    alone = (cover == 1) & whole_rows
     for piece in plan.pieces:
         vis = _visible_cached(q, piece, pb, plan)
         pos = positions(q, piece, pb) if pb.score is not None else None  # only modifiers read positions
