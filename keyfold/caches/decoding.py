@@ -150,7 +150,7 @@ def _groups_state(q, groups: list[Group], mask, score, scale, splits, backend, D
     for g in groups:
         m, sc = mask, score
         if (g.r0, g.r1) != (0, B):  # the group is a slice of the batch: keep b meaning q's row
-            if m is not None and m.depends_on_batch_head()[0]:
+            if m is not None and m.depends_on_batch_head(B, q.shape[1])[0]:
                 m = BatchRows(m, B, g.r0, g.r1 - g.r0)
             if sc is not None:
                 sc = BatchRowsScore(sc, g.r0)
