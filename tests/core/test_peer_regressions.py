@@ -414,3 +414,19 @@ def test_callable_plan_at_positions_past_2_31():
     q, k, v = _qkv(1, 2, 64, 64, 8, seed=9)
     for backend in BACKENDS:
         assert_forward_by_rule(q, k, v, mask=fn, q_offset=base, kv_offset=base, block_size=16, backend=backend)
+
+
+def test_alibi_per_batch_slopes_through_decode_groups():
+    """A ragged cache splits the batch into groups (the score sees shifted batch rows): each row
+    still gets its own slopes."""
+    B, H = 3, 2
+    slopes = torch.rand(B, H, generator=torch.Generator().manual_seed(2))
+    cache = KVCache(batch=B, heads=H, head_dim=8, capacity=32)
+    q, k, v = _qkv(B, H, 2, 20, 8, seed=12)
+    lengths = [20, 12, 12]
+    cache.append(k, v, lengths=lengths)
+    out = decode(q, cache, mask=kf.causal(), score=kf.alibi(slopes))
+    for b, L in enumerate(lengths):
+        one = kf.attention(q[b:b + 1], k[b:b + 1, :, :L], v[b:b + 1, :, :L], mask=kf.causal(),
+                           score=kf.alibi(slopes[b]))
+        assert max_err(out[b:b + 1], one) < 1e-6
