@@ -16,7 +16,7 @@ from .kernels import reference as _reference
 from .kernels import tiles as _tiles
 from .kernels._common import Problem
 from .masks import as_mask, default_q_offset
-from .planner import Plan, plan as _plan
+from .planner import Plan, _plan
 from .scores import as_score
 from .state import State
 

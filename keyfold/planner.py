@@ -42,9 +42,13 @@ class Piece:
         return (self.q1 - self.q0) * (self.k1 - self.k0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Plan:
-    """How one call covers the (Nq x Nk) pairs. ``kinds`` is ``(nq_blocks, nk_blocks)`` int8."""
+    """How one call covers the (Nq x Nk) pairs. ``kinds`` is ``(nq_blocks, nk_blocks)`` int8.
+
+    Plans compare and hash by identity (they hold tensors, whose ``==`` is elementwise): the plan
+    cache hands out one object per key, so ``plan(...) is plan(...)`` on a hit.
+    """
 
     Nq: int
     Nk: int
@@ -204,17 +208,28 @@ def default_block(Nq: int, Nk: int) -> tuple[int, int]:
 
 
 def plan(mask: Mask | None, Nq: int, Nk: int, *, q_offset: int | None = None, kv_offset: int = 0,
-         B: int = 1, H: int = 1, block_size: int | tuple[int, int] | None = None,
-         max_span: int | None = None, allow_causal: bool = True) -> Plan:
-    """Plan ``mask`` over ``Nq`` queries and ``Nk`` keys (cached).
+         B: int = 1, H: int = 1, block_size: int | tuple[int, int] | None = None) -> Plan:
+    """Plan ``mask`` over ``Nq`` queries and ``Nk`` keys (cached): which tiles are EMPTY, PARTIAL
+    or FULL and the pieces the kernels compute.
 
+    q_offset, kv_offset: absolute positions of the first query / key, as in :func:`keyfold.attend`.
+    B, H: batch and query heads (they matter only for masks that depend on them).
     block_size: tile size (an int, or ``(block_q, block_k)``); default from :func:`default_block`.
-    max_span: longest key span one piece may cover (the kernels bound their tile memory by it).
-    allow_causal: whether a piece may use the fused kernel's own causal flag.
 
     >>> from keyfold import causal, window
     >>> plan(causal() & window(4), 16, 16, block_size=4).counts()
     {'empty': 9, 'partial': 7, 'full': 0}
+    """
+    return _plan(mask, Nq, Nk, q_offset=q_offset, kv_offset=kv_offset, B=B, H=H, block_size=block_size)
+
+
+def _plan(mask: Mask | None, Nq: int, Nk: int, *, q_offset: int | None = None, kv_offset: int = 0,
+          B: int = 1, H: int = 1, block_size: int | tuple[int, int] | None = None,
+          max_span: int | None = None, allow_causal: bool = True) -> Plan:
+    """:func:`plan` with the kernels' own settings (the engine and the Triton launcher set them).
+
+    max_span: longest key span one piece may cover (the kernels bound their tile memory by it).
+    allow_causal: whether a piece may use the fused kernel's own causal flag.
     """
     mask = as_mask(mask)
     q_offset = default_q_offset(mask, Nq, Nk, kv_offset) if q_offset is None else q_offset
