@@ -100,7 +100,9 @@ class _Alibi(ScoreMod):
         # the distance in exact int64 arithmetic, then cast: float32 positions are exact only below 2^24
         dist = (qp.long() - kp.long()).abs().float()
         t = self.slopes.on(qp.device)
-        slopes = t[b.long(), h.long()] if self._per_batch() else t[h.long()]  # (B|1, H, 1|L, 1)
+        # slopes broadcast over the head axis (a head slice holds its heads' slopes, see
+        # distributed.views.heads_slice); per-batch slopes are picked by b: (B|1, H, 1|L, 1)
+        slopes = t[b.long()].movedim(-1, 1).squeeze(2) if self._per_batch() else t.view(1, -1, 1, 1)
         return -slopes * dist
 
     def apply(self, s, b, h, qp, kp):

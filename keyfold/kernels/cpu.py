@@ -135,10 +135,13 @@ def _tile(piece: Piece, pb: Problem, q_orig, folded: bool, g: int, memo: dict, c
         memo[key] = hit
         return hit
     row_shift = None
+    # a bias separable on this tile (ALiBi with every key on one side): only the key term enters
+    # the scores, the row term shifts lse, so a bias of any size never swamps the scores in float32
     sep = score.separable(qa, qa + L, ka, ka + S, q_orig.device) if (
-        score is not None and piece.kind is PieceKind.FULL) else None
+        score is not None and piece.kind is not PieceKind.CAUSAL) else None
     if sep is not None:
-        row_shift, bias, vis = sep[0], sep[1], None
+        row_shift, bias = sep[0], sep[1]
+        vis = visible(q_orig, piece, pb) if piece.kind is PieceKind.MASKED else None
     else:
         pos = positions(q_orig, piece, pb)
         vis = visible(q_orig, piece, pb, pos) if piece.kind is PieceKind.MASKED else None

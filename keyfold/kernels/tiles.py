@@ -43,6 +43,15 @@ def _visible_cached(q, piece, pb: Problem, plan: Plan):
     return vis
 
 
+def _separable(piece, pb: Problem, device):
+    """``(row, key)`` terms of an additive bias on this piece (ALiBi with every key on one side
+    of every query), or None: then the bias is applied whole."""
+    if pb.score is None or not pb.score.additive:
+        return None
+    qa, ka = pb.q_offset + piece.q0, pb.kv_offset + piece.k0
+    return pb.score.separable(qa, pb.q_offset + piece.q1, ka, pb.kv_offset + piece.k1, device)
+
+
 def forward(q, k, v, plan: Plan, pb: Problem) -> State:
     sd = state_dtype(q.dtype)
     B, Hq, Nq, _ = q.shape
@@ -56,7 +65,10 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
         ks = k[:, :, piece.k0:piece.k1].to(sd)
         vs = v[:, :, piece.k0:piece.k1].to(sd)
         s = _scores(qs, ks, pb)                                              # (B, Hq, L, S), ours
-        if pb.score is not None:
+        sep = _separable(piece, pb, q.device)
+        if sep is not None:  # key term into the scores, row term into lse (exact far from the keys)
+            s = s.add_(sep[1])
+        elif pb.score is not None:
             s = pb.score.apply_(s, *pos)
         if vis is not None:
             s = s.masked_fill_(~vis, NEG_INF)
@@ -66,6 +78,8 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
         p = s.sub_(m).exp_()
         total = p.sum(-1, keepdim=True)                                      # (B, Hq, L, 1)
         lse = (m + total.log()).squeeze(-1)                                  # -inf where total = 0
+        if sep is not None:
+            lse = lse + sep[0]
         L, S = p.shape[-2:]
         out = (p.reshape(B, Hkv, g, L, S) @ vs.unsqueeze(2)).reshape(B, Hq, L, Dv)
         out = out / torch.where(total > 0, total, torch.ones_like(total))
@@ -116,12 +130,18 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
         qs, ks, vs = q[:, :, rows].to(sd), k[:, :, keys].to(sd), v[:, :, keys].to(sd)
         do = dout[:, :, rows].to(sd)
         L, S = piece.q1 - piece.q0, piece.k1 - piece.k0
+        sep = None if nonadd else _separable(piece, pb, q.device)
         with torch.enable_grad():
             raw = _scores(qs, ks, pb)
             if nonadd:
                 raw.requires_grad_(True)
-            s = _modify(raw, pb, pos, vis)
-        p = torch.exp(s.detach() - safe_lse[:, :, rows].unsqueeze(-1))      # (B, Hq, L, S)
+            if sep is not None:  # as in forward: the row term stays in lse
+                s = raw + sep[1]
+                s = s.masked_fill(~vis, NEG_INF) if vis is not None else s
+            else:
+                s = _modify(raw, pb, pos, vis)
+        lse_p = safe_lse[:, :, rows] - sep[0] if sep is not None else safe_lse[:, :, rows]
+        p = torch.exp(s.detach() - lse_p.unsqueeze(-1))                      # (B, Hq, L, S)
         dp = (do.reshape(B, Hkv, g, L, Dv) @ vs.unsqueeze(2).transpose(-1, -2)).reshape(B, Hq, L, S)
         d_rows = delta[:, :, rows]
         own = alone[rows].to(q.device)

@@ -173,8 +173,9 @@ def test_merge_all_of_one_state_zeroes_its_empty_rows():
 # ----------------------------------------------------------------------- 5. ALiBi far from 0
 
 
-def _alibi_ref(q, k, v, slopes, q_offset, kv_offset, causal):
-    """float64 attention with ALiBi from exact integer distances (Python ints)."""
+def _alibi_ref(q, k, v, slopes, q_offset, kv_offset, causal, n_sinks=None):
+    """float64 attention with ALiBi from exact integer distances (Python ints); ``n_sinks``:
+    only keys before that position are visible."""
     Nq, Nk = q.shape[2], k.shape[2]
     dist = torch.tensor([[abs((q_offset + i) - (kv_offset + j)) for j in range(Nk)] for i in range(Nq)],
                         dtype=torch.float64)
@@ -184,7 +185,26 @@ def _alibi_ref(q, k, v, slopes, q_offset, kv_offset, causal):
         qp = torch.arange(Nq).view(-1, 1) + q_offset
         kp = torch.arange(Nk).view(1, -1) + kv_offset
         s = s.masked_fill(kp > qp, float("-inf"))
+    if n_sinks is not None:
+        s = s.masked_fill(torch.arange(Nk).view(1, -1) + kv_offset >= n_sinks, float("-inf"))
     return torch.softmax(s, -1) @ v.double()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("base", [2**20, 2**25, 2**31 + 7])
+def test_alibi_with_every_key_far_behind_forward(backend, base):
+    """Queries far past all their keys (sinks of a long stream): the bias is -slope * base, and
+    added whole to the scores in float32 it swamped them (TILES error 0.2 at 2^25, 0.97 at 2^31;
+    the CPU path's masked tiles likewise). The row term now shifts lse only. Forward only: the
+    backward recomputes P from the float32 global lse, which at this magnitude holds ~0.03 of
+    absolute error (a known limit, see the README's status)."""
+    H = 4
+    slopes = kf.alibi_slopes(H)
+    q, k, v = _qkv(1, H, 6, 300, 16, seed=7)
+    call = dict(score=kf.alibi(slopes), mask=kf.sinks(250), q_offset=base, kv_offset=0, block_size=64)
+    out = kf.attention(q, k, v, backend=backend, **call)
+    ref = _alibi_ref(q, k, v, slopes, base, 0, False, n_sinks=250)
+    assert max_err(out, ref) < 1e-5
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -414,3 +434,19 @@ def test_callable_plan_at_positions_past_2_31():
     q, k, v = _qkv(1, 2, 64, 64, 8, seed=9)
     for backend in BACKENDS:
         assert_forward_by_rule(q, k, v, mask=fn, q_offset=base, kv_offset=base, block_size=16, backend=backend)
+
+
+def test_alibi_per_batch_slopes_through_decode_groups():
+    """A ragged cache splits the batch into groups (the score sees shifted batch rows): each row
+    still gets its own slopes."""
+    B, H = 3, 2
+    slopes = torch.rand(B, H, generator=torch.Generator().manual_seed(2))
+    cache = KVCache(batch=B, heads=H, head_dim=8, capacity=32)
+    q, k, v = _qkv(B, H, 2, 20, 8, seed=12)
+    lengths = [20, 12, 12]
+    cache.append(k, v, lengths=lengths)
+    out = decode(q, cache, mask=kf.causal(), score=kf.alibi(slopes))
+    for b, L in enumerate(lengths):
+        one = kf.attention(q[b:b + 1], k[b:b + 1, :, :L], v[b:b + 1, :, :L], mask=kf.causal(),
+                           score=kf.alibi(slopes[b]))
+        assert max_err(out[b:b + 1], one) < 1e-6
