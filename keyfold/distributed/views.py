@@ -104,7 +104,7 @@ class ScoreView(ScoreMod):
 
 def heads_slice(score: ScoreMod | None, h0: int, h1: int) -> ScoreMod | None:
     """``score`` restricted to query heads ``[h0, h1)``: ALiBi keeps the slopes of heads [0, h1)
-    (its bias indexes them by the global head index); callables see shifted head indices through
+    (its bias broadcasts slopes over the head axis); callables see shifted head indices through
     :class:`ScoreView`; softcap does not depend on the head."""
     if score is None:
         return None
