@@ -84,7 +84,7 @@ class ScoreView(ScoreMod):
         return self.inner.bias(b, *self._map(h, qp, kp))
 
     def check_heads(self, H):
-        self.inner.check_heads(H + self.h0)  # the inner modifier sees heads h0 .. h0 + H - 1
+        self.inner.check_heads(H)
 
     def tensors(self):
         return self.inner.tensors()
@@ -103,16 +103,14 @@ class ScoreView(ScoreMod):
 
 
 def heads_slice(score: ScoreMod | None, h0: int, h1: int) -> ScoreMod | None:
-    """``score`` restricted to query heads ``[h0, h1)``: ALiBi keeps the slopes of heads [0, h1)
+    """``score`` restricted to query heads ``[h0, h1)``: ALiBi keeps only those heads' slopes
     (its bias broadcasts slopes over the head axis); callables see shifted head indices through
     :class:`ScoreView`; softcap does not depend on the head."""
     if score is None:
         return None
     spec = score.spec()
     if spec is not None and spec[0] is ScoreKind.ALIBI:
-        # ALiBi indexes its slopes by the head index, which ScoreView shifts to the global one:
-        # keep the slopes of heads [0, h1) so global indices h0..h1-1 find theirs
-        return alibi(spec[1]["slopes"][..., :h1])
+        return alibi(spec[1]["slopes"][..., h0:h1])
     if score.parts() is not None:
         return as_score([heads_slice(m, h0, h1) for m in score.parts()])
     return score
