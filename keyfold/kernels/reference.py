@@ -11,7 +11,7 @@ import torch
 
 from ..masks import grid_positions
 from ..state import State, state_dtype
-from ._common import NEG_INF, Problem
+from ._common import NEG_INF, Problem, dropout_keep
 
 __all__ = ["attend_reference"]
 
@@ -33,6 +33,9 @@ def attend_reference(q, k, v, pb: Problem) -> State:
     lse = torch.logsumexp(s, dim=-1)                           # (B, Hq, Nq); -inf on empty rows
     safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     p = torch.exp(s - safe.unsqueeze(-1))                      # empty rows: exp(-inf) = 0
+    if pb.dropout_p:  # SDPA's dropout after softmax, kept ones scaled by 1/(1-p); lse unchanged
+        keep = dropout_keep(pb.dropout_seed, pb.dropout_p, b, h, qp, kp, Hq)
+        p = p * keep / (1.0 - pb.dropout_p)
     out = p.reshape(B, Hkv, g, Nq, Nk) @ v.to(sd).unsqueeze(2)  # (B, Hkv, g, Nq, Dv)
     return State(out.reshape(B, Hq, Nq, Dv), lse)
 
