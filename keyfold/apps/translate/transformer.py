@@ -100,9 +100,10 @@ class Transformer(nn.Module):
             raise ValueError("a Transformer needs n_encoder_layers >= 1; use TransformerLM for a decoder-only model")
         self.cfg = cfg
         self.embed = _Embedding(cfg)
-        args = (cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.dropout, cfg.norm_first)
-        self.encoder = nn.ModuleList(TransformerEncoderLayer(*args) for _ in range(cfg.n_encoder_layers))
-        self.decoder = nn.ModuleList(TransformerDecoderLayer(*args) for _ in range(cfg.n_decoder_layers))
+        args = (cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.dropout)
+        kw = {"norm_first": cfg.norm_first, "batch_first": True}
+        self.encoder = nn.ModuleList(TransformerEncoderLayer(*args, **kw) for _ in range(cfg.n_encoder_layers))
+        self.decoder = nn.ModuleList(TransformerDecoderLayer(*args, **kw) for _ in range(cfg.n_decoder_layers))
         self.enc_norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else nn.Identity()
         self.dec_norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else nn.Identity()
 
@@ -111,14 +112,14 @@ class Transformer(nn.Module):
         src_mask = key_padding_to_mask(src.eq(PAD), src.shape[1])
         x = self.embed(src)
         for layer in self.encoder:
-            x = layer(x, src_mask=src_mask)
+            x = layer(x, mask=src_mask)
         return self.enc_norm(x), src_mask
 
     def decode(self, tgt_in, memory, src_mask, caches=None, offset: int = 0):
         """Logits ``(B, T, V)`` for target tokens at positions ``offset ..``; with ``caches`` incremental."""
         x = self.embed(tgt_in, offset)
         for i, layer in enumerate(self.decoder):
-            x = layer(x, memory, tgt_mask=causal(), memory_mask=src_mask,
+            x = layer(x, memory, mask=causal(), cross_mask=src_mask,
                       caches=None if caches is None else caches[i])
         return self.embed.logits(self.dec_norm(x))
 
@@ -141,14 +142,14 @@ class TransformerLM(nn.Module):
         self.cfg = cfg
         self.embed = _Embedding(cfg)
         self.decoder = nn.ModuleList(
-            TransformerDecoderLayer(cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.dropout, cfg.norm_first,
-                                    cross_attention=False) for _ in range(cfg.n_decoder_layers))
+            TransformerDecoderLayer(cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.dropout, norm_first=cfg.norm_first,
+                                    batch_first=True, cross_attention=False) for _ in range(cfg.n_decoder_layers))
         self.dec_norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else nn.Identity()
 
     def forward(self, tokens, caches=None, offset: int = 0):
         x = self.embed(tokens, offset)
         for i, layer in enumerate(self.decoder):
-            x = layer(x, tgt_mask=causal(), caches=None if caches is None else caches[i])
+            x = layer(x, mask=causal(), caches=None if caches is None else caches[i])
         return self.embed.logits(self.dec_norm(x))
 
     def new_caches(self):
