@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from .dense import tensor_mask
 from .engine import attention
 from .masks import causal
 
@@ -37,7 +38,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     ``enable_gqa=True`` (then ``Hq % Hkv == 0``). attn_mask: bool (True = attend) or float (added),
     broadcastable to ``(..., Hq, L, S)``; a float mask with ``requires_grad`` gets its gradient and
     float64 stays float64. is_causal: top-left causal (query i sees keys ``j <= i``, also when
-    ``L != S``), exclusive with attn_mask. dropout_p: applied whenever > 0 (as SDPA does; pass
+    ``L != S``); with attn_mask as well, a pair must pass both. dropout_p: applied whenever > 0 (as SDPA does; pass
     ``dropout_p if self.training else 0.0``); ``generator`` seeds it. scale: default ``1/sqrt(E)``.
 
     Returns ``(..., Hq, L, Ev)`` in the query dtype. A row that sees no key gives 0, never NaN.
@@ -51,9 +52,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         if not isinstance(t, torch.Tensor) or t.dim() < 2:
             raise ValueError(f"{name} must be a tensor of shape (..., seq, feature), got "
                              f"{getattr(t, 'shape', type(t).__name__)}")
-    if is_causal and attn_mask is not None:
-        raise RuntimeError("scaled_dot_product_attention: explicit attn_mask should not be set when is_causal=True "
-                           "(as in SDPA); pass one or the other")
     if key.shape[-1] != query.shape[-1]:
         raise ValueError(f"query and key feature dims differ ({query.shape[-1]} vs {key.shape[-1]})")
     if key.shape[-2] != value.shape[-2]:
@@ -64,8 +62,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Hq, Hkv = q.shape[-3], k.shape[-3]
     if v.shape[-3] != Hkv:
         raise ValueError(f"key has {Hkv} heads but value has {v.shape[-3]}")
+    if Hq != Hkv and not enable_gqa and 1 in (Hq, Hkv):  # heads broadcast like any batch dim (as in SDPA)
+        if Hq == 1:
+            q, Hq = q.expand(*q.shape[:-3], Hkv, L, E), Hkv
     if Hq != Hkv:
-        if not enable_gqa:
+        if not enable_gqa and Hkv != 1:
             raise RuntimeError(f"query has {Hq} heads and key/value {Hkv}: pass enable_gqa=True for grouped-query "
                                f"attention (as in SDPA), or repeat the key/value heads")
         if Hkv == 0 or Hq % Hkv:
@@ -80,11 +81,18 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     k4 = k.expand(*lead, Hkv, S, E).reshape(B, Hkv, S, E)           # (B, Hkv, S, E)
     v4 = v.expand(*lead, Hkv, S, Ev).reshape(B, Hkv, S, Ev)         # (B, Hkv, S, Ev)
     mask = causal() if is_causal else None
+    score = None
     if attn_mask is not None:
-        mask = _mask_4d(attn_mask, lead, Hq, L, S)
+        m4 = _mask_4d(attn_mask, lead, Hq, L, S)
+        if is_causal:  # both: a pair must pass both (torch's CPU SDPA accepts the pair too)
+            m, score = tensor_mask(m4, B=B, H=Hq, Nq=L, Nk=S, name="attn_mask")
+            mask = mask if m is None else mask & m
+        else:
+            mask = m4
     if scale is not None:
         scale = float(scale)
-    out = attention(q4, k4, v4, mask=mask, scale=scale, q_offset=0, dropout_p=float(dropout_p), generator=generator)
+    out = attention(q4, k4, v4, mask=mask, score=score, scale=scale, q_offset=0, dropout_p=float(dropout_p),
+                    generator=generator)
     out = out.reshape(*lead, Hq, L, Ev)                             # (..., Hq, L, Ev)
     return out if max(query.dim(), key.dim(), value.dim()) >= 3 else out.reshape(L, Ev)
 

@@ -287,6 +287,11 @@ class MultiheadAttention(nn.Module):
             query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)  # (B, N, E)
         B, L, _ = query.shape
         H = self.num_heads
+        if attn_mask is not None:  # torch's checks, before bias_k / zero_attn add a key
+            want = (L, key.shape[1]) if attn_mask.dim() == 2 else (B * H, L, key.shape[1])
+            if tuple(attn_mask.shape) != want:
+                raise RuntimeError(f"The shape of the {attn_mask.dim()}D attn_mask is {tuple(attn_mask.shape)}, "
+                                   f"but should be {want}.")
         q = self._heads(self._project(query, 0))                         # (B, H, L, hd)
         offset = 0
         if cache is not None and cache.static and cache.k is not None:
