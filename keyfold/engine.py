@@ -16,8 +16,8 @@ from .kernels import reference as _reference
 from .kernels import tiles as _tiles
 from .kernels._common import Problem
 from .dense import tensor_mask
-from .masks import as_mask
-from .planner import Plan, plan as _plan
+from .masks import as_mask, default_q_offset
+from .planner import Plan, _plan
 from .scores import as_score
 from .state import State
 
@@ -89,6 +89,7 @@ class _Call:
         score = as_score(score)
         if score is not None:
             score.check_heads(Hq)
+            score.check_batch(B)
         self.pb = Problem(mask, score, float(1.0 / math.sqrt(D) if scale is None else scale), q_offset, kv_offset,
                           float(dropout_p), int(dropout_seed))
         self.backend = _resolve(backend, q, score, dropout_p)
@@ -208,6 +209,7 @@ def attend(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offs
         so ``torch.manual_seed`` makes it reproducible).
     q_offset: absolute position of the first query; default ``kv_offset + Nk - Nq`` is
         bottom-right alignment relative to these keys (decoding); pass 0 for Flex's top-left.
+        With a ``varlen(...)`` mask (packed queries) the default is 0.
     kv_offset: absolute position of the first key (a chunk, page or shard of a longer sequence).
 
     Returns ``State(out, lse)``: out ``(B, Hq, Nq, Dv)`` and lse ``(B, Hq, Nq)`` in float32
@@ -226,11 +228,16 @@ def attend(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offs
             q, k, v, backend, block_size, check_inputs, scale, q_offset, kv_offset):
         return _cpu.dense(q, k, v, float(q.shape[-1] ** -0.5 if scale is None else scale))
     if q_offset is None and isinstance(k, torch.Tensor) and isinstance(q, torch.Tensor) and k.dim() == 4 and q.dim() == 4:
-        q_offset = kv_offset + k.shape[2] - q.shape[2]
+        q_offset = default_q_offset(_mask_object(mask), q.shape[2], k.shape[2], kv_offset)
     dropout_p, dropout_seed = _dropout_args(dropout_p, dropout_seed, generator)
     call = _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs,
                  dropout_p, dropout_seed)
     return _run(q, k, v, call)
+
+
+def _mask_object(mask):
+    """The mask as a keyfold Mask (a tensor mask is converted later, with the call's offsets)."""
+    return None if isinstance(mask, torch.Tensor) else as_mask(mask)
 
 
 def _dropout_args(p, seed, generator):
@@ -302,7 +309,7 @@ def attend_backward(q, k, v, out, lse, dout, *, mask=None, score=None, scale=Non
     dv are this piece's keys' full gradients. Ring attention and split-KV backward use this.
     """
     if q_offset is None and isinstance(k, torch.Tensor) and k.dim() == 4 and q.dim() == 4:
-        q_offset = kv_offset + k.shape[2] - q.shape[2]
+        q_offset = default_q_offset(_mask_object(mask), q.shape[2], k.shape[2], kv_offset)
     if backend is Backend.REFERENCE:
         backend = Backend.TILES
     call = _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, False,

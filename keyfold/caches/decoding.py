@@ -229,11 +229,10 @@ def _attend_groups(q, cache: Cache, mask, score, scale, seq_ids, splits, backend
     if rows != q.shape[0]:
         raise ValueError(f"decode(q): {q.shape[0]} query rows for {rows} sequences; pass one row per "
                          f"sequence id (seq_ids)")
-    short = [L for g in groups for L in (g.row_lengths or (g.length,)) if L < Nq]
-    if short:
-        raise ValueError(f"decode(q): {Nq} query tokens but a sequence holds only {short[0]}; the "
-                         f"queries are the cache's last tokens, so append their k/v first (chunked "
-                         f"prefill is append, then decode(q_block, cache, mask=causal()))")
+    if score is not None:
+        score.check_batch(q.shape[0])
+    # More queries than a sequence holds is allowed (FlashAttention's seqlen_q > seqlen_k): they
+    # stay bottom-right aligned, the first ones at negative positions, and see what the mask allows.
     qc = q if q.dtype == cache.dtype else q.to(cache.dtype)
     return _groups_state(qc, groups, mask, score, scale, splits, backend, cache.value_dim)
 
