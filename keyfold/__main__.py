@@ -25,9 +25,13 @@ COMMANDS = {
     ("costs",): ("keyfold.distributed.costs:main", "context-parallel cost model table", "plot"),
     ("train", "translate"): ("keyfold.apps.translate.train:main", "train the Transformer on German-English",
                              "translate"),
+    ("train", "compare"): ("keyfold.apps.translate.compare:main",
+                           "Table 2: keyfold vs torch.nn Transformer vs GRU+attention at one budget", "translate"),
     ("translate",): ("keyfold.apps.translate.translate:main",
                      "translate with a checkpoint, or evaluate on the test split", "translate"),
     ("verify",): ("keyfold.apps.verify.report:main", "error bounds, certified bounds, streaming, fuzzing", "verify"),
+    ("verify", "faults"): ("keyfold.apps.verify.faults:main", "fuzz count per module: inputs, errors, wrong answers",
+                           "verify"),
     ("control", "bench"): ("keyfold.apps.control.bench:main", "predictors in a safe real-time closed loop",
                            "control"),
 }

@@ -92,7 +92,13 @@ class _Call:
             score.check_batch(B)
         self.pb = Problem(mask, score, float(1.0 / math.sqrt(D) if scale is None else scale), q_offset, kv_offset,
                           float(dropout_p), int(dropout_seed))
+        #: Tensors the score reads that need gradients (empty unless one has requires_grad).
+        self.score_tensors = _grad_tensors(score)
         self.backend = _resolve(backend, q, score, dropout_p)
+        if self.score_tensors and self.backend is Backend.TRITON:
+            raise ValueError(f"Backend.TRITON cannot give gradients to tensors the score modifier {score!r} "
+                             f"reads ({len(self.score_tensors)} with requires_grad): use Backend.TILES (any "
+                             f"device), or Backend.CPU on a CPU; or run under torch.no_grad() / detach them")
         if self.backend is Backend.CPU and (Nq == 0 or Nk == 0):  # the fused op dies of SIGFPE on an empty sequence
             self.backend = Backend.TILES
         self.plan: Plan | None = None
@@ -115,13 +121,28 @@ class _Call:
             return _triton.forward(q, k, v, self.plan, self.pb)
         return _tiles.forward(q, k, v, self.plan, self.pb)
 
-    def backward(self, q, k, v, out, lse, dout, dlse):
+    def backward(self, q, k, v, out, lse, dout, dlse, whole_rows: bool = True):
+        """``(dq, dk, dv, d_score_tensors)``; the last is a tuple aligned with ``score_tensors``.
+
+        The fused CPU op gives no dS, so when a score tensor needs its gradient the CPU backend
+        runs the backward's pieces through the tile path (torch ops), which differentiates the
+        score modifier tile by tile; the forward stays fused."""
+        if self.score_tensors:
+            return _tiles.backward_with_score(q, k, v, out, lse, dout, dlse, self.plan, self.pb, self.score_tensors,
+                                              whole_rows)
         if self.backend is Backend.CPU:
-            return _cpu.backward(q, k, v, out, lse, dout, dlse, self.plan, self.pb)
+            return (*_cpu.backward(q, k, v, out, lse, dout, dlse, self.plan, self.pb), ())
         if self.backend is Backend.TRITON:
             from .kernels import triton as _triton
-            return _triton.backward(q, k, v, out, lse, dout, dlse, self.plan, self.pb)
-        return _tiles.backward(q, k, v, out, lse, dout, dlse, self.plan, self.pb)
+            return (*_triton.backward(q, k, v, out, lse, dout, dlse, self.plan, self.pb), ())
+        return (*_tiles.backward(q, k, v, out, lse, dout, dlse, self.plan, self.pb, whole_rows), ())
+
+
+def _grad_tensors(score) -> tuple:
+    """The score's tensors that need gradients in this call (nothing to look at without a score)."""
+    if score is None or not torch.is_grad_enabled():
+        return ()
+    return tuple(t for t in score.tensors() if t.requires_grad)
 
 
 def _resolve(backend: Backend, q, score, dropout_p=0.0) -> Backend:
@@ -158,7 +179,9 @@ class _AttendFn(torch.autograd.Function):
     """Forward: merged (out, lse) in float32. Backward: per piece with the global (out, lse)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, call: _Call):
+    def forward(ctx, q, k, v, call: _Call, *score_tensors):
+        # score_tensors (call.score_tensors) are inputs only so that autograd routes their
+        # gradients here; the score modifier reads them itself.
         st = call.forward(q, k, v)
         ctx.call = call
         ctx.save_for_backward(q, k, v, st.out, st.lse)
@@ -172,15 +195,15 @@ class _AttendFn(torch.autograd.Function):
             dout = torch.zeros_like(out)
         if dlse is not None and q.device.type == "cpu" and not bool(dlse.any()):
             dlse = None  # (on a GPU this check would cost a sync; the kernels take dlse = 0 as is)
-        dq, dk, dv = call.backward(q, k, v, out, lse, dout, dlse)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        dq, dk, dv, dts = call.backward(q, k, v, out, lse, dout, dlse)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *dts)
 
 
 def _run(q, k, v, call: _Call) -> State:
     if call.backend is Backend.REFERENCE:
         return _reference.attend_reference(q, k, v, call.pb)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = _AttendFn.apply(q, k, v, call)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or call.score_tensors):
+        out, lse = _AttendFn.apply(q, k, v, call, *call.score_tensors)
         return State(out, lse)
     return call.forward(q, k, v)
 
@@ -299,20 +322,33 @@ def attention(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_o
 
 
 def attend_backward(q, k, v, out, lse, dout, *, mask=None, score=None, scale=None, q_offset=None,
-                    kv_offset=0, dlse=None, backend=Backend.AUTO, block_size=None, dropout_p=0.0,
-                    dropout_seed=0):
+                    kv_offset=0, dlse=None, backend=Backend.AUTO, block_size=None, score_grads=False,
+                    dropout_p=0.0, dropout_seed=0):
     """Gradients of one piece of keys, given the *global* ``out`` and ``lse`` (docs/math.md §2).
 
     out: ``(B, Hq, Nq, Dv)`` the final merged output; lse ``(B, Hq, Nq)`` the final lse; dout
     its gradient; dlse an optional gradient of lse. Returns ``(dq, dk, dv)`` in float32
     (float64 for float64 inputs): dq is this piece's share (sum the shares over pieces), dk and
     dv are this piece's keys' full gradients. Ring attention and split-KV backward use this.
+
+    score_grads: also return the gradients of the tensors the score modifier reads that have
+    ``requires_grad`` (``score.tensors()``), as a fourth item: a tuple ``((tensor, grad), ...)``
+    of this piece's shares (sum them over pieces; grad is None where the tensor had no
+    effect). Without it, such tensors make this raise rather than lose their gradient.
     """
     if q_offset is None and isinstance(k, torch.Tensor) and k.dim() == 4 and q.dim() == 4:
         q_offset = default_q_offset(_mask_object(mask), q.shape[2], k.shape[2], kv_offset)
     if backend is Backend.REFERENCE:
         backend = Backend.TILES
-    call = _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, False,
-                 *_dropout_args(dropout_p, dropout_seed, None))
-    return call.backward(q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), dout.detach(),
-                         None if dlse is None else dlse.detach())
+    with torch.enable_grad():  # backward hooks run without grad mode; the score tensors still need theirs
+        call = _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, False,
+                     *_dropout_args(dropout_p, dropout_seed, None))
+    if call.score_tensors and not score_grads:
+        raise ValueError(f"attend_backward: the score modifier {call.pb.score!r} reads "
+                         f"{len(call.score_tensors)} tensor(s) with requires_grad; pass score_grads=True "
+                         f"and add the returned gradients to them, or detach them")
+    dq, dk, dv, dts = call.backward(q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
+                                    dout.detach(), None if dlse is None else dlse.detach(), whole_rows=False)
+    if score_grads:
+        return dq, dk, dv, tuple(zip(call.score_tensors, dts))
+    return dq, dk, dv

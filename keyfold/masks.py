@@ -31,6 +31,8 @@ from typing import Callable
 
 import torch
 
+from . import _callables
+
 __all__ = [
     "BlockKind", "MaskKind", "Logic", "Mask", "causal", "window", "sinks", "prefix", "documents",
     "block_sparse", "dilated", "full", "as_mask", "varlen", "Varlen", "captured_tensors",
@@ -105,7 +107,7 @@ class Mask:
     ``evaluate(b, h, qp, kp)``            every backend: visibility on an index grid (required)
     ``classify(q0, q1, k0, k1)``          the planner: EMPTY / PARTIAL / FULL per tile in closed
                                           form, or None (the planner then evaluates every pair)
-    ``depends_on_batch_head()``           the planner: plan once for all batch entries / heads
+    ``depends_on_batch_head(B, H)``       the planner: plan once for all batch entries / heads
     ``__eq__`` / ``__hash__``             the plan cache: equal content, equal hash
     ``translation_invariant``             the CPU kernel: tiles at equal diagonals are equal
     ``preferred_block()``                 the planner: a tile size that fits the structure
@@ -210,9 +212,21 @@ class Mask:
             visible += int(torch.broadcast_to(m, (B, H, i1 - i0, Nk)).sum())
         return 1.0 - visible / float(B * H * Nq * Nk)
 
-    def depends_on_batch_head(self) -> tuple[bool, bool]:
-        """Whether the mask can differ between batch entries / heads."""
+    def depends_on_batch_head(self, B: int | None = None, H: int | None = None) -> tuple[bool, bool]:
+        """Whether the mask can differ between batch entries / heads. ``B``, ``H``: the call's
+        batch and head counts, where known (a callable is probed only inside them); an
+        override may ignore them, or leave them out of its signature."""
         return False, False
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        own = cls.__dict__.get("depends_on_batch_head")
+        code = getattr(own, "__code__", None)
+        if code is not None and code.co_argcount == 1 and not code.co_flags & 0x04:  # (self) only, no *args
+            def depends_on_batch_head(self, B=None, H=None, _own=own):
+                return _own(self)
+            depends_on_batch_head.__doc__ = own.__doc__
+            cls.depends_on_batch_head = depends_on_batch_head  # callers pass (B, H); this one takes none
 
     def captured_stamp(self) -> tuple:
         """What the mask reads besides its own value: a key that changes whenever a captured
@@ -366,7 +380,7 @@ class _Sinks(Mask):
         lo, hi = self._bounds()
         return _kind(k1 <= lo, k0 >= hi) + torch.zeros_like(q0, dtype=torch.int8)
 
-    def depends_on_batch_head(self):
+    def depends_on_batch_head(self, B=None, H=None):
         return isinstance(self.n, _TensorKey), False
 
     def spec(self):
@@ -443,7 +457,7 @@ class _Documents(Mask):
         empty = ((qhi < klo) | (khi < qlo)).all(0)
         return _kind(full, empty)
 
-    def depends_on_batch_head(self):
+    def depends_on_batch_head(self, B=None, H=None):
         return self.ids.t.dim() == 2 or self._kv().t.dim() == 2, False
 
     def spec(self):
@@ -502,7 +516,7 @@ class _BlockSparse(Mask):
         cells = (r1 - r0) * (c1 - c0) * self._heads
         return _kind(count == cells, count == 0)
 
-    def depends_on_batch_head(self):
+    def depends_on_batch_head(self, B=None, H=None):
         return False, self.layout.t.dim() == 3
 
     def preferred_block(self):
@@ -573,8 +587,8 @@ class _And(Mask):
         self.a.check_positions(*span)
         self.b.check_positions(*span)
 
-    def depends_on_batch_head(self):
-        (b1, h1), (b2, h2) = self.a.depends_on_batch_head(), self.b.depends_on_batch_head()
+    def depends_on_batch_head(self, B=None, H=None):
+        (b1, h1), (b2, h2) = self.a.depends_on_batch_head(B, H), self.b.depends_on_batch_head(B, H)
         return b1 or b2, h1 or h2
 
     def operands(self):
@@ -624,8 +638,8 @@ class _Not(Mask):
     def check_positions(self, *span):
         self.a.check_positions(*span)
 
-    def depends_on_batch_head(self):
-        return self.a.depends_on_batch_head()
+    def depends_on_batch_head(self, B=None, H=None):
+        return self.a.depends_on_batch_head(B, H)
 
     def operands(self):
         return Logic.NOT, (self.a,)
@@ -761,8 +775,10 @@ class _Prefix(_Or):
 class MaskFn(Mask):
     """A FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx) -> bool`` callable.
 
-    It is called once per tile with broadcastable index tensors (absolute positions), so it
-    must be written with tensor ops (``&``, ``|``, ``torch.where``), as Flex requires too.
+    It is called once per tile with broadcastable index tensors (absolute positions). Code
+    written per element for Flex's vmap (``lengths[b][0]``, ``bias[b][h][q_idx] > 0``), which
+    raises or gives another shape or other values on such grids, is evaluated per element under
+    ``torch.vmap`` instead, as Flex does (decided once per callable, see :mod:`keyfold._callables`).
     Hashes by the callable's identity: build it once and reuse it to reuse the plan.
     """
 
@@ -770,26 +786,21 @@ class MaskFn(Mask):
         if not callable(fn):
             raise TypeError(f"mask must be a keyfold mask or a callable mask_mod, got {type(fn).__name__}")
         self.fn = fn
-        self._deps = None
+        self._deps: dict = {}
 
     def evaluate(self, b, h, qp, kp):
-        out = self.fn(b, h, qp, kp)
-        if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
-            got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
-            raise TypeError(f"mask callable {_fn_name(self.fn)} must return a bool tensor, got {got}; "
-                            f"return a comparison such as `q_idx >= kv_idx` (a score callable goes in score=)")
-        return out
+        return _callables.call_mask(self.fn, b, h, qp, kp)
 
-    def depends_on_batch_head(self):
-        """Probed once: called with batch and head indices of size 2 (and one query, one key),
-        a callable that never reads ``b`` / ``h`` returns a result without those dimensions,
-        so its plan is built once for all batch entries and heads (Flex's ``B=None, H=None``)."""
-        if self._deps is None:
-            b, h, qp, kp = grid_positions(2, 2, 0, 1, 0, 1, None, dtype=torch.int32)
-            shape = self.evaluate(b, h, qp, kp).shape
-            shape = (1,) * (4 - len(shape)) + tuple(shape)
-            self._deps = (shape[0] != 1, shape[1] != 1)
-        return self._deps
+    def depends_on_batch_head(self, B=None, H=None):
+        """Probed once per (B > 1, H > 1): a callable that never reads ``b`` / ``h`` gives a
+        result without those dimensions, so its plan is built once for all batch entries and
+        heads (Flex's ``B=None, H=None``). The probe stays inside the real B and H (indices
+        b < min(B, 2), h < min(H, 2)), so ``lengths[b]`` with B = 1 never sees b = 1."""
+        key = (2 if B is None else min(B, 2), 2 if H is None else min(H, 2))
+        deps = self._deps.get(key)
+        if deps is None:
+            deps = self._deps[key] = _callables.batch_head_dependence(self.fn, B, H)
+        return deps
 
     def captured_stamp(self):
         return captured_stamp(self.fn)
@@ -967,8 +978,7 @@ def _paren(m, kinds):
     return f"({m!r})" if isinstance(m, kinds) and not isinstance(m, _Prefix) else repr(m)
 
 
-def _fn_name(fn):
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+_fn_name = _callables.fn_name
 
 
 def full() -> Mask:

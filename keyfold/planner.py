@@ -244,7 +244,7 @@ def _plan(mask: Mask | None, Nq: int, Nk: int, *, q_offset: int | None = None, k
         bq, bk = block_size
     if bq < 1 or bk < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    dep_b, dep_h = mask.depends_on_batch_head() if mask is not None else (False, False)
+    dep_b, dep_h = mask.depends_on_batch_head(B, H) if mask is not None else (False, False)
     # the stamp of what callables inside the mask capture: a plan is never reused for other contents
     stamp = mask.captured_stamp() if mask is not None else ()
     key = (mask, stamp, Nq, Nk, q_offset, kv_offset, B if dep_b else 0, H if dep_h else 0, bq, bk, max_span,
@@ -397,7 +397,7 @@ def _bounded(spans, max_span):
 def _classify_exact(mask, B, H, Nq, Nk, q_offset, kv_offset, bq, bk) -> torch.Tensor:
     """Evaluate the mask on every pair, a few query blocks at a time (never Nq x Nk at once),
     and count the visible pairs of every tile in one reduction: EMPTY at 0, FULL at all."""
-    dep_b, dep_h = mask.depends_on_batch_head()
+    dep_b, dep_h = mask.depends_on_batch_head(B, H)
     Be, He = (B if dep_b else 1), (H if dep_h else 1)
     nkb = -(-Nk // bk)
     pad = nkb * bk - Nk

@@ -13,9 +13,10 @@ from typing import Callable
 
 import torch
 
+from . import _callables
 from .masks import _TensorKey, _fn_name
 
-__all__ = ["ScoreKind", "ScoreMod", "alibi", "alibi_slopes", "softcap", "as_score"]
+__all__ = ["ScoreKind", "ScoreMod", "alibi", "alibi_slopes", "softcap", "score_fn", "as_score"]
 
 
 class ScoreKind(enum.Enum):
@@ -58,6 +59,15 @@ class ScoreMod:
 
     def check_heads(self, H: int) -> None:
         """Raise if the modifier cannot serve ``H`` query heads."""
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors ``apply`` (and ``bias``) read that may need gradients; default none.
+
+        When one of them has ``requires_grad`` and grad mode is on, the engine passes it to
+        its autograd function and gives it its gradient: the backward differentiates ``apply``
+        tile by tile (``torch.autograd.grad(s, [raw, *tensors], dS)``, summed over pieces).
+        Additive modifiers get the same treatment."""
+        return ()
 
     def check_batch(self, B: int) -> None:
         """Raise if the modifier cannot serve a batch of ``B`` (per-batch ALiBi slopes)."""
@@ -161,26 +171,49 @@ class _Softcap(ScoreMod):
 
 
 class ScoreFn(ScoreMod):
-    """A FlexAttention-style ``score_mod(score, b, h, q_idx, kv_idx)`` callable (absolute positions)."""
+    """A FlexAttention-style ``score_mod(score, b, h, q_idx, kv_idx)`` callable (absolute positions).
 
-    def __init__(self, fn: Callable):
+    Evaluated once per tile on broadcast index grids, or per element under ``torch.vmap`` when
+    the callable is written per element for Flex (see :mod:`keyfold._callables`). ``score`` is
+    float32 for 16/32-bit inputs (float64 for float64) and the result is cast back to it, as in
+    Flex: a float64 table added to float32 scores gives float32 scores.
+
+    Tensors the callable reads (closure cells, defaults, the globals it names, a bound method's
+    object or an ``nn.Module``'s parameters, ``functools.partial`` arguments, nested functions)
+    are found by :meth:`tensors`; pass others with ``tensors=[...]``. Those with
+    ``requires_grad`` get gradients.
+    """
+
+    def __init__(self, fn: Callable, tensors=()):
+        if not callable(fn):
+            raise TypeError(f"score_fn(fn): expected a score_mod(score, b, h, q_idx, kv_idx) callable, "
+                            f"got {type(fn).__name__}")
+        extra = tuple(tensors)
+        for t in extra:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"score_fn(tensors=...): expected tensors, got {type(t).__name__}")
         self.fn = fn
+        self.extra = extra
 
     def apply(self, s, b, h, qp, kp):
-        out = self.fn(s, b, h, qp, kp)
-        if not isinstance(out, torch.Tensor) or not out.dtype.is_floating_point:
-            raise TypeError(f"score callable {_fn_name(self.fn)} must return a float tensor, "
-                            f"got {type(out).__name__ if not isinstance(out, torch.Tensor) else out.dtype}")
-        return out
+        return _callables.call_score(self.fn, s, b, h, qp, kp)
+
+    def tensors(self):
+        found = _callables.captured_tensors(self.fn)
+        if not self.extra:
+            return found
+        ids = {id(t) for t in found}
+        return found + tuple(t for t in self.extra if id(t) not in ids)
 
     def __repr__(self):
         return f"score_fn({_fn_name(self.fn)})"
 
     def __eq__(self, other):
-        return type(other) is ScoreFn and self.fn is other.fn
+        return (type(other) is ScoreFn and self.fn is other.fn and len(self.extra) == len(other.extra)
+                and all(a is b for a, b in zip(self.extra, other.extra)))
 
     def __hash__(self):
-        return hash(("score_fn", id(self.fn)))
+        return hash(("score_fn", id(self.fn), tuple(id(t) for t in self.extra)))
 
 
 class _Chain(ScoreMod):
@@ -214,6 +247,15 @@ class _Chain(ScoreMod):
     def check_heads(self, H):
         for m in self.mods:
             m.check_heads(H)
+
+    def tensors(self):
+        seen, out = set(), []
+        for m in self.mods:
+            for t in m.tensors():
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    out.append(t)
+        return tuple(out)
 
     def check_batch(self, B):
         for m in self.mods:
@@ -252,6 +294,22 @@ def alibi(slopes: torch.Tensor) -> ScoreMod:
 def softcap(cap: float) -> ScoreMod:
     """Gemma-2 style soft capping: ``s -> cap * tanh(s / cap)``."""
     return _Softcap(cap)
+
+
+def score_fn(fn: Callable, *, tensors=()) -> ScoreMod:
+    """Wrap a Flex ``score_mod(score, b, h, q_idx, kv_idx)``; ``tensors``: tensors it reads that
+    need gradients but that discovery cannot see (say, reached through an object's attribute
+    chain). Passing the bare callable as ``score=`` is the same as ``score_fn(fn)``.
+
+    >>> import torch, keyfold
+    >>> rel = torch.zeros(15, requires_grad=True)          # learnable relative-position bias
+    >>> mod = keyfold.score_fn(lambda s, b, h, q, kv: s + rel[q - kv + 7], tensors=[rel])
+    >>> q = k = v = torch.randn(1, 2, 8, 16)
+    >>> keyfold.attention(q, k, v, score=mod).sum().backward()
+    >>> rel.grad.shape
+    torch.Size([15])
+    """
+    return ScoreFn(fn, tensors)
 
 
 def as_score(score) -> ScoreMod | None:

@@ -89,8 +89,8 @@ class BatchRows(Mask):
     def check_positions(self, *span):
         self.mask.check_positions(*span)
 
-    def depends_on_batch_head(self):
-        return self.mask.depends_on_batch_head()
+    def depends_on_batch_head(self, B=None, H=None):
+        return self.mask.depends_on_batch_head(B, H)
 
     def __repr__(self):
         return f"{self.mask!r}[rows {self.b0}:{self.b0 + self.n} of {self.B}]"
@@ -122,6 +122,9 @@ class BatchRowsScore(ScoreMod):
 
     def check_heads(self, H):
         self.score.check_heads(H)
+
+    def tensors(self):
+        return self.score.tensors()
 
     def __repr__(self):
         return f"{self.score!r}[batch from row {self.b0}]"
@@ -191,8 +194,8 @@ class QueryRows(Mask):
         pos = self.map.pos
         self.mask.check_positions(int(pos.min()), int(pos.max()) + 1, k_start, k_end)
 
-    def depends_on_batch_head(self):
-        return False, self.mask.depends_on_batch_head()[1]
+    def depends_on_batch_head(self, B=None, H=None):
+        return False, self.mask.depends_on_batch_head(B, H)[1]
 
     def __repr__(self):
         return f"{self.mask!r}[{self.map.R} requests folded into rows]"
@@ -227,6 +230,9 @@ class QueryRowsScore(ScoreMod):
 
     def check_heads(self, H):
         self.score.check_heads(H)
+
+    def tensors(self):
+        return self.score.tensors()
 
     def __repr__(self):
         return f"{self.score!r}[{self.map.R} requests folded into rows]"

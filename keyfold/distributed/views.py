@@ -49,8 +49,8 @@ class PositionView(Mask):
             self.inner.check_positions(self._q(q_start), self._q(q_end - 1) + 1,
                                        self._k(k_start), self._k(k_end - 1) + 1)
 
-    def depends_on_batch_head(self):
-        return self.inner.depends_on_batch_head()
+    def depends_on_batch_head(self, B=None, H=None):
+        return self.inner.depends_on_batch_head(B, H)
 
     def _key(self):
         return (self.inner, self.q0, self.qs, self.k0, self.ks, self.h0)
@@ -86,6 +86,9 @@ class ScoreView(ScoreMod):
     def check_heads(self, H):
         self.inner.check_heads(H)
 
+    def tensors(self):
+        return self.inner.tensors()
+
     def _key(self):
         return (self.inner, self.q0, self.qs, self.k0, self.ks, self.h0)
 
@@ -118,7 +121,7 @@ def piece_args(mask: Mask | None, score: ScoreMod | None, qr: Run, kr: Run,
     """``(mask, score, q_offset, kv_offset)`` for ``attend`` on query rows of run ``qr`` against
     keys of run ``kr``; ``heads = (h0, h1, H)`` when the call holds query heads ``[h0, h1)`` of H."""
     sliced = heads is not None and (heads[0], heads[1]) != (0, heads[2])
-    head_free = (mask is None or not mask.depends_on_batch_head()[1]) and score is None
+    head_free = (mask is None or not mask.depends_on_batch_head(None, heads and heads[2])[1]) and score is None
     if qr.stride == 1 and kr.stride == 1 and (not sliced or head_free):
         return mask, score, qr.start, kr.start
     if mask is not None and mask.spec() == (MaskKind.CAUSAL, {}) and score is None and qr.stride == kr.stride:

@@ -142,13 +142,15 @@ def _tile(piece: Piece, pb: Problem, q_orig, folded: bool, g: int, memo: dict, c
     else:
         pos = positions(q_orig, piece, pb)
         vis = visible(q_orig, piece, pb, pos) if piece.kind is PieceKind.MASKED else None
-        bias = score.bias(*pos) if score is not None else None
+        with torch.no_grad():  # a tile is data: never a piece of a tensor's autograd graph
+            bias = score.bias(*pos) if score is not None else None
     m = _tile_mask(vis, bias, state_dtype(q_orig.dtype))
     if folded:
         m = _fold_mask(m, g, Hq, L)
     tile = _Tile(m, empty_rows(vis), row_shift)
     memo[key] = tile
-    cache.put(key, tile, sum(t.numel() * t.element_size() for t in tile if t is not None))
+    if score is None or not score.tensors():  # a tile of tensors that may train would go stale
+        cache.put(key, tile, sum(t.numel() * t.element_size() for t in tile if t is not None))
     return tile
 
 

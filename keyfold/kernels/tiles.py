@@ -12,7 +12,7 @@ from ..planner import Plan
 from ..state import State, empty_state, merge_into, state_dtype
 from ._common import NEG_INF, Problem, dropout_keep, positions, visible
 
-__all__ = ["forward", "backward"]
+__all__ = ["forward", "backward", "backward_with_score"]
 
 
 def _scores(qp_, kp_, pb: Problem):
@@ -86,8 +86,20 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
     return acc
 
 
-def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem):
-    """Gradients of every piece from the global ``out``/``lse`` (and ``dlse``), summed."""
+def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows: bool = True):
+    """Gradients of every piece from the global ``out``/``lse`` (and ``dlse``), summed.
+
+    whole_rows: these keys are all the keys the rows see (the engine's own backward). False
+    for a piece of a larger computation (``attend_backward``): a row's D_i must then come
+    from the global ``out``, as the pieces outside this call also contribute to it."""
+    return backward_with_score(q, k, v, out, lse, dout, dlse, plan, pb, (), whole_rows)[:3]
+
+
+def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, score_tensors=(),
+                        whole_rows: bool = True):
+    """``(dq, dk, dv, dts)``: as :func:`backward`, plus the gradients of ``score_tensors`` (tensors
+    the score modifier reads, see ``ScoreMod.tensors``), one per tensor (None if unused), by
+    autograd of ``score.apply`` on each tile, ``grad(s, [raw, *tensors], dS)``, summed over pieces."""
     sd = state_dtype(q.dtype)
     B, Hq, Nq, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
@@ -95,10 +107,12 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem):
     dq = torch.zeros(q.shape, dtype=sd, device=q.device)
     dk = torch.zeros(k.shape, dtype=sd, device=q.device)
     dv = torch.zeros(v.shape, dtype=sd, device=q.device)
+    dts: list = [None] * len(score_tensors)
     safe_lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).to(sd)
     delta = (dout.to(sd) * out.to(sd)).sum(-1)                               # (B, Hq, Nq)
     if dlse is not None:
         delta = delta - dlse.to(sd)
+    nonadd = pb.score is not None and not pb.score.additive
     # Rows that one piece covers alone take D_i = sum_j P_ij dP_ij from that piece (equal to
     # dO_i . O_i in exact arithmetic, as softmax's own backward computes it): then dS cancels
     # exactly where it should, e.g. a row with one visible key gets dS = 1 * (dP - dP) = 0,
@@ -106,7 +120,7 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem):
     cover = torch.zeros(Nq, dtype=torch.int32)
     for piece in plan.pieces:
         cover[piece.q0:piece.q1] += 1
-    alone = cover == 1
+    alone = (cover == 1) & whole_rows
     for piece in plan.pieces:
         vis = _visible_cached(q, piece, pb, plan)
         pos = positions(q, piece, pb) if pb.score is not None or pb.dropout_p else None
@@ -114,7 +128,6 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem):
         qs, ks, vs = q[:, :, rows].to(sd), k[:, :, keys].to(sd), v[:, :, keys].to(sd)
         do = dout[:, :, rows].to(sd)
         L, S = piece.q1 - piece.q0, piece.k1 - piece.k0
-        nonadd = pb.score is not None and not pb.score.additive
         with torch.enable_grad():
             raw = _scores(qs, ks, pb)
             if nonadd:
@@ -133,12 +146,20 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem):
             local = (p * dp).sum(-1) - (dlse[:, :, rows].to(sd) if dlse is not None else 0)
             d_rows = torch.where(own, local, d_rows)
         ds = p * (dp - d_rows.unsqueeze(-1))
-        if nonadd:
-            (ds,) = torch.autograd.grad(s, raw, ds)
-            if vis is not None:  # a modifier's derivative may be non-finite where the mask hides the pair
-                ds = torch.where(vis, ds, torch.zeros_like(ds))
+        if score_tensors and s.requires_grad:
+            inputs = ([raw] if nonadd else []) + list(score_tensors)
+            grads = torch.autograd.grad(s, inputs, ds, allow_unused=True)
+            for i, gt in enumerate(grads[1:] if nonadd else grads):
+                if gt is not None:
+                    dts[i] = gt if dts[i] is None else dts[i] + gt
+            if nonadd:
+                ds = grads[0] if grads[0] is not None else torch.zeros_like(ds)
+        elif nonadd:
+            (ds,) = torch.autograd.grad(s, raw, ds)  # (with score_tensors, s always needs grad through raw)
+        if nonadd and vis is not None:  # a modifier's derivative may be non-finite where the mask hides the pair
+            ds = torch.where(vis, ds, torch.zeros_like(ds))
         ds5 = ds.reshape(B, Hkv, g, L, S)
         dq[:, :, rows] += (ds5 @ ks.unsqueeze(2)).reshape(B, Hq, L, D) * pb.scale
         dk[:, :, keys] += (ds5.transpose(-1, -2) @ qs.reshape(B, Hkv, g, L, D)).sum(2) * pb.scale
         dv[:, :, keys] += (pv.reshape(B, Hkv, g, L, S).transpose(-1, -2) @ do.reshape(B, Hkv, g, L, Dv)).sum(2)
-    return dq, dk, dv
+    return dq, dk, dv, tuple(dts)

@@ -625,13 +625,14 @@ def test_window_cache_bad_input_leaves_it_unchanged():
     assert_unchanged(cache, snap)
 
 
-def test_cascade_ragged_suffixes_without_mask_are_one_call():
+def test_cascade_ragged_suffixes_read_only_their_own_lengths():
     R, P, S, D = 5, 64, 7, 8
     pk, pv = torch.randn(1, 2, P, D), torch.randn(1, 2, P, D)
     sk, sv = torch.randn(R, 2, S, D), torch.randn(R, 2, S, D)
-    q, lens = torch.randn(R, 2, 1, D), [7, 0, 3, 7, 5]
+    q, lens = torch.randn(R, 2, 1, D), [7, 0, 3, 3, 5]
     calls = _split_calls(lambda: cascade(q, pk, pv, sk, sv, suffix_lengths=lens))
-    assert [c[1] for c in calls] == [(1, 2, P, D), (R, 2, S, D)]
+    # the prefix once, then each run of equal lengths: no call reads past a request's length
+    assert [c[1] for c in calls] == [(1, 2, P, D), (1, 2, 7, D), (2, 2, 3, D), (1, 2, 5, D)]
     got = cascade(q, pk, pv, sk, sv, suffix_lengths=lens)
     for r, L in enumerate(lens):
         k = torch.cat([pk, sk[r:r + 1, :, :L]], 2)

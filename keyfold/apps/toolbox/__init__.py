@@ -1,6 +1,7 @@
 """The toolbox: attention beside the sequence models it competes with, measured honestly.
 
-- :mod:`.mixers`: seven causal mixers behind one interface, each with a streaming step.
+- :mod:`.mixers`: seven causal mixers behind one protocol (:class:`MixerProtocol`), each with a
+  streaming step; your own mixer class plugs in wherever a built-in name goes.
 - :mod:`.model`: one residual block and :class:`SequenceModel` around every mixer.
 - :mod:`.tasks`: synthetic tasks as their papers define them (MQAR, selective copying,
   induction heads).
@@ -13,12 +14,14 @@ from keyfold._extras import require as _require
 
 _require("toolbox", "keyfold.apps.toolbox")
 
-from .mixers import (AttentionMixer, GRUMixer, LinearAttentionMixer, LSTMMixer, Mixer, MixerKind,
+from .mixers import (AttentionMixer, GRUMixer, LinearAttentionMixer, LSTMMixer, Mixer, MixerKind, MixerProtocol,
+                     MixerSpec, check_mixer, mixer_name,
                      MLPMixer, S4DMixer, TCNMixer, make_mixer, state_nbytes)
 from .model import Block, SequenceModel
 
 __all__ = [
-    "MixerKind", "Mixer", "AttentionMixer", "GRUMixer", "LSTMMixer", "TCNMixer",
+    "MixerKind", "MixerProtocol", "MixerSpec", "check_mixer", "mixer_name", "Mixer",
+    "AttentionMixer", "GRUMixer", "LSTMMixer", "TCNMixer",
     "LinearAttentionMixer", "S4DMixer", "MLPMixer", "make_mixer", "state_nbytes",
     "Block", "SequenceModel",
 ]

@@ -9,6 +9,11 @@ positions ``<= t`` only), and streams one token at a time::
 Running ``step`` over ``x[:, 0], x[:, 1], ...`` gives ``mixer(x)`` up to float rounding; the
 tests hold every mixer to that. :func:`state_nbytes` measures what streaming keeps per sequence.
 
+Your own mixer: anything that implements :class:`MixerProtocol` (an ``nn.Module`` with that
+``forward``, ``init_state`` and ``step``). Pass its class, or any factory ``f(dim, **kw)``, where a
+built-in name goes (``SequenceModel(MyMixer, ...)``, the bench's ``mixers``); :func:`check_mixer`
+holds it to the same streaming-equals-full-sequence and causality checks as the built-ins.
+
 =====================  =========================================================  =================
 kind                   full-sequence form                                         streaming state
 =====================  =========================================================  =================
@@ -23,8 +28,10 @@ kind                   full-sequence form                                       
 
 from __future__ import annotations
 
+import copy
 import enum
 import math
+from typing import Any, Callable, Protocol, Union, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +41,7 @@ from keyfold import engine as _engine
 from keyfold.masks import causal, window as _window
 
 __all__ = [
-    "MixerKind", "Mixer", "AttentionMixer", "GRUMixer", "LSTMMixer", "TCNMixer",
+    "MixerKind", "MixerProtocol", "MixerSpec", "mixer_name", "check_mixer", "Mixer", "AttentionMixer", "GRUMixer", "LSTMMixer", "TCNMixer",
     "LinearAttentionMixer", "S4DMixer", "MLPMixer", "make_mixer", "state_nbytes",
 ]
 
@@ -61,8 +68,49 @@ class MixerKind(enum.Enum):
             raise ValueError(f"unknown mixer {kind!r}; choose one of: {names}") from None
 
 
+@runtime_checkable
+class MixerProtocol(Protocol):
+    """What a mixer is: a causal ``(B, N, dim) -> (B, N, dim)`` map that also streams.
+
+    - ``mixer(x)``: ``x`` ``(B, N, dim)`` floating -> ``(B, N, dim)``; output ``t`` depends only on
+      inputs ``0..t``.
+    - ``init_state(batch)``: the streaming state before the first token (any object).
+    - ``step(x_t, state)``: ``x_t`` ``(B, dim)`` -> ``(y_t (B, dim), new state)``; running it over
+      ``x[:, 0], x[:, 1], ...`` gives ``mixer(x)`` up to rounding.
+
+    Make it an ``nn.Module`` so its parameters train. A class (or factory) called as
+    ``Factory(dim, **kw)`` is accepted wherever a built-in name is:
+
+    >>> class Cumsum(nn.Module):                      # a toy mixer: running sum of a projection
+    ...     def __init__(self, dim):
+    ...         super().__init__(); self.proj = nn.Linear(dim, dim)
+    ...     def forward(self, x): return self.proj(x).cumsum(1)
+    ...     def init_state(self, batch): return torch.zeros(batch, self.proj.out_features)
+    ...     def step(self, x_t, s): s = s + self.proj(x_t); return s, s
+    >>> check_mixer(Cumsum, 8)                        # raises if streaming != full or not causal
+    """
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def init_state(self, batch: int) -> Any: ...
+
+    def step(self, x_t: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]: ...
+
+
+# a built-in name (or MixerKind), or a class / factory ``f(dim, **kw) -> MixerProtocol``
+MixerSpec = Union["MixerKind", str, Callable[..., MixerProtocol]]
+
+
+def _positive_int(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
 class Mixer(nn.Module):
-    """Base class: a causal ``(B, N, dim) -> (B, N, dim)`` map with a streaming step."""
+    """Base class of the built-in mixers: a causal ``(B, N, dim) -> (B, N, dim)`` map with a
+    streaming step. Its states are dicts that record their ``batch``, so ``step`` refuses an
+    ``x_t`` whose batch differs."""
 
     kind: MixerKind
 
@@ -74,7 +122,7 @@ class Mixer(nn.Module):
 
     def init_state(self, batch: int) -> dict:
         """The streaming state before the first token, for ``batch`` sequences."""
-        return {}
+        return {"batch": _positive_int("batch", batch)}
 
     def step(self, x_t: torch.Tensor, state: dict) -> tuple[torch.Tensor, dict]:
         """One token: ``x_t`` ``(B, dim)`` -> ``(y_t (B, dim), new state)``."""
@@ -83,11 +131,34 @@ class Mixer(nn.Module):
     def _param(self) -> torch.Tensor:
         return next(self.parameters())
 
-    def _check(self, x: torch.Tensor, ndim: int) -> None:
-        if not isinstance(x, torch.Tensor) or x.dim() != ndim or x.shape[-1] != self.dim:
-            want = "(batch, seq, dim)" if ndim == 3 else "(batch, dim)"
-            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"{type(self).__name__} expects x shaped {want} with dim={self.dim}, got {got}")
+    def _check(self, x: torch.Tensor, ndim: int, name: str = "x") -> None:
+        """Refuse what would fail deep inside torch or give a wrong answer: a non-tensor, a wrong
+        shape or width, an empty batch or sequence, a dtype other than the parameters'."""
+        who = type(self).__name__
+        want = "(batch, seq, dim)" if ndim == 3 else "(batch, dim)"
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{who}: {name} must be a torch.Tensor shaped {want}, got {type(x).__name__}")
+        if x.dim() != ndim or x.shape[-1] != self.dim:
+            raise ValueError(f"{who} expects {name} shaped {want} with dim={self.dim}, got {tuple(x.shape)}")
+        if x.shape[0] == 0:
+            raise ValueError(f"{who}: {name} has an empty batch (shape {tuple(x.shape)}); pass at least one sequence")
+        if ndim == 3 and x.shape[1] == 0:
+            raise ValueError(f"{who}: {name} is an empty sequence (N=0, shape {tuple(x.shape)}); "
+                             f"pass at least one position")
+        dtype = self._param().dtype
+        if x.dtype != dtype:
+            hint = (" (token ids go through SequenceModel(vocab=...))" if not x.is_floating_point() else "")
+            raise TypeError(f"{who}: {name} has dtype {x.dtype} but the mixer's parameters are {dtype}; "
+                            f"cast one to the other (x.to({dtype}) or mixer.to({x.dtype})){hint}")
+
+    def _check_step(self, x_t: torch.Tensor, state) -> None:
+        self._check(x_t, 2, "x_t")
+        if not isinstance(state, dict) or "batch" not in state:
+            raise TypeError(f"{type(self).__name__}.step: state must be the dict init_state(batch) returned "
+                            f"(or the previous step's), got {type(state).__name__}")
+        if x_t.shape[0] != state["batch"]:
+            raise ValueError(f"{type(self).__name__}.step: x_t has batch {x_t.shape[0]} but state was made by "
+                             f"init_state({state['batch']}); start a state per batch size")
 
 
 def state_nbytes(state) -> int:
@@ -149,12 +220,13 @@ class AttentionMixer(Mixer):
         return self.out(y.transpose(1, 2).reshape(B, N, self.dim))
 
     def init_state(self, batch: int) -> dict:
+        _positive_int("batch", batch)
         p = self._param()
         empty = p.new_zeros(batch, self.heads, 0, self.dim // self.heads)  # (B, H, 0, Dh)
-        return {"k": empty, "v": empty.clone(), "t": 0}
+        return {"batch": batch, "k": empty, "v": empty.clone(), "t": 0}
 
     def step(self, x_t, state):
-        self._check(x_t, 2)
+        self._check_step(x_t, state)
         t = state["t"]
         q, k, v = self._qkv(x_t[:, None], torch.tensor([t], device=x_t.device))  # (B, H, 1, Dh)
         K = torch.cat((state["k"], k), dim=2)  # (B, H, T, Dh)
@@ -163,7 +235,7 @@ class AttentionMixer(Mixer):
             K, V = K[:, :, -self.window:], V[:, :, -self.window:]
         # one query after every buffered key: all of them are visible, no mask needed
         y = _engine.attention(q, K, V)  # (B, H, 1, Dh)
-        return self.out(y.reshape(x_t.shape[0], self.dim)), {"k": K, "v": V, "t": t + 1}
+        return self.out(y.reshape(x_t.shape[0], self.dim)), {"batch": state["batch"], "k": K, "v": V, "t": t + 1}
 
 
 # -------------------------------------------------------------------------- recurrences
@@ -183,12 +255,12 @@ class GRUMixer(Mixer):
         return self.rnn(x)[0]
 
     def init_state(self, batch):
-        return {"h": self._param().new_zeros(1, batch, self.dim)}
+        return {**super().init_state(batch), "h": self._param().new_zeros(1, batch, self.dim)}
 
     def step(self, x_t, state):
-        self._check(x_t, 2)
+        self._check_step(x_t, state)
         y, h = self.rnn(x_t[:, None], state["h"])
-        return y[:, 0], {"h": h}
+        return y[:, 0], {"batch": state["batch"], "h": h}
 
 
 class LSTMMixer(Mixer):
@@ -205,13 +277,14 @@ class LSTMMixer(Mixer):
         return self.rnn(x)[0]
 
     def init_state(self, batch):
+        base = super().init_state(batch)
         z = self._param().new_zeros(1, batch, self.dim)
-        return {"h": z, "c": z.clone()}
+        return {**base, "h": z, "c": z.clone()}
 
     def step(self, x_t, state):
-        self._check(x_t, 2)
+        self._check_step(x_t, state)
         y, (h, c) = self.rnn(x_t[:, None], (state["h"], state["c"]))
-        return y[:, 0], {"h": h, "c": c}
+        return y[:, 0], {"batch": state["batch"], "h": h, "c": c}
 
 
 # ------------------------------------------------------------------------------ TCN
@@ -250,17 +323,18 @@ class TCNMixer(Mixer):
         return self.out(h.transpose(1, 2))
 
     def init_state(self, batch):
+        base = super().init_state(batch)
         p = self._param()
-        return {"taps": [p.new_zeros(batch, self.dim, self._pad(l)) for l in range(self.levels)]}
+        return {**base, "taps": [p.new_zeros(batch, self.dim, self._pad(l)) for l in range(self.levels)]}
 
     def step(self, x_t, state):
-        self._check(x_t, 2)
+        self._check_step(x_t, state)
         h, taps = x_t, []
         for conv, buf in zip(self.convs, state["taps"]):
             win = torch.cat((buf, h[:, :, None]), dim=2)  # (B, dim, pad + 1)
             h = h + F.gelu(conv(win)[:, :, 0])
             taps.append(win[:, :, 1:])
-        return self.out(h), {"taps": taps}
+        return self.out(h), {"batch": state["batch"], "taps": taps}
 
 
 # ----------------------------------------------------------------- linear attention
@@ -314,18 +388,19 @@ class LinearAttentionMixer(Mixer):
         return self.out(y.transpose(1, 2).reshape(B, N, self.dim))
 
     def init_state(self, batch):
+        base = super().init_state(batch)
         p, Dh = self._param(), self.dim // self.heads
-        return {"S": p.new_zeros(batch, self.heads, Dh, Dh), "z": p.new_zeros(batch, self.heads, Dh)}
+        return {**base, "S": p.new_zeros(batch, self.heads, Dh, Dh), "z": p.new_zeros(batch, self.heads, Dh)}
 
     def step(self, x_t, state):
-        self._check(x_t, 2)
+        self._check_step(x_t, state)
         q, k, v = (t[:, :, 0] for t in self._qkv(x_t[:, None]))  # (B, H, Dh)
         S = state["S"] + k[..., :, None] * v[..., None, :]  # (B, H, Dh, Dh)
         z = state["z"] + k
         num = (q[..., None] * S).sum(-2)  # (B, H, Dh)
         den = (q * z).sum(-1, keepdim=True)  # (B, H, 1)
         y = num / (den + self.eps)
-        return self.out(y.reshape(x_t.shape[0], self.dim)), {"S": S, "z": z}
+        return self.out(y.reshape(x_t.shape[0], self.dim)), {"batch": state["batch"], "S": S, "z": z}
 
 
 # ------------------------------------------------------------------------------ S4D
@@ -390,17 +465,18 @@ class S4DMixer(Mixer):
         return self.out(F.gelu(y.transpose(1, 2)))
 
     def init_state(self, batch):
+        base = super().init_state(batch)
         p = self._param()
-        dtype = torch.complex64 if self.complex_diag else p.dtype
-        return {"h": torch.zeros(batch, self.dim, self.n, dtype=dtype, device=p.device)}
+        dtype = (torch.complex128 if p.dtype == torch.float64 else torch.complex64) if self.complex_diag else p.dtype
+        return {**base, "h": torch.zeros(batch, self.dim, self.n, dtype=dtype, device=p.device)}
 
     def step(self, x_t, state):
-        self._check(x_t, 2)
+        self._check_step(x_t, state)
         abar, cb, factor = self._discrete()
         # h carries sum_s Abar^(t-s) x_s; C*Bbar is applied on read-out (the same product as K)
         h = abar * state["h"] + x_t[:, :, None]  # (B, dim, state)
         y = factor * (cb * h).sum(-1).real + self.d * x_t  # (B, dim)
-        return self.out(F.gelu(y)), {"h": h}
+        return self.out(F.gelu(y)), {"batch": state["batch"], "h": h}
 
 
 # ------------------------------------------------------------------------------ MLP
@@ -420,21 +496,41 @@ class MLPMixer(Mixer):
         return self.net(x)
 
     def step(self, x_t, state):
-        self._check(x_t, 2)
+        self._check_step(x_t, state)
         return self.net(x_t), state
 
 
 # ---------------------------------------------------------------------------- factory
 
 
-def make_mixer(kind: MixerKind | str, dim: int, *, seq_len: int | None = None, **kwargs) -> Mixer:
-    """Build a mixer by kind. ``seq_len`` lets the TCN pick enough levels to see the whole
-    sequence; other keyword arguments go to the mixer's constructor.
+def mixer_name(spec: MixerSpec) -> str:
+    """The name a mixer spec reports under: the built-in kind's value, else the factory's
+    ``name`` attribute, else its ``__name__`` (a class's name), else its type's name."""
+    if isinstance(spec, (MixerKind, str)):
+        return MixerKind.parse(spec).value
+    if not callable(spec):
+        raise TypeError(f"mixer must be a built-in name ({', '.join(k.value for k in MixerKind)}), a MixerKind, "
+                        f"or a class / factory f(dim, **kw) returning a MixerProtocol; got {type(spec).__name__}")
+    return str(getattr(spec, "name", None) or getattr(spec, "__name__", None) or type(spec).__name__)
+
+
+def make_mixer(kind: MixerSpec, dim: int, *, seq_len: int | None = None, **kwargs) -> nn.Module:
+    """Build a mixer: a built-in kind (``MixerKind`` or its name), or your own class / factory
+    called as ``kind(dim, **kwargs)`` (it must return an ``nn.Module`` implementing
+    :class:`MixerProtocol`; ``seq_len`` is for the built-in TCN only). ``seq_len`` lets the TCN
+    pick enough levels to see the whole sequence; other keyword arguments go to the constructor.
 
     >>> m = make_mixer("s4d", 16)
     >>> m(torch.randn(2, 10, 16)).shape
     torch.Size([2, 10, 16])
     """
+    if not isinstance(kind, (MixerKind, str)):
+        mixer_name(kind)  # raises TypeError for what is neither a name nor callable
+        m = kind(dim, **kwargs)
+        if not isinstance(m, nn.Module) or not isinstance(m, MixerProtocol):
+            raise TypeError(f"mixer factory {mixer_name(kind)!r} returned {type(m).__name__}: it must return an "
+                            f"nn.Module with forward(x), init_state(batch) and step(x_t, state) (MixerProtocol)")
+        return m
     kind = MixerKind.parse(kind)
     if kind is MixerKind.TCN and seq_len is not None and "levels" not in kwargs:
         k = kwargs.get("kernel_size", 3)
@@ -443,3 +539,54 @@ def make_mixer(kind: MixerKind | str, dim: int, *, seq_len: int | None = None, *
            MixerKind.TCN: TCNMixer, MixerKind.LINEAR_ATTENTION: LinearAttentionMixer,
            MixerKind.S4D: S4DMixer, MixerKind.MLP: MLPMixer}[kind]
     return cls(dim, **kwargs)
+
+
+@torch.no_grad()
+def check_mixer(mixer: "MixerSpec | nn.Module", dim: int, *, batch: int = 2, seq_len: int = 7,
+                atol: float = 1e-6, **kwargs) -> None:
+    """Hold a mixer to the protocol: output ``(B, N, dim)``, streaming ``step`` equal to the
+    full-sequence form, and causality (changing the last position changes no earlier output).
+
+    ``mixer``: an ``nn.Module`` instance (checked on a float64 copy) or a spec built with
+    :func:`make_mixer`. Runs in eval mode on inputs from a private generator (the global RNG
+    is untouched). Raises ``ValueError`` naming the mixer and the largest difference, or
+    ``TypeError`` if it does not implement :class:`MixerProtocol`.
+    """
+    if isinstance(mixer, nn.Module):
+        name, m = type(mixer).__name__, copy.deepcopy(mixer)
+    else:
+        name = mixer_name(mixer)
+        state = torch.random.get_rng_state()
+        try:
+            m = make_mixer(mixer, dim, seq_len=seq_len, **kwargs)
+        finally:
+            torch.random.set_rng_state(state)
+    if not isinstance(m, MixerProtocol):
+        raise TypeError(f"mixer {name!r} lacks forward / init_state / step (see MixerProtocol)")
+    m = m.double().eval()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, seq_len, dim, generator=g, dtype=torch.float64)
+    full = m(x)
+    if not isinstance(full, torch.Tensor) or tuple(full.shape) != (batch, seq_len, dim):
+        got = tuple(full.shape) if isinstance(full, torch.Tensor) else type(full).__name__
+        raise ValueError(f"mixer {name!r}: forward must map (B, N, dim) = {(batch, seq_len, dim)} to the same "
+                         f"shape, got {got}")
+    scale = 1.0 + float(full.abs().max())
+    x2 = x.clone()
+    x2[:, -1] += 1.0
+    leak = float((m(x2)[:, :-1] - full[:, :-1]).abs().max()) if seq_len > 1 else 0.0
+    if not leak <= atol * scale:  # checked first: a mixer that peeks ahead cannot stream either
+        raise ValueError(f"mixer {name!r} is not causal: changing the last position moves earlier outputs "
+                         f"by {leak:.3g}; output t may depend on inputs 0..t only")
+    st, ys = m.init_state(batch), []
+    for t in range(seq_len):
+        out = m.step(x[:, t], st)
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise ValueError(f"mixer {name!r}: step(x_t, state) must return (y_t, new_state)")
+        y, st = out
+        ys.append(y)
+    stepped = torch.stack(ys, 1)
+    err = float((stepped - full).abs().max())
+    if not err <= atol * scale:
+        raise ValueError(f"mixer {name!r}: streaming step disagrees with the full-sequence forward by {err:.3g} "
+                         f"(allowed {atol * scale:.3g}, float64); step over x[:, 0], x[:, 1], ... must equal mixer(x)")

@@ -19,6 +19,9 @@ positions that are not scored.
 - :func:`induction_heads`: Olsson et al. 2022, in the synthetic form of Fu et al. 2023 (*H3*,
   section 3.1): a trigger token followed by an answer token somewhere in random text; the trigger
   appears again at the end and the model must emit the answer.
+- :func:`needle`: in-context associative recall as Zhong & Andreas 2024 (*Algorithmic
+  capabilities of random transformers*, "needle in a haystack") set it up: ``P`` marker-value
+  pairs, then one marker again; the model must emit its value (one scored position).
 - :func:`repeated_tokens`: induction as Olsson et al. 2022 measure it: a random token sequence
   repeated once; on the repeat every next token follows from finding the current token's earlier
   occurrence and copying its successor (``M - 1`` scored positions per example instead of one).
@@ -32,7 +35,7 @@ import numpy as np
 import torch
 
 __all__ = ["IGNORE", "TokenTask", "mqar", "mqar_layout", "selective_copying", "selective_copying_layout",
-           "induction_heads", "induction_layout", "repeated_tokens", "repeated_layout", "accuracy"]
+           "induction_heads", "induction_layout", "needle", "needle_layout", "repeated_tokens", "repeated_layout", "accuracy"]
 
 IGNORE = -100
 
@@ -220,6 +223,38 @@ def induction_heads(num_examples: int, seq_len: int, *, vocab: int = 32, seed: i
     return _stack(rows, vocab)
 
 
+def needle_layout(markers, values, query: int):
+    """One needle-in-a-haystack example: ``m_1 v_1 m_2 v_2 ... m_P v_P m_query``; the target at
+    the last position is ``v_query``. Returns ``(inputs, targets)``, ``(2P + 1,)`` each.
+
+    >>> needle_layout([3, 4], [9, 8], query=1)
+    (array([3, 9, 4, 8, 4]), array([-100, -100, -100, -100,    8]))
+    """
+    markers, values = np.asarray(markers, dtype=np.int64), np.asarray(values, dtype=np.int64)
+    P = len(markers)
+    inputs = np.empty(2 * P + 1, dtype=np.int64)
+    inputs[0:2 * P:2], inputs[1:2 * P:2], inputs[-1] = markers, values, markers[query]
+    targets = np.full(2 * P + 1, IGNORE, dtype=np.int64)
+    targets[-1] = values[query]
+    return inputs, targets
+
+
+def needle(num_examples: int, num_pairs: int, *, vocab: int = 64, seed: int = 0) -> TokenTask:
+    """Needle in a haystack (Zhong & Andreas 2024): ``num_pairs`` distinct markers from
+    ``[0, vocab // 2)`` each followed by a value from ``[vocab // 2, vocab)`` (values may repeat),
+    then one of the markers, uniformly; target: its value. Sequence length ``2 * num_pairs + 1``."""
+    for name, v in (("num_examples", num_examples), ("num_pairs", num_pairs), ("vocab", vocab)):
+        _positive(name, v)
+    if vocab // 2 < num_pairs:
+        raise ValueError(f"needle: vocab={vocab} gives {vocab // 2} markers for num_pairs={num_pairs}; "
+                         f"raise vocab to at least {2 * num_pairs}")
+    rng = np.random.default_rng(seed)
+    rows = [needle_layout(rng.choice(vocab // 2, size=num_pairs, replace=False),
+                          rng.integers(vocab // 2, vocab, size=num_pairs), int(rng.integers(num_pairs)))
+            for _ in range(num_examples)]
+    return _stack(rows, vocab)
+
+
 def repeated_layout(tokens):
     """One repeated-tokens example: ``tokens`` ``(M,)`` then ``tokens`` again, ``(2M,)``.
 
@@ -238,20 +273,36 @@ def repeated_layout(tokens):
     return inputs, targets
 
 
-def repeated_tokens(num_examples: int, seq_len: int, *, vocab: int = 64, seed: int = 0) -> TokenTask:
+def repeated_tokens(num_examples: int, seq_len: int, *, vocab: int = 64, vary: bool = False,
+                    seed: int = 0) -> TokenTask:
     """Induction on repeated random tokens (Olsson et al. 2022): ``seq_len // 2`` distinct tokens
     drawn from ``[0, vocab)`` (distinct, as with a language model's large vocabulary, so every
     lookup is unambiguous), then the same tokens again; ``seq_len`` must be even and
-    ``vocab >= seq_len // 2``."""
+    ``vocab >= seq_len // 2``.
+
+    ``vary=True``: each example repeats ``M`` tokens, ``M`` uniform in ``[seq_len // 4,
+    seq_len // 2]``, after ``seq_len - 2M`` unscored random tokens, all ``seq_len - M`` distinct
+    (``vocab >= seq_len - seq_len // 4``). With one fixed ``M`` the answer always sits ``M - 1``
+    positions back, so a model can solve the task by that fixed offset instead of by looking the
+    token up, and fails at any other length for that reason alone; varying ``M`` rules the
+    shortcut out (the bench trains and tests induction this way).
+    """
     for name, v in (("num_examples", num_examples), ("seq_len", seq_len), ("vocab", vocab)):
         _positive(name, v)
     M = seq_len // 2
     if seq_len % 2 or M < 2:
         raise ValueError(f"repeated_tokens: seq_len must be even and >= 4, got {seq_len}")
-    if vocab < M:
-        raise ValueError(f"repeated_tokens: vocab={vocab} cannot give {M} distinct tokens; use vocab >= {M}")
+    need = seq_len - max(2, seq_len // 4) if vary else M
+    if vocab < need:
+        raise ValueError(f"repeated_tokens: vocab={vocab} cannot give {need} distinct tokens; use vocab >= {need}")
     rng = np.random.default_rng(seed)
-    rows = [repeated_layout(rng.choice(vocab, size=M, replace=False)) for _ in range(num_examples)]
+    rows = []
+    for _ in range(num_examples):
+        m = int(rng.integers(max(2, seq_len // 4), M + 1)) if vary else M
+        toks = rng.choice(vocab, size=seq_len - m, replace=False)
+        x, y = repeated_layout(toks[seq_len - 2 * m:])
+        prefix = toks[:seq_len - 2 * m]
+        rows.append((np.concatenate([prefix, x]), np.concatenate([np.full(len(prefix), IGNORE), y])))
     return _stack(rows, vocab)
 
 

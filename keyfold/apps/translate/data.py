@@ -35,12 +35,13 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
 __all__ = [
     "DICT_DIR", "Sense", "Example", "Split", "read_index", "parse_sense", "read_senses", "clean_german",
-    "clean_english", "examples_from_senses", "split_of", "ensure_package", "prepare", "load_split",
+    "clean_english", "examples_from_senses", "split_of", "ensure_package", "prepare", "is_prepared", "load_split",
     "train_tokenizer", "Tokenizer", "PAD", "UNK", "BOS", "EOS",
 ]
 
@@ -48,6 +49,7 @@ DICT_DIR = Path("/usr/share/dictd")
 DICT_NAME = "freedict-deu-eng"
 PACKAGE = "dict-freedict-deu-eng"
 MAX_CHARS = 100
+VOCAB_SIZE = 8000  # shared sentencepiece pieces (docs/transformer.md: chosen on the validation split)
 PAD, UNK, BOS, EOS = 0, 1, 2, 3  # sentencepiece ids, fixed when the tokenizer is trained
 
 _B64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
@@ -251,12 +253,15 @@ def ensure_package(dict_dir: Path = DICT_DIR, *, install: bool = True) -> tuple[
     return index, dic
 
 
-def _write_jsonl(path: Path, examples: list[Example]) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for ex in examples:
-            f.write(json.dumps({"de": ex.german, "en": list(ex.english)}, ensure_ascii=False) + "\n")
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def _write_jsonl(path: Path, examples: list[Example]) -> None:
+    _write_atomic(path, "".join(json.dumps({"de": ex.german, "en": list(ex.english)}, ensure_ascii=False) + "\n"
+                                for ex in examples))
 
 
 def load_split(data_dir: str | Path, split: str) -> list[Example]:
@@ -265,61 +270,147 @@ def load_split(data_dir: str | Path, split: str) -> list[Example]:
         raise ValueError(f"split must be one of {Split.ALL}, got {split!r}")
     path = Path(data_dir) / f"{split}.jsonl"
     if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: run `python -m keyfold train translate --prepare` first")
+        raise FileNotFoundError(f"{path} is missing: run `make data` "
+                                f"(or `.venv/bin/python -m keyfold train translate --prepare`) first")
+    if not (Path(data_dir) / "stats.json").exists():
+        raise FileNotFoundError(f"{data_dir} is incomplete (no stats.json: a --prepare was interrupted); rerun "
+                                f"`make data` (or `python -m keyfold train translate --prepare`): it resumes")
+    return _read_jsonl(path)
+
+
+def _read_jsonl(path: Path) -> list[Example]:
     with open(path, encoding="utf-8") as f:
         return [Example(d["de"], tuple(d["en"])) for d in map(json.loads, f)]
 
 
-def prepare(data_dir: str | Path, *, dict_dir: str | Path = DICT_DIR, vocab_size: int = 8000,
-            install: bool = True) -> dict:
+PAIRS_STAMP, DONE_STAMP = "pairs.json", "stats.json"
+
+
+def is_prepared(data_dir: str | Path, vocab_size: int | None = None) -> bool:
+    """Whether :func:`prepare` finished in ``data_dir`` (for ``vocab_size``, when given)."""
+    stamp = Path(data_dir) / DONE_STAMP
+    if not stamp.exists() or not (Path(data_dir) / "spm.model").exists():
+        return False
+    return vocab_size is None or json.loads(stamp.read_text()).get("vocab_size") == vocab_size
+
+
+def prepare(data_dir: str | Path, *, dict_dir: str | Path = DICT_DIR, vocab_size: int = VOCAB_SIZE,
+            install: bool = True, progress: bool = True) -> dict:
     """Parse, clean, split and train the tokenizer into ``data_dir``; returns the counts.
 
-    Writes ``train/valid/test.jsonl`` (one Example per line), ``spm.model`` and ``stats.json``.
+    Writes ``train/valid/test.jsonl`` (one Example per line) and ``spm.model``, each to a temporary
+    name moved into place; two stamps mark finished stages: ``pairs.json`` after the splits,
+    ``stats.json`` (the counts) after the tokenizer. A finished folder is reused as it is; a killed
+    preparation restarts at the first unfinished stage. ``stats.json`` is removed before the
+    tokenizer stage and written last: the loaders refuse a folder without it.
     """
-    data_dir = Path(data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    index, dic = ensure_package(Path(dict_dir), install=install)
     from tqdm import tqdm
 
-    senses = [s for _, s in tqdm(read_senses(index, dic), desc="parsing", unit=" senses", mininterval=2)]
-    examples = examples_from_senses(senses)
-    splits = {name: [] for name in Split.ALL}
-    for ex in examples:
-        splits[split_of(ex.german)].append(ex)
-    for name, exs in splits.items():
-        _write_jsonl(data_dir / f"{name}.jsonl", exs)
-    print(f"training the {vocab_size}-piece tokenizer on {len(splits[Split.TRAIN])} phrases ...", flush=True)
-    train_tokenizer(splits[Split.TRAIN], data_dir / "spm", vocab_size=vocab_size)
-    stats = {"senses": len(senses), "examples": len(examples),
-             "multiword": sum(" " in ex.german for ex in examples),
-             "pairs": sum(len(ex.english) for ex in examples),
-             **{f"{k}_examples": len(v) for k, v in splits.items()}, "vocab_size": vocab_size}
-    (data_dir / "stats.json").write_text(json.dumps(stats, indent=1))
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    if is_prepared(data_dir, vocab_size):
+        print(f"{data_dir} is prepared already ({DONE_STAMP}); nothing to do", flush=True)
+        return json.loads((data_dir / DONE_STAMP).read_text())
+    (data_dir / DONE_STAMP).unlink(missing_ok=True)     # incomplete until the end
+    for stale in data_dir.glob("*.tmp"):                 # an earlier prepare's unfinished writes
+        stale.unlink()
+    pairs_stamp = data_dir / PAIRS_STAMP
+    index, dic = ensure_package(Path(dict_dir), install=install)
+    source = {"index": str(index.resolve()), "index_bytes": index.stat().st_size,
+              "dict_bytes": dic.stat().st_size, "dict_mtime_ns": dic.stat().st_mtime_ns,
+              "index_mtime_ns": index.stat().st_mtime_ns}
+    done = json.loads(pairs_stamp.read_text()) if pairs_stamp.exists() else {}
+    if done.get("source") == source and all((data_dir / f"{n}.jsonl").exists() for n in Split.ALL):
+        counts = {k: v for k, v in done.items() if k != "source"}
+        print(f"[1/2] phrase pairs: reusing {data_dir}/{{train,valid,test}}.jsonl ({PAIRS_STAMP})", flush=True)
+    else:
+        pairs_stamp.unlink(missing_ok=True)
+        print(f"[1/2] phrase pairs from {index.parent}", flush=True)
+        rows = read_index(index)
+        data = _read_dict(dic)
+        senses = []
+        for headword, offset, length in tqdm(rows, desc="parsing senses", unit=" senses", mininterval=1,
+                                             disable=not progress):
+            if offset + length > len(data):
+                raise ValueError(f"index entry {headword!r} points past the end of {dic} "
+                                 f"({offset}+{length} > {len(data)}); are the .index and .dict from one database?")
+            senses.append(parse_sense(data[offset:offset + length].decode("utf-8")))
+        examples = examples_from_senses(tqdm(senses, desc="cleaning, grouping", unit=" senses", mininterval=1,
+                                             disable=not progress))
+        splits = {name: [] for name in Split.ALL}
+        for ex in examples:
+            splits[split_of(ex.german)].append(ex)
+        for name, exs in splits.items():
+            _write_jsonl(data_dir / f"{name}.jsonl", exs)
+        counts = {"senses": len(senses), "examples": len(examples),
+                  "multiword": sum(" " in ex.german for ex in examples),
+                  "pairs": sum(len(ex.english) for ex in examples),
+                  **{f"{k}_examples": len(v) for k, v in splits.items()}}
+        _write_atomic(pairs_stamp, json.dumps({**counts, "source": source}, indent=1))
+    train = _read_jsonl(data_dir / f"{Split.TRAIN}.jsonl")
+    print(f"[2/2] the shared {vocab_size}-piece tokenizer on {len(train)} training phrases", flush=True)
+    train_tokenizer(train, data_dir / "spm", vocab_size=vocab_size, progress=progress)
+    stats = {**counts, "vocab_size": vocab_size}
+    _write_atomic(data_dir / DONE_STAMP, json.dumps(stats, indent=1))  # the commit point
     return stats
 
 
 # ---------------------------------------------------------------------------- tokenizer
 
+TOKENIZER_SENTENCES = 600_000   # lines sampled for sentencepiece (German + English sides)
+TOKENIZER_S_PER_LINE = 1.4e-4   # seconds per sampled line on one quiet core at 8k pieces (for the ETA only)
 
-def train_tokenizer(examples: list[Example], prefix: str | Path, *, vocab_size: int = 8000) -> Path:
-    """A shared German+English sentencepiece unigram model on the training split: ``prefix.model``."""
+
+def train_tokenizer(examples: list[Example], prefix: str | Path, *, vocab_size: int = 8000,
+                    sentences: int = TOKENIZER_SENTENCES, progress: bool = False) -> Path:
+    """A shared German+English sentencepiece unigram model on the training split: ``prefix.model``.
+
+    sentencepiece reports no progress, so the bar advances with the clock against an estimate
+    (``TOKENIZER_S_PER_LINE``); it says so, and it finishes when the trainer does.
+    """
     import io
+    import threading
 
     import sentencepiece as spm
+    from tqdm import tqdm
 
-    text = io.StringIO()
+    lines = []
     for ex in examples:
-        text.write(ex.german + "\n")
-        for en in ex.english:
-            text.write(en + "\n")
+        lines.append(ex.german)
+        lines.extend(ex.english)
     model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(text.getvalue().splitlines()), model_writer=model, vocab_size=vocab_size,
-        model_type="unigram", character_coverage=1.0, pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,
-        input_sentence_size=2_000_000, shuffle_input_sentence=True, hard_vocab_limit=False,
-        num_threads=2, minloglevel=2)
+    n = min(len(lines), sentences)
+    kwargs = dict(sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size,
+                  model_type="unigram", character_coverage=1.0, pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,
+                  input_sentence_size=sentences, shuffle_input_sentence=True, hard_vocab_limit=False,
+                  num_threads=2, minloglevel=2, seed_sentencepiece_size=200_000)
+    failure: list[BaseException] = []
+
+    def run():
+        try:
+            spm.SentencePieceTrainer.train(**kwargs)
+        except BaseException as err:  # re-raised in the caller's thread
+            failure.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    estimate = max(5.0, n * TOKENIZER_S_PER_LINE * (vocab_size / 8000) ** 0.5)
+    t0 = time.perf_counter()
+    thread.start()
+    with tqdm(total=round(estimate), desc="tokenizer (time estimate)", unit="s", disable=not progress,
+              bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s [{elapsed}<{remaining}]") as bar:
+        while thread.is_alive():
+            thread.join(1.0)
+            done = time.perf_counter() - t0
+            if done > bar.total:
+                bar.total = round(done * 1.1)
+            bar.n = round(done)
+            bar.refresh()
+        bar.total = bar.n = round(time.perf_counter() - t0)
+        bar.refresh()
+    if failure:
+        raise failure[0]
     path = Path(f"{prefix}.model")
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(model.getvalue())
     os.replace(tmp, path)
     return path
@@ -332,8 +423,8 @@ class Tokenizer:
         import sentencepiece as spm
 
         if not Path(model_path).exists():
-            raise FileNotFoundError(f"tokenizer {model_path} is missing: run "
-                                    f"`python -m keyfold train translate --prepare` first")
+            raise FileNotFoundError(f"tokenizer {model_path} is missing: run `make data` "
+                                    f"(or `.venv/bin/python -m keyfold train translate --prepare`) first")
         self.sp = spm.SentencePieceProcessor(model_file=str(model_path))
         self.model_path = str(model_path)
 

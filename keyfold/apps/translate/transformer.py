@@ -13,6 +13,7 @@ details and the measured numbers.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 
 import torch
@@ -36,7 +37,7 @@ class ModelConfig:
     d_ff: int = 2048             # inner width of the feed-forward sub-layers
     n_encoder_layers: int = 6
     n_decoder_layers: int = 6
-    dropout: float = 0.1         # on embeddings+positions and every sub-layer output
+    dropout: float = 0.1         # the paper's P_drop: on embeddings+positions and every sub-layer output
     norm_first: bool = False     # False: post-LN as in the paper; True: pre-LN (+ a final LayerNorm)
     max_len: int = 256           # longest sequence the sinusoid table covers
 
@@ -48,15 +49,29 @@ class ModelConfig:
 
 
 MODEL_CONFIGS = {
-    "base": ModelConfig(),                                              # the paper's base model
+    # the paper's Table 3: base (65 M parameters with its 37 k vocabulary) and big (213 M; P_drop 0.3 for EN-DE)
+    "base": ModelConfig(),
+    "big": ModelConfig(d_model=1024, n_heads=16, d_ff=4096, dropout=0.3),
     "small": ModelConfig(d_model=256, n_heads=4, d_ff=1024, n_encoder_layers=3, n_decoder_layers=3),
-    # sized for 30 minutes on the shared 2-core machine (docs/transformer.md); no dropout: the run
-    # sees a fraction of an epoch, and dropout cost a fifth of the step time there
-    "cpu": ModelConfig(d_model=192, n_heads=4, d_ff=768, n_encoder_layers=2, n_decoder_layers=2, dropout=0.0),
+
+    # sized for the 45-minute budget on 2 CPU cores, data included (docs/transformer.md): post-LN,
+    # which had the lower validation loss at steps 250/500/750 than pre-LN with lr_scale 0.5
+    # (5.82/5.04/4.66 vs 6.08/5.25/4.79); no dropout (the run sees about 1.3 epochs: it underfits)
+    "cpu": ModelConfig(d_model=192, n_heads=4, d_ff=768, n_encoder_layers=2, n_decoder_layers=2,
+                       dropout=0.0, norm_first=False),
     "tiny": ModelConfig(vocab_size=64, d_model=32, n_heads=4, d_ff=64, n_encoder_layers=2,
                         n_decoder_layers=2, max_len=64),
     "lm-small": ModelConfig(d_model=256, n_heads=4, d_ff=1024, n_encoder_layers=0, n_decoder_layers=4),
 }
+
+
+def _layer_kwargs(cfg: ModelConfig, layer: type) -> dict:
+    """torch.nn-style keyword arguments of a keyfold.nn layer for ``cfg`` (batch-first tensors)."""
+    kw = dict(d_model=cfg.d_model, nhead=cfg.n_heads, dim_feedforward=cfg.d_ff, dropout=cfg.dropout,
+              norm_first=cfg.norm_first)
+    if "batch_first" in inspect.signature(layer.__init__).parameters:
+        kw["batch_first"] = True
+    return kw
 
 
 class _Embedding(nn.Module):
@@ -100,10 +115,10 @@ class Transformer(nn.Module):
             raise ValueError("a Transformer needs n_encoder_layers >= 1; use TransformerLM for a decoder-only model")
         self.cfg = cfg
         self.embed = _Embedding(cfg)
-        args = (cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.dropout)
-        kw = {"norm_first": cfg.norm_first, "batch_first": True}
-        self.encoder = nn.ModuleList(TransformerEncoderLayer(*args, **kw) for _ in range(cfg.n_encoder_layers))
-        self.decoder = nn.ModuleList(TransformerDecoderLayer(*args, **kw) for _ in range(cfg.n_decoder_layers))
+        self.encoder = nn.ModuleList(TransformerEncoderLayer(**_layer_kwargs(cfg, TransformerEncoderLayer))
+                                     for _ in range(cfg.n_encoder_layers))
+        self.decoder = nn.ModuleList(TransformerDecoderLayer(**_layer_kwargs(cfg, TransformerDecoderLayer))
+                                     for _ in range(cfg.n_decoder_layers))
         self.enc_norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else nn.Identity()
         self.dec_norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else nn.Identity()
 
@@ -142,8 +157,8 @@ class TransformerLM(nn.Module):
         self.cfg = cfg
         self.embed = _Embedding(cfg)
         self.decoder = nn.ModuleList(
-            TransformerDecoderLayer(cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.dropout, norm_first=cfg.norm_first,
-                                    batch_first=True, cross_attention=False) for _ in range(cfg.n_decoder_layers))
+            TransformerDecoderLayer(**_layer_kwargs(cfg, TransformerDecoderLayer), cross_attention=False)
+            for _ in range(cfg.n_decoder_layers))
         self.dec_norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else nn.Identity()
 
     def forward(self, tokens, caches=None, offset: int = 0):
@@ -166,10 +181,29 @@ def _never_special(logits: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def _max_steps(src: torch.Tensor, max_len: int | None, model: Transformer) -> int:
+MAX_EXTRA = 50  # the paper's maximum output length: input length + 50
+
+
+def _limits(src: torch.Tensor, max_len: int | None, model: Transformer) -> tuple[int, torch.Tensor]:
+    """``(steps, limit (B,))``: output tokens per row at most, EOS included: ``max_len`` if given,
+    else that row's input length + 50 (the paper's rule), never past ``ModelConfig.max_len``."""
     if max_len is None:
-        max_len = int(src.ne(PAD).sum(1).max()) * 2 + 10
-    return min(max_len, model.cfg.max_len)
+        limit = src.ne(PAD).sum(1) + MAX_EXTRA
+    else:
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        limit = torch.full((src.shape[0],), max_len, dtype=torch.long, device=src.device)
+    limit = limit.clamp(max=model.cfg.max_len)
+    return int(limit.max()), limit
+
+
+def _force_eos(logits: torch.Tensor, at_limit: torch.Tensor) -> torch.Tensor:
+    """Rows ``at_limit`` (bool, leading dims of ``logits``) may only emit EOS."""
+    if not bool(at_limit.any()):
+        return logits
+    only_eos = torch.full_like(logits, -math.inf)
+    only_eos[..., EOS] = 0.0
+    return torch.where(at_limit.unsqueeze(-1), only_eos, logits)
 
 
 @torch.no_grad()
@@ -177,18 +211,18 @@ def greedy(model: Transformer, src: torch.Tensor, max_len: int | None = None, *,
     """Greedy decoding of a batch ``src (B, S)``; returns ``(B, T)`` int64 tokens after BOS, each row
     ending at its first EOS and padded with PAD. ``use_cache=False`` re-runs the decoder over the
     whole prefix every step (the reference the cached path is tested against)."""
-    steps = _max_steps(src, max_len, model)
+    steps, limit = _limits(src, max_len, model)
     memory, src_mask = model.encode(src)
     B = src.shape[0]
-    out = torch.full((B, 1), BOS, dtype=torch.long)
-    done = torch.zeros(B, dtype=torch.bool)
+    out = torch.full((B, 1), BOS, dtype=torch.long, device=src.device)
+    done = torch.zeros(B, dtype=torch.bool, device=src.device)
     caches = model.new_caches() if use_cache else None
     for t in range(steps):
         if use_cache:
             logits = model.decode(out[:, -1:], memory, src_mask, caches, offset=t)[:, -1]
         else:
             logits = model.decode(out, memory, src_mask)[:, -1]
-        nxt = _never_special(logits).argmax(-1).masked_fill(done, PAD)
+        nxt = _force_eos(_never_special(logits), limit.eq(t + 1)).argmax(-1).masked_fill(done, PAD)
         out = torch.cat([out, nxt[:, None]], 1)
         done |= nxt.eq(EOS)
         if bool(done.all()):
@@ -212,21 +246,23 @@ def beam_search(model: Transformer, src: torch.Tensor, beam: int = 4, alpha: flo
     """
     if beam < 1:
         raise ValueError(f"beam must be >= 1, got {beam}")
-    steps = _max_steps(src, max_len, model)
+    steps, limit = _limits(src, max_len, model)
     B, K = src.shape[0], beam
     memory, src_mask = model.encode(src)
     memory = memory.repeat_interleave(K, 0)  # (B*K, S, d)
     src_mask = key_padding_to_mask(src.eq(PAD).repeat_interleave(K, 0), src.shape[1])
     caches = model.new_caches()
-    tokens = torch.full((B * K, 1), BOS, dtype=torch.long)
-    logp = torch.zeros(B, K)
+    dev = src.device
+    tokens = torch.full((B * K, 1), BOS, dtype=torch.long, device=dev)
+    logp = torch.zeros(B, K, device=dev)
     logp[:, 1:] = -math.inf  # only one live hypothesis at the start
-    length = torch.zeros(B, K, dtype=torch.long)
-    done = torch.zeros(B, K, dtype=torch.bool)
+    length = torch.zeros(B, K, dtype=torch.long, device=dev)
+    done = torch.zeros(B, K, dtype=torch.bool, device=dev)
     for t in range(steps):
-        step = model.decode(tokens[:, -1:], memory, src_mask, caches, offset=t)[:, -1]  # (B*K, V)
+        step = model.decode(tokens[:, -1:], memory, src_mask, caches, offset=t)[:, -1].float()  # (B*K, V)
         V = step.shape[-1]
-        lp_tok = _never_special(torch.log_softmax(step.float(), -1)).view(B, K, V)
+        lp_tok = _force_eos(_never_special(torch.log_softmax(step, -1)).view(B, K, V),
+                            limit.eq(t + 1).unsqueeze(1).expand(B, K))
         # a finished hypothesis has one continuation, PAD at no cost, and keeps its length
         frozen = torch.full_like(lp_tok, -math.inf)
         frozen[..., PAD] = 0.0
@@ -239,7 +275,7 @@ def beam_search(model: Transformer, src: torch.Tensor, beam: int = 4, alpha: flo
         logp = cand.view(B, K * V).gather(1, top)
         length = cand_len.reshape(B, K * V).gather(1, top)
         done = done.gather(1, src_beam) | tok.eq(EOS)
-        flat = (src_beam + torch.arange(B).unsqueeze(1) * K).view(-1)  # (B*K,)
+        flat = (src_beam + torch.arange(B, device=dev).unsqueeze(1) * K).view(-1)  # (B*K,)
         tokens = torch.cat([tokens.index_select(0, flat), tok.view(-1, 1)], 1)
         for self_c, _ in caches:
             self_c.reorder(flat)  # cross caches hold the same memory for every beam of a row
@@ -247,5 +283,5 @@ def beam_search(model: Transformer, src: torch.Tensor, beam: int = 4, alpha: flo
             break
     final = logp / length_penalty(length, alpha)
     best = final.argmax(-1)  # (B,)
-    pick = best + torch.arange(B) * K
+    pick = best + torch.arange(B, device=dev) * K
     return tokens.index_select(0, pick)[:, 1:]

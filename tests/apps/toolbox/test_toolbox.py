@@ -327,28 +327,40 @@ def test_ucr_loader():
 
 
 def test_bench_tiny_preset_writes_honest_tables(tmp_path):
+    """The one end-to-end run of the bench in the suite (the tiny preset): tables, plots, the
+    budget rule's record (steps, why each run stopped, the curve) and the claim checks."""
     from keyfold.apps.toolbox import bench
 
     assert bench.main(["--tiny", "--out", str(tmp_path), "--no-progress"]) == 0
     result = json.loads((tmp_path / "toolbox.tiny.json").read_text())
-    assert (tmp_path / "toolbox.tiny.md").read_text().count("| attention |") >= 5
+    md = (tmp_path / "toolbox.tiny.md").read_text()
+    assert md.count("| attention |") >= 5
+    assert "## The cited papers' results, checked" in md and "Zoology" in md and "LTSF-Linear" in md
     assert (tmp_path / "toolbox.tiny.png").stat().st_size > 10_000
+    assert (tmp_path / "toolbox.tiny.curves.png").stat().st_size > 10_000
     rows = result["rows"]
     groups = {r["group"] for r in rows}
-    assert {"recall", "probe", "forecast"} <= groups
+    assert {"mqar", "recall", "probe", "forecast"} <= groups
     for r in rows:
         assert len(r["values"]) == (1 if r["mixer"] == "seasonal_naive" else 2)
         assert r["ci95"] >= 0 and math.isfinite(r["mean"])
         if r["metric"] == "accuracy":
             assert 0 <= r["mean"] <= 1
+        if r["mixer"] != "seasonal_naive":  # the budget rule's record
+            assert len(r["steps"]) == len(r["values"]) and all(1 <= s <= r["cap"] for s in r["steps"])
+            assert set(r["stops"]) <= {"plateau", "solved", "cap"}
+            assert r["curve"][0][0] == 0 and [c[0] for c in r["curve"]] == sorted(c[0] for c in r["curve"])
     by = {(r["task"], r["mixer"]): r for r in rows}
-    for task in {r["task"] for r in rows if r["group"] == "recall"}:
+    for task in {r["task"] for r in rows if r["group"] in ("mqar", "recall")}:
         assert set(m.value for m in MixerKind) <= {m for (t, m) in by if t == task}
         # streaming memory at the sequence's end: attention's k/v buffer vs a GRU's one vector
         assert by[(task, "attention")]["state_bytes"] > by[(task, "gru")]["state_bytes"]
         assert by[(task, "mlp")]["state_bytes"] == 0
     probe = [r for r in rows if r["group"] == "probe"]
     assert probe and all(r["trainable"] < r["params"] for r in probe)
+    ind = [r for r in rows if r["extra_tests"]]  # induction tested beyond its training length
+    assert {r["mixer"] for r in ind} == {m.value for m in MixerKind}
+    assert all(0 <= v["mean"] <= 1 for r in ind for v in r["extra_tests"].values())
 
 
 def test_interval_is_student_t():
@@ -356,3 +368,24 @@ def test_interval_is_student_t():
 
     mean, half = _interval([1.0, 2.0, 3.0])
     assert mean == 2.0 and half == pytest.approx(4.302653 / math.sqrt(3), rel=1e-5)
+
+
+def test_repeated_tokens_vary_rules_out_the_fixed_offset_shortcut():
+    """With one repeat length every answer sits M - 1 positions back, so a model that learned
+    that offset "solves" induction and scores exactly 0 at twice the length (seen in the bench:
+    attention 100 % at N=24, 0.0 % at N=48). vary=True: the offset differs between examples,
+    and every scored answer is still the successor of the current token's earlier occurrence."""
+    fixed = T.repeated_tokens(50, 24, vocab=64, seed=0)
+    offsets_fixed = {int(i) for i in (fixed.targets[0] != T.IGNORE).nonzero()[:, 0]}
+    assert min(offsets_fixed) == 12
+    t = T.repeated_tokens(200, 24, vocab=64, vary=True, seed=0)
+    starts = set()
+    for x, y in zip(t.inputs.tolist(), t.targets.tolist()):
+        assert len(set(x)) == len(x) - sum(yi != T.IGNORE for yi in y) - 1  # prefix and one copy distinct
+        scored = [i for i, yi in enumerate(y) if yi != T.IGNORE]
+        starts.add(scored[0])
+        for i in scored:
+            assert y[i] == x[x.index(x[i]) + 1]  # the induction rule, through the first occurrence
+    assert len(starts) >= 5  # the shortcut's offset is not one number any more
+    with pytest.raises(ValueError, match="vocab >= 18"):
+        T.repeated_tokens(2, 24, vocab=10, vary=True)

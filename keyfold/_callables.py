@@ -1,0 +1,526 @@
+"""Running users' FlexAttention-style callables: broadcast grids, or per element under vmap.
+
+keyfold calls a ``mask_mod(b, h, q_idx, kv_idx)`` or ``score_mod(score, b, h, q_idx, kv_idx)``
+once per tile with broadcastable index tensors (``(B,1,1,1)``, ``(1,H,1,1)``, ``(1,1,L,1)``,
+``(1,1,1,S)``), which is fast and what tensor-op code expects. FlexAttention instead calls them
+on scalar indices under ``torch.vmap``, so Flex users also write per-element code
+(``bias[b][h][q_idx]``, ``torch.dot(x[q_idx], y[kv_idx])``) that raises, returns the wrong shape
+or silently reduces over the whole grid when given broadcast tensors.
+
+The first time a callable is seen, it runs on the tile in broadcast mode *and*, at up to
+2x2x2x3 spread points of that tile (first/last b, h, q; first/middle/last kv), per element
+under vmap (one flat vmap call, about 0.5 ms). It keeps broadcast mode when both agree (or vmap
+cannot run the callable), and switches to per-element mode when broadcast raises, gives the
+wrong shape or gives other values. Per-element mode is Flex's own evaluation: nested
+``torch.vmap`` over (b, h, q, kv) on the tile's int32 index vectors, the whole tile at once
+(about 2x the cost of broadcast mode). The decision is remembered per callable (per code object
+and the shapes it captures, so a lambda re-created every step is decided once), unless the
+points could not have shown a difference (see :func:`_decide`).
+Gradients flow through both modes.
+
+This module also finds the tensors a callable captures (:func:`captured_tensors`), so tensors
+with ``requires_grad`` get their gradients (see :meth:`keyfold.scores.ScoreMod.tensors`).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import threading
+import types
+import weakref
+from collections import OrderedDict
+
+import torch
+
+__all__ = ["Mode", "call_mask", "call_score", "batch_head_dependence", "captured_tensors", "fn_name"]
+
+
+class Mode(enum.Enum):
+    BROADCAST = "broadcast"  # one call on broadcastable index grids
+    ELEMENT = "element"      # per element under nested torch.vmap, as FlexAttention does
+
+
+def fn_name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+# ------------------------------------------------------------------------ mode memory
+
+_MODES: "OrderedDict[object, Mode]" = OrderedDict()   # by code object + captured shapes
+_WEAK_MODES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # other callables, by object
+_MODES_MAX = 4096
+_LOCK = threading.Lock()
+
+
+def _shape_sig(x):
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(x.shape), x.dtype)
+    if isinstance(x, (int, float, bool, str, type(None))):
+        return x
+    return type(x)
+
+
+def _mode_key(fn):
+    """A key that re-created lambdas share (same code, same captured shapes), or None."""
+    if isinstance(fn, types.FunctionType):
+        cells = fn.__closure__ or ()
+        try:
+            sig = tuple(_shape_sig(c.cell_contents) for c in cells)
+        except ValueError:  # an empty cell
+            return None
+        return (fn.__code__, sig, tuple(_shape_sig(d) for d in (fn.__defaults__ or ())))
+    if isinstance(fn, types.MethodType):
+        return (fn.__func__, type(fn.__self__))
+    return None
+
+
+def _get_mode(fn) -> Mode | None:
+    key = _mode_key(fn)
+    with _LOCK:
+        if key is not None:
+            return _MODES.get(key)
+        try:
+            return _WEAK_MODES.get(fn)
+        except TypeError:  # not weakly referenceable: decided per use
+            return None
+
+
+def _set_mode(fn, mode: Mode) -> None:
+    key = _mode_key(fn)
+    with _LOCK:
+        if key is not None:
+            _MODES[key] = mode
+            _MODES.move_to_end(key)
+            while len(_MODES) > _MODES_MAX:
+                _MODES.popitem(last=False)
+            return
+        try:
+            _WEAK_MODES[fn] = mode
+        except TypeError:
+            pass
+
+
+def mode_of(fn) -> Mode | None:
+    """How ``fn`` is evaluated (None until it has been called once)."""
+    return _get_mode(fn)
+
+
+# --------------------------------------------------------------------- index vectors
+
+
+def _vectors(b, h, qp, kp):
+    """The four broadcast index tensors as 1-D int32 vectors (int64 if a position needs it),
+    or None when they are not the axis-aligned grids :func:`keyfold.masks.grid_positions` gives."""
+    vecs = []
+    for axis, t in enumerate((b, h, qp, kp)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            return None
+        if any(t.shape[i] != 1 for i in range(4) if i != axis):
+            return None
+        vecs.append(t.reshape(-1))
+    big = any(v.numel() and (int(v.max()) >= 2 ** 31 or int(v.min()) < -2 ** 31) for v in vecs)
+    dt = torch.int64 if big else torch.int32  # Flex passes int32 indices
+    return [v.to(dt) for v in vecs]
+
+
+def _nested(fn, prefix: int):
+    """``fn`` vmapped over (b, h, q, kv) with ``prefix`` leading args mapped at every level."""
+    f = fn
+    for level in (3, 2, 1, 0):  # kv innermost, b outermost
+        f = torch.vmap(f, in_dims=(0,) * prefix + tuple(0 if i == level else None for i in range(4)))
+    return f
+
+
+def _element_mask(fn, vecs):
+    out = _nested(fn, 0)(*vecs)
+    if not isinstance(out, torch.Tensor) or out.dim() != 4:
+        raise TypeError(f"mask callable {fn_name(fn)} must return one bool per (b, h, q_idx, kv_idx), "
+                        f"got shape {tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")
+    return out
+
+
+def _element_score(fn, s, vecs):
+    shape = tuple(len(v) for v in vecs)
+    out = _nested(fn, 1)(s.expand(shape), *vecs)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape:
+        raise TypeError(f"score callable {fn_name(fn)} must return one score per (b, h, q_idx, kv_idx), "
+                        f"got shape {tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")
+    return out
+
+
+def _flat(fn, prefix, idx, grid, check):
+    """Per element over index tensors that are not an axis-aligned grid: one vmap over every
+    element of the broadcast grid (memory and time grow with the grid; rare)."""
+    grid = _bshape(tuple(grid), *(t.shape for t in (*prefix, *idx)))
+    args = [torch.broadcast_to(t, grid).reshape(-1) for t in (*prefix, *idx)]
+    out = torch.vmap(fn)(*args)
+    check(fn, out)
+    return out.view(grid)
+
+
+def _sample_index(vecs):
+    """Spread sample points of the tile: b, h, q at the first and last index, kv at the first,
+    middle and last (at most 2x2x2x3 points; spread so that masks see both sides of an edge)."""
+    out = []
+    for axis, v in enumerate(vecs):
+        n = len(v)
+        picks = (0, n // 2, n - 1) if axis == 3 else (0, n - 1)
+        out.append(torch.tensor(sorted(set(i for i in picks if n > 0)), dtype=torch.long))
+    return out
+
+
+def _sample(t, idx, grid):
+    """``t`` broadcast to ``grid``, at the sample points ``idx`` (one index vector per dim)."""
+    t = torch.broadcast_to(t, grid)
+    for d, i in enumerate(idx):
+        t = t.index_select(d, i.to(t.device))
+    return t
+
+
+def _sample_grids(vecs, idx):
+    """The index vectors at the sample points, as broadcastable grids (for one flat vmap)."""
+    return [v[i.to(v.device)].view([-1 if d == axis else 1 for d in range(4)])
+            for axis, (v, i) in enumerate(zip(vecs, idx))]
+
+
+def _bshape(*shapes) -> tuple | None:
+    """Broadcast shape of ``shapes`` (None if they do not broadcast); plain Python, as
+    ``torch.broadcast_shapes`` costs ~20 us per call."""
+    n = max(len(s) for s in shapes)
+    out = [1] * n
+    for s in shapes:
+        off = n - len(s)
+        for i, d in enumerate(s):
+            o = out[off + i]
+            if o == 1:
+                out[off + i] = d
+            elif d != 1 and d != o:
+                return None
+    return tuple(out)
+
+
+def _fits(out, grid) -> bool:
+    """Whether a broadcast result has the grid's shape (up to broadcasting, never beyond it)."""
+    if not isinstance(out, torch.Tensor) or out.dim() > len(grid):
+        return False
+    shape = out.shape
+    off = len(grid) - len(shape)
+    return all(d == 1 or d == grid[off + i] for i, d in enumerate(shape))
+
+
+def _agree(a, b, exact: bool) -> bool:
+    a, b = torch.broadcast_tensors(a, b)
+    if exact:
+        return bool(torch.equal(a, b))
+    return bool(torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6, equal_nan=True))
+
+
+_UNSURE: "OrderedDict[object, int]" = OrderedDict()  # callables whose samples could not tell the modes apart
+_UNSURE_CHECKS = 16
+
+
+def _decide(fn, broadcast, element, sample_of, informative, exact):
+    """Run ``broadcast()``; check it against ``element`` at the tile's sample points; remember
+    the mode. An agreement that could not have shown a difference (a mask all True or all False
+    there, a score modifier adding one constant, as a zero-initialised table does) is not
+    remembered: the check runs again on the callable's next tiles, up to 16 times."""
+    try:
+        out = broadcast()
+        err = None
+    except Exception as e:  # noqa: BLE001 - any failure sends the callable to per-element mode
+        out, err = None, e
+    if err is None and out is not None:
+        try:
+            ref = element(sample=True)
+        except Exception:  # noqa: BLE001 - vmap cannot run it: broadcast mode is the only one
+            _set_mode(fn, Mode.BROADCAST)
+            return out
+        got = sample_of(out)
+        if _agree(got, ref, exact):
+            if informative(got) or _unsure_again(fn):
+                _set_mode(fn, Mode.BROADCAST)
+            return out
+    try:
+        res = element(sample=False)
+    except Exception as e2:  # noqa: BLE001
+        if err is not None:
+            raise err from e2
+        raise
+    _set_mode(fn, Mode.ELEMENT)
+    return res
+
+
+def _unsure_again(fn) -> bool:
+    """Count an uninformative check; True once there have been enough to stop checking."""
+    key = _mode_key(fn)
+    if key is None:
+        key = id(fn)
+    with _LOCK:
+        n = _UNSURE.pop(key, 0) + 1
+        if n >= _UNSURE_CHECKS:
+            return True
+        _UNSURE[key] = n
+        while len(_UNSURE) > _MODES_MAX:
+            _UNSURE.popitem(last=False)
+    return False
+
+
+# ----------------------------------------------------------------------------- masks
+
+
+def call_mask(fn, b, h, qp, kp) -> torch.Tensor:
+    """``fn(b, h, qp, kp)`` as a bool tensor broadcastable to the grid of the four index tensors."""
+    if b.dim() == h.dim() == qp.dim() == kp.dim() == 4:
+        grid = tuple(map(max, b.shape, h.shape, qp.shape, kp.shape))  # (they broadcast: callers build them so)
+    else:
+        grid = _bshape(b.shape, h.shape, qp.shape, kp.shape)
+        if grid is None:
+            raise ValueError(f"index tensors of shapes {b.shape}, {h.shape}, {qp.shape}, {kp.shape} do not broadcast")
+    mode = _get_mode(fn)
+    vecs = None
+    if mode is not Mode.ELEMENT:
+        def broadcast():
+            out = fn(b, h, qp, kp)
+            _check_bool(fn, out)
+            if not _fits(out, grid):
+                raise ValueError(f"shape {tuple(out.shape)} does not fit the grid {tuple(grid)}")
+            return out
+        if mode is Mode.BROADCAST:
+            try:
+                return broadcast()
+            except Exception:  # noqa: BLE001 - a grid it cannot take (decided on another shape)
+                vecs = _vectors(b, h, qp, kp)
+                if vecs is None:
+                    raise
+                out = _element_mask(fn, vecs)
+                _check_bool(fn, out)
+                _set_mode(fn, Mode.ELEMENT)
+                return out
+        vecs = _vectors(b, h, qp, kp)
+        if vecs is None:  # not an axis-aligned index grid: per element only if broadcast fails
+            try:
+                return broadcast()
+            except Exception:  # noqa: BLE001
+                return _flat(fn, (), (b, h, qp, kp), grid, _check_bool)
+        if mode is None:
+            idx = _sample_index(vecs)
+
+            def element(sample):
+                if sample:
+                    c = _sample_grids(vecs, idx)
+                    return _flat(fn, (), c, _bshape(*(t.shape for t in c)), _check_bool)
+                out = _element_mask(fn, vecs)
+                _check_bool(fn, out)
+                return out
+            return _decide(fn, broadcast, element, lambda o: _sample(o, idx, grid),
+                           lambda m: bool(m.any()) and not bool(m.all()), exact=True)
+    vecs = vecs or _vectors(b, h, qp, kp)
+    if vecs is None:
+        return _flat(fn, (), (b, h, qp, kp), grid, _check_bool)
+    out = _element_mask(fn, vecs)
+    _check_bool(fn, out)
+    return out
+
+
+def _check_bool(fn, out):
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
+        got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
+        raise TypeError(f"mask callable {fn_name(fn)} must return a bool tensor, got {got}; "
+                        f"return a comparison such as `q_idx >= kv_idx` (a score callable goes in score=)")
+
+
+def batch_head_dependence(fn, B: int | None, H: int | None) -> tuple[bool, bool]:
+    """Whether mask ``fn`` reads ``b`` / ``h``, probed with b < min(B, 2), h < min(H, 2) only
+    (``lengths[b]`` must not see b = 1 when B = 1), at q_idx = kv_idx = 0.
+
+    In broadcast mode a callable that never reads b returns no batch dimension. In per-element
+    mode the result always has every dimension, so the probe asks vmap instead: the output of
+    the inner levels is batched over b only if it depends on b. A size-1 dimension cannot be
+    told apart, and needs no telling: there is only one entry to plan for."""
+    Bp = 2 if B is None else max(1, min(B, 2))
+    Hp = 2 if H is None else max(1, min(H, 2))
+    vecs, grid = _probe_grid(Bp, Hp)
+    try:
+        out = call_mask(fn, *grid)
+    except Exception:  # noqa: BLE001
+        if B is None or H is None:  # an unknown size probed too far: assume it reads both (always correct)
+            return True, True
+        raise
+    if _get_mode(fn) is not Mode.ELEMENT:
+        shape = (1,) * (4 - out.dim()) + tuple(out.shape)
+        return shape[0] != 1, shape[1] != 1
+    return _reads(fn, vecs, 0) if Bp > 1 else False, _reads(fn, vecs, 1) if Hp > 1 else False
+
+
+@functools.lru_cache(maxsize=4)
+def _probe_grid(Bp: int, Hp: int):
+    """The dependence probe's index vectors and grids (built once; ~30 us each time otherwise)."""
+    vecs = [torch.arange(Bp, dtype=torch.int32), torch.arange(Hp, dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)]
+    grid = [vecs[0].view(-1, 1, 1, 1), vecs[1].view(1, -1, 1, 1), vecs[2].view(1, 1, 1, 1), vecs[3].view(1, 1, 1, 1)]
+    return vecs, grid
+
+
+def _reads(fn, vecs, axis: int) -> bool:
+    try:
+        from torch._C._functorch import is_batchedtensor
+    except ImportError:  # no way to ask: assume it does (plans per entry, always correct)
+        return True
+    others = [i for i in range(4) if i != axis]
+    seen = []
+
+    def outer(x):
+        def inner(*rest):
+            args = list(rest)
+            args.insert(axis, x)
+            return fn(*args)
+        f = inner
+        for level in reversed(range(3)):
+            f = torch.vmap(f, in_dims=tuple(0 if i == level else None for i in range(3)))
+        out = f(*[vecs[i] for i in others])
+        seen.append(bool(is_batchedtensor(out)))
+        return out
+
+    torch.vmap(outer)(vecs[axis])
+    return seen[0] if seen else True
+
+
+# ---------------------------------------------------------------------------- scores
+
+
+def call_score(fn, s, b, h, qp, kp) -> torch.Tensor:
+    """``fn(s, b, h, qp, kp)`` with ``s.shape``; s keeps its dtype (Flex's rule: the modifier
+    sees float32 scores for 16/32-bit inputs, and its result is cast back to the score dtype)."""
+    mode = _get_mode(fn)
+    vecs = None
+    if mode is not Mode.ELEMENT:
+        def broadcast():
+            out = fn(s, b, h, qp, kp)
+            _check_float(fn, out)
+            if not _fits(out, s.shape):
+                raise ValueError(f"shape {tuple(out.shape)} does not fit the scores' {tuple(s.shape)}")
+            return out
+        if mode is Mode.BROADCAST:
+            try:
+                return _finish(broadcast(), s)
+            except Exception:  # noqa: BLE001 - a grid it cannot take (decided on another shape)
+                vecs = _vectors(b, h, qp, kp)
+                if vecs is None:
+                    raise
+                out = _element_score(fn, s, vecs)
+                _check_float(fn, out)
+                _set_mode(fn, Mode.ELEMENT)
+                return _finish(out, s)
+        vecs = _vectors(b, h, qp, kp)
+        if vecs is None:  # not an axis-aligned index grid: per element only if broadcast fails
+            try:
+                return _finish(broadcast(), s)
+            except Exception:  # noqa: BLE001
+                return _finish(_flat(fn, (s,), (b, h, qp, kp), s.shape, _check_float), s)
+        if mode is None:
+            idx = _sample_index(vecs)
+            grid = tuple(len(v) for v in vecs)
+            s_at = _sample(s, idx, grid)
+
+            def element(sample):
+                if sample:
+                    return _flat(fn, (s_at,), _sample_grids(vecs, idx), s_at.shape, _check_float)
+                out = _element_score(fn, s, vecs)
+                _check_float(fn, out)
+                return out
+
+            def informative(o):
+                d = torch.nan_to_num(o.detach().double() - s_at.detach().double())
+                return bool(d.max() != d.min())
+            out = _decide(fn, broadcast, element, lambda o: _sample(o, idx, grid), informative, exact=False)
+            return _finish(out, s)
+    vecs = vecs or _vectors(b, h, qp, kp)
+    if vecs is None:
+        return _finish(_flat(fn, (s,), (b, h, qp, kp), s.shape, _check_float), s)
+    out = _element_score(fn, s, vecs)
+    _check_float(fn, out)
+    return _finish(out, s)
+
+
+def _check_float(fn, out):
+    if not isinstance(out, torch.Tensor) or not out.dtype.is_floating_point:
+        got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
+        raise TypeError(f"score callable {fn_name(fn)} must return a float tensor, got {got}")
+
+
+def _finish(out, s):
+    if out.dtype != s.dtype:
+        out = out.to(s.dtype)
+    if out.shape != s.shape:
+        out = torch.broadcast_to(out, s.shape).contiguous()
+    return out
+
+
+# ----------------------------------------------------------------- captured tensors
+
+_MAX_DEPTH = 4
+
+
+def captured_tensors(fn) -> tuple[torch.Tensor, ...]:
+    """Floating-point tensors ``fn`` can read: closure cells, default arguments, the globals its
+    code names, ``functools.partial`` arguments, a bound method's object (an ``nn.Module``'s
+    parameters, another object's attributes), and the same inside the functions and containers
+    found there (a few levels deep)."""
+    found: dict[int, torch.Tensor] = {}
+    visited: set[int] = set()
+    _walk(fn, 0, found, visited)
+    return tuple(found.values())
+
+
+def _walk(x, depth, found, visited):
+    if isinstance(x, torch.Tensor):
+        if (x.is_floating_point() or x.is_complex()) and id(x) not in found:
+            found[id(x)] = x
+        return
+    if depth > _MAX_DEPTH or id(x) in visited or isinstance(x, (type, types.ModuleType, str, bytes, int, float)):
+        return
+    visited.add(id(x))
+    nxt = depth + 1
+    if isinstance(x, torch.nn.Module):
+        for p in x.parameters():
+            _walk(p, nxt, found, visited)
+        for t in x.buffers():
+            _walk(t, nxt, found, visited)
+    elif isinstance(x, (list, tuple, set, frozenset)):
+        for e in x:
+            _walk(e, nxt, found, visited)
+    elif isinstance(x, dict):
+        for e in x.values():
+            _walk(e, nxt, found, visited)
+    elif isinstance(x, functools.partial):
+        _walk(x.func, nxt, found, visited)
+        for e in (*x.args, *x.keywords.values()):
+            _walk(e, nxt, found, visited)
+    elif isinstance(x, types.MethodType):
+        _walk(x.__self__, nxt, found, visited)
+        _walk(x.__func__, nxt, found, visited)
+    elif isinstance(x, types.FunctionType):
+        for c in x.__closure__ or ():
+            try:
+                _walk(c.cell_contents, nxt, found, visited)
+            except ValueError:  # an empty cell
+                pass
+        for d in (*(x.__defaults__ or ()), *((x.__kwdefaults__ or {}).values())):
+            _walk(d, nxt, found, visited)
+        g = x.__globals__
+        for name in _names(x.__code__):
+            if name in g:
+                _walk(g[name], nxt, found, visited)
+    elif hasattr(x, "__dict__") and callable(x) and not isinstance(x, types.BuiltinFunctionType):
+        for e in vars(x).values():  # a callable object: its attributes
+            _walk(e, nxt, found, visited)
+
+
+def _names(code) -> list[str]:
+    """Global names a code object and the code objects nested in it refer to."""
+    names = list(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names.extend(_names(c))
+    return names

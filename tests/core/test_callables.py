@@ -1,0 +1,504 @@
+"""Flex-style callables run unchanged and train (#16 items 1, 7, 8, 9).
+
+Mods are modelled on attention-gym's examples and PyTorch's test_flex_attention.py: Graphormer
+biases, relative-position tables, ALiBi with a learnable slope, index_multiple / index_weird
+chains, an MLA-style RoPE dot product, per-batch lengths, per-head biases, a float64 table.
+Gradients of captured tensors are held to the correctness rule against float64 autograd
+through Backend.REFERENCE (3x the naive same-dtype implementation's error + 1e-6).
+"""
+
+import gc
+import warnings
+import weakref
+
+import pytest
+import torch
+
+import keyfold as kf
+from keyfold import Backend, _callables
+from keyfold.masks import MaskFn
+from tests.helpers import assert_close_by_rule, assert_forward_by_rule, naive_attention
+
+BACKENDS = [Backend.CPU, Backend.TILES, Backend.REFERENCE]
+
+
+def _rand(*shape, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _qkv(B, H, N, D=16, seed=0, dtype=torch.float32, Nk=None):
+    Nk = N if Nk is None else Nk
+    return (_rand(B, H, N, D, seed=seed, dtype=dtype), _rand(B, H, Nk, D, seed=seed + 1, dtype=dtype),
+            _rand(B, H, Nk, D, seed=seed + 2, dtype=dtype))
+
+
+def _run(attn, q, k, v, params, factory, dout, **kw):
+    """Forward + backward of ``attn`` with fresh leaf copies of q, k, v and the parameters."""
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    prm = {n: t.detach().clone().requires_grad_(True) for n, t in params.items()}
+    out = attn(q, k, v, score=factory(prm), **kw)
+    out.backward(dout.to(out.dtype))
+    return out.detach(), {"dq": q.grad, "dk": k.grad, "dv": v.grad, **{"d" + n: t.grad for n, t in prm.items()}}
+
+
+def check_score_grads(factory, params, backend, *, B=2, H=2, N=40, D=16, mask=None, seed=0):
+    """keyfold (float32) vs float64 autograd through REFERENCE vs naive float32, by the rule,
+    for the output, dq, dk, dv and every captured parameter's gradient."""
+    q, k, v = _qkv(B, H, N, D, seed=seed)
+    dout = _rand(B, H, N, D, seed=seed + 7, dtype=torch.float64)
+    got, g_got = _run(lambda *a, **kw: kf.attention(*a, backend=backend, **kw), q, k, v, params, factory, dout,
+                      mask=mask)
+    ref, g_ref = _run(lambda *a, **kw: kf.attention(*a, backend=Backend.REFERENCE, **kw),
+                      q.double(), k.double(), v.double(), {n: t.double() for n, t in params.items()}, factory,
+                      dout, mask=mask)
+    nai, g_nai = _run(lambda *a, **kw: naive_attention(*a, **kw), q, k, v, params, factory, dout, mask=mask)
+    assert_close_by_rule(got, ref, nai, None, factor=2.0, what="out")
+    for name in g_ref:
+        assert g_got[name] is not None, f"{name}: no gradient on {backend}"
+        assert not torch.isnan(g_got[name]).any(), f"{name}: NaN"
+        assert float(g_ref[name].abs().max()) > 0, f"{name}: the test's reference gradient is 0"
+        assert_close_by_rule(g_got[name], g_ref[name], g_nai[name], None, factor=3.0, what=name)
+
+
+# --------------------------------------------------------------- 1. learnable tensors
+
+
+def graphormer(p):
+    """Graphormer: a learnable bias per (head, shortest-path distance) plus a per-pair edge bias."""
+    dist = torch.randint(0, 6, (40, 40), generator=torch.Generator().manual_seed(3))
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + p["spatial"][h, dist[q_idx, kv_idx]] + p["edge"][b, h, q_idx, kv_idx]
+    return score_mod
+
+
+def rel_1d(p):
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + p["rel"][q_idx - kv_idx + 39]
+    return score_mod
+
+
+def rel_2d(p):
+    """Swin-style 2-D relative positions on an 8 x 5 grid of tokens."""
+    table = p["rel2d"]
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        dr = q_idx // 5 - kv_idx // 5 + 7
+        dc = q_idx % 5 - kv_idx % 5 + 4
+        return score + table[h, dr, dc]
+    return score_mod
+
+
+def alibi_learnable(p):
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score - p["slope"][h] * (q_idx - kv_idx).abs()
+    return score_mod
+
+
+def transposed_bias(p):
+    """A (N, N, H) parameter read through a transposed (H, N, N) view: a non-leaf capture."""
+    bias = p["base"].permute(2, 0, 1)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[h, q_idx, kv_idx]
+    return score_mod
+
+
+PARAM_MODS = {
+    "graphormer": (graphormer, lambda: {"spatial": _rand(2, 6, seed=11), "edge": _rand(2, 2, 40, 40, seed=12)}),
+    "rel_1d": (rel_1d, lambda: {"rel": _rand(79, seed=13)}),
+    "rel_2d": (rel_2d, lambda: {"rel2d": _rand(2, 15, 9, seed=14)}),
+    "alibi_slope": (alibi_learnable, lambda: {"slope": _rand(2, seed=15).abs() * 0.3}),
+    "transposed_3d": (transposed_bias, lambda: {"base": _rand(40, 40, 2, seed=16)}),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+@pytest.mark.parametrize("name", list(PARAM_MODS))
+def test_captured_tensors_get_gradients(name, backend):
+    factory, params = PARAM_MODS[name]
+    check_score_grads(factory, params(), backend, mask=kf.causal() if name == "rel_1d" else None)
+
+
+@pytest.mark.parametrize("backend", [Backend.CPU, Backend.TILES], ids=lambda b: b.name)
+def test_gradients_with_a_mask_gqa_and_many_pieces(backend):
+    """Pieces of a plan (block_size 16, windowed) each add their share of the table's gradient."""
+    rel = {"rel": _rand(79, seed=21)}
+
+    def attn(q, k, v, **kw):
+        return kf.attention(q, k[:, :1], v[:, :1], mask=kf.window(12), block_size=16, backend=backend, **kw)
+
+    q, k, v = _qkv(1, 2, 40)
+    dout = _rand(1, 2, 40, 16, seed=5, dtype=torch.float64)
+    got, g = _run(attn, q, k, v, rel, rel_1d, dout)
+    ref, r = _run(lambda q, k, v, **kw: kf.attention(q, k[:, :1], v[:, :1], mask=kf.window(12),
+                                                     backend=Backend.REFERENCE, **kw),
+                  q.double(), k.double(), v.double(), {"rel": rel["rel"].double()}, rel_1d, dout)
+    nai, n = _run(lambda q, k, v, **kw: naive_attention(q, k[:, :1], v[:, :1], mask=kf.window(12), **kw),
+                  q, k, v, rel, rel_1d, dout)
+    for name in r:
+        assert_close_by_rule(g[name], r[name], n[name], None, factor=3.0, what=name)
+
+
+class _TableBias(kf.ScoreMod):
+    """An additive modifier reading a (possibly learnable) (Nq, Nk) table: the fused CPU forward
+    takes it as a bias tile; the ``tensors()`` hook gives the table its gradient."""
+
+    additive = True
+
+    def __init__(self, table):
+        self.table = table
+
+    def bias(self, b, h, qp, kp):
+        return self.table[qp, kp]   # (1, 1, L, S)
+
+    def apply(self, s, b, h, qp, kp):
+        return s + self.bias(b, h, qp, kp)
+
+    def tensors(self):
+        return (self.table,)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+def test_additive_modifier_with_tensors_gets_gradients(backend):
+    check_score_grads(lambda p: _TableBias(p["table"]), {"table": _rand(40, 40, seed=17)}, backend,
+                      mask=kf.window(9), N=40)
+
+
+def test_additive_tiles_follow_in_place_updates():
+    """The CPU kernel keeps bias tiles between calls; a table that trains must not go stale."""
+    q, k, v = _qkv(1, 2, 40)
+    table = torch.zeros(40, 40)
+    mod = _TableBias(table)
+    kf.attention(q, k, v, score=mod, mask=kf.window(9), backend=Backend.CPU)
+    with torch.no_grad():
+        table.copy_(_rand(40, 40, seed=18))
+    got = kf.attention(q, k, v, score=mod, mask=kf.window(9), backend=Backend.CPU)
+    want = kf.attention(q, k, v, score=mod, mask=kf.window(9), backend=Backend.REFERENCE)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_gradient_without_qkv_grads():
+    """Only the table requires grad (q, k, v frozen): it still gets its gradient."""
+    q, k, v = _qkv(1, 2, 24)
+    rel = torch.zeros(79, requires_grad=True)
+    kf.attention(q, k, v, score=rel_1d({"rel": rel}), backend=Backend.CPU).square().sum().backward()
+    assert rel.grad is not None and float(rel.grad.abs().max()) > 0
+
+
+def test_explicit_tensors_and_discovery():
+    """score_fn(fn, tensors=[...]) for tensors discovery cannot reach; discovery of closures,
+    globals, partials, bound methods and nn.Modules."""
+    class Holder:
+        pass
+    hold = Holder()
+    hold.t = torch.randn(79, requires_grad=True)
+    getter = lambda: hold.t  # noqa: E731 - reached only through a call discovery does not follow
+
+    def hidden(score, b, h, q_idx, kv_idx):
+        return score + getter()[q_idx - kv_idx + 39]
+    q, k, v = _qkv(1, 1, 16)
+    kf.attention(q, k, v, score=kf.score_fn(hidden, tensors=[hold.t]), backend=Backend.TILES).sum().backward()
+    assert hold.t.grad is not None
+
+    class Bias(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rel = torch.nn.Parameter(torch.randn(79))
+
+        def mod(self, score, b, h, q_idx, kv_idx):
+            return score + self.rel[q_idx - kv_idx + 39]
+    m = Bias()
+    assert any(t is m.rel for t in kf.score_fn(m.mod).tensors())
+    import functools
+    w = torch.randn(3, requires_grad=True)
+    part = functools.partial(lambda score, b, h, q, kv, w: score * w[0], w=w)
+    assert any(t is w for t in kf.score_fn(part).tensors())
+    assert any(t is _GLOBAL_TABLE for t in kf.score_fn(_global_mod).tensors())
+
+
+_GLOBAL_TABLE = torch.randn(79, requires_grad=True)
+
+
+def _global_mod(score, b, h, q_idx, kv_idx):
+    return score + _GLOBAL_TABLE[q_idx - kv_idx + 39]
+
+
+def test_triton_refuses_score_gradients_naming_tiles(monkeypatch):
+    from keyfold import engine
+    monkeypatch.setattr(engine, "_resolve", lambda backend, q, score: Backend.TRITON)
+    q, k, v = _qkv(1, 1, 8)
+    rel = torch.zeros(79, requires_grad=True)
+    with pytest.raises(ValueError, match="Backend.TILES"):
+        kf.attention(q, k, v, score=rel_1d({"rel": rel}), backend=Backend.TRITON)
+
+
+def test_attend_backward_returns_score_gradients_or_refuses():
+    q, k, v = _qkv(1, 2, 24)
+    rel = _rand(79, seed=4).requires_grad_(True)
+    mod = rel_1d({"rel": rel})
+    out, lse = kf.attention(q, k, v, score=mod, backend=Backend.TILES, return_lse=True)
+    dout = torch.randn_like(out)
+    with pytest.raises(ValueError, match="score_grads=True"):
+        kf.attend_backward(q, k, v, out, lse, dout, score=mod)
+    total = torch.zeros_like(rel)
+    for a, c in ((0, 10), (10, 24)):  # two key pieces: shares add up
+        *_, pairs = kf.attend_backward(q, k[:, :, a:c], v[:, :, a:c], out, lse, dout, score=mod,
+                                       q_offset=0, kv_offset=a, score_grads=True)
+        (t, g), = pairs
+        assert t is rel
+        total += g
+    rel.grad = None
+    kf.attention(q, k, v, score=mod, backend=Backend.REFERENCE).backward(dout)
+    torch.testing.assert_close(total, rel.grad, atol=1e-5, rtol=1e-4)
+
+
+def _train_step_on_a_view(q, k, v, backend):
+    """One step whose score reads a non-leaf view of a parameter; returns (weakref to the view, param)."""
+    base = torch.randn(24, 24, 2, requires_grad=True)
+    bias = base.permute(2, 0, 1) * 1.0
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + bias[h, q_idx, kv_idx]
+    kf.attention(q, k, v, score=mod, mask=kf.causal(), backend=backend).sum().backward()
+    return weakref.ref(bias), base
+
+
+def test_no_graph_kept_alive_after_backward():
+    """Plans and caches hold no tensor with a grad graph: the captured non-leaf is freed."""
+    q, k, v = (t.requires_grad_(True) for t in _qkv(1, 2, 24))
+    for backend in (Backend.CPU, Backend.TILES):
+        alive, base = _train_step_on_a_view(q, k, v, backend)
+        gc.collect()
+        assert alive() is None, backend
+        assert base.grad is not None
+
+
+# -------------------------------------------------------- 7. probes within real B, H
+
+
+def test_per_batch_lengths_with_batch_one():
+    """Padding from input lengths, B = 1: the probe must not read lengths[1]."""
+    lengths = torch.tensor([13])
+
+    def padding(b, h, q_idx, kv_idx):
+        return kv_idx < lengths[b]
+    q, k, v = _qkv(1, 2, 32)
+    for backend in (Backend.CPU, Backend.TILES):
+        assert_forward_by_rule(q, k, v, mask=padding, backend=backend)
+
+
+def test_per_head_bias_with_one_head():
+    head_bias = _rand(1, 32, 32, seed=9)
+
+    def per_head(score, b, h, q_idx, kv_idx):
+        return score + head_bias[h][q_idx, kv_idx]
+
+    def per_head_mask(b, h, q_idx, kv_idx):
+        return head_bias[h][q_idx, kv_idx] > -1.0
+    q, k, v = _qkv(2, 1, 32)
+    for backend in (Backend.CPU, Backend.TILES):
+        assert_forward_by_rule(q, k, v, score=per_head, mask=per_head_mask, backend=backend)
+
+
+def test_flamingo_cross_attention_batch_one():
+    """Text tokens see the image their media id points at (Flamingo), B = 1, Nq != Nk."""
+    media = torch.tensor([[0] * 10 + [1] * 14])   # (B, Nq): image each text token follows
+    image_of_kv = torch.arange(16) // 8           # 2 images of 8 latent tokens
+
+    def cross(b, h, q_idx, kv_idx):
+        return media[b, q_idx] == image_of_kv[kv_idx]
+    q, k, v = _qkv(1, 2, 24, Nk=16)
+    assert_forward_by_rule(q, k, v, mask=cross, q_offset=0)
+
+
+def test_probe_keeps_plan_once_for_all_heads():
+    assert MaskFn(lambda b, h, q, kv: q >= kv).depends_on_batch_head(4, 8) == (False, False)
+    lengths = torch.tensor([5])
+    assert MaskFn(lambda b, h, q, kv: kv < lengths[b]).depends_on_batch_head(1, 8) == (False, False)
+    lengths2 = torch.tensor([5, 7])
+    assert MaskFn(lambda b, h, q, kv: kv < lengths2[b]).depends_on_batch_head(2, 8) == (True, False)
+    # per-element callables (decided under vmap): the probe asks vmap what they read
+    iv = torch.tensor([[0, 5], [2, 9]])
+    fn = lambda b, h, q, kv: (kv >= iv[b][0]) & (kv < iv[b][1])  # noqa: E731
+    assert MaskFn(fn).depends_on_batch_head(2, 4) == (True, False)
+    hb = torch.randn(4, 8)
+    fn2 = lambda b, h, q, kv: hb[h][q] > 0  # noqa: E731
+    assert MaskFn(fn2).depends_on_batch_head(2, 4) == (False, True)
+
+
+# ------------------------------------------------------------ 8. per-element code
+
+flex = pytest.importorskip("torch.nn.attention.flex_attention")
+
+
+def _flex(q, k, v, score_mod=None, mask_mod=None):
+    B, H, N = q.shape[:3]
+    block = None
+    if mask_mod is not None:
+        block = flex.create_block_mask(mask_mod, B, H, N, k.shape[2], device="cpu", BLOCK_SIZE=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block)
+
+
+B8, H8, N8 = 2, 2, 32
+_bias_bs = _rand(B8, N8, seed=30)
+_bias_4bhs = _rand(4, B8, H8, N8, seed=31)
+_bias_bh4s = _rand(B8, H8, 4, N8, seed=32)
+_which = torch.tensor(0)
+_xr, _yr = _rand(N8, 8, seed=33), _rand(N8, 8, seed=34)
+_intervals = torch.tensor([[3, 20], [0, 9]])
+
+
+def index_multiple(score, b, h, q_idx, kv_idx):
+    return score + _bias_bs[b][q_idx]
+
+
+def index_weird1(score, b, h, q_idx, kv_idx):
+    return score + _bias_4bhs[0][b, h][q_idx]
+
+
+def index_weird2(score, b, h, q_idx, kv_idx):
+    return score + _bias_bh4s[b][h][_which, q_idx]
+
+
+def dot_score(score, b, h, q_idx, kv_idx):
+    return score + 0.1 * torch.dot(_xr[q_idx], _yr[kv_idx])
+
+
+def summed_score(score, b, h, q_idx, kv_idx):
+    """Per element a dot product; on a broadcast grid ``.sum()`` would add up the whole tile."""
+    return score + 0.1 * (_xr[q_idx] * _yr[kv_idx]).sum()
+
+
+def test_zero_initialised_table_is_checked_again_once_it_trains():
+    """With a zero table, broadcast and per-element agree by accident (both add 0): the choice
+    must not be frozen then, or the first real values give a silently wrong answer."""
+    x = torch.zeros(N8, 8)
+    y = _rand(N8, 8, seed=35)
+
+    def dot_sum(score, b, h, q_idx, kv_idx):
+        return score + (x[q_idx] * y[kv_idx]).sum()
+    q, k, v = _qkv(B8, H8, N8)
+    kf.attention(q, k, v, score=dot_sum, q_offset=0, backend=Backend.TILES)
+    with torch.no_grad():
+        x.copy_(_rand(N8, 8, seed=36) * 0.1)   # an optimizer step
+    got = kf.attention(q, k, v, score=dot_sum, q_offset=0, backend=Backend.TILES)
+    torch.testing.assert_close(got, _flex(q, k, v, score_mod=dot_sum), atol=2e-5, rtol=1e-4)
+
+
+def interval_mask(b, h, q_idx, kv_idx):
+    return (kv_idx >= _intervals[b][0]) & (kv_idx < _intervals[b][1]) | (q_idx == kv_idx)
+
+
+ELEMENT_SCORES = [index_multiple, index_weird1, index_weird2, dot_score, summed_score]
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+@pytest.mark.parametrize("score_mod", ELEMENT_SCORES, ids=lambda f: f.__name__)
+def test_per_element_scores_match_flex(score_mod, backend):
+    q, k, v = _qkv(B8, H8, N8)
+    want = _flex(q, k, v, score_mod=score_mod)
+    got = kf.attention(q, k, v, score=score_mod, q_offset=0, backend=backend)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    assert _callables.mode_of(score_mod) is _callables.Mode.ELEMENT
+
+
+@pytest.mark.parametrize("backend", [Backend.CPU, Backend.TILES], ids=lambda b: b.name)
+def test_per_element_mask_matches_flex(backend):
+    q, k, v = _qkv(B8, H8, N8)
+    want = _flex(q, k, v, mask_mod=interval_mask)
+    got = kf.attention(q, k, v, mask=interval_mask, q_offset=0, backend=backend, block_size=8)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    assert_forward_by_rule(q, k, v, mask=interval_mask, q_offset=0, backend=backend)
+
+
+def mla_rope(p):
+    """MLA-style decoupled RoPE: a rotated low-rank query/key pair adds its dot product."""
+    pos = torch.arange(40, dtype=torch.float64).unsqueeze(-1) * torch.tensor([1.0, 0.1, 0.01, 0.001], dtype=torch.float64)
+    cos, sin = pos.cos().to(p["qr"].dtype), pos.sin().to(p["qr"].dtype)
+
+    def rot(x, i):                   # x: (8,) for one position i, rotated in 4 pairs
+        a, b = x[:4], x[4:]
+        return torch.cat([a * cos[i] - b * sin[i], a * sin[i] + b * cos[i]])
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + 0.25 * torch.dot(rot(p["qr"][b, h, q_idx], q_idx), rot(p["kr"][b, kv_idx], kv_idx))
+    return score_mod
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+def test_per_element_rope_score_gets_gradients(backend):
+    """Gradients flow through the vmap path to both captured tables."""
+    check_score_grads(mla_rope, {"qr": _rand(2, 2, 40, 8, seed=40), "kr": _rand(2, 40, 8, seed=41)}, backend,
+                      mask=kf.causal())
+
+
+def test_index_chain_gradients_through_vmap():
+    check_score_grads(lambda p: (lambda s, b, h, qi, ki: s + p["t"][b][h][qi] * p["u"][ki]),
+                      {"t": _rand(2, 2, 40, seed=42), "u": _rand(40, seed=43)}, Backend.TILES)
+
+
+def test_broadcast_callables_stay_in_broadcast_mode():
+    def rel(score, b, h, q_idx, kv_idx):
+        return score + 0.1 * (q_idx - kv_idx)
+    q, k, v = _qkv(1, 2, 16)
+    kf.attention(q, k, v, score=rel, mask=lambda b, h, qi, ki: qi >= ki)
+    assert _callables.mode_of(rel) is _callables.Mode.BROADCAST
+
+
+# ------------------------------------------------------------------ 9. dtype rules
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float64_table_with_lower_precision_inputs(backend, dtype):
+    table = _rand(24, 24, seed=50, dtype=torch.float64)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx, kv_idx]
+    q, k, v = _qkv(1, 2, 24, dtype=dtype)
+    out = kf.attention(q, k, v, score=score_mod, backend=backend)
+    assert out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, _flex(q, k, v, score_mod=score_mod), atol=2e-5, rtol=1e-4)
+    assert_forward_by_rule(q, k, v, score=score_mod, backend=backend)
+
+
+def test_user_mask_whose_probe_takes_no_sizes():
+    """The protocol's ``depends_on_batch_head()`` may leave out B and H (docs/masks.md)."""
+    class PerBatchLength(kf.Mask):
+        def __init__(self, n):
+            self.n = n
+
+        def evaluate(self, b, h, qp, kp):
+            return kp < self.n[b]
+
+        def depends_on_batch_head(self):
+            return True, False
+
+    q, k, v = _qkv(2, 2, 24)
+    assert_forward_by_rule(q, k, v, mask=PerBatchLength(torch.tensor([7, 19])), backend=Backend.CPU)
+    assert PerBatchLength(None).depends_on_batch_head(2, 2) == (True, False)
+
+
+@pytest.mark.parametrize("backend", [Backend.CPU, Backend.TILES], ids=lambda b: b.name)
+def test_attend_backward_shares_sum_to_the_whole(backend):
+    """attend_backward over key pieces of one row (split-KV, ring attention): each row's D_i is
+    the global one, even where this call's plan covers the row with a single piece."""
+    q, k, v = _qkv(1, 2, 24)
+    out, lse = kf.attention(q, k, v, return_lse=True)
+    dout = _rand(1, 2, 24, 16, seed=8)
+    dq = dk = dv = 0
+    for a, c in ((0, 10), (10, 24)):
+        gq, gk, gv = kf.attend_backward(q, k[:, :, a:c], v[:, :, a:c], out, lse, dout, q_offset=0, kv_offset=a,
+                                        backend=backend)
+        dq = dq + gq
+        dk = torch.cat([dk, gk], 2) if a else gk
+        dv = torch.cat([dv, gv], 2) if a else gv
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    kf.attention(qq, kk, vv, backend=Backend.REFERENCE).backward(dout)
+    for got, want in ((dq, qq.grad), (dk, kk.grad), (dv, vv.grad)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
