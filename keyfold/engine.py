@@ -94,7 +94,7 @@ class _Call:
                           float(dropout_p), int(dropout_seed))
         #: Tensors the score reads that need gradients (empty unless one has requires_grad).
         self.score_tensors = _grad_tensors(score)
-        self.backend = _resolve(backend, q, score, dropout_p)
+        self.backend = _resolve_dropout(backend, dropout_p) if dropout_p else _resolve(backend, q, score)
         if self.score_tensors and self.backend is Backend.TRITON:
             raise ValueError(f"Backend.TRITON cannot give gradients to tensors the score modifier {score!r} "
                              f"reads ({len(self.score_tensors)} with requires_grad): use Backend.TILES (any "
@@ -145,13 +145,16 @@ def _grad_tensors(score) -> tuple:
     return tuple(t for t in score.tensors() if t.requires_grad)
 
 
-def _resolve(backend: Backend, q, score, dropout_p=0.0) -> Backend:
-    nonadditive = score is not None and not score.additive
-    if dropout_p and backend is Backend.TRITON:
+def _resolve_dropout(backend: Backend, dropout_p: float) -> Backend:
+    if backend is Backend.TRITON:
         raise ValueError(f"dropout_p={dropout_p}: Backend.TRITON has no attention dropout; use Backend.TILES "
                          f"(or Backend.AUTO, which routes dropout there), or dropout_p=0.0")
-    if dropout_p and backend is not Backend.REFERENCE:
-        return Backend.TILES  # dropout regenerates its keep mask per tile (CPU routes its pieces here too)
+    # dropout regenerates its keep mask per tile: the CPU backend routes its pieces to TILES too
+    return backend if backend is Backend.REFERENCE else Backend.TILES
+
+
+def _resolve(backend: Backend, q, score) -> Backend:
+    nonadditive = score is not None and not score.additive
     if backend is Backend.AUTO:
         if q.device.type == "cuda":
             from .kernels import triton as _triton
