@@ -15,6 +15,7 @@ from .kernels import cpu as _cpu
 from .kernels import reference as _reference
 from .kernels import tiles as _tiles
 from .kernels._common import Problem
+from .dense import tensor_mask
 from .masks import as_mask, default_q_offset
 from .planner import Plan, _plan
 from .scores import as_score
@@ -72,22 +73,28 @@ def _check(q, k, v, scale, q_offset, kv_offset, check_inputs):
 class _Call:
     """A resolved call: problem settings, backend, plan."""
 
-    def __init__(self, q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs):
+    def __init__(self, q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs,
+                 dropout_p=0.0, dropout_seed=0):
         _check(q, k, v, scale, q_offset, kv_offset, check_inputs)
         if not isinstance(backend, Backend):
             raise TypeError(f"backend must be a keyfold.Backend, got {backend!r}")
         B, Hq, Nq, D = q.shape
         Nk = k.shape[2]
+        q_offset = Nk - Nq if q_offset is None else q_offset
+        if isinstance(mask, torch.Tensor):  # SDPA's attn_mask: bool (True = attend) or additive float
+            mask, bias = tensor_mask(mask, B=B, H=Hq, Nq=Nq, Nk=Nk, q_offset=q_offset, kv_offset=kv_offset)
+            if bias is not None:
+                score = [score, bias]
         mask = as_mask(mask)
         score = as_score(score)
         if score is not None:
             score.check_heads(Hq)
             score.check_batch(B)
-        q_offset = Nk - Nq if q_offset is None else q_offset
-        self.pb = Problem(mask, score, float(1.0 / math.sqrt(D) if scale is None else scale), q_offset, kv_offset)
+        self.pb = Problem(mask, score, float(1.0 / math.sqrt(D) if scale is None else scale), q_offset, kv_offset,
+                          float(dropout_p), int(dropout_seed))
         #: Tensors the score reads that need gradients (empty unless one has requires_grad).
         self.score_tensors = _grad_tensors(score)
-        self.backend = _resolve(backend, q, score)
+        self.backend = _resolve_dropout(backend, dropout_p) if dropout_p else _resolve(backend, q, score)
         if self.score_tensors and self.backend is Backend.TRITON:
             raise ValueError(f"Backend.TRITON cannot give gradients to tensors the score modifier {score!r} "
                              f"reads ({len(self.score_tensors)} with requires_grad): use Backend.TILES (any "
@@ -136,6 +143,14 @@ def _grad_tensors(score) -> tuple:
     if score is None or not torch.is_grad_enabled():
         return ()
     return tuple(t for t in score.tensors() if t.requires_grad)
+
+
+def _resolve_dropout(backend: Backend, dropout_p: float) -> Backend:
+    if backend is Backend.TRITON:
+        raise ValueError(f"dropout_p={dropout_p}: Backend.TRITON has no attention dropout; use Backend.TILES "
+                         f"(or Backend.AUTO, which routes dropout there), or dropout_p=0.0")
+    # dropout regenerates its keep mask per tile: the CPU backend routes its pieces to TILES too
+    return backend if backend is Backend.REFERENCE else Backend.TILES
 
 
 def _resolve(backend: Backend, q, score) -> Backend:
@@ -200,14 +215,24 @@ def _run(q, k, v, call: _Call) -> State:
 
 
 def attend(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offset=0,
-           backend=Backend.AUTO, block_size=None, check_inputs=False) -> State:
+           backend=Backend.AUTO, block_size=None, check_inputs=False, dropout_p=0.0, dropout_seed=None,
+           generator=None) -> State:
     """Partial attention of ``q`` over exactly the keys given: a mergeable :class:`State`.
 
     q: ``(B, Hq, Nq, D)``; k: ``(B, Hkv, Nk, D)``; v: ``(B, Hkv, Nk, Dv)``; ``Hq % Hkv == 0``
     (GQA/MQA). dtypes float16, bfloat16, float32, float64 (all three alike).
-    mask: a keyfold mask (``causal()``, ``window(...)``, ...), a Flex ``mask_mod`` callable, or None.
+    mask: a keyfold mask (``causal()``, ``window(...)``, ...), a Flex ``mask_mod`` callable, None, or a
+        tensor as SDPA takes it, broadcastable to ``(B, Hq, Nq, Nk)`` and indexed relative to this call:
+        bool (True = attend) or additive float (``-inf`` = hidden; float64 stays float64; with
+        ``requires_grad`` it gets its gradient). A dense mask costs a private copy and one
+        classification pass; a mask object costs neither (README, "Tensor masks").
     score: ``alibi(...)``, ``softcap(...)``, a Flex ``score_mod`` callable, a list of them, or None.
     scale: defaults to ``1/sqrt(D)``.
+    dropout_p: SDPA's attention dropout: probabilities are dropped after the softmax with probability
+        ``dropout_p`` and kept ones scaled by ``1/(1-dropout_p)``; lse is unchanged. The mask is a hash of
+        ``(dropout_seed, b, h, query, key)``, regenerated per tile in backward (runs on Backend.TILES).
+        dropout_seed: an int; None draws one from ``generator`` (default: torch's global generator,
+        so ``torch.manual_seed`` makes it reproducible).
     q_offset: absolute position of the first query; default ``kv_offset + Nk - Nq`` is
         bottom-right alignment relative to these keys (decoding); pass 0 for Flex's top-left.
         With a ``varlen(...)`` mask (packed queries) the default is 0.
@@ -225,13 +250,32 @@ def attend(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offs
     >>> torch.allclose(keyfold.merge(a, b).out, whole.out, atol=1e-6)
     True
     """
-    if mask is None and score is None and _plain_fused(q, k, v, backend, block_size, check_inputs, scale,
-                                                       q_offset, kv_offset):
+    if mask is None and score is None and not dropout_p and _plain_fused(
+            q, k, v, backend, block_size, check_inputs, scale, q_offset, kv_offset):
         return _cpu.dense(q, k, v, float(q.shape[-1] ** -0.5 if scale is None else scale))
     if q_offset is None and isinstance(k, torch.Tensor) and isinstance(q, torch.Tensor) and k.dim() == 4 and q.dim() == 4:
-        q_offset = default_q_offset(as_mask(mask), q.shape[2], k.shape[2], kv_offset)
-    call = _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs)
+        q_offset = default_q_offset(_mask_object(mask), q.shape[2], k.shape[2], kv_offset)
+    dropout_p, dropout_seed = _dropout_args(dropout_p, dropout_seed, generator)
+    call = _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs,
+                 dropout_p, dropout_seed)
     return _run(q, k, v, call)
+
+
+def _mask_object(mask):
+    """The mask as a keyfold Mask (a tensor mask is converted later, with the call's offsets)."""
+    return None if isinstance(mask, torch.Tensor) else as_mask(mask)
+
+
+def _dropout_args(p, seed, generator):
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {p!r}")
+    if not p:
+        return 0.0, 0
+    if seed is None:
+        seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator))
+    elif isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"dropout_seed must be an int >= 0 or None, got {seed!r}")
+    return float(p), seed
 
 
 def _plain_fused(q, k, v, backend, block_size, check_inputs, scale, q_offset, kv_offset) -> bool:
@@ -259,7 +303,8 @@ def _plain_fused(q, k, v, backend, block_size, check_inputs, scale, q_offset, kv
 
 
 def attention(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offset=0,
-              return_lse=False, backend=Backend.AUTO, block_size=None, check_inputs=False):
+              return_lse=False, backend=Backend.AUTO, block_size=None, check_inputs=False, dropout_p=0.0,
+              dropout_seed=None, generator=None):
     """Exact attention, every variant through one engine; differentiable in q, k, v.
 
     Same arguments as :func:`attend`. Returns ``out`` ``(B, Hq, Nq, Dv)`` in the input dtype, or
@@ -273,13 +318,15 @@ def attention(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_o
     torch.Size([1, 8, 128, 64])
     """
     st = attend(q, k, v, mask=mask, score=score, scale=scale, q_offset=q_offset, kv_offset=kv_offset,
-                backend=backend, block_size=block_size, check_inputs=check_inputs)
+                backend=backend, block_size=block_size, check_inputs=check_inputs, dropout_p=dropout_p,
+                dropout_seed=dropout_seed, generator=generator)
     out = st.out.to(q.dtype)
     return (out, st.lse) if return_lse else out
 
 
 def attend_backward(q, k, v, out, lse, dout, *, mask=None, score=None, scale=None, q_offset=None,
-                    kv_offset=0, dlse=None, backend=Backend.AUTO, block_size=None, score_grads=False):
+                    kv_offset=0, dlse=None, backend=Backend.AUTO, block_size=None, score_grads=False,
+                    dropout_p=0.0, dropout_seed=0):
     """Gradients of one piece of keys, given the *global* ``out`` and ``lse`` (docs/math.md §2).
 
     out: ``(B, Hq, Nq, Dv)`` the final merged output; lse ``(B, Hq, Nq)`` the final lse; dout
@@ -293,11 +340,12 @@ def attend_backward(q, k, v, out, lse, dout, *, mask=None, score=None, scale=Non
     effect). Without it, such tensors make this raise rather than lose their gradient.
     """
     if q_offset is None and isinstance(k, torch.Tensor) and k.dim() == 4 and q.dim() == 4:
-        q_offset = default_q_offset(as_mask(mask), q.shape[2], k.shape[2], kv_offset)
+        q_offset = default_q_offset(_mask_object(mask), q.shape[2], k.shape[2], kv_offset)
     if backend is Backend.REFERENCE:
         backend = Backend.TILES
     with torch.enable_grad():  # backward hooks run without grad mode; the score tensors still need theirs
-        call = _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, False)
+        call = _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, False,
+                     *_dropout_args(dropout_p, dropout_seed, None))
     if call.score_tensors and not score_grads:
         raise ValueError(f"attend_backward: the score modifier {call.pb.score!r} reads "
                          f"{len(call.score_tensors)} tensor(s) with requires_grad; pass score_grads=True "

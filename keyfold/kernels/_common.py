@@ -22,6 +22,8 @@ class Problem:
     scale: float
     q_offset: int
     kv_offset: int
+    dropout_p: float = 0.0  # SDPA's attention dropout (TILES and REFERENCE paths)
+    dropout_seed: int = 0   # the keep mask is a pure function of (seed, b, h, qp, kp): see dropout_keep
 
 
 def positions(q: torch.Tensor, piece: Piece, pb: Problem):
@@ -51,3 +53,29 @@ def empty_rows(vis: torch.Tensor | None):
         return None
     rows = ~vis.any(-1)
     return rows if bool(rows.any()) else None
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (two multiply-xorshift rounds) on int64 tensors holding values < 2**32;
+    every product stays below 2**63, so nothing overflows."""
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    return (x >> 16) ^ x
+
+
+def dropout_keep(seed: int, p: float, b, h, qp, kp, H: int) -> torch.Tensor:
+    """Bool ``(B, H, L, S)``: which attention probabilities dropout keeps (each with probability 1 - p).
+
+    A counter-based draw: a hash of (seed, batch b, head h, absolute query qp, absolute key kp), so
+    the forward and the backward regenerate the same mask tile by tile, any tiling gives the same
+    mask, and no N x N mask is ever stored. b, h, qp, kp broadcast as in :func:`positions`.
+    """
+    s_lo, s_hi = seed & _M32, (seed >> 32) & _M32
+    row = _mix32(((b * H + h) & _M32) ^ s_lo)                  # (B, H, 1, 1)
+    row = _mix32(row ^ s_hi)
+    row = _mix32(row ^ (qp & _M32))                            # (B, H, L, 1)
+    x = _mix32(_mix32(row ^ (kp & _M32)))                      # (B, H, L, S)
+    return x >= int(p * 4294967296.0)

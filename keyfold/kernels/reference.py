@@ -11,7 +11,7 @@ import torch
 
 from ..masks import grid_positions
 from ..state import State, state_dtype
-from ._common import NEG_INF, Problem
+from ._common import NEG_INF, Problem, dropout_keep
 
 __all__ = ["attend_reference"]
 
@@ -37,6 +37,9 @@ def attend_reference(q, k, v, pb: Problem) -> State:
     p = torch.exp(s - m)
     total = p.sum(-1, keepdim=True)
     lse = (m + total.log()).squeeze(-1)                        # (B, Hq, Nq); -inf on empty rows
+    if pb.dropout_p:  # SDPA's dropout after softmax, kept ones scaled by 1/(1-p); lse unchanged
+        keep = dropout_keep(pb.dropout_seed, pb.dropout_p, b, h, qp, kp, Hq)
+        p = p * keep / (1.0 - pb.dropout_p)
     out = p.reshape(B, Hkv, g, Nq, Nk) @ v.to(sd).unsqueeze(2)  # (B, Hkv, g, Nq, Dv)
     out = out.reshape(B, Hq, Nq, Dv) / torch.where(total > 0, total, torch.ones_like(total))
     return State(out, lse)

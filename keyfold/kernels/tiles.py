@@ -10,7 +10,7 @@ import torch
 
 from ..planner import Plan
 from ..state import State, empty_state, merge_into, state_dtype
-from ._common import NEG_INF, Problem, positions, visible
+from ._common import NEG_INF, Problem, dropout_keep, positions, visible
 
 __all__ = ["forward", "backward", "backward_with_score"]
 
@@ -52,6 +52,14 @@ def _separable(piece, pb: Problem, device):
     return pb.score.separable(qa, pb.q_offset + piece.q1, ka, pb.kv_offset + piece.k1, device)
 
 
+def _keep(q, piece, pb: Problem, pos):
+    """Dropout's keep tile ``(B, Hq, L, S)`` for this piece (regenerated, never stored), or None."""
+    if not pb.dropout_p:
+        return None
+    b, h, qp, kp = pos if pos is not None else positions(q, piece, pb)
+    return dropout_keep(pb.dropout_seed, pb.dropout_p, b, h, qp, kp, q.shape[1])
+
+
 def forward(q, k, v, plan: Plan, pb: Problem) -> State:
     sd = state_dtype(q.dtype)
     B, Hq, Nq, _ = q.shape
@@ -60,7 +68,7 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
     acc = empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
     for piece in plan.pieces:
         vis = _visible_cached(q, piece, pb, plan)
-        pos = positions(q, piece, pb) if pb.score is not None else None  # only modifiers read positions
+        pos = positions(q, piece, pb) if pb.score is not None or pb.dropout_p else None
         qs = q[:, :, piece.q0:piece.q1].to(sd)
         ks = k[:, :, piece.k0:piece.k1].to(sd)
         vs = v[:, :, piece.k0:piece.k1].to(sd)
@@ -81,6 +89,10 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
         if sep is not None:
             lse = lse + sep[0]
         L, S = p.shape[-2:]
+        keep = _keep(q, piece, pb, pos)
+        if keep is not None:  # SDPA's dropout: drop probabilities after softmax; lse is unchanged
+            p = p.masked_fill_(~keep, 0.0)
+            total = total * (1.0 - pb.dropout_p)                             # kept ones scale by 1/(1-p)
         out = (p.reshape(B, Hkv, g, L, S) @ vs.unsqueeze(2)).reshape(B, Hq, L, Dv)
         out = out / torch.where(total > 0, total, torch.ones_like(total))
         rows = slice(piece.q0, piece.q1)
@@ -125,7 +137,7 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
     alone = (cover == 1) & whole_rows
     for piece in plan.pieces:
         vis = _visible_cached(q, piece, pb, plan)
-        pos = positions(q, piece, pb) if pb.score is not None else None  # only modifiers read positions
+        pos = positions(q, piece, pb) if pb.score is not None or pb.dropout_p else None
         rows, keys = slice(piece.q0, piece.q1), slice(piece.k0, piece.k1)
         qs, ks, vs = q[:, :, rows].to(sd), k[:, :, keys].to(sd), v[:, :, keys].to(sd)
         do = dout[:, :, rows].to(sd)
@@ -143,6 +155,11 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
         lse_p = safe_lse[:, :, rows] - sep[0] if sep is not None else safe_lse[:, :, rows]
         p = torch.exp(s.detach() - lse_p.unsqueeze(-1))                      # (B, Hq, L, S)
         dp = (do.reshape(B, Hkv, g, L, Dv) @ vs.unsqueeze(2).transpose(-1, -2)).reshape(B, Hq, L, S)
+        keep = _keep(q, piece, pb, pos)
+        pv = p                                                               # the probabilities V saw
+        if keep is not None:  # out = (P * Z) V with Z = keep / (1 - p): dP = Z * dO V^T, dV = (P Z)^T dO
+            z = keep.to(sd) / (1.0 - pb.dropout_p)
+            dp, pv = dp * z, p * z
         d_rows = delta[:, :, rows]
         own = alone[rows].to(q.device)
         if bool(own.any()):
@@ -164,5 +181,5 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
         ds5 = ds.reshape(B, Hkv, g, L, S)
         dq[:, :, rows] += (ds5 @ ks.unsqueeze(2)).reshape(B, Hq, L, D) * pb.scale
         dk[:, :, keys] += (ds5.transpose(-1, -2) @ qs.reshape(B, Hkv, g, L, D)).sum(2) * pb.scale
-        dv[:, :, keys] += (p.reshape(B, Hkv, g, L, S).transpose(-1, -2) @ do.reshape(B, Hkv, g, L, Dv)).sum(2)
+        dv[:, :, keys] += (pv.reshape(B, Hkv, g, L, S).transpose(-1, -2) @ do.reshape(B, Hkv, g, L, Dv)).sum(2)
     return dq, dk, dv, tuple(dts)

@@ -127,14 +127,14 @@ class Transformer(nn.Module):
         src_mask = key_padding_to_mask(src.eq(PAD), src.shape[1])
         x = self.embed(src)
         for layer in self.encoder:
-            x = layer(x, src_mask=src_mask)
+            x = layer(x, mask=src_mask)
         return self.enc_norm(x), src_mask
 
     def decode(self, tgt_in, memory, src_mask, caches=None, offset: int = 0):
         """Logits ``(B, T, V)`` for target tokens at positions ``offset ..``; with ``caches`` incremental."""
         x = self.embed(tgt_in, offset)
         for i, layer in enumerate(self.decoder):
-            x = layer(x, memory, tgt_mask=causal(), memory_mask=src_mask,
+            x = layer(x, memory, mask=causal(), cross_mask=src_mask,
                       caches=None if caches is None else caches[i])
         return self.embed.logits(self.dec_norm(x))
 
@@ -164,7 +164,7 @@ class TransformerLM(nn.Module):
     def forward(self, tokens, caches=None, offset: int = 0):
         x = self.embed(tokens, offset)
         for i, layer in enumerate(self.decoder):
-            x = layer(x, tgt_mask=causal(), caches=None if caches is None else caches[i])
+            x = layer(x, mask=causal(), caches=None if caches is None else caches[i])
         return self.embed.logits(self.dec_norm(x))
 
     def new_caches(self):

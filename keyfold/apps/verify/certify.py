@@ -482,7 +482,7 @@ class BlockWeights:
         ``cross_attention=False`` (a decoder-only block: ``norms`` holds its two LayerNorms).
         Dropout is ignored (eval mode). The layer's own keyfold ``mask`` is carried (ANDed with the
         caller's, e.g. the causal one a stream adds); a score modifier raises ``ValueError``."""
-        if getattr(layer, "cross_attn", "absent") is not None and hasattr(layer, "norms"):
+        if getattr(layer, "multihead_attn", "absent") is not None and hasattr(layer, "norm3"):
             raise ValueError("BlockWeights.from_module: a decoder layer with cross-attention is not one block "
                              "of self-attention + feed-forward; build it with cross_attention=False")
         if hasattr(layer, "linear1"):
@@ -496,7 +496,7 @@ class BlockWeights:
         else:
             raise TypeError(f"BlockWeights.from_module: expected an encoder layer with self_attn, norm1, norm2 and "
                             f"linear1/linear2 or ff, got {type(layer).__name__}")
-        n1, n2 = (layer.norms[0], layer.norms[1]) if hasattr(layer, "norms") else (layer.norm1, layer.norm2)
+        n1, n2 = (layer.norm1, layer.norm3) if hasattr(layer, "norm3") else (layer.norm1, layer.norm2)
 
         def ln(n):
             return (n.weight.detach().double(), n.bias.detach().double())

@@ -37,7 +37,7 @@ def _one_thread():
 
 def _pair(E, H, bias=True):
     ref = torch.nn.MultiheadAttention(E, H, bias=bias, batch_first=True)
-    ours = knn.MultiheadAttention(E, H, bias=bias)
+    ours = knn.MultiheadAttention(E, H, bias=bias, batch_first=True)
     ours.load_state_dict(ref.state_dict())
     return ref, ours
 
@@ -101,7 +101,7 @@ def test_multihead_attention_equals_torch_with_the_same_weights(case):
     mem64 = x64 if self_attn else mem.detach().double().requires_grad_()
     want, _ = ref64(x64, mem64, mem64, need_weights=False, **tk64)
     naive, _ = ref(x, mem, mem, need_weights=False, **tk)
-    got, w = ours(x, mem, mem, **kw)
+    got, w = ours(x, mem, mem, need_weights=False, **tk)
     assert w is None and got.shape == want.shape
     g = torch.randn_like(want)
     err = (got.double() - want).abs().max().item()
@@ -139,15 +139,15 @@ def test_key_padding_becomes_a_small_hashable_mask():
 
 def test_settings_and_bad_input_errors():
     with pytest.raises(ValueError, match="dropout"):
-        knn.MultiheadAttention(8, 2, dropout=0.1)
-    mha = knn.MultiheadAttention(8, 2, mask=keyfold.causal() & keyfold.window(1))
+        knn.MultiheadAttention(8, 2, dropout=1.5)
+    mha = knn.MultiheadAttention(8, 2, batch_first=True, mask=keyfold.causal() & keyfold.window(1))
     x = torch.randn(1, 5, 8)
-    with pytest.raises(ValueError, match="need_weights"):
-        mha(x, x, x, need_weights=True)
-    with pytest.raises(TypeError, match="bool"):
-        mha(x, x, x, key_padding_mask=torch.zeros(1, 5))
+    with pytest.raises(AssertionError, match="only bool and floating"):
+        mha(x, x, x, key_padding_mask=torch.zeros(1, 5, dtype=torch.long))
+    with pytest.raises(TypeError, match="mask="):
+        mha(x, x, x, attn_mask=keyfold.causal())
     # the mask setting is the same as passing the keyfold mask per call
-    plain = knn.MultiheadAttention(8, 2)
+    plain = knn.MultiheadAttention(8, 2, batch_first=True)
     plain.load_state_dict(mha.state_dict())
     dense = ~(keyfold.causal() & keyfold.window(1)).to_dense(5, 5)
     assert torch.allclose(mha(x, x, x)[0], plain(x, x, x, attn_mask=dense)[0], atol=1e-6)
@@ -155,7 +155,7 @@ def test_settings_and_bad_input_errors():
 
 def test_separate_kdim_vdim_match_torch():
     ref = torch.nn.MultiheadAttention(8, 2, kdim=5, vdim=3, batch_first=True)
-    ours = knn.MultiheadAttention(8, 2, kdim=5, vdim=3)
+    ours = knn.MultiheadAttention(8, 2, kdim=5, vdim=3, batch_first=True)
     ours.load_state_dict(ref.state_dict())
     q, k, v = torch.randn(2, 4, 8), torch.randn(2, 6, 5), torch.randn(2, 6, 3)
     assert torch.allclose(ours(q, k, v)[0], ref(q, k, v, need_weights=False)[0], atol=1e-6)
@@ -257,12 +257,13 @@ def test_attention_cache_grows_reorders_and_decodes_like_attention():
     step equals attention over the keys it holds (the model's decoding rests on all three)."""
     from keyfold.nn import AttentionCache, MultiheadAttention
     torch.manual_seed(0)
-    mha = MultiheadAttention(16, 4).eval()
+    mha = MultiheadAttention(16, 4, batch_first=True).eval()
     x = torch.randn(3, 9, 16)
     cache = AttentionCache(capacity=2)
     with torch.no_grad():
-        steps = [mha(x[:, t:t + 1], x[:, t:t + 1], x[:, t:t + 1], cache=cache)[0] for t in range(9)]
-        full = mha(x, x, x, is_causal=True)[0]
+        steps = [mha(x[:, t:t + 1], x[:, t:t + 1], x[:, t:t + 1], cache=cache, need_weights=False)[0]
+                 for t in range(9)]
+        full = mha(x, x, x, mask=keyfold.causal(), need_weights=False)[0]
     assert cache.kv.capacity >= 9 and cache.length == 9
     assert (torch.cat(steps, 1) - full).abs().max() < 1e-5
     held_k = cache.k.clone()

@@ -195,7 +195,7 @@ def test_weights_come_from_torch_and_keyfold_layers():
     b = C.certify_block(x, w, eps=1e-3)
     assert b.contains(torch.stack([layer(xi.unsqueeze(0))[0].detach() for xi in C.sample_box(x - 1e-3, x + 1e-3, 32)]))
     knn = pytest.importorskip("keyfold.nn")
-    layer2 = knn.TransformerEncoderLayer(8, 2, 16, dropout=0.0).double().eval()
+    layer2 = knn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).double().eval()
     with torch.no_grad():
         assert torch.allclose(C.block_forward(x, C.BlockWeights.from_module(layer2)), layer2(x.unsqueeze(0))[0],
                               atol=1e-10)
@@ -308,11 +308,12 @@ def test_report_renders_markdown_and_plot_from_a_stored_run(tmp_path):
 
 def test_stream_runs_keyfold_nn_decoder_only_layers_exactly():
     knn = pytest.importorskip("keyfold.nn")
-    layers = [knn.TransformerDecoderLayer(16, 2, 32, dropout=0.0, norm_first=nf, cross_attention=False).double().eval()
+    layers = [knn.TransformerDecoderLayer(16, 2, 32, dropout=0.0, norm_first=nf, batch_first=True,
+                                          cross_attention=False).double().eval()
               for nf in (False, True)]
     x = torch.randn(1, 12, 16, dtype=torch.float64)
     with torch.no_grad():
-        ref = layers[1](layers[0](x))[0]                       # the modules' own causal forward
+        ref = layers[1](layers[0](x, mask=keyfold.causal()), mask=keyfold.causal())[0]  # the modules' causal forward
     s = S.Stream([C.BlockWeights.from_module(m) for m in layers], window=16, dtype=torch.float64)
     ys = torch.stack([s.step(x[0, i:i + 1])[0] for i in range(12)])
     assert torch.allclose(ys, ref, atol=1e-12)

@@ -1,0 +1,180 @@
+"""Dense tensor masks, as ``F.scaled_dot_product_attention`` takes them.
+
+A boolean tensor (True = attend, SDPA's meaning) becomes a :class:`~keyfold.masks.Mask`; an additive
+float tensor becomes an additive :class:`~keyfold.scores.ScoreMod` (its ``-inf`` entries also become
+a mask, so they are skipped like any hidden pair). Both broadcast as ``(B|1, H|1, Nq|1, Nk|1)`` and
+are indexed relative to the call: entry ``[i, j]`` is the pair at absolute positions
+``(q_offset + i, kv_offset + j)``.
+
+Cost compared with a mask object: the engine keeps a private read-only copy (the bytes of the
+tensor) hashed by content (one pass), and classifying tiles for block skipping builds prefix sums
+over ``(Nq+1) x (Nk+1)`` int32/int64 counts once per distinct mask (cached with the plan). A
+preset (``causal()``, ``window(w)``, ``padding(lengths)``) costs none of that.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .masks import BlockKind, Mask, _TensorKey, _kind
+from .scores import ScoreMod
+
+__all__ = ["tensor_mask"]
+
+
+def _shape4(t: torch.Tensor, B: int, H: int, Nq: int, Nk: int, name: str) -> torch.Tensor:
+    if t.dim() > 4 or t.dim() == 0:
+        raise ValueError(f"{name}: a tensor mask must have 1 to 4 dims broadcastable to (B, H, Nq, Nk) = "
+                         f"({B}, {H}, {Nq}, {Nk}), got shape {tuple(t.shape)}")
+    t4 = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
+    for size, want, what in zip(t4.shape, (B, H, Nq, Nk), ("batch", "heads", "queries", "keys")):
+        if size not in (1, want):
+            raise ValueError(f"{name}: shape {tuple(t.shape)} does not broadcast to (B, H, Nq, Nk) = "
+                             f"({B}, {H}, {Nq}, {Nk}) ({what}: {size} vs {want}); each dim must be 1 or match")
+    return t4
+
+
+def _gather(t: torch.Tensor, b, h, qp, kp, q0: int, k0: int) -> torch.Tensor:
+    """``t[b, h, qp - q0, kp - k0]`` with size-1 dims broadcast: ``(B|1, H|1, L|1, S|1)``."""
+    if t.shape[0] != 1:
+        t = t[b.reshape(-1)]
+    if t.shape[1] != 1:
+        t = t[:, h.reshape(-1)]
+    if t.shape[2] != 1:
+        t = t[:, :, (qp - q0).reshape(-1)]
+    if t.shape[3] != 1:
+        t = t[:, :, :, (kp - k0).reshape(-1)]
+    return t
+
+
+class _DenseMask(Mask):
+    """A bool tensor ``(B|1, H|1, Nq|1, Nk|1)``, True = visible, at query/key offsets ``q0`` / ``k0``."""
+
+    def __init__(self, t: torch.Tensor, q0: int, k0: int):
+        self.table = _TensorKey(t.bool())
+        self.q0, self.k0 = int(q0), int(k0)
+        self._csum = None
+
+    def evaluate(self, b, h, qp, kp):
+        return _gather(self.table.on(qp.device), b, h, qp, kp, self.q0, self.k0)
+
+    def _prefix(self):
+        if self._csum is None:
+            t = self.table.t
+            n = (t.shape[2] + 1) * (t.shape[3] + 1)
+            dt = torch.int32 if n < 2 ** 31 else torch.int64
+            out = []
+            for plane in (t.any(0).any(0), t.all(0).all(0)):  # (Nq|1, Nk|1): some / every (b, h) visible
+                c = torch.nn.functional.pad(plane.to(dt).cumsum(0, dtype=dt).cumsum(1, dtype=dt), (1, 0, 1, 0))
+                out.append(c)
+            self._csum = tuple(out)
+        return self._csum
+
+    def classify(self, q0, q1, k0, k1):
+        t = self.table.t
+        nq, nk = t.shape[2], t.shape[3]
+
+        def rng(lo, hi, off, n):  # local index range; a size-1 dim covers every position
+            if n == 1:
+                return torch.zeros_like(lo), torch.ones_like(hi)
+            return (lo - off).clamp(0, n), (hi - off).clamp(0, n)
+
+        r0, r1 = rng(q0, q1, self.q0, nq)
+        c0, c1 = rng(k0, k1, self.k0, nk)
+        some, every = self._prefix()
+
+        def count(S):
+            return (S[r1, c1] - S[r0, c1] - S[r1, c0] + S[r0, c0]).long()
+
+        cells = (r1 - r0) * (c1 - c0)
+        return _kind(count(every) == cells, count(some) == 0)
+
+    def check_positions(self, q_start, q_end, k_start, k_end):
+        nq, nk = self.table.t.shape[2], self.table.t.shape[3]
+        for what, s, e, off, n in (("query", q_start, q_end, self.q0, nq), ("key", k_start, k_end, self.k0, nk)):
+            if n != 1 and e > s and (s < off or e > off + n):
+                raise ValueError(f"tensor mask covers {what} positions [{off}, {off + n}) but this call touches "
+                                 f"[{s}, {e}); build the mask for this call's shape (it is indexed relative "
+                                 f"to the call's offsets)")
+
+    def depends_on_batch_head(self):
+        return self.table.t.shape[0] != 1, self.table.t.shape[1] != 1
+
+    def __repr__(self):
+        return f"tensor_mask(<{'x'.join(map(str, self.table.t.shape))} bool>, q0={self.q0}, k0={self.k0})"
+
+    def __eq__(self, other):
+        return type(other) is _DenseMask and (self.q0, self.k0) == (other.q0, other.k0) and self.table == other.table
+
+    def __hash__(self):
+        return hash(("tensor_mask", self.table, self.q0, self.k0))
+
+
+class _DenseBias(ScoreMod):
+    """An additive float tensor ``(B|1, H|1, Nq|1, Nk|1)`` (its -inf entries are zeroed here and
+    hidden by a companion :class:`_DenseMask`). The bias keeps its dtype (float64 stays float64) and
+    is added in the score dtype. ``tensors()`` gives the live tensor, so one with ``requires_grad``
+    gets its gradient through autograd of :meth:`apply`."""
+
+    additive = True
+
+    def __init__(self, t: torch.Tensor, q0: int, k0: int):
+        self.live = t                                    # the caller's tensor (may require grad)
+        finite = torch.where(torch.isneginf(t.detach()), torch.zeros((), dtype=t.dtype, device=t.device), t.detach())
+        self.table = _TensorKey(finite)
+        self.q0, self.k0 = int(q0), int(k0)
+
+    def tensors(self):
+        return (self.live,)
+
+    def bias(self, b, h, qp, kp):
+        return _gather(self.table.on(qp.device), b, h, qp, kp, self.q0, self.k0)
+
+    def apply(self, s, b, h, qp, kp):
+        if self.live.requires_grad and torch.is_grad_enabled():
+            t = self.live
+            t = torch.where(torch.isneginf(t.detach()), torch.zeros((), dtype=t.dtype, device=t.device), t)
+            add = _gather(t.to(qp.device), b, h, qp, kp, self.q0, self.k0)
+        else:
+            add = self.bias(b, h, qp, kp)
+        return s + add.to(s.dtype)
+
+    def apply_(self, s, b, h, qp, kp):
+        return s.add_(self.bias(b, h, qp, kp).to(s.dtype))
+
+    def __repr__(self):
+        return f"tensor_bias(<{'x'.join(map(str, self.table.t.shape))} {self.table.t.dtype}>)"
+
+    def __eq__(self, other):
+        return type(other) is _DenseBias and (self.q0, self.k0) == (other.q0, other.k0) and self.table == other.table
+
+    def __hash__(self):
+        return hash(("tensor_bias", self.table, self.q0, self.k0))
+
+
+def tensor_mask(t: torch.Tensor, *, B: int, H: int, Nq: int, Nk: int, q_offset: int = 0, kv_offset: int = 0,
+                name: str = "mask") -> tuple[Mask | None, ScoreMod | None]:
+    """SDPA's ``attn_mask`` as ``(keyfold mask, additive score modifier)``.
+
+    t: bool ``(B|1, H|1, Nq|1, Nk|1)`` (True = attend) or float of that shape (added to the scaled
+    scores; ``-inf`` = hidden). Fewer dims broadcast from the left, as in SDPA. Entry ``[.., i, j]``
+    is the pair ``(q_offset + i, kv_offset + j)``. A float tensor with +inf or NaN is refused.
+
+    >>> m, s = tensor_mask(torch.tensor([[True, False]]), B=1, H=1, Nq=1, Nk=2)
+    >>> m.to_dense(1, 2, q_offset=0).tolist(), s
+    ([[True, False]], None)
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor here, got {type(t).__name__}")
+    t4 = _shape4(t, B, H, Nq, Nk, name)
+    if t.dtype == torch.bool:
+        return _DenseMask(t4, q_offset, kv_offset), None
+    if not t.dtype.is_floating_point:
+        raise TypeError(f"{name} must be bool (True = attend) or float (added to the scores), got {t.dtype}; "
+                        f"convert it with `m.bool()` or `m.float()`")
+    det = t4.detach()
+    if bool(torch.isnan(det).any() | torch.isposinf(det).any()):
+        raise ValueError(f"{name} contains NaN or +inf; an additive mask may hold finite values and -inf (hidden)")
+    hidden = torch.isneginf(det)
+    mask = _DenseMask(~hidden, q_offset, kv_offset) if bool(hidden.any()) else None
+    return mask, _DenseBias(t4, q_offset, kv_offset)

@@ -1,0 +1,247 @@
+"""keyfold.scaled_dot_product_attention against torch's SDPA: the CPU cases of torch's
+test/test_transformers.py (TestSDPA, math reference comparisons: sequence lengths, masks, GQA,
+scale, causal with L != S, batch dims), forward and backward; tensor masks and dropout."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import keyfold
+from keyfold import scaled_dot_product_attention as kf_sdpa
+from keyfold.kernels._common import Problem, dropout_keep
+from keyfold.kernels.reference import attend_reference
+from keyfold.masks import grid_positions
+
+F64 = torch.float64
+
+
+def _inputs(q_shape, k_shape, v_dim=None, dtype=F64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    v_shape = k_shape[:-1] + (v_dim or k_shape[-1],)
+    return tuple(torch.randn(s, dtype=dtype, generator=g, requires_grad=True) for s in (q_shape, k_shape, v_shape))
+
+
+def _fwd_bwd(fn, q, k, v, **kw):
+    out = fn(q, k, v, **kw)
+    g = torch.autograd.grad(out, [q, k, v], torch.ones_like(out) * 0.5 + torch.arange(out.shape[-1], dtype=out.dtype) * 0.1)
+    return out, g
+
+
+def _check(q, k, v, tol=1e-10, **kw):
+    want, gw = _fwd_bwd(F.scaled_dot_product_attention, q, k, v, **kw)
+    got, gg = _fwd_bwd(kf_sdpa, q, k, v, **kw)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.allclose(got, want, atol=tol, rtol=0), float((got - want).abs().max())
+    for a, b in zip(gg, gw):
+        assert torch.allclose(a, b, atol=tol * 10, rtol=0), float((a - b).abs().max())
+
+
+@pytest.mark.parametrize("L,S", [(1, 1), (1, 17), (17, 1), (16, 16), (31, 65), (65, 31), (128, 128)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_lengths_and_top_left_causal(L, S, is_causal):
+    """test_transformers' different seq lengths, is_causal with L != S (top-left, as in SDPA)."""
+    if is_causal and L > S:
+        pytest.skip("rows past the last key see keys in both; covered below")
+    _check(*_inputs((2, 3, L, 16), (2, 3, S, 16)), is_causal=is_causal)
+
+
+def test_causal_more_queries_than_keys():
+    q, k, v = _inputs((1, 2, 9, 8), (1, 2, 4, 8))
+    _check(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("scale", [None, 0.05, 1.0, 3.0])
+def test_scale(scale):
+    _check(*_inputs((2, 2, 10, 8), (2, 2, 12, 8)), scale=scale)
+
+
+@pytest.mark.parametrize("shape", [(10, 8), (3, 10, 8), (2, 3, 10, 8), (2, 2, 3, 10, 8)])
+def test_leading_batch_dims(shape):
+    kshape = shape[:-2] + (12, 8)
+    _check(*_inputs(shape, kshape))
+    _check(*_inputs(shape, kshape), is_causal=True)
+
+
+def test_value_dim_differs():
+    _check(*_inputs((2, 2, 7, 8), (2, 2, 9, 8), v_dim=5))
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (8, 1), (6, 3), (1, 3)])
+def test_gqa(hq, hkv):
+    q, k, v = _inputs((2, hq, 7, 8), (2, hkv, 9, 8))
+    if hq % hkv == 0:
+        _check(q, k, v, enable_gqa=True)
+        _check(q, k, v, enable_gqa=True, is_causal=True)
+    if 1 in (hq, hkv):  # a head dim of 1 broadcasts without enable_gqa
+        _check(q, k, v)
+        return
+    with pytest.raises(RuntimeError):
+        F.scaled_dot_product_attention(q, k, v)
+    with pytest.raises(RuntimeError, match="enable_gqa"):
+        kf_sdpa(q, k, v)
+
+
+@pytest.mark.parametrize("mshape", [(7, 9), (1, 1, 7, 9), (2, 1, 7, 9), (2, 3, 7, 9), (2, 1, 1, 9), (1, 3, 7, 1)])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_masks(mshape, kind):
+    q, k, v = _inputs((2, 3, 7, 8), (2, 3, 9, 8))
+    g = torch.Generator().manual_seed(1)
+    if kind == "bool":
+        m = torch.rand(mshape, generator=g) > 0.3
+        m = m | (torch.arange(mshape[-1]) == 0)  # every row sees a key (SDPA's math gives NaN otherwise)
+    else:
+        m = torch.randn(mshape, dtype=F64, generator=g)
+    _check(q, k, v, attn_mask=m)
+
+
+def test_mask_and_is_causal_together_need_both():
+    q, k, v = _inputs((1, 2, 6, 4), (1, 2, 6, 4))
+    m = torch.rand(6, 6) > 0.3
+    m[:, 0] = True
+    f = torch.randn(6, 6, dtype=F64)
+    tril = torch.ones(6, 6, dtype=torch.bool).tril()
+    assert torch.allclose(kf_sdpa(q, k, v, attn_mask=m, is_causal=True),
+                          F.scaled_dot_product_attention(q, k, v, attn_mask=m & tril), atol=1e-12)
+    assert torch.allclose(kf_sdpa(q, k, v, attn_mask=f, is_causal=True),
+                          F.scaled_dot_product_attention(q, k, v, attn_mask=f.masked_fill(~tril, float("-inf"))),
+                          atol=1e-12)
+
+
+def test_float32_matches_within_the_rule():
+    q, k, v = _inputs((2, 4, 33, 16), (2, 4, 47, 16), dtype=torch.float32)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    naive = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    got = kf_sdpa(q, k, v, is_causal=True)
+    assert (got.double() - ref).abs().max() <= 2 * (naive.double() - ref).abs().max() + 1e-6
+
+
+def test_row_that_sees_no_key_is_zero():
+    q, k, v = _inputs((1, 1, 3, 4), (1, 1, 5, 4))
+    m = torch.ones(3, 5, dtype=torch.bool)
+    m[1] = False
+    out = kf_sdpa(q, k, v, attn_mask=m)
+    assert torch.equal(out[0, 0, 1], torch.zeros(4, dtype=F64)) and not torch.isnan(out).any()
+    out.sum().backward()
+    assert not torch.isnan(q.grad).any()
+
+
+# ------------------------------------------------------------------------ tensor masks (engine)
+
+
+def test_tensor_mask_is_hashed_by_content_and_skips_empty_tiles():
+    from keyfold.dense import tensor_mask
+    m = torch.zeros(1, 1, 256, 256, dtype=torch.bool)
+    m[..., :64, :64] = True
+    a, _ = tensor_mask(m, B=1, H=1, Nq=256, Nk=256)
+    b, _ = tensor_mask(m.clone(), B=1, H=1, Nq=256, Nk=256)
+    assert a == b and hash(a) == hash(b)
+    m[0, 0, 0, 0] = False            # the mask keeps its own copy: later edits do not leak in
+    assert a.evaluate(*grid_positions(1, 1, 0, 1, 0, 1, None)).item() is True
+    p = keyfold.plan(a, 256, 256, q_offset=0, block_size=64)
+    assert p.counts()["full"] == 1 and p.counts()["empty"] == 15
+    q = torch.randn(1, 2, 256, 16)
+    out = keyfold.attention(q, q, q, mask=a.to_dense(256, 256, q_offset=0))
+    want = F.scaled_dot_product_attention(q, q, q, attn_mask=a.to_dense(256, 256, q_offset=0))
+    assert torch.allclose(out, want, atol=1e-5)
+
+
+def test_tensor_mask_is_relative_to_the_call_offsets():
+    q, k, v = (t.detach() for t in _inputs((1, 2, 4, 8), (1, 2, 6, 8)))
+    m = torch.rand(4, 6) > 0.4
+    m[:, 0] = True
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    got = keyfold.attention(q, k, v, mask=m, q_offset=100, kv_offset=50)
+    assert torch.allclose(got, want, atol=1e-12)
+
+
+def test_float_mask_neg_inf_hides_and_float64_stays_float64():
+    q, k, v = (t.detach() for t in _inputs((1, 2, 5, 8), (1, 2, 6, 8)))
+    m = torch.randn(5, 6, dtype=F64) * 1e3 + 1e-9
+    m[2, 3] = float("-inf")
+    for be in (keyfold.Backend.AUTO, keyfold.Backend.TILES):
+        got = keyfold.attention(q, k, v, mask=m, backend=be)
+        assert torch.allclose(got, F.scaled_dot_product_attention(q, k, v, attn_mask=m), atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="NaN"):
+        keyfold.attention(q, k, v, mask=torch.full((5, 6), float("nan")))
+    with pytest.raises(ValueError, match="broadcast"):
+        keyfold.attention(q, k, v, mask=torch.ones(5, 7, dtype=torch.bool))
+
+
+def test_float_mask_gradient():
+    if not hasattr(keyfold.ScoreMod, "tensors"):
+        pytest.skip("needs the engine's ScoreMod.tensors() gradient hook (#16, branch flexfa)")
+    q, k, v = _inputs((2, 2, 5, 8), (2, 2, 6, 8))
+    m = torch.randn(2, 1, 5, 6, dtype=F64, requires_grad=True)
+    (gw,) = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, attn_mask=m).sum(), m)
+    for be in (keyfold.Backend.AUTO, keyfold.Backend.TILES):
+        (gg,) = torch.autograd.grad(keyfold.attention(q, k, v, mask=m, backend=be).sum(), m)
+        assert torch.allclose(gg, gw, atol=1e-10)
+
+
+# ----------------------------------------------------------------------------------- dropout
+
+
+def _dense_dropout_reference(q, k, v, p, seed, causal=False):
+    """SDPA math with the same keep mask, through autograd."""
+    B, H, L, D = q.shape
+    S = k.shape[2]
+    s = (q @ k.transpose(-1, -2)) * D ** -0.5
+    if causal:
+        s = s.masked_fill(torch.ones(L, S, dtype=torch.bool).tril(S - L).logical_not(), float("-inf"))
+    w = torch.softmax(s, -1)
+    keep = dropout_keep(seed, p, *grid_positions(B, H, S - L, L, 0, S, None), H)
+    return (w * keep / (1 - p)) @ v
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("block_size", [None, 16])
+def test_dropout_forward_and_gradient_match_a_dense_reference(causal, block_size):
+    q, k, v = _inputs((2, 3, 40, 8), (2, 3, 52, 8))
+    mask = keyfold.causal() if causal else None
+    got, gg = _fwd_bwd(lambda *a: keyfold.attention(*a, mask=mask, dropout_p=0.3, dropout_seed=7,
+                                                   block_size=block_size), q, k, v)
+    want, gw = _fwd_bwd(lambda *a: _dense_dropout_reference(*a, 0.3, 7, causal), q, k, v)
+    assert torch.allclose(got, want, atol=1e-12)
+    for a, b in zip(gg, gw):
+        assert torch.allclose(a, b, atol=1e-11)
+
+
+def test_dropout_lse_unchanged_reproducible_and_scaled():
+    q, k, v = (t.detach() for t in _inputs((1, 2, 64, 8), (1, 2, 64, 8)))
+    _, lse0 = keyfold.attention(q, k, v, return_lse=True)
+    o1, lse1 = keyfold.attention(q, k, v, return_lse=True, dropout_p=0.4, dropout_seed=3)
+    assert torch.allclose(lse0, lse1, atol=1e-12)
+    assert torch.equal(o1, keyfold.attention(q, k, v, dropout_p=0.4, dropout_seed=3))
+    torch.manual_seed(5)
+    a = keyfold.attention(q, k, v, dropout_p=0.4)
+    torch.manual_seed(5)
+    assert torch.equal(a, keyfold.attention(q, k, v, dropout_p=0.4))
+    g = torch.Generator().manual_seed(9)
+    assert torch.equal(keyfold.attention(q, k, v, dropout_p=0.4, generator=g),
+                       keyfold.attention(q, k, v, dropout_p=0.4, generator=torch.Generator().manual_seed(9)))
+    keep = dropout_keep(3, 0.4, *grid_positions(4, 8, 0, 64, 0, 64, None), 8)
+    assert abs(keep.double().mean().item() - 0.6) < 0.01
+    # a value column of ones: each output is (kept probability mass) / (1 - p), expectation 1
+    ones = torch.ones(1, 2, 64, 1, dtype=F64)
+    o = torch.stack([keyfold.attention(q, k, ones, dropout_p=0.4, dropout_seed=s) for s in range(300)])
+    assert abs(o.mean().item() - 1.0) < 0.01
+
+
+def test_dropout_expectation_is_the_plain_output():
+    q, k, v = (t.detach() for t in _inputs((1, 2, 16, 8), (1, 2, 16, 8)))
+    base = kf_sdpa(q, k, v)
+    mean = torch.stack([kf_sdpa(q, k, v, dropout_p=0.2, generator=torch.Generator().manual_seed(s))
+                        for s in range(1000)]).mean(0)
+    assert (mean - base).abs().max() < 0.05
+
+
+def test_dropout_backend_errors_and_bad_p():
+    q = torch.randn(1, 1, 4, 8)
+    with pytest.raises(ValueError, match="TILES"):
+        keyfold.attention(q, q, q, dropout_p=0.1, backend=keyfold.Backend.TRITON)
+    with pytest.raises(ValueError, match="dropout_p"):
+        keyfold.attention(q, q, q, dropout_p=1.0)

@@ -1,0 +1,241 @@
+"""keyfold.nn against torch.nn: the cases of torch's own MultiheadAttention / Transformer-layer tests
+that run on a CPU (test/test_nn.py, test/nn/test_multihead_attention.py, test/test_transformers.py),
+rewritten here, and a regression test for every silent divergence of issue #18."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import keyfold
+from keyfold import nn as knn
+
+F64 = torch.float64
+
+
+def _mha_pair(E, H, **kw):
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(E, H, **kw).to(F64)
+    ours = knn.MultiheadAttention(E, H, **kw).to(F64)
+    ours.load_state_dict(ref.state_dict())  # the same keys, in both directions
+    ref.load_state_dict(ours.state_dict())
+    return ref.eval(), ours.eval()
+
+
+def _close(a, b, tol=1e-10):
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert torch.allclose(a, b, atol=tol, rtol=0), float((a - b).abs().max())
+
+
+@pytest.mark.parametrize("add_bias_kv,add_zero_attn,bias,kvdim,batch_first",
+                         list(itertools.product([False, True], [False, True], [False, True], [None, (5, 3)],
+                                                [False, True])))
+def test_multihead_attention_matches_torch(add_bias_kv, add_zero_attn, bias, kvdim, batch_first):
+    """torch's test_multihead_attention: every construction option, weights and output."""
+    E, H, B, L, S = 8, 2, 3, 4, 6
+    kdim, vdim = kvdim or (None, None)
+    ref, ours = _mha_pair(E, H, bias=bias, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn, kdim=kdim,
+                          vdim=vdim, batch_first=batch_first)
+    assert set(ref.state_dict()) == set(ours.state_dict())
+    shape = (lambda n, d: (B, n, d)) if batch_first else (lambda n, d: (n, B, d))
+    q = torch.randn(shape(L, E), dtype=F64)
+    k, v = torch.randn(shape(S, kdim or E), dtype=F64), torch.randn(shape(S, vdim or E), dtype=F64)
+    kpm = torch.zeros(B, S, dtype=torch.bool)
+    kpm[0, -2:] = True
+    am = torch.rand(L, S) < 0.3
+    am[:, 0] = False
+    for kw in ({}, {"key_padding_mask": kpm}, {"attn_mask": am}, {"attn_mask": am, "key_padding_mask": kpm}):
+        for avg in (True, False):
+            want, w_want = ref(q, k, v, average_attn_weights=avg, **kw)
+            got, w_got = ours(q, k, v, average_attn_weights=avg, **kw)
+            _close(got, want)
+            _close(w_got, w_want)
+
+
+def test_multihead_attention_3d_and_float_masks_and_float_key_padding():
+    """torch's test_multihead_attn_3d_attn_mask and float key_padding_mask, with gradients."""
+    E, H, B, L, S = 12, 3, 2, 5, 7
+    ref, ours = _mha_pair(E, H)
+    q, k = torch.randn(L, B, E, dtype=F64), torch.randn(S, B, E, dtype=F64)
+    m3 = torch.rand(B * H, L, S) < 0.3
+    m3[..., 1] = False
+    f3 = torch.randn(B * H, L, S, dtype=F64)
+    fk = torch.randn(B, S, dtype=F64)
+    for kw in ({"attn_mask": m3}, {"attn_mask": f3}, {"key_padding_mask": fk}, {"attn_mask": f3, "key_padding_mask": fk}):
+        _close(ours(q, k, k, **kw)[0], ref(q, k, k, **kw)[0])
+        _close(ours(q, k, k, **kw)[1], ref(q, k, k, **kw)[1])
+
+
+def test_unbatched_inputs_match_torch():
+    ref, ours = _mha_pair(8, 2)
+    q, k = torch.randn(4, 8, dtype=F64), torch.randn(6, 8, dtype=F64)
+    kpm = torch.tensor([False] * 4 + [True] * 2)
+    for kw in ({}, {"key_padding_mask": kpm}, {"attn_mask": torch.rand(4, 6) < 0.2}):
+        want, ww = ref(q, k, k, **kw)
+        got, wg = ours(q, k, k, **kw)
+        _close(got, want)
+        _close(wg, ww)
+
+
+def test_shape_and_dtype_errors_raise_where_torch_raises():
+    """torch's test_multihead_attn_invalid_shape and mask dtype checks: the same exception type."""
+    ref, ours = _mha_pair(8, 2)
+    q = torch.randn(4, 3, 8, dtype=F64)
+    bad = [
+        ((q, torch.randn(4, 8, dtype=F64), torch.randn(4, 8, dtype=F64)), {}),            # 3-D query, 2-D key
+        ((q, q, q), {"key_padding_mask": torch.zeros(3, dtype=torch.bool)}),               # 1-D kpm, batched
+        ((q, q, q), {"attn_mask": torch.zeros(4, 4, 4, dtype=torch.bool)}),                # 3-D mask not B*H
+        ((q, q, q), {"attn_mask": torch.zeros(4, dtype=torch.bool)}),                      # 1-D mask
+        ((q, q, q), {"key_padding_mask": torch.zeros(3, 4, dtype=torch.long)}),            # int mask
+        ((q, q, q), {"attn_mask": torch.zeros(4, 5, dtype=torch.bool)}),                   # wrong 2-D size
+    ]
+    for args, kw in bad:
+        with pytest.raises(Exception) as e_ref:
+            ref(*args, **kw)
+        with pytest.raises(type(e_ref.value)):
+            ours(*args, **kw)
+    with pytest.raises(RuntimeError, match="Need attn_mask"):
+        ours(q, q, q, is_causal=True)
+    with pytest.raises(RuntimeError, match="Need attn_mask"):
+        ref(q, q, q, is_causal=True)
+    with pytest.raises(AssertionError):
+        torch.nn.MultiheadAttention(10, 3)
+    with pytest.raises(AssertionError):
+        knn.MultiheadAttention(10, 3)
+
+
+def test_is_causal_hint_follows_torch():
+    ref, ours = _mha_pair(8, 2)
+    x = torch.randn(5, 2, 8, dtype=F64)
+    causal = torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)
+    for nw in (False, True):
+        _close(ours(x, x, x, attn_mask=causal, is_causal=True, need_weights=nw)[0],
+               ref(x, x, x, attn_mask=causal, is_causal=True, need_weights=nw)[0])
+
+
+def test_dropout_in_training_only_and_expectation():
+    torch.manual_seed(0)
+    ours = knn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True).to(F64)
+    x = torch.randn(2, 6, 8, dtype=F64)
+    ours.eval()
+    base = ours(x, x, x)[0]
+    assert torch.equal(base, ours(x, x, x)[0])
+    ours.train()
+    a, wa = ours(x, x, x, average_attn_weights=False)
+    b = ours(x, x, x)[0]
+    assert not torch.allclose(a, b)                       # a fresh mask per call
+    assert ((wa == 0).double().mean() - 0.5).abs() < 0.1  # half the probabilities dropped ...
+    assert torch.allclose(wa[wa > 0].sum() / wa.numel(), torch.tensor(1 / 6, dtype=F64), atol=0.03)  # ... rest x2
+    mean = torch.stack([ours(x, x, x, need_weights=False)[0] for _ in range(400)]).mean(0)
+    assert (mean - base).abs().max() < 0.1 * base.abs().max()
+
+
+def _layer_pair(cls, kcls, *args, **kw):
+    torch.manual_seed(0)
+    ref = cls(*args, **kw).to(F64).eval()
+    ours = kcls(*args, **kw).to(F64).eval()
+    assert set(ref.state_dict()) == set(ours.state_dict())
+    ours.load_state_dict(ref.state_dict())
+    ref.load_state_dict(ours.state_dict())
+    return ref, ours
+
+
+@pytest.mark.parametrize("norm_first,batch_first,activation,bias",
+                         list(itertools.product([False, True], [False, True], ["relu", "gelu", torch.tanh],
+                                                [True, False])))
+def test_encoder_and_decoder_layers_match_torch(norm_first, batch_first, activation, bias):
+    """torch's test_transformerencoderlayer / decoderlayer (and _gelu, norm_first, bias=False)."""
+    d, h, ff = 8, 2, 16
+    kw = dict(dropout=0.0, activation=activation, layer_norm_eps=1e-6, batch_first=batch_first,
+              norm_first=norm_first, bias=bias)
+    enc_ref, enc = _layer_pair(torch.nn.TransformerEncoderLayer, knn.TransformerEncoderLayer, d, h, ff, **kw)
+    dec_ref, dec = _layer_pair(torch.nn.TransformerDecoderLayer, knn.TransformerDecoderLayer, d, h, ff, **kw)
+    B, T, S = 2, 5, 7
+    src = torch.randn((B, S, d) if batch_first else (S, B, d), dtype=F64)
+    tgt = torch.randn((B, T, d) if batch_first else (T, B, d), dtype=F64)
+    kpm = torch.zeros(B, S, dtype=torch.bool)
+    kpm[1, -3:] = True
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(T, dtype=F64)
+    with torch.no_grad():
+        _close(enc(src, src_key_padding_mask=kpm), enc_ref(src, src_key_padding_mask=kpm))
+        mem = enc_ref(src)
+        _close(dec(tgt, mem, tgt_mask=causal, memory_key_padding_mask=kpm, tgt_is_causal=True),
+               dec_ref(tgt, mem, tgt_mask=causal, memory_key_padding_mask=kpm, tgt_is_causal=True))
+
+
+def test_stacks_match_torch():
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0).to(F64)
+    ref = torch.nn.TransformerEncoder(layer, 2, norm=torch.nn.LayerNorm(8).to(F64), enable_nested_tensor=False).eval()
+    ours = knn.TransformerEncoder(knn.TransformerEncoderLayer(8, 2, 16, dropout=0.0).to(F64), 2,
+                                  norm=torch.nn.LayerNorm(8).to(F64)).eval()
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(5, 2, 8, dtype=F64)
+    with torch.no_grad():
+        _close(ours(x), ref(x))
+    dl = torch.nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0).to(F64)
+    dref = torch.nn.TransformerDecoder(dl, 2).eval()
+    dours = knn.TransformerDecoder(knn.TransformerDecoderLayer(8, 2, 16, dropout=0.0).to(F64), 2).eval()
+    dours.load_state_dict(dref.state_dict())
+    t = torch.randn(4, 2, 8, dtype=F64)
+    with torch.no_grad():
+        _close(dours(t, x), dref(t, x))
+
+
+def test_bad_activation_raises_like_torch():
+    with pytest.raises(RuntimeError, match="relu/gelu"):
+        torch.nn.TransformerEncoderLayer(8, 2, activation="swish")
+    with pytest.raises(RuntimeError, match="relu/gelu"):
+        knn.TransformerEncoderLayer(8, 2, activation="swish")
+
+
+# ------------------------------------------------------------------- #18's silent divergences
+
+
+def test_regression_seq_first_input_is_attended_along_the_sequence():
+    """(L, B, E) with the default batch_first=False was attended along the batch axis (diff 0.70)."""
+    ref, ours = _mha_pair(8, 2)
+    x = torch.randn(6, 3, 8, dtype=F64)
+    _close(ours(x, x, x)[0], ref(x, x, x)[0])
+    assert ours.batch_first is False
+
+
+def test_regression_float_attn_mask_gets_its_gradient():
+    """A float attn_mask with requires_grad got no gradient (it was detached)."""
+    if not hasattr(keyfold.ScoreMod, "tensors"):
+        pytest.skip("needs the engine's ScoreMod.tensors() gradient hook (#16, branch flexfa)")
+    ref, ours = _mha_pair(8, 2)
+    x = torch.randn(4, 2, 8, dtype=F64)
+    m = torch.randn(4, 4, dtype=F64, requires_grad=True)
+    (g_ref,) = torch.autograd.grad(ref(x, x, x, attn_mask=m, need_weights=False)[0].sum(), m)
+    (g_ours,) = torch.autograd.grad(ours(x, x, x, attn_mask=m, need_weights=False)[0].sum(), m)
+    _close(g_ours, g_ref, 1e-9)
+
+
+def test_regression_float64_mask_is_not_rounded_through_float32():
+    ref, ours = _mha_pair(8, 2)
+    x = torch.randn(4, 2, 8, dtype=F64)
+    m = torch.randn(4, 4, dtype=F64) * 1e3 + torch.rand(4, 4, dtype=F64) * 1e-7
+    _close(ours(x, x, x, attn_mask=m)[0], ref(x, x, x, attn_mask=m)[0], 1e-12)
+
+
+def test_regression_gelu_as_fifth_positional_argument():
+    """TransformerEncoderLayer(d, h, ff, p, "gelu") built a different layer (norm_first was 5th)."""
+    enc_ref, enc = _layer_pair(torch.nn.TransformerEncoderLayer, knn.TransformerEncoderLayer, 8, 2, 16, 0.0, "gelu")
+    assert enc.activation is torch.nn.functional.gelu and enc.norm_first is False
+    x = torch.randn(5, 2, 8, dtype=F64)
+    with torch.no_grad():
+        _close(enc(x), enc_ref(x))
+
+
+def test_need_weights_default_and_fully_masked_rows():
+    ref, ours = _mha_pair(8, 2)
+    x = torch.randn(3, 2, 8, dtype=F64)
+    out, w = ours(x, x, x)
+    assert w is not None and w.shape == (2, 3, 3)
+    kpm = torch.ones(2, 3, dtype=torch.bool)
+    kpm[1, 0] = False
+    out, w = ours(x, x, x, key_padding_mask=kpm)
+    assert torch.equal(out[:, 0], torch.zeros(3, 8, dtype=F64)) and torch.equal(w[0], torch.zeros(3, 3, dtype=F64))
+    assert torch.isnan(ref(x, x, x, key_padding_mask=kpm)[0][:, 0]).all()  # torch gives NaN (documented)
