@@ -189,6 +189,9 @@ def compare(cfg: _train.TrainConfig, model_cfg: ModelConfig, tok, train_pairs, v
                 curve.append((round(trained / 60, 3), chrf))
                 bar.write(f"{name}: {trained / 60:.1f} min, step {trainer.step}: validation chrF {chrf:.2f}")
                 next_eval += eval_minutes * 60
+        if not curve or curve[-1][0] != round(trained / 60, 3):  # the step cap ended training first
+            chrf = _chrf(decode_texts(trainer.model, tok, [ex.german for ex in valid]), valid)
+            curve.append((round(trained / 60, 3), chrf))
         bar.close()
         t = time.perf_counter()
         hyps = decode_texts(trainer.model, tok, [ex.german for ex in test])
