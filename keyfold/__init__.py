@@ -7,7 +7,7 @@ modifier on one engine (:func:`attend`, :func:`attention`). The math: ``docs/mat
 
 from .engine import Backend, attend, attend_backward, attention
 from .masks import (BlockKind, Mask, as_mask, block_sparse, causal, dilated, documents, full,
-                    prefix, sinks, window)
+                    padding, prefix, sinks, window)
 from .planner import Plan, clear_plan_cache, plan
 from .scores import ScoreMod, alibi, alibi_slopes, as_score, softcap
 from .state import State, empty_state, merge, merge_all
@@ -19,7 +19,7 @@ __all__ = [
     "State", "merge", "merge_all", "empty_state",
     "attend", "attention", "attend_backward", "Backend",
     "Mask", "BlockKind", "as_mask", "causal", "window", "sinks", "prefix", "documents",
-    "block_sparse", "dilated", "full",
+    "block_sparse", "dilated", "full", "padding",
     "ScoreMod", "as_score", "alibi", "alibi_slopes", "softcap",
     "Plan", "plan", "clear_plan_cache",
     "KVCache", "PagedKVCache", "WindowCache", "CacheFullError", "decode", "attend_cache", "cascade",

@@ -16,6 +16,7 @@ Meaning (``qp = q_offset + i``, ``kp = kv_offset + j``):
 ``documents(ids)``     ``ids[qp] == kv_ids[kp]``
 ``block_sparse(L, b)`` ``L[qp // b, kp // b]`` (optionally per head)
 ``dilated(s)``         ``(qp - kp) % s == 0``
+``padding(n, starts)`` ``starts[b] <= kp < starts[b] + n[b]``
 =====================  ===========================================
 """
 
@@ -29,7 +30,7 @@ import torch
 
 __all__ = [
     "BlockKind", "Mask", "causal", "window", "sinks", "prefix", "documents",
-    "block_sparse", "dilated", "full", "as_mask",
+    "block_sparse", "dilated", "full", "padding", "as_mask",
 ]
 
 
@@ -301,6 +302,49 @@ class _Sinks(Mask):
 
     def __hash__(self):
         return hash((self.name, self.n))
+
+
+class _Padding(Mask):
+    """Key padding per batch entry: key ``kp`` of entry ``b`` is visible when
+    ``starts[b] <= kp < ends[b]`` (``ends`` None: no upper bound)."""
+
+    def __init__(self, starts: torch.Tensor, ends: torch.Tensor | None):
+        self.starts = _TensorKey(starts)
+        self.ends = None if ends is None else _TensorKey(ends)
+
+    def evaluate(self, b, h, qp, kp):
+        starts = self.starts.on(kp.device)
+        if starts.shape[0] != b.shape[0] and starts.shape[0] != 1 and b.shape[0] != 1:
+            raise ValueError(f"padding(...): it holds {starts.shape[0]} batch entries but the batch has "
+                             f"{b.shape[0]}; pass one length (or start) per batch entry")
+        ok = kp >= starts.view(-1, 1, 1, 1)
+        if self.ends is not None:
+            ok = ok & (kp < self.ends.on(kp.device).view(-1, 1, 1, 1))
+        return ok
+
+    def classify(self, q0, q1, k0, k1):
+        # per batch entry, in closed form; a tile is FULL / EMPTY only if it is so for every entry
+        s = self.starts.t.view(-1, 1, 1)                                  # (B, 1, 1)
+        e = None if self.ends is None else self.ends.t.view(-1, 1, 1)
+        full = k0 >= s
+        empty = k1 <= s
+        if e is not None:
+            full = full & (k1 <= e)
+            empty = empty | (k0 >= e) | (e <= s)
+        return _kind(full.all(0), empty.all(0)) + torch.zeros_like(q0, dtype=torch.int8)
+
+    def depends_on_batch_head(self):
+        return True, False
+
+    def __repr__(self):
+        ends = "None" if self.ends is None else self.ends.t.tolist()
+        return f"padding(starts={self.starts.t.tolist()}, ends={ends})"
+
+    def __eq__(self, other):
+        return type(other) is _Padding and self.starts == other.starts and self.ends == other.ends
+
+    def __hash__(self):
+        return hash(("padding", self.starts, self.ends))
 
 
 class _Documents(Mask):
@@ -656,6 +700,53 @@ def documents(ids: torch.Tensor, kv_ids: torch.Tensor | None = None) -> Mask:
     [[1, 1, 0], [1, 1, 0], [0, 0, 1]]
     """
     return _Documents(ids, kv_ids)
+
+
+def _per_batch(x, name, B=None):
+    """An int or a 1-D integer tensor as an int64 CPU tensor ``(B,)`` (``(1,)`` for an int)."""
+    if isinstance(x, torch.Tensor):
+        if x.dim() != 1 or x.dtype.is_floating_point or x.dtype == torch.bool:
+            raise ValueError(f"padding({name}): expected a 1-D integer tensor with one entry per batch "
+                             f"entry, got shape {tuple(x.shape)}, dtype {x.dtype}")
+        t = x.detach().to("cpu", torch.int64)
+    else:
+        t = torch.tensor([_int_arg(x, name, "padding")], dtype=torch.int64)
+    if (t < 0).any():
+        raise ValueError(f"padding({name}): must be >= 0, got {t.tolist()}")
+    if B is not None and t.shape[0] not in (1, B):
+        raise ValueError(f"padding: lengths has {B} entries but starts has {t.shape[0]}; pass one per batch entry")
+    return t
+
+
+def padding(lengths=None, *, starts=None) -> Mask:
+    """Key padding per batch entry: key ``kp`` of entry ``b`` is visible when
+    ``starts[b] <= kp < starts[b] + lengths[b]``.
+
+    lengths: ``(B,)`` integer tensor (or an int), the number of real keys of each entry;
+        None means no upper bound (every key from ``starts[b]`` on, as in left-padded
+        generation where the keys grow). starts: ``(B,)`` integer tensor or int, default 0.
+
+    - right padding (real keys first): ``padding(lengths)``
+    - left padding to ``N`` keys (Hugging Face generation): ``padding(starts=N - lengths)``
+
+    Only keys are masked: a query row whose keys are all padding sees no key (out 0, lse -inf).
+    Positions are absolute, so ``kv_offset`` shifts the keys a call covers. Composes with
+    ``&``, ``|``, ``~``; hashes by content. Tiles are classified in closed form from the
+    per-entry bounds.
+
+    >>> padding(torch.tensor([2, 3])).to_dense(3, 3, B=2)[:, 0].int().tolist()
+    [[[1, 1, 0], [1, 1, 0], [1, 1, 0]], [[1, 1, 1], [1, 1, 1], [1, 1, 1]]]
+    >>> padding(starts=torch.tensor([1, 0])).to_dense(1, 3, B=2)[:, 0, 0].int().tolist()
+    [[0, 1, 1], [1, 1, 1]]
+    """
+    if lengths is None and starts is None:
+        raise ValueError("padding(lengths, starts=...): pass lengths (right padding), starts (left padding) "
+                         "or both")
+    n = None if lengths is None else _per_batch(lengths, "lengths")
+    s = _per_batch(0 if starts is None else starts, "starts", None if n is None else n.shape[0])
+    if n is not None and n.shape[0] != s.shape[0]:
+        n, s = torch.broadcast_tensors(n, s)
+    return _Padding(s.clone(), None if n is None else s + n)
 
 
 def block_sparse(layout: torch.Tensor, block_size: int) -> Mask:
