@@ -200,6 +200,10 @@ def attend(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offs
     >>> torch.allclose(keyfold.merge(a, b).out, whole.out, atol=1e-6)
     True
     """
+    if torch.compiler.is_compiling():  # one opaque custom op: dynamo never traces the planner
+        from .ops import attend_op
+        return attend_op(q, k, v, mask=mask, score=score, scale=scale, q_offset=q_offset, kv_offset=kv_offset,
+                         backend=backend, block_size=block_size)
     if mask is None and score is None and _plain_fused(q, k, v, backend, block_size, check_inputs, scale,
                                                        q_offset, kv_offset):
         return _cpu.dense(q, k, v, float(q.shape[-1] ** -0.5 if scale is None else scale))

@@ -52,9 +52,14 @@ class _TensorKey:
 
     def __init__(self, t: torch.Tensor):
         self.t = t.detach().to("cpu", copy=True).contiguous()
-        digest = hashlib.sha1(self.t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-        self._hash = hash((tuple(self.t.shape), str(self.t.dtype), digest))
+        self._hash = None  # computed on first use: under torch.compile the content is not known yet
         self._by_device: dict = {}
+
+    def _digest(self):
+        if self._hash is None:
+            digest = hashlib.sha1(self.t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+            self._hash = hash((tuple(self.t.shape), str(self.t.dtype), digest))
+        return self._hash
 
     def on(self, device) -> torch.Tensor:
         device = torch.device(device)
@@ -65,10 +70,10 @@ class _TensorKey:
         return self._by_device[device]
 
     def __hash__(self):
-        return self._hash
+        return self._digest()
 
     def __eq__(self, other):
-        return (isinstance(other, _TensorKey) and self._hash == other._hash
+        return (isinstance(other, _TensorKey) and self._digest() == other._digest()
                 and self.t.shape == other.t.shape and self.t.dtype == other.t.dtype
                 and torch.equal(self.t, other.t))
 
@@ -711,7 +716,7 @@ def _per_batch(x, name, B=None):
         t = x.detach().to("cpu", torch.int64)
     else:
         t = torch.tensor([_int_arg(x, name, "padding")], dtype=torch.int64)
-    if (t < 0).any():
+    if not torch.compiler.is_compiling() and bool((t < 0).any()):  # (traced: no data-dependent check)
         raise ValueError(f"padding({name}): must be >= 0, got {t.tolist()}")
     if B is not None and t.shape[0] not in (1, B):
         raise ValueError(f"padding: lengths has {B} entries but starts has {t.shape[0]}; pass one per batch entry")

@@ -1,0 +1,283 @@
+"""The engine as ``torch.library`` custom ops, so ``torch.compile`` sees one opaque call.
+
+``keyfold::attend(q, k, v, tensors, spec, scale, q_offset, kv_offset) -> (out, lse)`` runs the
+planner and the piece kernels inside its real implementation, where dynamo never looks; its
+fake implementation only gives shapes, and ``keyfold::attend_backward`` is wired to it with
+``register_autograd`` (the piece backward of docs/math.md section 2). A model that calls
+:func:`keyfold.attention` while being compiled reaches these ops by itself
+(``torch.compiler.is_compiling()``), so it traces with zero graph breaks and ``fullgraph=True``.
+
+Masks and score modifiers are Python value objects. Dynamo traces their construction like any
+Python code; :func:`flatten` (also traced) turns one into a JSON ``spec`` string (a constant of
+the graph) and the list of tensors it holds (graph values, so a padding mask built from a
+traced ``attention_mask`` stays data, not a constant). The real implementation rebuilds the
+objects from both with :func:`unflatten`; equal masks hash equal, so the plan cache still hits.
+A Flex-style callable is not data: it is kept in a registry and named in the spec by its key
+(dynamo reads the key as a constant).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+
+import torch
+
+from . import masks as M
+from . import scores as S
+from .state import State
+
+__all__ = ["attend_op", "flatten", "unflatten"]
+
+# ------------------------------------------------------------------ masks and scores as data
+
+_CALLABLES: dict[int, object] = {}  # key -> a user's callable (kept alive for the plan cache)
+
+
+@torch._dynamo.assume_constant_result
+def _callable_key(fn) -> int:
+    """A stable int naming a user's mask_mod / score_mod callable (run eagerly, even under dynamo)."""
+    key = id(fn)
+    _CALLABLES[key] = fn
+    return key
+
+
+def _num(x) -> str:
+    return "null" if x is None else str(x)
+
+
+def _slot(t: torch.Tensor, tensors: list) -> str:
+    tensors.append(t)
+    return '["#",' + str(len(tensors) - 1) + ']'
+
+
+def _flat_mask(m, tensors: list) -> str:
+    t = type(m)
+    if m is None:
+        return "null"
+    if t is M._Full:
+        return '["full"]'
+    if t is M._Causal:
+        return '["causal"]'
+    if t is M._Window:
+        return '["window",' + _num(m.left) + ',' + _num(m.right) + ']'
+    if t is M._Dilated:
+        return '["dilated",' + str(m.step) + ']'
+    if t is M._Sinks:
+        n = _slot(m.n.t, tensors) if type(m.n) is M._TensorKey else str(m.n)
+        return '["sinks","' + m.name + '",' + n + ']'
+    if t is M._Prefix:
+        return '["prefix",' + _flat_mask(m.a, tensors) + ']'
+    if t is M._And or t is M._Or:
+        op = "and" if t is M._And else "or"
+        return '["' + op + '",' + _flat_mask(m.a, tensors) + ',' + _flat_mask(m.b, tensors) + ']'
+    if t is M._Not:
+        return '["not",' + _flat_mask(m.a, tensors) + ']'
+    if t is M._Padding:
+        ends = "null" if m.ends is None else _slot(m.ends.t, tensors)
+        return '["padding",' + _slot(m.starts.t, tensors) + ',' + ends + ']'
+    if t is M._Documents:
+        kv = "null" if m.kv_ids is None else _slot(m.kv_ids.t, tensors)
+        return '["documents",' + _slot(m.ids.t, tensors) + ',' + kv + ']'
+    if t is M._BlockSparse:
+        return '["block_sparse",' + _slot(m.layout.t, tensors) + ',' + str(m.block_size) + ']'
+    if t is M.MaskFn:
+        return '["fn",' + str(_callable_key(m.fn)) + ']'
+    raise TypeError(f"keyfold under torch.compile: the mask type {t.__name__} has no compiled form; "
+                    f"use the presets (causal(), window(), padding(), documents(), ...) or a mask_mod callable")
+
+
+def _flat_score(s, tensors: list) -> str:
+    t = type(s)
+    if s is None:
+        return "null"
+    if t is S._Softcap:
+        return '["softcap",' + repr(s.cap) + ']'
+    if t is S._Alibi:
+        return '["alibi",' + _slot(s.slopes.t, tensors) + ']'
+    if t is S._Chain:
+        return '["chain",' + ",".join(_flat_score(x, tensors) for x in s.mods) + ']'
+    if t is S.ScoreFn:
+        return '["fn",' + str(_callable_key(s.fn)) + ']'
+    raise TypeError(f"keyfold under torch.compile: the score type {t.__name__} has no compiled form; "
+                    f"use alibi(), softcap() or a score_mod callable")
+
+
+def flatten(mask, score, backend, block_size) -> tuple[str, list]:
+    """``(spec, tensors)``: a JSON string naming the mask, score, backend and block size, and the
+    tensors they hold in the order the spec's ``["#", i]`` slots name them."""
+    tensors: list = []
+    m = _flat_mask(M.as_mask(mask), tensors)
+    s = _flat_score(S.as_score(score), tensors)
+    if block_size is not None and type(block_size) is not int:
+        block_size = '[' + str(block_size[0]) + ',' + str(block_size[1]) + ']'
+    spec = '{"mask":' + m + ',"score":' + s + ',"backend":"' + backend.value + '","block":' + _num(block_size) + '}'
+    return spec, tensors
+
+
+def _build_mask(node, tensors):
+    if node is None:
+        return None
+    op, args = node[0], node[1:]
+    t = lambda x: None if x is None else tensors[x[1]]  # noqa: E731
+    if op == "full":
+        return M.full()
+    if op == "causal":
+        return M.causal()
+    if op == "window":
+        return M._Window(*args)
+    if op == "dilated":
+        return M.dilated(args[0])
+    if op == "sinks":
+        name, n = args
+        return M._Sinks(t(n) if isinstance(n, list) else n, name=name)
+    if op == "prefix":
+        p = M._Prefix(0)
+        p.a = _build_mask(args[0], tensors)
+        return p
+    if op in ("and", "or"):
+        cls = M._And if op == "and" else M._Or
+        return cls(_build_mask(args[0], tensors), _build_mask(args[1], tensors))
+    if op == "not":
+        return M._Not(_build_mask(args[0], tensors))
+    if op == "padding":
+        return M._Padding(t(args[0]), t(args[1]))
+    if op == "documents":
+        return M._Documents(t(args[0]), t(args[1]))
+    if op == "block_sparse":
+        return M._BlockSparse(t(args[0]), args[1])
+    if op == "fn":
+        return M.MaskFn(_CALLABLES[args[0]])
+    raise ValueError(f"unknown mask node {op!r}")
+
+
+def _build_score(node, tensors):
+    if node is None:
+        return None
+    op, args = node[0], node[1:]
+    if op == "softcap":
+        return S.softcap(args[0])
+    if op == "alibi":
+        return S._Alibi(tensors[args[0][1]])
+    if op == "chain":
+        return S._Chain([_build_score(a, tensors) for a in args])
+    if op == "fn":
+        return S.ScoreFn(_CALLABLES[args[0]])
+    raise ValueError(f"unknown score node {op!r}")
+
+
+@functools.lru_cache(maxsize=256)
+def _cached(spec: str):
+    return _unflatten(spec, [])
+
+
+def _unflatten(spec, tensors):
+    from .engine import Backend
+    d = json.loads(spec)
+    block = d["block"]
+    return (_build_mask(d["mask"], tensors), _build_score(d["score"], tensors), Backend(d["backend"]),
+            tuple(block) if isinstance(block, list) else block)
+
+
+def unflatten(spec: str, tensors: list) -> tuple:
+    """``(mask, score, backend, block_size)`` from :func:`flatten`'s output (tensorless specs cached)."""
+    return _cached(spec) if not tensors else _unflatten(spec, [x.detach() for x in tensors])
+
+
+# ------------------------------------------------------------------------------ the ops
+
+
+@contextlib.contextmanager
+def _autograd_dispatch():
+    """Autograd back on inside an op's implementation (the dispatcher runs it below autograd)."""
+    D = torch._C.DispatchKey
+    keys = (D.AutogradFunctionality, D.AutogradOther, D.ADInplaceOrView)
+    old = [torch._C._dispatch_tls_is_dispatch_key_excluded(k) for k in keys]
+    try:
+        for k in keys:
+            torch._C._dispatch_tls_set_dispatch_key_excluded(k, False)
+        with torch.enable_grad():
+            yield
+    finally:
+        for k, was in zip(keys, old):
+            torch._C._dispatch_tls_set_dispatch_key_excluded(k, was)
+
+
+def _call(q, k, v, tensors, spec, scale, q_offset, kv_offset):
+    from .engine import _Call
+    mask, score, backend, block = unflatten(spec, tensors)
+    return _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block, False)
+
+
+def _state_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("keyfold::attend", mutates_args=())
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor], spec: str,
+            scale: float | None, q_offset: int, kv_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from .engine import Backend, _reference
+    call = _call(q, k, v, tensors, spec, scale, q_offset, kv_offset)
+    with torch.no_grad():
+        st = (_reference.attend_reference(q, k, v, call.pb) if call.backend is Backend.REFERENCE
+              else call.forward(q, k, v))
+    # contiguous, as the fake ones say; a custom op's outputs may not alias its inputs or each other
+    out, lse = st.out.contiguous(), st.lse.contiguous()
+    return (out.clone() if out._base is not None else out), (lse.clone() if lse._base is not None else lse)
+
+
+@_attend.register_fake
+def _(q, k, v, tensors, spec, scale, q_offset, kv_offset):
+    B, Hq, Nq, _ = q.shape
+    dt = _state_dtype(q.dtype)
+    return q.new_empty((B, Hq, Nq, v.shape[-1]), dtype=dt), q.new_empty((B, Hq, Nq), dtype=dt)
+
+
+@torch.library.custom_op("keyfold::attend_backward", mutates_args=())
+def _attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                     dout: torch.Tensor, dlse: torch.Tensor | None, tensors: list[torch.Tensor], spec: str,
+                     scale: float | None, q_offset: int, kv_offset: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .engine import Backend
+    call = _call(q, k, v, tensors, spec, scale, q_offset, kv_offset)
+    if call.backend is Backend.REFERENCE:  # the piece backward runs on the tiles
+        call = _call(q, k, v, tensors, spec.replace('"backend":"reference"', '"backend":"tiles"'),
+                     scale, q_offset, kv_offset)
+    if dlse is not None and q.device.type == "cpu" and not bool(dlse.any()):
+        dlse = None
+    with _autograd_dispatch():  # a non-additive score's backward takes autograd of the score tile
+        dq, dk, dv = call.backward(q, k, v, out, lse, dout, dlse)
+    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+
+
+@_attend_backward.register_fake
+def _(q, k, v, out, lse, dout, dlse, tensors, spec, scale, q_offset, kv_offset):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the real ones
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, tensors, spec, scale, q_offset, kv_offset = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, *tensors)
+    ctx.args = (spec, scale, q_offset, kv_offset)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, *tensors = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = _attend_backward(q, k, v, out, lse, dout.contiguous(), dlse, tensors, *ctx.args)
+    return dq, dk, dv, [None] * len(tensors), None, None, None, None
+
+
+_attend.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attend_op(q, k, v, *, mask, score, scale, q_offset, kv_offset, backend, block_size) -> State:
+    """:func:`keyfold.attend` through the custom op (what it calls while dynamo traces)."""
+    spec, tensors = flatten(mask, score, backend, block_size)
+    if q_offset is None:
+        q_offset = kv_offset + k.shape[2] - q.shape[2]
+    out, lse = _attend(q, k, v, tensors, spec, None if scale is None else float(scale), q_offset, kv_offset)
+    return State(out, lse)
