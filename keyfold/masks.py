@@ -352,6 +352,48 @@ class _Padding(Mask):
         return hash(("padding", self.starts, self.ends))
 
 
+class _Keys(Mask):
+    """Key padding of any pattern: ``valid[b, kp]`` (True = a real key), by absolute position."""
+
+    def __init__(self, valid: torch.Tensor):
+        self.valid = _TensorKey(valid)
+        self._csum = None
+
+    def check_positions(self, q_start, q_end, k_start, k_end):
+        n = self.valid.t.shape[-1]
+        if k_start < 0 or k_end > n:
+            raise ValueError(f"padding(keys=...) covers {n} key positions but this call touches keys "
+                             f"{k_start}..{k_end - 1}; keys is indexed by absolute position and must cover "
+                             f"every key (check kv_offset)")
+
+    def evaluate(self, b, h, qp, kp):
+        v = self.valid.on(kp.device)                                        # (B, N)
+        if v.shape[0] != b.shape[0] and v.shape[0] != 1 and b.shape[0] != 1:
+            raise ValueError(f"padding(keys=...): it holds {v.shape[0]} batch entries but the batch has "
+                             f"{b.shape[0]}; pass one row per batch entry")
+        return v[:, kp.reshape(-1).long()].view(v.shape[0], 1, 1, -1)      # (B, 1, 1, S)
+
+    def classify(self, q0, q1, k0, k1):
+        if self._csum is None:  # per-entry prefix counts of real keys: O(1) per tile
+            self._csum = torch.nn.functional.pad(self.valid.t.long().cumsum(-1), (1, 0))
+        c = self._csum                                                      # (B, N + 1)
+        count = c[:, k1.view(-1)] - c[:, k0.view(-1)]                       # (B, nk)
+        width = (k1 - k0).view(1, -1)
+        return _kind((count == width).all(0), (count == 0).all(0)).view(1, -1) + torch.zeros_like(q0, dtype=torch.int8)
+
+    def depends_on_batch_head(self):
+        return True, False
+
+    def __repr__(self):
+        return f"padding(keys=<{'x'.join(map(str, self.valid.t.shape))}>)"
+
+    def __eq__(self, other):
+        return type(other) is _Keys and self.valid == other.valid
+
+    def __hash__(self):
+        return hash(("keys", self.valid))
+
+
 class _Documents(Mask):
     """Packed sequences: a pair is visible when the query's and the key's document ids match."""
 
@@ -723,9 +765,9 @@ def _per_batch(x, name, B=None):
     return t
 
 
-def padding(lengths=None, *, starts=None) -> Mask:
+def padding(lengths=None, *, starts=None, keys=None) -> Mask:
     """Key padding per batch entry: key ``kp`` of entry ``b`` is visible when
-    ``starts[b] <= kp < starts[b] + lengths[b]``.
+    ``starts[b] <= kp < starts[b] + lengths[b]`` (or, with ``keys``, when ``keys[b, kp]``).
 
     lengths: ``(B,)`` integer tensor (or an int), the number of real keys of each entry;
         None means no upper bound (every key from ``starts[b]`` on, as in left-padded
@@ -733,6 +775,8 @@ def padding(lengths=None, *, starts=None) -> Mask:
 
     - right padding (real keys first): ``padding(lengths)``
     - left padding to ``N`` keys (Hugging Face generation): ``padding(starts=N - lengths)``
+    - any pattern: ``padding(keys=attention_mask)``, a ``(B, N)`` bool or 0/1 tensor, True (1) for
+      a real key, indexed by absolute key position (Hugging Face's 2-D ``attention_mask``)
 
     Only keys are masked: a query row whose keys are all padding sees no key (out 0, lse -inf).
     Positions are absolute, so ``kv_offset`` shifts the keys a call covers. Composes with
@@ -744,6 +788,13 @@ def padding(lengths=None, *, starts=None) -> Mask:
     >>> padding(starts=torch.tensor([1, 0])).to_dense(1, 3, B=2)[:, 0, 0].int().tolist()
     [[0, 1, 1], [1, 1, 1]]
     """
+    if keys is not None:
+        if lengths is not None or starts is not None:
+            raise ValueError("padding(keys=...): pass keys alone, or lengths / starts without keys")
+        if not isinstance(keys, torch.Tensor) or keys.dim() != 2 or keys.dtype.is_floating_point:
+            raise ValueError(f"padding(keys=...): expected a (batch, keys) bool or 0/1 integer tensor, got "
+                             f"{getattr(keys, 'shape', type(keys).__name__)} {getattr(keys, 'dtype', '')}")
+        return _Keys(keys.detach().to("cpu", torch.bool))
     if lengths is None and starts is None:
         raise ValueError("padding(lengths, starts=...): pass lengths (right padding), starts (left padding) "
                          "or both")

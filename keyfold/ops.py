@@ -77,6 +77,8 @@ def _flat_mask(m, tensors: list) -> str:
     if t is M._Padding:
         ends = "null" if m.ends is None else _slot(m.ends.t, tensors)
         return '["padding",' + _slot(m.starts.t, tensors) + ',' + ends + ']'
+    if t is M._Keys:
+        return '["keys",' + _slot(m.valid.t, tensors) + ']'
     if t is M._Documents:
         kv = "null" if m.kv_ids is None else _slot(m.kv_ids.t, tensors)
         return '["documents",' + _slot(m.ids.t, tensors) + ',' + kv + ']'
@@ -143,6 +145,8 @@ def _build_mask(node, tensors):
         return M._Not(_build_mask(args[0], tensors))
     if op == "padding":
         return M._Padding(t(args[0]), t(args[1]))
+    if op == "keys":
+        return M._Keys(t(args[0]))
     if op == "documents":
         return M._Documents(t(args[0]), t(args[1]))
     if op == "block_sparse":

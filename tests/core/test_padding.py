@@ -94,3 +94,22 @@ def test_left_padding_equals_unpadded_sequences():
         alone = kf.attention(q[b:b + 1, :, N - n:], k[b:b + 1, :, N - n:], v[b:b + 1, :, N - n:], mask=kf.causal())
         torch.testing.assert_close(out[b:b + 1, :, N - n:], alone, atol=1e-6, rtol=1e-6)
         assert bool((out[b, :, :N - n] == 0).all())  # padded query rows see no key
+
+
+def test_keys_pattern_matches_dense_and_classifies_exactly():
+    torch.manual_seed(3)
+    B, N = 3, 19
+    valid = torch.rand(B, N) > 0.4
+    valid[2] = True
+    m = kf.padding(keys=valid)
+    assert torch.equal(m.to_dense(5, N, B=B), valid.view(B, 1, 1, N).expand(B, 1, 5, N))
+    assert m == kf.padding(keys=valid.int()) and m != kf.padding(keys=~valid)
+    p = plan(m, N, N, B=B, block_size=4)
+    for j in range(p.kinds.shape[1]):
+        tile = valid[:, j * 4:(j + 1) * 4]
+        want = BlockKind.FULL if tile.all() else BlockKind.EMPTY if not tile.any() else BlockKind.PARTIAL
+        assert bool((p.kinds[:, j] == want).all())
+    q, k, v = (torch.randn(B, 2, N, 8) for _ in range(3))
+    assert_forward_by_rule(q, k, v, mask=kf.causal() & m)
+    with pytest.raises(ValueError, match="absolute position"):
+        kf.attention(q, k, v, mask=m, kv_offset=2)
