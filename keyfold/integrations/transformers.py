@@ -177,7 +177,8 @@ def mask_interface(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     mask = to_keyfold_mask(mu.causal_mask_function if mask_function is None else mask_function, mu, codes)
     if isinstance(q_offset, torch.Tensor):  # a StaticCache layer reports it as a tensor
         q_offset = int(q_offset)
-    if attention_mask is not None and not bool(attention_mask.all()):
+    # (traced by torch.compile, the all-real check would break the graph: keep the mask, it is exact)
+    if attention_mask is not None and (torch.compiler.is_compiling() or not bool(attention_mask.all())):
         valid = attention_mask.bool()
         need = kv_offset + kv_length
         if valid.shape[-1] < need:  # a static cache's slots past the prompt: not real keys yet
