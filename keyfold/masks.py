@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 __all__ = [
-    "BlockKind", "Mask", "causal", "window", "sinks", "prefix", "documents",
+    "BlockKind", "MaskKind", "Logic", "Mask", "causal", "window", "sinks", "prefix", "documents",
     "block_sparse", "dilated", "full", "padding", "as_mask",
 ]
 
@@ -43,6 +43,25 @@ class BlockKind(enum.IntEnum):
     EMPTY = 0    # no pair visible: skipped
     PARTIAL = 1  # some visible: the mask is applied inside the tile
     FULL = 2     # every pair visible: no mask work
+
+
+class MaskKind(enum.Enum):
+    """The presets a backend may compile natively (see :meth:`Mask.spec`)."""
+
+    CAUSAL = "causal"              # {}
+    WINDOW = "window"              # {"left": int | None, "right": int | None}
+    SINKS = "sinks"                # {"n": int | int64 tensor (B,), "name": "sinks" | "prefix"}
+    DOCUMENTS = "documents"        # {"ids": int64 (N,) | (B, N), "kv_ids": the same}
+    BLOCK_SPARSE = "block_sparse"  # {"layout": bool (nq, nk) | (H, nq, nk), "block_size": int}
+    DILATED = "dilated"            # {"step": int}
+
+
+class Logic(enum.Enum):
+    """How a combinator joins its operands (see :meth:`Mask.operands`)."""
+
+    AND = "and"  # no operands: every pair visible
+    OR = "or"
+    NOT = "not"
 
 
 class _TensorKey:
@@ -79,7 +98,24 @@ class _TensorKey:
 
 
 class Mask:
-    """Base class. Subclasses implement ``evaluate`` and, when they can, ``classify``.
+    """The mask protocol. A mask of your own subclasses this and implements ``evaluate`` (and,
+    when it can, ``classify``); it then plans and runs on every backend (docs/masks.md).
+
+    What each part of keyfold asks of a mask:
+
+    ====================================  =========================================================
+    ``evaluate(b, h, qp, kp)``            every backend: visibility on an index grid (required)
+    ``classify(q0, q1, k0, k1)``          the planner: EMPTY / PARTIAL / FULL per tile in closed
+                                          form, or None (the planner then evaluates every pair)
+    ``depends_on_batch_head()``           the planner: plan once for all batch entries / heads
+    ``__eq__`` / ``__hash__``             the plan cache: equal content, equal hash
+    ``translation_invariant``             the CPU kernel: tiles at equal diagonals are equal
+    ``preferred_block()``                 the planner: a tile size that fits the structure
+    ``check_positions(...)``              the engine: refuse positions the mask cannot answer
+    ``spec()`` / ``operands()``           compilers (Triton, the distributed views, the verifier):
+                                          a preset's parameters / a combinator's operands; a mask
+                                          with neither is evaluated tile by tile into a bitmap
+    ====================================  =========================================================
 
     ``evaluate(b, h, qp, kp)`` gets int64 tensors that broadcast as
     ``(B, 1, 1, 1)``, ``(1, H, 1, 1)``, ``(1, 1, L, 1)``, ``(1, 1, 1, S)`` and returns a bool
@@ -104,6 +140,14 @@ class Mask:
 
     def preferred_block(self) -> int | None:
         """A tile size that fits the mask's own structure (block_sparse's block), or None."""
+        return None
+
+    def spec(self) -> tuple[MaskKind, dict] | None:
+        """``(kind, parameters)`` when this is a preset a backend may compile natively, else None."""
+        return None
+
+    def operands(self) -> tuple[Logic, tuple["Mask", ...]] | None:
+        """``(logic, operands)`` when this mask combines others (``&``, ``|``, ``~``), else None."""
         return None
 
     def check_positions(self, q_start: int, q_end: int, k_start: int, k_end: int) -> None:
@@ -195,6 +239,9 @@ class _Full(Mask):
     def classify(self, q0, q1, k0, k1):
         return torch.full(torch.broadcast_shapes(q0.shape, k0.shape), int(BlockKind.FULL), dtype=torch.int8)
 
+    def operands(self):
+        return Logic.AND, ()  # the empty conjunction: every pair
+
     def __repr__(self):
         return "full()"
 
@@ -214,6 +261,9 @@ class _Causal(Mask):
     def classify(self, q0, q1, k0, k1):
         # every key <= every query  /  every key > every query
         return _kind(k1 - 1 <= q0, k0 > q1 - 1)
+
+    def spec(self):
+        return MaskKind.CAUSAL, {}
 
     def __repr__(self):
         return "causal()"
@@ -254,6 +304,9 @@ class _Window(Mask):
         full = (k0 >= (q1 - 1) - left) & (k1 - 1 <= q0 + right)
         empty = (k1 - 1 < q0 - left) | (k0 > (q1 - 1) + right)
         return _kind(full, empty)
+
+    def spec(self):
+        return MaskKind.WINDOW, {"left": self.left, "right": self.right}
 
     def __repr__(self):
         return f"window({self.left}, {self.right})" if self.right else f"window({self.left})"
@@ -297,6 +350,10 @@ class _Sinks(Mask):
 
     def depends_on_batch_head(self):
         return isinstance(self.n, _TensorKey), False
+
+    def spec(self):
+        n = self.n.t if isinstance(self.n, _TensorKey) else self.n
+        return MaskKind.SINKS, {"n": n, "name": self.name}
 
     def __repr__(self):
         n = f"tensor{self.n.t.tolist()}" if isinstance(self.n, _TensorKey) else self.n
@@ -456,6 +513,9 @@ class _Documents(Mask):
     def depends_on_batch_head(self):
         return self.ids.t.dim() == 2 or self._kv().t.dim() == 2, False
 
+    def spec(self):
+        return MaskKind.DOCUMENTS, {"ids": self.ids.t, "kv_ids": self._kv().t}
+
     def __repr__(self):
         n = self.ids.t.shape[-1]
         ndoc = int(self.ids.t.unique().numel())
@@ -515,6 +575,9 @@ class _BlockSparse(Mask):
     def preferred_block(self):
         return self.block_size
 
+    def spec(self):
+        return MaskKind.BLOCK_SPARSE, {"layout": self.layout.t, "block_size": self.block_size}
+
     def __repr__(self):
         shape = "x".join(map(str, self.layout.t.shape))
         return f"block_sparse(<{shape} layout>, {self.block_size})"
@@ -539,6 +602,9 @@ class _Dilated(Mask):
         if self.step == 1:
             return _Full().classify(q0, q1, k0, k1)
         return None  # exact evaluation: tiles smaller than the step can be empty
+
+    def spec(self):
+        return MaskKind.DILATED, {"step": self.step}
 
     def __repr__(self):
         return f"dilated({self.step})"
@@ -577,6 +643,9 @@ class _And(Mask):
         (b1, h1), (b2, h2) = self.a.depends_on_batch_head(), self.b.depends_on_batch_head()
         return b1 or b2, h1 or h2
 
+    def operands(self):
+        return Logic.AND, (self.a, self.b)
+
     def __repr__(self):
         return f"{_paren(self.a, _Or)} & {_paren(self.b, _Or)}"
 
@@ -594,6 +663,9 @@ class _Or(_And):
     def classify(self, q0, q1, k0, k1):
         x, y = self.a.classify(q0, q1, k0, k1), self.b.classify(q0, q1, k0, k1)
         return None if x is None or y is None else torch.maximum(x, y)
+
+    def operands(self):
+        return Logic.OR, (self.a, self.b)
 
     def __repr__(self):
         return f"{_paren(self.a, _And)} | {_paren(self.b, _And)}"
@@ -619,6 +691,9 @@ class _Not(Mask):
 
     def depends_on_batch_head(self):
         return self.a.depends_on_batch_head()
+
+    def operands(self):
+        return Logic.NOT, (self.a,)
 
     def __repr__(self):
         return f"~{_paren(self.a, (_And, _Or))}"

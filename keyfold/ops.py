@@ -12,8 +12,9 @@ Python code; :func:`flatten` (also traced) turns one into a JSON ``spec`` string
 the graph) and the list of tensors it holds (graph values, so a padding mask built from a
 traced ``attention_mask`` stays data, not a constant). The real implementation rebuilds the
 objects from both with :func:`unflatten`; equal masks hash equal, so the plan cache still hits.
-A Flex-style callable is not data: it is kept in a registry and named in the spec by its key
-(dynamo reads the key as a constant).
+A Flex-style callable, or a user's own Mask / ScoreMod class, is not data: it is kept in a
+registry and named in the spec by its key (dynamo reads the key as a constant; build such an
+object outside the compiled function).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ __all__ = ["attend_op", "flatten", "unflatten"]
 
 # ------------------------------------------------------------------ masks and scores as data
 
-_CALLABLES: dict[int, object] = {}  # key -> a user's callable (kept alive for the plan cache)
+_CALLABLES: dict[int, object] = {}  # key -> a user's callable or mask/score object (kept alive)
 
 
 @torch._dynamo.assume_constant_result
@@ -86,8 +87,8 @@ def _flat_mask(m, tensors: list) -> str:
         return '["block_sparse",' + _slot(m.layout.t, tensors) + ',' + str(m.block_size) + ']'
     if t is M.MaskFn:
         return '["fn",' + str(_callable_key(m.fn)) + ']'
-    raise TypeError(f"keyfold under torch.compile: the mask type {t.__name__} has no compiled form; "
-                    f"use the presets (causal(), window(), padding(), documents(), ...) or a mask_mod callable")
+    # a user's own Mask class: passed by reference (build it outside the compiled function)
+    return '["obj",' + str(_callable_key(m)) + ']'
 
 
 def _flat_score(s, tensors: list) -> str:
@@ -102,8 +103,7 @@ def _flat_score(s, tensors: list) -> str:
         return '["chain",' + ",".join(_flat_score(x, tensors) for x in s.mods) + ']'
     if t is S.ScoreFn:
         return '["fn",' + str(_callable_key(s.fn)) + ']'
-    raise TypeError(f"keyfold under torch.compile: the score type {t.__name__} has no compiled form; "
-                    f"use alibi(), softcap() or a score_mod callable")
+    return '["obj",' + str(_callable_key(s)) + ']'
 
 
 def flatten(mask, score, backend, block_size) -> tuple[str, list]:
@@ -153,6 +153,8 @@ def _build_mask(node, tensors):
         return M._BlockSparse(t(args[0]), args[1])
     if op == "fn":
         return M.MaskFn(_CALLABLES[args[0]])
+    if op == "obj":
+        return _CALLABLES[args[0]]
     raise ValueError(f"unknown mask node {op!r}")
 
 
@@ -168,6 +170,8 @@ def _build_score(node, tensors):
         return S._Chain([_build_score(a, tensors) for a in args])
     if op == "fn":
         return S.ScoreFn(_CALLABLES[args[0]])
+    if op == "obj":
+        return _CALLABLES[args[0]]
     raise ValueError(f"unknown score node {op!r}")
 
 

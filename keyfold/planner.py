@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .masks import BlockKind, Mask, _Causal, as_mask, grid_positions
+from .masks import BlockKind, Mask, MaskKind, as_mask, grid_positions
 
 __all__ = ["PieceKind", "Piece", "Plan", "plan", "clear_plan_cache"]
 
@@ -212,11 +212,16 @@ def _build(mask, Nq, Nk, q_offset, kv_offset, B, H, bq, bk, max_span, allow_caus
 
     if mask is None and max_span is None:
         pieces = (Piece(0, Nq, 0, Nk, PieceKind.FULL),)
-    elif isinstance(mask, _Causal) and allow_causal and max_span is None:
+    elif _is_causal(mask) and allow_causal and max_span is None:
         pieces = _causal_pieces(Nq, Nk, q_offset - kv_offset)
     else:
         pieces = _grid_pieces(kinds, Nq, Nk, bq, bk, max_span)
     return Plan(Nq, Nk, q_offset, kv_offset, bq, bk, kinds, pieces)
+
+
+def _is_causal(mask: Mask | None) -> bool:
+    spec = mask.spec() if mask is not None else None
+    return spec is not None and spec[0] is MaskKind.CAUSAL
 
 
 def _causal_pieces(Nq: int, Nk: int, d: int) -> tuple[Piece, ...]:

@@ -7,6 +7,7 @@ tile by tile in torch ops. A list composes left to right.
 
 from __future__ import annotations
 
+import enum
 import math
 from typing import Callable
 
@@ -14,11 +15,21 @@ import torch
 
 from .masks import _TensorKey, _fn_name
 
-__all__ = ["ScoreMod", "alibi", "alibi_slopes", "softcap", "as_score"]
+__all__ = ["ScoreKind", "ScoreMod", "alibi", "alibi_slopes", "softcap", "as_score"]
+
+
+class ScoreKind(enum.Enum):
+    """The modifiers a backend may compile natively (see :meth:`ScoreMod.spec`)."""
+
+    ALIBI = "alibi"      # {"slopes": float32 (H,)}
+    SOFTCAP = "softcap"  # {"cap": float}
 
 
 class ScoreMod:
-    """Base class. ``apply(s, b, h, qp, kp)`` maps float32 scores ``(B, H, L, S)``.
+    """The score protocol. ``apply(s, b, h, qp, kp)`` maps float32 scores ``(B, H, L, S)``;
+    a modifier of your own subclasses this and implements ``apply`` (and, if it only adds a
+    bias, ``additive = True`` and ``bias``). ``spec()`` names a preset a backend may compile,
+    ``parts()`` the modifiers of a chain; a modifier with neither runs in torch ops per tile.
 
     Index tensors broadcast as in :meth:`keyfold.masks.Mask.evaluate` (absolute positions).
     Additive modifiers also give ``bias(b, h, qp, kp)`` with ``apply(s) == s + bias``.
@@ -47,6 +58,14 @@ class ScoreMod:
 
     def check_heads(self, H: int) -> None:
         """Raise if the modifier cannot serve ``H`` query heads."""
+
+    def spec(self) -> tuple[ScoreKind, dict] | None:
+        """``(kind, parameters)`` when this is a preset a backend may compile natively, else None."""
+        return None
+
+    def parts(self) -> tuple["ScoreMod", ...] | None:
+        """The modifiers this one applies left to right (a chain), else None."""
+        return None
 
 
 class _Alibi(ScoreMod):
@@ -83,6 +102,9 @@ class _Alibi(ScoreMod):
             raise ValueError(f"alibi(slopes): {self.slopes.t.numel()} slopes for {H} query heads; "
                              f"pass one slope per query head")
 
+    def spec(self):
+        return ScoreKind.ALIBI, {"slopes": self.slopes.t}
+
     def __repr__(self):
         return f"alibi(<{self.slopes.t.numel()} slopes>)"
 
@@ -104,6 +126,9 @@ class _Softcap(ScoreMod):
 
     def apply_(self, s, b, h, qp, kp):
         return s.div_(self.cap).tanh_().mul_(self.cap)
+
+    def spec(self):
+        return ScoreKind.SOFTCAP, {"cap": self.cap}
 
     def __repr__(self):
         return f"softcap({self.cap:g})"
@@ -169,6 +194,9 @@ class _Chain(ScoreMod):
     def check_heads(self, H):
         for m in self.mods:
             m.check_heads(H)
+
+    def parts(self):
+        return self.mods
 
     def __repr__(self):
         return "[" + ", ".join(map(repr, self.mods)) + "]"

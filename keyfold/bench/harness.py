@@ -21,7 +21,8 @@ from typing import Callable
 
 import torch
 
-__all__ = ["Timing", "interleaved", "results_dir", "machine", "isa_flags", "write_json"]
+__all__ = ["Timing", "interleaved", "results_dir", "machine", "isa_flags", "write_json", "matmul_rate",
+           "stream_bandwidth"]
 
 
 class Timing(dict):
@@ -119,3 +120,23 @@ def write_json(path: Path, obj) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2, default=str))
     tmp.replace(path)
+
+
+# ------------------------------------------------------------------ the machine's limits
+
+
+def matmul_rate(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 5) -> float:
+    """The machine's dense matmul rate for ``dtype`` in GFLOP/s (an ``n x n`` GEMM, median):
+    the ceiling an attention forward can approach (its FLOPs are two GEMMs per tile)."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    t = interleaved({"mm": lambda: a @ b}, repeats, warmup=2)["mm"]
+    return 2.0 * n ** 3 / t / 1e9
+
+
+def stream_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> float:
+    """Main-memory bandwidth in GB/s from a stream copy (bytes read + bytes written, median):
+    the ceiling of decode, which reads each cached key and value once."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    t = interleaved({"copy": lambda: dst.copy_(src)}, repeats, warmup=2)["copy"]
+    return 2.0 * nbytes / t / 1e9

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 import keyfold as kf
 
-from .harness import interleaved, machine, results_dir
+from .harness import interleaved, machine, matmul_rate, results_dir
 
 
 
@@ -308,18 +308,25 @@ def _fmt(x, spec=".3f"):
     return "n/a" if x is None else format(x, spec)
 
 
-def markdown(results: list[Result], mem: dict | None, header: str) -> str:
-    lines = [header, "",
-             "| variant | N | D | dtype | mode | work | keyfold s | SDPA s | Flex s | Flex compile s | "
-             "kf/SDPA | kf/Flex | keyfold GFLOP/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+def markdown(results: list[Result], mem: dict | None, header: str, limits: dict | None = None) -> str:
+    limits = limits or {}
+    lines = [header, ""]
+    if limits:
+        lines += ["Limits measured in this run (an n=2048 GEMM, median): " + ", ".join(
+            f"{dt} {g:.0f} GFLOP/s" for dt, g in limits.items()) + ". `of matmul` = keyfold's GFLOP/s (counted on "
+            "the visible pairs: 4·D FLOPs each forward, 3.5x that forward+backward) over that rate.", ""]
+    lines += ["| variant | N | D | dtype | mode | work | keyfold s | SDPA s | Flex s | Flex compile s | "
+              "kf/SDPA | kf/Flex | keyfold GFLOP/s | of matmul |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         c, t = r.case, r.times
         gflops = None if t.get("keyfold") is None else r.gflop / t["keyfold"]
+        frac = None if gflops is None or c.dtype not in limits else gflops / limits[c.dtype]
         lines.append(
             f"| {c.variant} | {c.N} | {c.D} | {c.dtype} | {c.mode} | {r.density:.1%} | {_fmt(t.get('keyfold'), '.4f')} | "
             f"{_fmt(t.get('sdpa'), '.4f')} | {_fmt(t.get('flex'), '.4f')} | {_fmt(r.compile_s, '.1f')} | "
-            f"{_fmt(r.ratio('sdpa'), '.2f')} | {_fmt(r.ratio('flex'), '.2f')} | {_fmt(gflops, '.1f')} |")
+            f"{_fmt(r.ratio('sdpa'), '.2f')} | {_fmt(r.ratio('flex'), '.2f')} | {_fmt(gflops, '.1f')} | "
+            f"{_fmt(frac, '.0%')} |")
     plans = [r for r in results if r.plan_s is not None]
     if plans:
         lines += ["", "Planning a user's mask callable (cold, then cached):", ""]
@@ -389,6 +396,9 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
 
     todo = [c for c in cases(args.preset) if not args.variants or c.variant in args.variants]
+    # the machine's matmul rate per dtype, measured in this run (the roof each row is held to)
+    limits = {} if args.preset == "tiny" else {dt: matmul_rate(getattr(torch, dt)) for dt in
+                                               sorted({c.dtype for c in todo})}
     results = []
     for case in tqdm(todo, desc="bench kernels", unit="case"):
         results.append(run_case(case, repeats_for(case, args.preset), flex_wanted(args.preset, case)))
@@ -399,10 +409,10 @@ def main(argv=None) -> int:
               f"Machine: {machine()}. Median of alternating repeats; `work` is the fraction of the dense "
               f"N×N work keyfold's plan computes. B=1, H=8.")
     args.out = results_dir(args.out)
-    md = markdown(results, mem, header)
+    md = markdown(results, mem, header, limits)
     (args.out / f"{args.name}.md").write_text(md)
     (args.out / f"{args.name}.json").write_text(json.dumps(
-        {"machine": machine(), "preset": args.preset, "memory": mem,
+        {"machine": machine(), "preset": args.preset, "memory": mem, "matmul_gflops": limits,
          "results": [dict(asdict(r), ratio_sdpa=r.ratio("sdpa"), ratio_flex=r.ratio("flex")) for r in results]},
         indent=1))
     plot(results, args.out / f"{args.name}.png")

@@ -53,17 +53,19 @@ class _MaskProgram:
 
 def _dnf(mask, neg=False):
     """The mask as a list of clauses (AND of ``(leaf, negated)``); ``[]`` is false, ``[[]]`` true."""
-    if isinstance(mask, _m._Not):
-        return _dnf(mask.a, not neg)
-    if isinstance(mask, _m._Or):       # before _And: _Or (and _Prefix) subclass it
-        a, b = _dnf(mask.a, neg), _dnf(mask.b, neg)
-        return _product(a, b) if neg else a + b
-    if isinstance(mask, _m._And):
-        a, b = _dnf(mask.a, neg), _dnf(mask.b, neg)
-        return a + b if neg else _product(a, b)
-    if isinstance(mask, _m._Full):
-        return [] if neg else [[]]
-    return [[(mask, neg)]]
+    ops = mask.operands()
+    if ops is None:
+        return [[(mask, neg)]]
+    logic, args = ops
+    if logic is _m.Logic.NOT:
+        return _dnf(args[0], not neg)
+    parts = [_dnf(a, neg) for a in args]
+    if (logic is _m.Logic.AND) != neg:   # AND, or a negated OR (De Morgan): the product of the parts
+        out = [[]]
+        for p in parts:
+            out = _product(out, p)
+        return out
+    return [c for p in parts for c in p]  # OR, or a negated AND: the union of the parts
 
 
 def _product(a, b):
@@ -71,7 +73,8 @@ def _product(a, b):
 
 
 def _native_leaf(leaf) -> bool:
-    return isinstance(leaf, (_m._Causal, _m._Window, _m._Sinks, _m._Documents, _m._BlockSparse, _m._Dilated))
+    """A preset the kernel evaluates itself (any other mask is evaluated per tile into a bitmap)."""
+    return leaf.spec() is not None
 
 
 _PROGRAMS: "OrderedDict[object, _MaskProgram]" = OrderedDict()
@@ -118,27 +121,29 @@ _ALL_VISIBLE = _encode([[(_Op.TRUE, False, (0, 0, 0, 0))]], [])  # the program o
 
 
 def _leaves(mask):
-    if isinstance(mask, _m._Not):
-        return _leaves(mask.a)
-    if isinstance(mask, _m._And):  # also _Or and _Prefix
-        return _leaves(mask.a) + _leaves(mask.b)
-    return [mask]
+    ops = mask.operands()
+    return [mask] if ops is None else [leaf for a in ops[1] for leaf in _leaves(a)]
 
 
 def _check_extents(mask, B: int, Hq: int) -> None:
     """Per-batch and per-head tensors of the mask must fit the call: the kernel reads them
     without bounds checks (the torch paths would raise an IndexError instead)."""
+    K = _m.MaskKind
     for leaf in _leaves(mask):
-        if isinstance(leaf, _m._Sinks) and not isinstance(leaf.n, int) and leaf.n.t.numel() not in (1, B):
-            raise ValueError(f"{leaf.name}(n): n has {leaf.n.t.numel()} entries but the batch has {B}; "
+        spec = leaf.spec()
+        kind, prm = spec if spec is not None else (None, {})
+        n = prm.get("n")
+        if kind is K.SINKS and isinstance(n, torch.Tensor) and n.numel() not in (1, B):
+            raise ValueError(f"{prm['name']}(n): n has {n.numel()} entries but the batch has {B}; "
                              f"pass one count per batch entry")
-        if isinstance(leaf, _m._Documents):
-            for name, key in (("ids", leaf.ids), ("kv_ids", leaf.kv_ids)):
-                if key is not None and key.t.dim() == 2 and key.t.shape[0] not in (1, B):
-                    raise ValueError(f"documents({name}): {key.t.shape[0]} rows of ids but the batch has {B}; "
+        if kind is K.DOCUMENTS:
+            for name in ("ids", "kv_ids"):
+                t = prm[name]
+                if t.dim() == 2 and t.shape[0] not in (1, B):
+                    raise ValueError(f"documents({name}): {t.shape[0]} rows of ids but the batch has {B}; "
                                      f"pass ids of shape (N,) or ({B}, N)")
-        if isinstance(leaf, _m._BlockSparse) and leaf.layout.t.dim() == 3 and leaf.layout.t.shape[0] not in (1, Hq):
-            raise ValueError(f"block_sparse(layout): the layout has {leaf.layout.t.shape[0]} heads but q has {Hq}; "
+        if kind is K.BLOCK_SPARSE and prm["layout"].dim() == 3 and prm["layout"].shape[0] not in (1, Hq):
+            raise ValueError(f"block_sparse(layout): the layout has {prm['layout'].shape[0]} heads but q has {Hq}; "
                              f"pass one layout per query head, or a 2-D layout for all")
 
 
@@ -150,34 +155,36 @@ def _push(aux: list, t: torch.Tensor) -> int:
 
 
 def _literal(leaf, negated, aux):
-    """``(op, negated, (a, b, c, d))`` for one preset leaf."""
-    if isinstance(leaf, _m._Causal):
+    """``(op, negated, (a, b, c, d))`` for one preset leaf, from its :meth:`~keyfold.Mask.spec`."""
+    K = _m.MaskKind
+    kind, prm = leaf.spec()
+    if kind is K.CAUSAL:
         return _Op.CAUSAL, negated, (0, 0, 0, 0)
-    if isinstance(leaf, _m._Window):
-        left = _BIG if leaf.left is None else min(leaf.left, _BIG)
-        right = _BIG if leaf.right is None else min(leaf.right, _BIG)
+    if kind is K.WINDOW:
+        left = _BIG if prm["left"] is None else min(prm["left"], _BIG)
+        right = _BIG if prm["right"] is None else min(prm["right"], _BIG)
         return _Op.WINDOW, negated, (left, right, 0, 0)
-    if isinstance(leaf, _m._Sinks):
-        if isinstance(leaf.n, int):
-            return _Op.SINKS, negated, (min(leaf.n, _BIG), 0, 0, 0)
-        n = leaf.n.t.clamp(max=_BIG)
+    if kind is K.SINKS:
+        if not isinstance(prm["n"], torch.Tensor):
+            return _Op.SINKS, negated, (min(prm["n"], _BIG), 0, 0, 0)
+        n = prm["n"].clamp(max=_BIG)
         return _Op.SINKS_BATCH, negated, (_push(aux, n), 1 if n.numel() > 1 else 0, 0, 0)
-    if isinstance(leaf, _m._Documents):
-        qi, ki = leaf.ids.t, leaf._kv().t
+    if kind is K.DOCUMENTS:
+        qi, ki = prm["ids"], prm["kv_ids"]
         # ids may be any int64: renumber both sides together so they fit int32
         _, inv = torch.unique(torch.cat([qi.reshape(-1), ki.reshape(-1)]), return_inverse=True)
         qc, kc = inv[:qi.numel()].view(qi.shape), inv[qi.numel():].view(ki.shape)
         qs = qi.shape[-1] if qi.dim() == 2 and qi.shape[0] > 1 else 0
         ks = ki.shape[-1] if ki.dim() == 2 and ki.shape[0] > 1 else 0
         return _Op.DOCUMENTS, negated, (_push(aux, qc), _push(aux, kc), qs, ks)
-    if isinstance(leaf, _m._BlockSparse):
-        lay = leaf.layout.t
+    if kind is K.BLOCK_SPARSE:
+        lay = prm["layout"]
         nq, nk = lay.shape[-2:]
         hs = nq * nk if lay.dim() == 3 and lay.shape[0] > 1 else 0
-        return _Op.BLOCK_SPARSE, negated, (_push(aux, lay.to(torch.int32)), leaf.block_size, hs, nk)
-    if isinstance(leaf, _m._Dilated):
-        return _Op.DILATED, negated, (leaf.step, 0, 0, 0)
-    raise AssertionError(f"not a native leaf: {leaf!r}")  # guarded by _native_leaf
+        return _Op.BLOCK_SPARSE, negated, (_push(aux, lay.to(torch.int32)), prm["block_size"], hs, nk)
+    if kind is K.DILATED:
+        return _Op.DILATED, negated, (prm["step"], 0, 0, 0)
+    raise AssertionError(f"no kernel literal for {leaf!r}")  # a new MaskKind needs one here
 
 
 # ============================================================================ score program
@@ -193,18 +200,38 @@ class _Score(enum.IntEnum):
     SOFTCAP_ALIBI = 4  # softcap(s) + bias
 
 
+_SCORES: "OrderedDict[object, tuple | None]" = OrderedDict()
+
+
 def _score_program(score):
-    """``(kind, slopes or None, cap)``, or None when the kernel cannot run ``score``."""
+    """``(kind, slopes or None, cap)``, or None when the kernel cannot run ``score``; cached by the
+    modifier, so the slopes' device copies (a ``_TensorKey``) are made once, not per launch."""
     if score is None:
         return _Score.NONE, None, 1.0
-    mods = list(score.mods) if isinstance(score, _s._Chain) else [score]
-    names = tuple("a" if isinstance(m, _s._Alibi) else "s" if isinstance(m, _s._Softcap) else "?" for m in mods)
+    with _LOCK:
+        if score in _SCORES:
+            return _SCORES[score]
+    result = _compile_score(score)
+    with _LOCK:
+        _SCORES[score] = result
+        if len(_SCORES) > 64:
+            _SCORES.popitem(last=False)
+    return result
+
+
+def _compile_score(score):
+    mods = score.parts() or (score,)
+    specs = [m.spec() for m in mods]
+    if any(sp is None for sp in specs):
+        return None
+    S = _s.ScoreKind
+    names = tuple({S.ALIBI: "a", S.SOFTCAP: "s"}.get(sp[0], "?") for sp in specs)
     kind = {("a",): _Score.ALIBI, ("s",): _Score.SOFTCAP, ("a", "s"): _Score.ALIBI_SOFTCAP,
             ("s", "a"): _Score.SOFTCAP_ALIBI}.get(names)
-    if kind is None:
-        return None
-    slopes = next((m.slopes for m in mods if isinstance(m, _s._Alibi)), None)  # a _TensorKey
-    cap = next((m.cap for m in mods if isinstance(m, _s._Softcap)), 1.0)
+    if kind is None or any(sp[0] is S.ALIBI and sp[1]["slopes"].dim() != 1 for sp in specs):
+        return None  # per-batch slopes (B, H) run on the tile kernel
+    slopes = next((_m._TensorKey(sp[1]["slopes"]) for sp in specs if sp[0] is S.ALIBI), None)
+    cap = next((sp[1]["cap"] for sp in specs if sp[0] is S.SOFTCAP), 1.0)
     return kind, slopes, cap
 
 
