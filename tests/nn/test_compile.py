@@ -108,3 +108,31 @@ def test_spec_round_trip_keeps_meaning():
         spec, tensors = flatten(mask, score, kf.Backend.TILES, (4, 8))
         m2, s2, backend, block = unflatten(spec, tensors)
         assert m2 == mask and s2 == kf.as_score(score) and backend is kf.Backend.TILES and block == (4, 8)
+
+
+class _EvenDistance(kf.Mask):
+    """A user's own mask class (no preset spec): evaluated per tile, passed to the op by reference."""
+
+    def evaluate(self, b, h, qp, kp):
+        return (qp - kp) % 2 == 0
+
+    def __eq__(self, other):
+        return type(other) is _EvenDistance
+
+    def __hash__(self):
+        return hash("even")
+
+
+EVEN = _EvenDistance()
+
+
+def test_user_mask_class_built_outside_compiles():
+    q, k, v, _ = inputs(3)
+
+    def fn(q, k, v):
+        return kf.attention(q, k, v, mask=EVEN & kf.causal())
+
+    ex = torch._dynamo.explain(fn)(q, k, v)
+    assert ex.graph_break_count == 0, ex.break_reasons
+    got = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v)
+    assert torch.equal(got, fn(q, k, v))
