@@ -106,7 +106,7 @@ def _flat_score(s, tensors: list) -> str:
     return '["obj",' + str(_callable_key(s)) + ']'
 
 
-def flatten(mask, score, backend, block_size) -> tuple[str, list]:
+def flatten(mask, score, backend, block_size, check_inputs: bool = False) -> tuple[str, list]:
     """``(spec, tensors)``: a JSON string naming the mask, score, backend and block size, and the
     tensors they hold in the order the spec's ``["#", i]`` slots name them."""
     tensors: list = []
@@ -114,7 +114,8 @@ def flatten(mask, score, backend, block_size) -> tuple[str, list]:
     s = _flat_score(S.as_score(score), tensors)
     if block_size is not None and type(block_size) is not int:
         block_size = '[' + str(block_size[0]) + ',' + str(block_size[1]) + ']'
-    spec = '{"mask":' + m + ',"score":' + s + ',"backend":"' + backend.value + '","block":' + _num(block_size) + '}'
+    spec = ('{"mask":' + m + ',"score":' + s + ',"backend":"' + backend.value + '","block":' + _num(block_size)
+            + ',"check":' + ("true" if check_inputs else "false") + '}')
     return spec, tensors
 
 
@@ -185,11 +186,11 @@ def _unflatten(spec, tensors):
     d = json.loads(spec)
     block = d["block"]
     return (_build_mask(d["mask"], tensors), _build_score(d["score"], tensors), Backend(d["backend"]),
-            tuple(block) if isinstance(block, list) else block)
+            tuple(block) if isinstance(block, list) else block, d.get("check", False))
 
 
 def unflatten(spec: str, tensors: list) -> tuple:
-    """``(mask, score, backend, block_size)`` from :func:`flatten`'s output (tensorless specs cached)."""
+    """``(mask, score, backend, block_size, check_inputs)`` from :func:`flatten`'s output (tensorless specs cached)."""
     return _cached(spec) if not tensors else _unflatten(spec, [x.detach() for x in tensors])
 
 
@@ -214,8 +215,8 @@ def _autograd_dispatch():
 
 def _call(q, k, v, tensors, spec, scale, q_offset, kv_offset):
     from .engine import _Call
-    mask, score, backend, block = unflatten(spec, tensors)
-    return _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block, False)
+    mask, score, backend, block, check = unflatten(spec, tensors)
+    return _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block, check)
 
 
 def _state_dtype(dtype):
@@ -282,9 +283,9 @@ def _backward(ctx, dout, dlse):
 _attend.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attend_op(q, k, v, *, mask, score, scale, q_offset, kv_offset, backend, block_size) -> State:
+def attend_op(q, k, v, *, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs=False) -> State:
     """:func:`keyfold.attend` through the custom op (what it calls while dynamo traces)."""
-    spec, tensors = flatten(mask, score, backend, block_size)
+    spec, tensors = flatten(mask, score, backend, block_size, check_inputs)
     if q_offset is None:
         q_offset = kv_offset + k.shape[2] - q.shape[2]
     out, lse = _attend(q, k, v, tensors, spec, None if scale is None else float(scale), q_offset, kv_offset)

@@ -106,8 +106,8 @@ def test_spec_round_trip_keeps_meaning():
                         (kf.block_sparse(torch.eye(3, dtype=torch.bool), 4) | kf.sinks(torch.tensor([1, 5])), None),
                         (kf.documents(IDS[:8], kv_ids=IDS[8:]) & kf.padding(torch.tensor([3, 8])), None)]:
         spec, tensors = flatten(mask, score, kf.Backend.TILES, (4, 8))
-        m2, s2, backend, block = unflatten(spec, tensors)
-        assert m2 == mask and s2 == kf.as_score(score) and backend is kf.Backend.TILES and block == (4, 8)
+        m2, s2, backend, block, check = unflatten(spec, tensors)
+        assert m2 == mask and s2 == kf.as_score(score) and backend is kf.Backend.TILES and block == (4, 8) and check is False
 
 
 class _EvenDistance(kf.Mask):
@@ -136,3 +136,13 @@ def test_user_mask_class_built_outside_compiles():
     assert ex.graph_break_count == 0, ex.break_reasons
     got = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v)
     assert torch.equal(got, fn(q, k, v))
+
+
+def test_check_inputs_holds_under_compile():
+    q, k, v, _ = inputs(4)
+    q = q.detach().clone()
+    q[0, 0, 0, 0] = float("nan")
+    fn = torch.compile(lambda q, k, v: kf.attention(q, k, v, mask=kf.causal(), check_inputs=True),
+                       fullgraph=True, backend="eager")
+    with pytest.raises(ValueError, match="NaN"):
+        fn(q, k.detach(), v.detach())
