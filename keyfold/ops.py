@@ -53,55 +53,55 @@ def _slot(t: torch.Tensor, tensors: list) -> str:
     return '["#",' + str(len(tensors) - 1) + ']'
 
 
+def _value(x, tensors: list) -> str:
+    if isinstance(x, torch.Tensor):
+        return _slot(x, tensors)
+    if x is None:
+        return "null"
+    if isinstance(x, str):
+        return '"' + x + '"'
+    return repr(x)  # int or float
+
+
+def _params(params: dict, tensors: list) -> str:
+    return "{" + ",".join('"' + k + '":' + _value(params[k], tensors) for k in sorted(params)) + "}"
+
+
 def _flat_mask(m, tensors: list) -> str:
-    t = type(m)
+    """By the mask protocol: a combinator's operands, a preset's spec; padding by its bounds;
+    a callable or any other mask by reference."""
     if m is None:
         return "null"
-    if t is M._Full:
-        return '["full"]'
-    if t is M._Causal:
-        return '["causal"]'
-    if t is M._Window:
-        return '["window",' + _num(m.left) + ',' + _num(m.right) + ']'
-    if t is M._Dilated:
-        return '["dilated",' + str(m.step) + ']'
-    if t is M._Sinks:
-        n = _slot(m.n.t, tensors) if type(m.n) is M._TensorKey else str(m.n)
-        return '["sinks","' + m.name + '",' + n + ']'
-    if t is M._Prefix:
-        return '["prefix",' + _flat_mask(m.a, tensors) + ']'
-    if t is M._And or t is M._Or:
-        op = "and" if t is M._And else "or"
-        return '["' + op + '",' + _flat_mask(m.a, tensors) + ',' + _flat_mask(m.b, tensors) + ']'
-    if t is M._Not:
-        return '["not",' + _flat_mask(m.a, tensors) + ']'
-    if t is M._Padding:
+    ops = m.operands()
+    if ops is not None:
+        logic, parts = ops
+        return '["' + logic.value + '"' + "".join("," + _flat_mask(x, tensors) for x in parts) + "]"
+    spec = m.spec()
+    if spec is not None:
+        kind, params = spec
+        return '["spec","' + kind.value + '",' + _params(params, tensors) + "]"
+    if type(m) is M._Padding:
         ends = "null" if m.ends is None else _slot(m.ends.t, tensors)
         return '["padding",' + _slot(m.starts.t, tensors) + ',' + ends + ']'
-    if t is M._Keys:
+    if type(m) is M._Keys:
         return '["keys",' + _slot(m.valid.t, tensors) + ']'
-    if t is M._Documents:
-        kv = "null" if m.kv_ids is None else _slot(m.kv_ids.t, tensors)
-        return '["documents",' + _slot(m.ids.t, tensors) + ',' + kv + ']'
-    if t is M._BlockSparse:
-        return '["block_sparse",' + _slot(m.layout.t, tensors) + ',' + str(m.block_size) + ']'
-    if t is M.MaskFn:
+    if type(m) is M.MaskFn:
         return '["fn",' + str(_callable_key(m.fn)) + ']'
     # a user's own Mask class: passed by reference (build it outside the compiled function)
     return '["obj",' + str(_callable_key(m)) + ']'
 
 
 def _flat_score(s, tensors: list) -> str:
-    t = type(s)
     if s is None:
         return "null"
-    if t is S._Softcap:
-        return '["softcap",' + repr(s.cap) + ']'
-    if t is S._Alibi:
-        return '["alibi",' + _slot(s.slopes.t, tensors) + ']'
-    if t is S._Chain:
-        return '["chain",' + ",".join(_flat_score(x, tensors) for x in s.mods) + ']'
-    if t is S.ScoreFn:
+    parts = s.parts()
+    if parts is not None:
+        return '["chain"' + "".join("," + _flat_score(x, tensors) for x in parts) + "]"
+    spec = s.spec()
+    if spec is not None:
+        kind, params = spec
+        return '["spec","' + kind.value + '",' + _params(params, tensors) + "]"
+    if type(s) is S.ScoreFn:
         return '["fn",' + str(_callable_key(s.fn)) + ']'
     return '["obj",' + str(_callable_key(s)) + ']'
 
@@ -119,39 +119,49 @@ def flatten(mask, score, backend, block_size, check_inputs: bool = False) -> tup
     return spec, tensors
 
 
+def _args(params: dict, tensors: list) -> dict:
+    return {k: tensors[v[1]] if isinstance(v, list) else v for k, v in params.items()}
+
+
+def _preset_mask(kind: M.MaskKind, p: dict) -> M.Mask:
+    """A preset from its spec, through the public builders."""
+    if kind is M.MaskKind.CAUSAL:
+        return M.causal()
+    if kind is M.MaskKind.WINDOW:
+        return M.window(p["left"], p["right"])
+    if kind is M.MaskKind.SINKS:
+        return (M.prefix if p.get("name") == "prefix" else M.sinks)(p["n"])
+    if kind is M.MaskKind.DOCUMENTS:
+        return M.documents(p["ids"], p.get("kv_ids"))
+    if kind is M.MaskKind.BLOCK_SPARSE:
+        return M.block_sparse(p["layout"], p["block_size"])
+    if kind is M.MaskKind.DILATED:
+        return M.dilated(p["step"])
+    raise ValueError(f"keyfold.ops: no builder for the mask kind {kind}")
+
+
 def _build_mask(node, tensors):
     if node is None:
         return None
     op, args = node[0], node[1:]
     t = lambda x: None if x is None else tensors[x[1]]  # noqa: E731
-    if op == "full":
-        return M.full()
-    if op == "causal":
-        return M.causal()
-    if op == "window":
-        return M._Window(*args)
-    if op == "dilated":
-        return M.dilated(args[0])
-    if op == "sinks":
-        name, n = args
-        return M._Sinks(t(n) if isinstance(n, list) else n, name=name)
-    if op == "prefix":
-        p = M._Prefix(0)
-        p.a = _build_mask(args[0], tensors)
-        return p
-    if op in ("and", "or"):
-        cls = M._And if op == "and" else M._Or
-        return cls(_build_mask(args[0], tensors), _build_mask(args[1], tensors))
-    if op == "not":
-        return M._Not(_build_mask(args[0], tensors))
+    if op in (M.Logic.AND.value, M.Logic.OR.value):
+        parts = [_build_mask(a, tensors) for a in args]
+        if not parts:
+            return M.full() if op == M.Logic.AND.value else ~M.full()
+        out = parts[0]
+        for x in parts[1:]:
+            out = (out & x) if op == M.Logic.AND.value else (out | x)
+        return out
+    if op == M.Logic.NOT.value:
+        return ~_build_mask(args[0], tensors)
+    if op == "spec":
+        return _preset_mask(M.MaskKind(args[0]), _args(args[1], tensors))
     if op == "padding":
-        return M._Padding(t(args[0]), t(args[1]))
+        starts, ends = t(args[0]), t(args[1])
+        return M.padding(starts=starts) if ends is None else M.padding(ends - starts, starts=starts)
     if op == "keys":
-        return M._Keys(t(args[0]))
-    if op == "documents":
-        return M._Documents(t(args[0]), t(args[1]))
-    if op == "block_sparse":
-        return M._BlockSparse(t(args[0]), args[1])
+        return M.padding(keys=t(args[0]))
     if op == "fn":
         return M.MaskFn(_CALLABLES[args[0]])
     if op == "obj":
@@ -163,12 +173,15 @@ def _build_score(node, tensors):
     if node is None:
         return None
     op, args = node[0], node[1:]
-    if op == "softcap":
-        return S.softcap(args[0])
-    if op == "alibi":
-        return S._Alibi(tensors[args[0][1]])
     if op == "chain":
-        return S._Chain([_build_score(a, tensors) for a in args])
+        return S.as_score([_build_score(a, tensors) for a in args])
+    if op == "spec":
+        kind, p = S.ScoreKind(args[0]), _args(args[1], tensors)
+        if kind is S.ScoreKind.ALIBI:
+            return S.alibi(p["slopes"])
+        if kind is S.ScoreKind.SOFTCAP:
+            return S.softcap(p["cap"])
+        raise ValueError(f"keyfold.ops: no builder for the score kind {kind}")
     if op == "fn":
         return S.ScoreFn(_CALLABLES[args[0]])
     if op == "obj":

@@ -184,8 +184,8 @@ def mask_interface(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
         if valid.shape[-1] < need:  # a static cache's slots past the prompt: not real keys yet
             valid = torch.nn.functional.pad(valid, (0, need - valid.shape[-1]), value=False)
         pad = M.padding(keys=valid)
-        mask = pad if mask is None or isinstance(mask, M._Full) else mask & pad
-    if isinstance(mask, M._Full):
+        mask = pad if mask is None or mask == M.full() else mask & pad
+    if mask == M.full():
         mask = None
     return KeyfoldMask(mask, int(q_offset), int(kv_offset), (batch_size, 1, q_length, kv_length))
 
