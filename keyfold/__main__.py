@@ -30,6 +30,8 @@ COMMANDS = {
     ("translate",): ("keyfold.apps.translate.translate:main",
                      "translate with a checkpoint, or evaluate on the test split", "translate"),
     ("verify",): ("keyfold.apps.verify.report:main", "error bounds, certified bounds, streaming, fuzzing", "verify"),
+    ("verify", "faults"): ("keyfold.apps.verify.faults:main", "fuzz count per module: inputs, errors, wrong answers",
+                           "verify"),
     ("control", "bench"): ("keyfold.apps.control.bench:main", "predictors in a safe real-time closed loop",
                            "control"),
 }

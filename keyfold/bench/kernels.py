@@ -157,8 +157,8 @@ def run_case(case: Case, repeats: int, with_flex: bool) -> Result:
     variant = BY_NAME[case.variant]
     pairs = _visible_pairs(mask, case.N, case.H, case.B)
     flops = 4.0 * case.B * case.H * case.D * pairs * (3.5 if case.mode == "fwd+bwd" else 1.0)
-    plan = kf.plan(mask, case.N, case.N, B=case.B, H=case.H,
-                   max_span=kf.engine.TILE_SPAN if score is not None else None)
+    plan = kf.planner._plan(mask, case.N, case.N, B=case.B, H=case.H,
+                            max_span=kf.engine.TILE_SPAN if score is not None else None)
     res = Result(case, density=plan.density, gflop=flops / 1e9)
 
     if case.variant == "custom-callable":  # planning cost of a user's callable, cold then warm

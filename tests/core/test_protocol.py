@@ -107,3 +107,17 @@ def test_reference_is_the_oracle_for_the_user_mask():
     vis = m.evaluate(None, None, i.view(-1, 1), i.view(1, -1))
     s = (q[0, 0] @ k[0, 0].T * 0.25).masked_fill(~vis, float("-inf"))
     torch.testing.assert_close(st.out[0, 0], torch.softmax(s, -1) @ v[0, 0])
+
+
+def test_plan_compares_by_identity_and_exposes_only_public_settings():
+    """Plan holds tensors, so field equality was elementwise (and its hash broken); it compares by
+    identity now, and plan() takes only what a user sets (issue #17)."""
+    import inspect
+    kf.clear_plan_cache()
+    a = kf.plan(kf.causal() & kf.window(8), 64, 64, block_size=16)
+    assert a is kf.plan(kf.causal() & kf.window(8), 64, 64, block_size=16)  # a cache hit is the same object
+    kf.clear_plan_cache()
+    b = kf.plan(kf.causal() & kf.window(8), 64, 64, block_size=16)
+    assert a != b and a == a and hash(a) == hash(a) and len({a, b}) == 2
+    params = set(inspect.signature(kf.plan).parameters)
+    assert params == {"mask", "Nq", "Nk", "q_offset", "kv_offset", "B", "H", "block_size"}

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ... import masks as _m
-from ...planner import Plan, plan as _plan
+from ...planner import Plan, _plan
 from .. import tiles as _tiles
 from .._common import Problem
 from ._env import _FALLBACK_SPAN, _MAX_POS, _TILE_BITMAP_BUDGET, _warn_once
