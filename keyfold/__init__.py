@@ -8,7 +8,7 @@ modifier on one engine (:func:`attend`, :func:`attention`). The math: ``docs/mat
 from .engine import Backend, attend, attend_backward, attention
 from .functional import scaled_dot_product_attention
 from .masks import (BlockKind, Logic, Mask, MaskKind, Varlen, as_mask, block_sparse, causal, dilated, documents,
-                    full, prefix, sinks, varlen, window)
+                    full, padding, prefix, sinks, varlen, window)
 from .planner import Plan, clear_plan_cache, plan, plan_cache_stats
 from .scores import ScoreKind, ScoreMod, alibi, alibi_slopes, as_score, score_fn, softcap
 from .state import State, empty_state, merge, merge_all
@@ -20,7 +20,7 @@ __all__ = [
     "State", "merge", "merge_all", "empty_state",
     "attend", "attention", "attend_backward", "Backend", "scaled_dot_product_attention",
     "Mask", "BlockKind", "MaskKind", "Logic", "ScoreKind", "as_mask", "causal", "window", "sinks", "prefix", "documents",
-    "block_sparse", "dilated", "full", "varlen", "Varlen",
+    "block_sparse", "dilated", "full", "padding", "varlen", "Varlen",
     "ScoreMod", "as_score", "alibi", "alibi_slopes", "softcap", "score_fn",
     "Plan", "plan", "clear_plan_cache", "plan_cache_stats",
     "KVCache", "PagedKVCache", "WindowCache", "CacheFullError", "decode", "attend_cache", "cascade",

@@ -20,6 +20,8 @@ COMMANDS = {
     ("bench", "decode"): ("keyfold.bench.decode:main", "KV-cache decoding, paged, cascade, window cache", "plot"),
     ("bench", "toolbox"): ("keyfold.apps.toolbox.bench:main", "attention beside GRU/LSTM/TCN/linear attention/S4D",
                            "toolbox"),
+    ("bench", "compile"): ("keyfold.bench.compile:main", "torch.compile: a small Llama train step, keyfold vs SDPA",
+                           None),
     ("bench", "gpu"): ("keyfold.bench.gpu:main", "the Triton kernel vs SDPA-flash and compiled Flex on a GPU",
                        "triton"),
     ("costs",): ("keyfold.distributed.costs:main", "context-parallel cost model table", "plot"),

@@ -238,6 +238,9 @@ def attend(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offs
         With a ``varlen(...)`` mask (packed queries) the default is 0.
     kv_offset: absolute position of the first key (a chunk, page or shard of a longer sequence).
 
+    Under ``torch.compile`` the call is one custom op, ``keyfold::attend`` (:mod:`keyfold.ops`):
+    no graph breaks, ``fullgraph=True`` works.
+
     Returns ``State(out, lse)``: out ``(B, Hq, Nq, Dv)`` and lse ``(B, Hq, Nq)`` in float32
     (float64 for float64 inputs). A row that sees no key has out 0 and lse -inf. The result is
     differentiable in q, k and v through both out and lse.
@@ -250,6 +253,13 @@ def attend(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offs
     >>> torch.allclose(keyfold.merge(a, b).out, whole.out, atol=1e-6)
     True
     """
+    if torch.compiler.is_compiling():  # one opaque custom op: dynamo never traces the planner
+        if dropout_p:
+            raise NotImplementedError("keyfold: dropout_p > 0 inside torch.compile is not supported yet; "
+                                      "run attention dropout eagerly, or set dropout_p=0 in the compiled model")
+        from .ops import attend_op
+        return attend_op(q, k, v, mask=mask, score=score, scale=scale, q_offset=q_offset, kv_offset=kv_offset,
+                         backend=backend, block_size=block_size, check_inputs=check_inputs)
     if mask is None and score is None and not dropout_p and _plain_fused(
             q, k, v, backend, block_size, check_inputs, scale, q_offset, kv_offset):
         return _cpu.dense(q, k, v, float(q.shape[-1] ** -0.5 if scale is None else scale))

@@ -16,6 +16,7 @@ Meaning (``qp = q_offset + i``, ``kp = kv_offset + j``):
 ``documents(ids)``     ``ids[qp] == kv_ids[kp]``
 ``block_sparse(L, b)`` ``L[qp // b, kp // b]`` (optionally per head)
 ``dilated(s)``         ``(qp - kp) % s == 0``
+``padding(n, starts)`` ``starts[b] <= kp < starts[b] + n[b]``
 =====================  ===========================================
 """
 
@@ -35,7 +36,7 @@ from . import _callables
 
 __all__ = [
     "BlockKind", "MaskKind", "Logic", "Mask", "causal", "window", "sinks", "prefix", "documents",
-    "block_sparse", "dilated", "full", "as_mask", "varlen", "Varlen", "captured_tensors",
+    "block_sparse", "dilated", "full", "padding", "as_mask", "varlen", "Varlen", "captured_tensors",
 ]
 
 
@@ -76,9 +77,14 @@ class _TensorKey:
 
     def __init__(self, t: torch.Tensor):
         self.t = t.detach().to("cpu", copy=True).contiguous()
-        digest = hashlib.sha1(self.t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-        self._hash = hash((tuple(self.t.shape), str(self.t.dtype), digest))
+        self._hash = None  # computed on first use: under torch.compile the content is not known yet
         self._by_device: dict = {}
+
+    def _digest(self):
+        if self._hash is None:
+            digest = hashlib.sha1(self.t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+            self._hash = hash((tuple(self.t.shape), str(self.t.dtype), digest))
+        return self._hash
 
     def on(self, device) -> torch.Tensor:
         device = torch.device(device)
@@ -89,10 +95,10 @@ class _TensorKey:
         return self._by_device[device]
 
     def __hash__(self):
-        return self._hash
+        return self._digest()
 
     def __eq__(self, other):
-        return (isinstance(other, _TensorKey) and self._hash == other._hash
+        return (isinstance(other, _TensorKey) and self._digest() == other._digest()
                 and self.t.shape == other.t.shape and self.t.dtype == other.t.dtype
                 and torch.equal(self.t, other.t))
 
@@ -396,6 +402,91 @@ class _Sinks(Mask):
 
     def __hash__(self):
         return hash((self.name, self.n))
+
+
+class _Padding(Mask):
+    """Key padding per batch entry: key ``kp`` of entry ``b`` is visible when
+    ``starts[b] <= kp < ends[b]`` (``ends`` None: no upper bound)."""
+
+    def __init__(self, starts: torch.Tensor, ends: torch.Tensor | None):
+        self.starts = _TensorKey(starts)
+        self.ends = None if ends is None else _TensorKey(ends)
+
+    def evaluate(self, b, h, qp, kp):
+        starts = self.starts.on(kp.device)
+        if starts.shape[0] != b.shape[0] and starts.shape[0] != 1 and b.shape[0] != 1:
+            raise ValueError(f"padding(...): it holds {starts.shape[0]} batch entries but the batch has "
+                             f"{b.shape[0]}; pass one length (or start) per batch entry")
+        ok = kp >= starts.view(-1, 1, 1, 1)
+        if self.ends is not None:
+            ok = ok & (kp < self.ends.on(kp.device).view(-1, 1, 1, 1))
+        return ok
+
+    def classify(self, q0, q1, k0, k1):
+        # per batch entry, in closed form; a tile is FULL / EMPTY only if it is so for every entry
+        s = self.starts.t.view(-1, 1, 1)                                  # (B, 1, 1)
+        e = None if self.ends is None else self.ends.t.view(-1, 1, 1)
+        full = k0 >= s
+        empty = k1 <= s
+        if e is not None:
+            full = full & (k1 <= e)
+            empty = empty | (k0 >= e) | (e <= s)
+        return _kind(full.all(0), empty.all(0)) + torch.zeros_like(q0, dtype=torch.int8)
+
+    def depends_on_batch_head(self):
+        return True, False
+
+    def __repr__(self):
+        ends = "None" if self.ends is None else self.ends.t.tolist()
+        return f"padding(starts={self.starts.t.tolist()}, ends={ends})"
+
+    def __eq__(self, other):
+        return type(other) is _Padding and self.starts == other.starts and self.ends == other.ends
+
+    def __hash__(self):
+        return hash(("padding", self.starts, self.ends))
+
+
+class _Keys(Mask):
+    """Key padding of any pattern: ``valid[b, kp]`` (True = a real key), by absolute position."""
+
+    def __init__(self, valid: torch.Tensor):
+        self.valid = _TensorKey(valid)
+        self._csum = None
+
+    def check_positions(self, q_start, q_end, k_start, k_end):
+        n = self.valid.t.shape[-1]
+        if k_start < 0 or k_end > n:
+            raise ValueError(f"padding(keys=...) covers {n} key positions but this call touches keys "
+                             f"{k_start}..{k_end - 1}; keys is indexed by absolute position and must cover "
+                             f"every key (check kv_offset)")
+
+    def evaluate(self, b, h, qp, kp):
+        v = self.valid.on(kp.device)                                        # (B, N)
+        if v.shape[0] != b.shape[0] and v.shape[0] != 1 and b.shape[0] != 1:
+            raise ValueError(f"padding(keys=...): it holds {v.shape[0]} batch entries but the batch has "
+                             f"{b.shape[0]}; pass one row per batch entry")
+        return v[:, kp.reshape(-1).long()].view(v.shape[0], 1, 1, -1)      # (B, 1, 1, S)
+
+    def classify(self, q0, q1, k0, k1):
+        if self._csum is None:  # per-entry prefix counts of real keys: O(1) per tile
+            self._csum = torch.nn.functional.pad(self.valid.t.long().cumsum(-1), (1, 0))
+        c = self._csum                                                      # (B, N + 1)
+        count = c[:, k1.view(-1)] - c[:, k0.view(-1)]                       # (B, nk)
+        width = (k1 - k0).view(1, -1)
+        return _kind((count == width).all(0), (count == 0).all(0)).view(1, -1) + torch.zeros_like(q0, dtype=torch.int8)
+
+    def depends_on_batch_head(self):
+        return True, False
+
+    def __repr__(self):
+        return f"padding(keys=<{'x'.join(map(str, self.valid.t.shape))}>)"
+
+    def __eq__(self, other):
+        return type(other) is _Keys and self.valid == other.valid
+
+    def __hash__(self):
+        return hash(("keys", self.valid))
 
 
 class _Documents(Mask):
@@ -1026,6 +1117,62 @@ def documents(ids: torch.Tensor, kv_ids: torch.Tensor | None = None) -> Mask:
     [[1, 1, 0], [1, 1, 0], [0, 0, 1]]
     """
     return _Documents(ids, kv_ids)
+
+
+def _per_batch(x, name, B=None):
+    """An int or a 1-D integer tensor as an int64 CPU tensor ``(B,)`` (``(1,)`` for an int)."""
+    if isinstance(x, torch.Tensor):
+        if x.dim() != 1 or x.dtype.is_floating_point or x.dtype == torch.bool:
+            raise ValueError(f"padding({name}): expected a 1-D integer tensor with one entry per batch "
+                             f"entry, got shape {tuple(x.shape)}, dtype {x.dtype}")
+        t = x.detach().to("cpu", torch.int64)
+    else:
+        t = torch.tensor([_int_arg(x, name, "padding")], dtype=torch.int64)
+    if not torch.compiler.is_compiling() and bool((t < 0).any()):  # (traced: no data-dependent check)
+        raise ValueError(f"padding({name}): must be >= 0, got {t.tolist()}")
+    if B is not None and t.shape[0] not in (1, B):
+        raise ValueError(f"padding: lengths has {B} entries but starts has {t.shape[0]}; pass one per batch entry")
+    return t
+
+
+def padding(lengths=None, *, starts=None, keys=None) -> Mask:
+    """Key padding per batch entry: key ``kp`` of entry ``b`` is visible when
+    ``starts[b] <= kp < starts[b] + lengths[b]`` (or, with ``keys``, when ``keys[b, kp]``).
+
+    lengths: ``(B,)`` integer tensor (or an int), the number of real keys of each entry;
+        None means no upper bound (every key from ``starts[b]`` on, as in left-padded
+        generation where the keys grow). starts: ``(B,)`` integer tensor or int, default 0.
+
+    - right padding (real keys first): ``padding(lengths)``
+    - left padding to ``N`` keys (Hugging Face generation): ``padding(starts=N - lengths)``
+    - any pattern: ``padding(keys=attention_mask)``, a ``(B, N)`` bool or 0/1 tensor, True (1) for
+      a real key, indexed by absolute key position (Hugging Face's 2-D ``attention_mask``)
+
+    Only keys are masked: a query row whose keys are all padding sees no key (out 0, lse -inf).
+    Positions are absolute, so ``kv_offset`` shifts the keys a call covers. Composes with
+    ``&``, ``|``, ``~``; hashes by content. Tiles are classified in closed form from the
+    per-entry bounds.
+
+    >>> padding(torch.tensor([2, 3])).to_dense(3, 3, B=2)[:, 0].int().tolist()
+    [[[1, 1, 0], [1, 1, 0], [1, 1, 0]], [[1, 1, 1], [1, 1, 1], [1, 1, 1]]]
+    >>> padding(starts=torch.tensor([1, 0])).to_dense(1, 3, B=2)[:, 0, 0].int().tolist()
+    [[0, 1, 1], [1, 1, 1]]
+    """
+    if keys is not None:
+        if lengths is not None or starts is not None:
+            raise ValueError("padding(keys=...): pass keys alone, or lengths / starts without keys")
+        if not isinstance(keys, torch.Tensor) or keys.dim() != 2 or keys.dtype.is_floating_point:
+            raise ValueError(f"padding(keys=...): expected a (batch, keys) bool or 0/1 integer tensor, got "
+                             f"{getattr(keys, 'shape', type(keys).__name__)} {getattr(keys, 'dtype', '')}")
+        return _Keys(keys.detach().to("cpu", torch.bool))
+    if lengths is None and starts is None:
+        raise ValueError("padding(lengths, starts=...): pass lengths (right padding), starts (left padding) "
+                         "or both")
+    n = None if lengths is None else _per_batch(lengths, "lengths")
+    s = _per_batch(0 if starts is None else starts, "starts", None if n is None else n.shape[0])
+    if n is not None and n.shape[0] != s.shape[0]:
+        n, s = torch.broadcast_tensors(n, s)
+    return _Padding(s.clone(), None if n is None else s + n)
 
 
 def varlen(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None = None, *, causal: bool = False,

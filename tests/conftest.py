@@ -10,6 +10,13 @@ settings.register_profile("keyfold", deadline=None, max_examples=40, derandomize
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "keyfold"))
 
+# Triton decorates its own library functions when it is first imported, and any torch.compile
+# (tests/nn/test_compile.py, the transformers tests) imports it: without a GPU, set the
+# interpreter before that, or tests/kernels/test_triton.py's interpreted kernels later fail with
+# "Cannot call @triton.jit'd outside of the scope of a kernel" in a whole-suite run.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(autouse=True)
 def _seed():

@@ -1,0 +1,305 @@
+"""The engine as ``torch.library`` custom ops, so ``torch.compile`` sees one opaque call.
+
+``keyfold::attend(q, k, v, tensors, spec, scale, q_offset, kv_offset) -> (out, lse)`` runs the
+planner and the piece kernels inside its real implementation, where dynamo never looks; its
+fake implementation only gives shapes, and ``keyfold::attend_backward`` is wired to it with
+``register_autograd`` (the piece backward of docs/math.md section 2). A model that calls
+:func:`keyfold.attention` while being compiled reaches these ops by itself
+(``torch.compiler.is_compiling()``), so it traces with zero graph breaks and ``fullgraph=True``.
+
+Masks and score modifiers are Python value objects. Dynamo traces their construction like any
+Python code; :func:`flatten` (also traced) turns one into a JSON ``spec`` string (a constant of
+the graph) and the list of tensors it holds (graph values, so a padding mask built from a
+traced ``attention_mask`` stays data, not a constant). The real implementation rebuilds the
+objects from both with :func:`unflatten`; equal masks hash equal, so the plan cache still hits.
+A Flex-style callable, or a user's own Mask / ScoreMod class, is not data: it is kept in a
+registry and named in the spec by its key (dynamo reads the key as a constant; build such an
+object outside the compiled function).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+
+import torch
+
+from . import masks as M
+from . import scores as S
+from .state import State
+
+__all__ = ["attend_op", "flatten", "unflatten"]
+
+# ------------------------------------------------------------------ masks and scores as data
+
+_CALLABLES: dict[int, object] = {}  # key -> a user's callable or mask/score object (kept alive)
+
+
+@torch._dynamo.assume_constant_result
+def _callable_key(fn) -> int:
+    """A stable int naming a user's mask_mod / score_mod callable (run eagerly, even under dynamo)."""
+    key = id(fn)
+    _CALLABLES[key] = fn
+    return key
+
+
+def _num(x) -> str:
+    return "null" if x is None else str(x)
+
+
+def _slot(t: torch.Tensor, tensors: list) -> str:
+    tensors.append(t)
+    return '["#",' + str(len(tensors) - 1) + ']'
+
+
+def _value(x, tensors: list) -> str:
+    if isinstance(x, torch.Tensor):
+        return _slot(x, tensors)
+    if x is None:
+        return "null"
+    if isinstance(x, str):
+        return '"' + x + '"'
+    return repr(x)  # int or float
+
+
+def _params(params: dict, tensors: list) -> str:
+    return "{" + ",".join('"' + k + '":' + _value(params[k], tensors) for k in sorted(params)) + "}"
+
+
+def _flat_mask(m, tensors: list) -> str:
+    """By the mask protocol: a combinator's operands, a preset's spec; padding by its bounds;
+    a callable or any other mask by reference."""
+    if m is None:
+        return "null"
+    ops = m.operands()
+    if ops is not None:
+        logic, parts = ops
+        return '["' + logic.value + '"' + "".join("," + _flat_mask(x, tensors) for x in parts) + "]"
+    spec = m.spec()
+    if spec is not None:
+        kind, params = spec
+        return '["spec","' + kind.value + '",' + _params(params, tensors) + "]"
+    if type(m) is M._Padding:
+        ends = "null" if m.ends is None else _slot(m.ends.t, tensors)
+        return '["padding",' + _slot(m.starts.t, tensors) + ',' + ends + ']'
+    if type(m) is M._Keys:
+        return '["keys",' + _slot(m.valid.t, tensors) + ']'
+    if type(m) is M.MaskFn:
+        return '["fn",' + str(_callable_key(m.fn)) + ']'
+    # a user's own Mask class: passed by reference (build it outside the compiled function)
+    return '["obj",' + str(_callable_key(m)) + ']'
+
+
+def _flat_score(s, tensors: list) -> str:
+    if s is None:
+        return "null"
+    parts = s.parts()
+    if parts is not None:
+        return '["chain"' + "".join("," + _flat_score(x, tensors) for x in parts) + "]"
+    spec = s.spec()
+    if spec is not None:
+        kind, params = spec
+        return '["spec","' + kind.value + '",' + _params(params, tensors) + "]"
+    if type(s) is S.ScoreFn:
+        return '["fn",' + str(_callable_key(s.fn)) + ']'
+    return '["obj",' + str(_callable_key(s)) + ']'
+
+
+def flatten(mask, score, backend, block_size, check_inputs: bool = False) -> tuple[str, list]:
+    """``(spec, tensors)``: a JSON string naming the mask, score, backend and block size, and the
+    tensors they hold in the order the spec's ``["#", i]`` slots name them."""
+    tensors: list = []
+    m = _flat_mask(M.as_mask(mask), tensors)
+    s = _flat_score(S.as_score(score), tensors)
+    if block_size is not None and type(block_size) is not int:
+        block_size = '[' + str(block_size[0]) + ',' + str(block_size[1]) + ']'
+    spec = ('{"mask":' + m + ',"score":' + s + ',"backend":"' + backend.value + '","block":' + _num(block_size)
+            + ',"check":' + ("true" if check_inputs else "false") + '}')
+    return spec, tensors
+
+
+def _args(params: dict, tensors: list) -> dict:
+    return {k: tensors[v[1]] if isinstance(v, list) else v for k, v in params.items()}
+
+
+def _preset_mask(kind: M.MaskKind, p: dict) -> M.Mask:
+    """A preset from its spec, through the public builders."""
+    if kind is M.MaskKind.CAUSAL:
+        return M.causal()
+    if kind is M.MaskKind.WINDOW:
+        return M.window(p["left"], p["right"])
+    if kind is M.MaskKind.SINKS:
+        return (M.prefix if p.get("name") == "prefix" else M.sinks)(p["n"])
+    if kind is M.MaskKind.DOCUMENTS:
+        return M.documents(p["ids"], p.get("kv_ids"))
+    if kind is M.MaskKind.BLOCK_SPARSE:
+        return M.block_sparse(p["layout"], p["block_size"])
+    if kind is M.MaskKind.DILATED:
+        return M.dilated(p["step"])
+    raise ValueError(f"keyfold.ops: no builder for the mask kind {kind}")
+
+
+def _build_mask(node, tensors):
+    if node is None:
+        return None
+    op, args = node[0], node[1:]
+    t = lambda x: None if x is None else tensors[x[1]]  # noqa: E731
+    if op in (M.Logic.AND.value, M.Logic.OR.value):
+        parts = [_build_mask(a, tensors) for a in args]
+        if not parts:
+            return M.full() if op == M.Logic.AND.value else ~M.full()
+        out = parts[0]
+        for x in parts[1:]:
+            out = (out & x) if op == M.Logic.AND.value else (out | x)
+        return out
+    if op == M.Logic.NOT.value:
+        return ~_build_mask(args[0], tensors)
+    if op == "spec":
+        return _preset_mask(M.MaskKind(args[0]), _args(args[1], tensors))
+    if op == "padding":
+        starts, ends = t(args[0]), t(args[1])
+        return M.padding(starts=starts) if ends is None else M.padding(ends - starts, starts=starts)
+    if op == "keys":
+        return M.padding(keys=t(args[0]))
+    if op == "fn":
+        return M.MaskFn(_CALLABLES[args[0]])
+    if op == "obj":
+        return _CALLABLES[args[0]]
+    raise ValueError(f"unknown mask node {op!r}")
+
+
+def _build_score(node, tensors):
+    if node is None:
+        return None
+    op, args = node[0], node[1:]
+    if op == "chain":
+        return S.as_score([_build_score(a, tensors) for a in args])
+    if op == "spec":
+        kind, p = S.ScoreKind(args[0]), _args(args[1], tensors)
+        if kind is S.ScoreKind.ALIBI:
+            return S.alibi(p["slopes"])
+        if kind is S.ScoreKind.SOFTCAP:
+            return S.softcap(p["cap"])
+        raise ValueError(f"keyfold.ops: no builder for the score kind {kind}")
+    if op == "fn":
+        return S.ScoreFn(_CALLABLES[args[0]])
+    if op == "obj":
+        return _CALLABLES[args[0]]
+    raise ValueError(f"unknown score node {op!r}")
+
+
+@functools.lru_cache(maxsize=256)
+def _cached(spec: str):
+    return _unflatten(spec, [])
+
+
+def _unflatten(spec, tensors):
+    from .engine import Backend
+    d = json.loads(spec)
+    block = d["block"]
+    return (_build_mask(d["mask"], tensors), _build_score(d["score"], tensors), Backend(d["backend"]),
+            tuple(block) if isinstance(block, list) else block, d.get("check", False))
+
+
+def unflatten(spec: str, tensors: list) -> tuple:
+    """``(mask, score, backend, block_size, check_inputs)`` from :func:`flatten`'s output (tensorless specs cached)."""
+    return _cached(spec) if not tensors else _unflatten(spec, [x.detach() for x in tensors])
+
+
+# ------------------------------------------------------------------------------ the ops
+
+
+@contextlib.contextmanager
+def _autograd_dispatch():
+    """Autograd back on inside an op's implementation (the dispatcher runs it below autograd)."""
+    D = torch._C.DispatchKey
+    keys = (D.AutogradFunctionality, D.AutogradOther, D.ADInplaceOrView)
+    old = [torch._C._dispatch_tls_is_dispatch_key_excluded(k) for k in keys]
+    try:
+        for k in keys:
+            torch._C._dispatch_tls_set_dispatch_key_excluded(k, False)
+        with torch.enable_grad():
+            yield
+    finally:
+        for k, was in zip(keys, old):
+            torch._C._dispatch_tls_set_dispatch_key_excluded(k, was)
+
+
+def _call(q, k, v, tensors, spec, scale, q_offset, kv_offset):
+    from .engine import _Call
+    mask, score, backend, block, check = unflatten(spec, tensors)
+    return _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block, check)
+
+
+def _state_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("keyfold::attend", mutates_args=())
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor], spec: str,
+            scale: float | None, q_offset: int, kv_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from .engine import Backend, _reference
+    call = _call(q, k, v, tensors, spec, scale, q_offset, kv_offset)
+    with torch.no_grad():
+        st = (_reference.attend_reference(q, k, v, call.pb) if call.backend is Backend.REFERENCE
+              else call.forward(q, k, v))
+    # contiguous, as the fake ones say; a custom op's outputs may not alias its inputs or each other
+    out, lse = st.out.contiguous(), st.lse.contiguous()
+    return (out.clone() if out._base is not None else out), (lse.clone() if lse._base is not None else lse)
+
+
+@_attend.register_fake
+def _(q, k, v, tensors, spec, scale, q_offset, kv_offset):
+    B, Hq, Nq, _ = q.shape
+    dt = _state_dtype(q.dtype)
+    return q.new_empty((B, Hq, Nq, v.shape[-1]), dtype=dt), q.new_empty((B, Hq, Nq), dtype=dt)
+
+
+@torch.library.custom_op("keyfold::attend_backward", mutates_args=())
+def _attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                     dout: torch.Tensor, dlse: torch.Tensor | None, tensors: list[torch.Tensor], spec: str,
+                     scale: float | None, q_offset: int, kv_offset: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .engine import Backend
+    call = _call(q, k, v, tensors, spec, scale, q_offset, kv_offset)
+    if call.backend is Backend.REFERENCE:  # the piece backward runs on the tiles
+        call = _call(q, k, v, tensors, spec.replace('"backend":"reference"', '"backend":"tiles"'),
+                     scale, q_offset, kv_offset)
+    if dlse is not None and q.device.type == "cpu" and not bool(dlse.any()):
+        dlse = None
+    with _autograd_dispatch():  # a non-additive score's backward takes autograd of the score tile
+        dq, dk, dv = call.backward(q, k, v, out, lse, dout, dlse)
+    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+
+
+@_attend_backward.register_fake
+def _(q, k, v, out, lse, dout, dlse, tensors, spec, scale, q_offset, kv_offset):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the real ones
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, tensors, spec, scale, q_offset, kv_offset = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, *tensors)
+    ctx.args = (spec, scale, q_offset, kv_offset)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, *tensors = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = _attend_backward(q, k, v, out, lse, dout.contiguous(), dlse, tensors, *ctx.args)
+    return dq, dk, dv, [None] * len(tensors), None, None, None, None
+
+
+_attend.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attend_op(q, k, v, *, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs=False) -> State:
+    """:func:`keyfold.attend` through the custom op (what it calls while dynamo traces)."""
+    spec, tensors = flatten(mask, score, backend, block_size, check_inputs)
+    if q_offset is None:
+        q_offset = kv_offset + k.shape[2] - q.shape[2]
+    out, lse = _attend(q, k, v, tensors, spec, None if scale is None else float(scale), q_offset, kv_offset)
+    return State(out, lse)

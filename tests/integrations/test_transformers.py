@@ -1,0 +1,224 @@
+"""keyfold as transformers' attn_implementation="keyfold": logits, generations, gradients and
+caches against eager attention, on tiny random models (no downloads) with padded batches."""
+
+import pytest
+
+transformers = pytest.importorskip("transformers", reason="transformers is an optional extra: pip install 'keyfold[hf]'")
+
+import torch  # noqa: E402
+
+import keyfold as kf  # noqa: E402
+from keyfold.integrations import transformers as kft  # noqa: E402
+
+VOCAB = 101
+kft.register()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matrices: threads only add contention on a shared CI machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _decoder(name):
+    t = transformers
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if name == "llama":
+        return t.LlamaForCausalLM(t.LlamaConfig(**common))
+    if name == "qwen2":
+        return t.Qwen2ForCausalLM(t.Qwen2Config(**common))
+    if name == "mistral":
+        return t.MistralForCausalLM(t.MistralConfig(**common, sliding_window=5))
+    if name == "gemma2":
+        return t.Gemma2ForCausalLM(t.Gemma2Config(**common, head_dim=8, sliding_window=5, attn_logit_softcapping=0.3,
+                                                  final_logit_softcapping=None, query_pre_attn_scalar=5))
+    raise ValueError(name)
+
+
+def _encoder(name):
+    t = transformers
+    if name == "bert":
+        return t.BertModel(t.BertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, max_position_embeddings=64), add_pooling_layer=False)
+    if name == "modernbert":
+        return t.ModernBertModel(t.ModernBertConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+            local_attention=4, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2))
+    raise ValueError(name)
+
+
+DECODERS = ["llama", "mistral", "gemma2", "qwen2"]
+ENCODERS = ["bert", "modernbert"]
+
+
+def build(name):
+    torch.manual_seed(0)
+    model = (_decoder if name in DECODERS else _encoder)(name)
+    return model.float().eval()
+
+
+def batch(left: bool, B=3, N=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (B, N), generator=g)
+    am = torch.ones(B, N, dtype=torch.long)
+    for b, pad in enumerate((0, 4, 9)[:B]):
+        if left:
+            am[b, :pad], ids[b, :pad] = 0, 0
+        else:
+            am[b, N - pad:], ids[b, N - pad:] = 0, 0
+    return ids, am
+
+
+def run(model, impl, **kw):
+    model.set_attn_implementation(impl)
+    out = model(**kw)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+@pytest.mark.parametrize("name", DECODERS + ENCODERS)
+def test_logits_and_grads_match_eager_on_a_padded_batch(name):
+    model = build(name)
+    ids, am = batch(left=name in DECODERS)
+    want = run(model, "eager", input_ids=ids, attention_mask=am)
+    got = run(model, "keyfold", input_ids=ids, attention_mask=am)
+    real = am.bool()
+    assert (got - want)[real].abs().max() <= 1e-4
+    # gradients of a loss over real tokens, every parameter
+    grads = {}
+    for impl in ("eager", "keyfold"):
+        model.zero_grad()
+        out = run(model, impl, input_ids=ids, attention_mask=am)
+        (out[real].square().mean()).backward()
+        grads[impl] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    assert len(grads["eager"]) == len(grads["keyfold"]) > 0
+    for a, b in zip(grads["eager"], grads["keyfold"]):
+        assert (a - b).abs().max() <= 1e-4 * max(1.0, float(a.abs().max()))
+
+
+@pytest.mark.parametrize("name", DECODERS)
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_greedy_generate_is_identical(name, cache):
+    model = build(name)
+    ids, am = batch(left=True)
+    kw = dict(input_ids=ids, attention_mask=am, max_new_tokens=32, do_sample=False, min_new_tokens=32)
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    model.set_attn_implementation("eager")
+    want = model.generate(**kw)
+    model.set_attn_implementation("keyfold")
+    got = model.generate(**kw)
+    assert got.shape == want.shape == (3, 12 + 32)
+    assert torch.equal(got, want)
+
+
+def test_padding_reaches_keyfold():
+    """Regression: with only the attention function registered, a model builds no mask and the
+    left padding is silently attended (logits off by ~7 in the trial that found it). keyfold gets
+    padding(keys=...) from its mask builder, and a padded row equals the same row unpadded."""
+    model = build("llama")
+    ids, am = batch(left=True)
+    got = run(model, "keyfold", input_ids=ids, attention_mask=am)
+    alone = run(model, "keyfold", input_ids=ids[2:, 9:], attention_mask=am[2:, 9:])
+    assert (got[2, 9:] - alone[0]).abs().max() <= 1e-5
+    unmasked = run(model, "keyfold", input_ids=ids, attention_mask=torch.ones_like(am))
+    assert (unmasked[2, 9:] - alone[0]).abs().max() > 1e-2  # the padding matters in this test
+    built = kft.mask_interface(3, 12, 12, attention_mask=am.bool())
+    assert isinstance(built, kft.KeyfoldMask) and "padding" in repr(built.mask)
+
+
+def test_attention_alone_without_mask_builder_raises():
+    from transformers import AttentionInterface
+    model = build("llama")
+    AttentionInterface.register("keyfold_attention_only", kft.attention_forward)
+    ids, am = batch(left=True)
+    model.set_attn_implementation("keyfold_attention_only")
+    with pytest.raises(RuntimeError, match="mask builder"):
+        model(input_ids=ids, attention_mask=am)
+
+
+def test_mask_functions_become_keyfold_masks():
+    mu = transformers.masking_utils
+    pm = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]).bool()
+    cases = {
+        "causal": mu.causal_mask_function,
+        "window": mu.sliding_window_causal_mask_function(3),
+        "bidirectional window": mu.sliding_window_bidirectional_mask_function(1),
+        "padding": mu.and_masks(mu.causal_mask_function, mu.padding_mask_function(pm)),
+        "chunked (kept as a callable)": mu.chunked_causal_mask_function(2, torch.tensor([0, 1])),
+    }
+    b, h = torch.arange(2).view(2, 1, 1, 1), torch.arange(1).view(1, 1, 1, 1)
+    qp, kp = torch.arange(4).view(1, 1, 4, 1), torch.arange(4).view(1, 1, 1, 4)
+    for what, fn in cases.items():
+        m = kft.to_keyfold_mask(fn)
+        want = torch.broadcast_to(fn(b, h, qp, kp), (2, 1, 4, 4))
+        got = torch.broadcast_to(m.evaluate(b, h, qp, kp), (2, 1, 4, 4))
+        assert torch.equal(got, want), what
+    assert kft.to_keyfold_mask(mu.causal_mask_function) == kf.causal()
+    assert kft.to_keyfold_mask(mu.sliding_window_causal_mask_function(3)) == kf.window(2, None) & kf.causal()
+    chunked = kft.to_keyfold_mask(cases["chunked (kept as a callable)"])  # the unknown piece only
+    assert isinstance(chunked.a, kft._HFMaskFn) and chunked.b == kf.causal()
+
+
+def test_packed_sequences_from_position_ids():
+    """position_ids restarting at 0 mark packed sequences: each attends only to itself."""
+    model = build("llama")
+    ids = torch.randint(3, VOCAB, (1, 10))
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2]])
+    got = run(model, "keyfold", input_ids=ids, position_ids=pos, use_cache=False)  # (transformers
+    want = run(model, "eager", input_ids=ids, position_ids=pos, use_cache=False)   # packs without a cache)
+    assert (got - want).abs().max() <= 1e-4
+    alone = run(model, "keyfold", input_ids=ids[:, 4:7])
+    assert (got[0, 4:7] - alone[0]).abs().max() <= 1e-5
+    mu = transformers.masking_utils
+    psm = mu.find_packed_sequence_indices(pos)
+    fn = mu.and_masks(mu.remap_positions_for_packed_sequence(mu.causal_mask_function, pos),
+                      mu.packed_sequence_mask_function(psm))
+    assert kft.to_keyfold_mask(fn) == kf.causal() & kf.documents(psm)  # closed form, not a callable
+
+
+def test_dropout_in_training_is_explicit():
+    model = build("llama")
+    model.config.attention_dropout = 0.1
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    model.train()
+    ids, am = batch(left=True)
+    model.set_attn_implementation("keyfold")
+    if kft._supports_dropout():
+        model(input_ids=ids, attention_mask=am)
+    else:
+        with pytest.raises(NotImplementedError, match="dropout"):
+            model(input_ids=ids, attention_mask=am)
+
+
+def test_import_keyfold_does_not_import_transformers():
+    import subprocess
+    import sys
+    code = "import sys, keyfold, keyfold.integrations; print('transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_compiles_whole_with_padding():
+    """torch.compile(fullgraph=True) of a padded Llama forward: 0 graph breaks, eager's logits.
+    (A sliding-window model's mask function is a closure made while tracing, which dynamo cannot
+    open: it compiles with graph breaks around the mask builder, see the README.)"""
+    model = build("llama")
+    model.set_attn_implementation("keyfold")
+    ids, am = batch(left=True)
+
+    def forward(ids, am):
+        return model(input_ids=ids, attention_mask=am, use_cache=False).logits
+
+    ex = torch._dynamo.explain(forward)(ids, am)
+    assert ex.graph_break_count == 0, ex.break_reasons
+    compiled = torch.compile(forward, fullgraph=True, backend="aot_eager")
+    got, want = compiled(ids, am), forward(ids, am)
+    real = am.bool()
+    assert (got - want)[real].abs().max() <= 1e-5
+    am2 = am.flip(0)  # other padding, same shapes: the same graph, the new padding honoured
+    assert (compiled(ids.flip(0), am2) - forward(ids.flip(0), am2))[am2.bool()].abs().max() <= 1e-5

@@ -1,0 +1,151 @@
+"""torch.compile: keyfold reaches dynamo as custom ops, so models compile whole (0 graph breaks,
+fullgraph=True) and give eager's outputs and gradients."""
+
+import os
+
+import pytest
+import torch
+
+import keyfold as kf
+from keyfold.nn import TransformerEncoderLayer
+
+IDS = torch.tensor([0] * 5 + [1] * 11)
+SLOPES = kf.alibi_slopes(2)
+# dynamo cannot trace ``~`` on a Python object (it can ``&`` and ``|``): build such masks outside
+SINKS_OR_FUTURE = kf.sinks(4) | ~kf.causal()
+
+
+def every_variant(q, k, v, lengths):
+    """causal, window, documents + alibi, left padding + softcap, a mask_mod: masks built inside."""
+    a = kf.attention(q, k, v, mask=kf.causal())
+    b = kf.attention(q, k, v, mask=kf.causal() & kf.window(3))
+    c = kf.attention(q, k, v, mask=kf.documents(IDS), score=kf.alibi(SLOPES))
+    d = kf.attention(q, k, v, mask=kf.causal() & kf.padding(starts=q.shape[2] - lengths), score=kf.softcap(5.0))
+    e = kf.attention(q, k, v, mask=lambda b, h, qi, ki: (qi - ki) % 2 == 0, q_offset=0)
+    f, lse = kf.attention(q, k[:, :1], v[:, :1], mask=SINKS_OR_FUTURE, return_lse=True)  # GQA
+    return a + b + c + d + e + f * lse.unsqueeze(-1).exp()
+
+
+def inputs(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 2, 16, 8, generator=g, dtype=dtype).requires_grad_(True) for _ in range(3))
+    return q, k, v, torch.tensor([16, 9])
+
+
+def test_explain_counts_zero_graph_breaks():
+    ex = torch._dynamo.explain(every_variant)(*inputs())
+    assert ex.graph_break_count == 0, ex.break_reasons
+    assert ex.graph_count == 1
+    ops = {str(n.target) for g in ex.graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert "keyfold.attend.default" in ops
+
+
+def test_fullgraph_output_and_grads_equal_eager():
+    q, k, v, lengths = inputs()
+    compiled = torch.compile(every_variant, fullgraph=True, backend="aot_eager")
+    got, want = compiled(q, k, v, lengths), every_variant(q, k, v, lengths)
+    assert torch.equal(got, want)  # the same kernels run in both
+    dout = torch.randn_like(want)
+    g1 = torch.autograd.grad(got, (q, k, v), dout)
+    g2 = torch.autograd.grad(want, (q, k, v), dout)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    # new padding lengths are data: the same graph serves them, with their own answer
+    other = torch.tensor([4, 16])
+    assert torch.equal(compiled(q, k, v, other), every_variant(q, k, v, other))
+
+
+def test_keyfold_nn_model_compiles_whole():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        TransformerEncoderLayer(32, 4, 64, dropout=0.0, mask=kf.causal()),
+        TransformerEncoderLayer(32, 4, 64, dropout=0.0, mask=kf.causal() & kf.window(5)),
+    )
+    x = torch.randn(3, 12, 32, requires_grad=True)
+    ex = torch._dynamo.explain(model)(x)
+    assert ex.graph_break_count == 0, ex.break_reasons
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    got, want = compiled(x), model(x)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    g1 = torch.autograd.grad(got.square().sum(), [x, *model.parameters()])
+    g2 = torch.autograd.grad(want.square().sum(), [x, *model.parameters()])
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not os.environ.get("KEYFOLD_INDUCTOR"),
+                    reason="a real inductor compile builds C++ (~140 s on 2 busy cores); set KEYFOLD_INDUCTOR=1")
+def test_inductor_compiles_a_causal_block():
+    """One real inductor compile: the op is opaque to it, the projections around it are fused."""
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(16, 48)
+
+    def block(x):
+        q, k, v = proj(x).view(2, 10, 3, 2, 8).permute(2, 0, 3, 1, 4)  # 3 x (B, H, N, D)
+        return kf.attention(q, k, v, mask=kf.causal() & kf.window(4)).transpose(1, 2).reshape(2, 10, 16)
+
+    x = torch.randn(2, 10, 16, requires_grad=True)
+    compiled = torch.compile(block, fullgraph=True)
+    got, want = compiled(x), block(x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    g1, = torch.autograd.grad(got.sum(), x)
+    g2, = torch.autograd.grad(want.sum(), x)
+    torch.testing.assert_close(g1, g2, atol=1e-5, rtol=1e-5)
+
+
+def test_eager_calls_do_not_go_through_the_op(monkeypatch):
+    import keyfold.ops as ops
+    monkeypatch.setattr(ops, "attend_op", lambda *a, **k: pytest.fail("eager call reached the custom op"))
+    q, k, v, _ = inputs()
+    kf.attention(q, k, v, mask=kf.causal())
+
+
+def test_spec_round_trip_keeps_meaning():
+    from keyfold.ops import flatten, unflatten
+    for mask, score in [(kf.prefix(torch.tensor([2, 3])) & ~kf.dilated(2), [kf.alibi(SLOPES), kf.softcap(3.0)]),
+                        (kf.block_sparse(torch.eye(3, dtype=torch.bool), 4) | kf.sinks(torch.tensor([1, 5])), None),
+                        (kf.documents(IDS[:8], kv_ids=IDS[8:]) & kf.padding(torch.tensor([3, 8])), None)]:
+        spec, tensors = flatten(mask, score, kf.Backend.TILES, (4, 8))
+        m2, s2, backend, block, check = unflatten(spec, tensors)
+        assert torch.equal(m2.to_dense(8, 8, B=2), mask.to_dense(8, 8, B=2))   # the same meaning
+        assert s2 == kf.as_score(score) and backend is kf.Backend.TILES and block == (4, 8) and check is False
+        if "prefix" not in repr(mask):
+            assert m2 == mask  # and the same plan-cache key
+
+
+class _EvenDistance(kf.Mask):
+    """A user's own mask class (no preset spec): evaluated per tile, passed to the op by reference."""
+
+    def evaluate(self, b, h, qp, kp):
+        return (qp - kp) % 2 == 0
+
+    def __eq__(self, other):
+        return type(other) is _EvenDistance
+
+    def __hash__(self):
+        return hash("even")
+
+
+EVEN = _EvenDistance()
+
+
+def test_user_mask_class_built_outside_compiles():
+    q, k, v, _ = inputs(3)
+
+    def fn(q, k, v):
+        return kf.attention(q, k, v, mask=EVEN & kf.causal())
+
+    ex = torch._dynamo.explain(fn)(q, k, v)
+    assert ex.graph_break_count == 0, ex.break_reasons
+    got = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v)
+    assert torch.equal(got, fn(q, k, v))
+
+
+def test_check_inputs_holds_under_compile():
+    q, k, v, _ = inputs(4)
+    q = q.detach().clone()
+    q[0, 0, 0, 0] = float("nan")
+    fn = torch.compile(lambda q, k, v: kf.attention(q, k, v, mask=kf.causal(), check_inputs=True),
+                       fullgraph=True, backend="eager")
+    with pytest.raises(ValueError, match="NaN"):
+        fn(q, k.detach(), v.detach())
