@@ -24,12 +24,12 @@ from keyfold.state import State, merge
 @pytest.mark.parametrize("mask", [keyfold.window(1, 1), keyfold.documents(torch.tensor([0, 0, 0, 1, 1, 2]))])
 def test_block_from_module_carries_the_layers_mask(norm_first, mask):
     torch.manual_seed(0)
-    layer = knn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, norm_first=norm_first, mask=mask).double().eval()
+    layer = knn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, norm_first=norm_first, batch_first=True, mask=mask).double().eval()
     w = C.BlockWeights.from_module(layer)
     x = torch.randn(6, 8, dtype=torch.float64)
     with torch.no_grad():
         real = layer(x.unsqueeze(0))[0]
-        plain = knn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, norm_first=norm_first).double().eval()
+        plain = knn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, norm_first=norm_first, batch_first=True).double().eval()
         plain.load_state_dict(layer.state_dict())
         assert not torch.allclose(plain(x.unsqueeze(0))[0], real)      # the mask matters here
     torch.testing.assert_close(C.block_forward(x, w), real)
@@ -43,7 +43,7 @@ def test_block_from_module_carries_the_layers_mask(norm_first, mask):
     # the caller's mask is ANDed with the layer's: causal on top
     both = C.certify_block(x, w, eps=0.0, mask=keyfold.causal())
     with torch.no_grad():
-        assert both.contains(layer(x.unsqueeze(0), src_mask=keyfold.causal())[0])
+        assert both.contains(layer(x.unsqueeze(0), mask=keyfold.causal())[0])
 
 
 def test_attention_from_module_carries_the_mask_and_refuses_a_score():
