@@ -263,6 +263,10 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem):
     dk = torch.zeros(k.shape[:3] + (W,), dtype=sd, device=q.device)
     dv = torch.zeros(k.shape[:3] + (W,), dtype=sd, device=q.device)
     memo: dict = {}
+    single = _single_key_rows(inp, plan, pb, q, memo)
+    if single is not None:  # those rows leave the op (dO = 0 gives dS = 0 exactly) and are added below
+        do = do.clone() if not spare else do
+        do.masked_fill_(single[0].expand(B, Hq, Nq).unsqueeze(-1), 0.0)
     for piece in plan.pieces:
         qs, ks, vs, causal, tile, folded = _piece_args(inp, piece, pb, q, memo, plan.tiles)
         rows, keys = slice(piece.q0, piece.q1), slice(piece.k0, piece.k1)
@@ -286,4 +290,60 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem):
         dq[:, :, rows] += gq
         dk[:, :, keys] += gk
         dv[:, :, keys] += gv
+    if single is not None:
+        _add_single_key_rows(single, q, k, dout, dlse, dq, dk, dv, pb.scale, inp.g)
     return dq[..., :D], dk[..., :D], dv[..., :Dv]
+
+
+def _single_key_rows(inp: _Inputs, plan: Plan, pb: Problem, q, memo: dict):
+    """Rows that see exactly one key in the whole call: ``(is_single (B|1, Hq|1, Nq), key index)``,
+    or None when there are none.
+
+    For such a row P = 1 exactly, so dS = P (dP - D) is 0 in exact arithmetic (dlse_i with an lse
+    gradient), but the fused backward takes D = dO.O in another summation order than dP = dO.v and
+    leaves ~1e-7 in dq and dk (FlashAttention's zero_len_k cases; the plain formula gives exactly 0).
+    The counts come from the tiles the pieces use anyway (memoised), not from the mask again."""
+    Nq = q.shape[2]
+    count = torch.zeros(1, 1, Nq, dtype=torch.int64)
+    key = torch.zeros(1, 1, Nq, dtype=torch.int64)
+    for piece in plan.pieces:
+        _, _, _, causal, tile, folded = _piece_args(inp, piece, pb, q, memo, plan.tiles)
+        L, S = piece.q1 - piece.q0, piece.k1 - piece.k0
+        if causal:      # top-left causal inside the piece: row i sees keys 0..i
+            c = torch.clamp(torch.arange(1, L + 1), max=S).view(1, 1, L)
+            j = torch.zeros(1, 1, L, dtype=torch.int64)
+        elif tile.mask is None:
+            c = torch.full((1, 1, L), S, dtype=torch.int64)
+            j = torch.zeros(1, 1, L, dtype=torch.int64)
+        else:
+            vis = ~torch.isneginf(tile.mask.cpu())              # (b, h, L|1, S), or folded (b, h, g*L, S)
+            if folded:
+                b_, h_ = vis.shape[:2]
+                vis = vis[:, :, :L] if h_ == 1 else vis.reshape(b_, h_ * inp.g, L, S)
+            vis = torch.broadcast_to(vis, vis.shape[:2] + (L, S))
+            c = vis.sum(-1)
+            j = vis.to(torch.int8).argmax(-1).long()
+        shape = torch.broadcast_shapes(count.shape, c.shape[:2] + (Nq,))
+        count, key = count.expand(shape).clone(), key.expand(shape).clone()
+        rows = slice(piece.q0, piece.q1)
+        count[:, :, rows] += c
+        key[:, :, rows] = torch.where(c == 1, j + piece.k0, key[:, :, rows])
+    single = count == 1
+    return (single, key) if bool(single.any()) else None
+
+
+def _add_single_key_rows(single, q, k, dout, dlse, dq, dk, dv, scale: float, g: int) -> None:
+    """The exact gradients of rows with one visible key j (P = 1): dv_j += dO_i, and with an lse
+    gradient dS = dlse_i, so dq_i += scale dlse_i k_j and dk_j += scale dlse_i q_i."""
+    is_single, key = single
+    B, Hq, Nq = q.shape[:3]
+    b, h, i = torch.nonzero(is_single.expand(B, Hq, Nq), as_tuple=True)
+    j = key.expand(B, Hq, Nq)[b, h, i]
+    hk = torch.div(h, g, rounding_mode="floor")
+    sd = dq.dtype
+    D, Dv = q.shape[-1], dout.shape[-1]
+    dv[..., :Dv].index_put_((b, hk, j), dout[b, h, i].to(sd), accumulate=True)
+    if dlse is not None:
+        w = (scale * dlse[b, h, i].to(sd)).unsqueeze(-1)
+        dq[..., :D].index_put_((b, h, i), w * k[b, hk, j].to(sd), accumulate=True)
+        dk[..., :D].index_put_((b, hk, j), w * q[b, h, i].to(sd), accumulate=True)

@@ -14,7 +14,8 @@ import torch
 import keyfold as kf
 from keyfold import Backend
 from keyfold.caches import KVCache, decode
-from tests.helpers import assert_close_by_rule, assert_forward_by_rule, max_err, naive_attention
+from tests.helpers import (assert_backward_by_rule, assert_close_by_rule, assert_forward_by_rule, max_err,
+                           naive_attention)
 
 BACKENDS = [Backend.CPU, Backend.TILES]
 
@@ -450,3 +451,44 @@ def test_alibi_per_batch_slopes_through_decode_groups():
         one = kf.attention(q[b:b + 1], k[b:b + 1, :, :L], v[b:b + 1, :, :L], mask=kf.causal(),
                            score=kf.alibi(slopes[b]))
         assert max_err(out[b:b + 1], one) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("Hkv", [2, 1])
+def test_single_visible_key_gives_exactly_zero_dq_dk_on_cpu(dtype, Hkv):
+    """Item 11 on the fused CPU path: its backward takes D = dO.O in another summation order than
+    dP = dO.v, so a row with one visible key left ~1e-7 in dq and dk. Such rows now take their exact
+    gradient (dv_j += dO_i; dq, dk exactly 0), with GQA, causal's first row and varlen's one-key sequences."""
+    cu_q, cu_k = torch.tensor([0, 5, 9, 12, 20]), torch.tensor([0, 1, 1, 7, 8])  # seqs 0 and 3: one key
+    q, _, _ = _qkv(1, 2, 20, 8, 16, dtype=dtype, seed=11)
+    _, k, v = _qkv(1, Hkv, 20, 8, 16, dtype=dtype, seed=12)
+    q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
+    out = kf.attention(q, k, v, mask=kf.varlen(cu_q, cu_k), backend=Backend.CPU)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out.backward(dout)
+    one_key_rows = torch.cat([torch.arange(0, 5), torch.arange(12, 20)])
+    assert (q.grad[:, :, one_key_rows] == 0).all()
+    assert (k.grad[:, :, [0, 7]] == 0).all()
+    g = 2 // Hkv  # key 0 is seen by rows 0..4 only: its dv is their dout summed (P = 1)
+    expect = dout[:, :, 0:5].float().sum(2).reshape(1, Hkv, g, 16).sum(2)
+    torch.testing.assert_close(v.grad[:, :, 0].float(), expect, atol=1e-2 if dtype != torch.float32 else 1e-5,
+                               rtol=1e-2 if dtype != torch.float32 else 1e-5)
+    # causal: the first row sees one key
+    qc, kc, vc = (t.detach()[:, :, :12].clone().requires_grad_(True) for t in (q, k, v))
+    kf.attention(qc, kc, vc, mask=kf.causal(), backend=Backend.CPU).backward(dout[:, :, :12])
+    assert (qc.grad[:, :, 0] == 0).all()
+    assert_backward_by_rule(q.detach(), k.detach(), v.detach(), mask=kf.varlen(cu_q, cu_k), backend=Backend.CPU)
+
+
+def test_single_key_rows_with_an_lse_gradient_on_cpu():
+    """With dlse, a one-key row has dS = dlse exactly: dq_i = scale dlse_i k_j, dk_j = scale dlse_i q_i."""
+    q, k, v = _qkv(1, 2, 6, 6, 8, dtype=torch.float64, seed=3)
+    for backend in (Backend.CPU, Backend.REFERENCE):
+        a, b, c = (t.clone().requires_grad_(True) for t in (q, k, v))
+        st = kf.attend(a, b, c, mask=kf.causal() & kf.window(0), backend=backend)  # one key per row
+        (st.out.sum() + (st.lse * torch.arange(6.0, dtype=torch.float64)).sum()).backward()
+        if backend is Backend.CPU:
+            got = (a.grad, b.grad, c.grad)
+        else:
+            torch.testing.assert_close(got[0], a.grad), torch.testing.assert_close(got[1], b.grad)
+            torch.testing.assert_close(got[2], c.grad)
