@@ -131,7 +131,7 @@ class _Call:
             return _tiles.backward_with_score(q, k, v, out, lse, dout, dlse, self.plan, self.pb, self.score_tensors,
                                               whole_rows)
         if self.backend is Backend.CPU:
-            return (*_cpu.backward(q, k, v, out, lse, dout, dlse, self.plan, self.pb), ())
+            return (*_cpu.backward(q, k, v, out, lse, dout, dlse, self.plan, self.pb, whole_rows), ())
         if self.backend is Backend.TRITON:
             from .kernels import triton as _triton
             return (*_triton.backward(q, k, v, out, lse, dout, dlse, self.plan, self.pb), ())

@@ -241,8 +241,11 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
     return acc
 
 
-def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem):
-    """Per-piece gradients with the global (out, lse), summed in float32 (docs/math.md §2)."""
+def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows: bool = True):
+    """Per-piece gradients with the global (out, lse), summed in float32 (docs/math.md §2).
+
+    whole_rows: these keys are all the keys the rows see (the engine's own backward); False for a
+    piece of a larger computation (``attend_backward``), where a row's one key here need not be its only one."""
     sd = state_dtype(q.dtype)
     B, Hq, Nq, D = q.shape
     Dv = v.shape[-1]
@@ -263,7 +266,7 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem):
     dk = torch.zeros(k.shape[:3] + (W,), dtype=sd, device=q.device)
     dv = torch.zeros(k.shape[:3] + (W,), dtype=sd, device=q.device)
     memo: dict = {}
-    single = _single_key_rows(inp, plan, pb, q, memo)
+    single = _single_key_rows(inp, plan, pb, q, memo) if whole_rows else None
     if single is not None:  # those rows leave the op (dO = 0 gives dS = 0 exactly) and are added below
         do = do.clone() if not spare else do
         do.masked_fill_(single[0].expand(B, Hq, Nq).unsqueeze(-1), 0.0)
