@@ -269,7 +269,7 @@ def _attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     if dlse is not None and q.device.type == "cpu" and not bool(dlse.any()):
         dlse = None
     with _autograd_dispatch():  # a non-additive score's backward takes autograd of the score tile
-        dq, dk, dv = call.backward(q, k, v, out, lse, dout, dlse)
+        dq, dk, dv = call.backward(q, k, v, out, lse, dout, dlse)[:3]  # score tensors: refused in forward
     return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
 
 
@@ -298,6 +298,13 @@ _attend.register_autograd(_backward, setup_context=_setup_context)
 
 def attend_op(q, k, v, *, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs=False) -> State:
     """:func:`keyfold.attend` through the custom op (what it calls while dynamo traces)."""
+    score_obj = S.as_score(score)
+    if score_obj is not None and torch.is_grad_enabled() and any(t.requires_grad for t in score_obj.tensors()):
+        # the op's autograd has no slot for them: refuse, never drop the gradient
+        raise NotImplementedError(
+            "keyfold under torch.compile cannot yet give gradients to tensors a score modifier reads "
+            "(a learnable bias table, a float attn_mask with requires_grad): run that attention eagerly "
+            "(torch.compiler.disable around it), or freeze those tensors")
     spec, tensors = flatten(mask, score, backend, block_size, check_inputs)
     if q_offset is None:
         q_offset = kv_offset + k.shape[2] - q.shape[2]

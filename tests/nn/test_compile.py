@@ -149,3 +149,17 @@ def test_check_inputs_holds_under_compile():
                        fullgraph=True, backend="eager")
     with pytest.raises(ValueError, match="NaN"):
         fn(q, k.detach(), v.detach())
+
+
+def test_learnable_score_tensor_under_compile_is_refused_not_dropped():
+    """A score callable whose captured table requires grad trains eagerly (#16 item 1); the custom
+    op has no gradient slot for it, so under torch.compile it raises instead of dropping the gradient."""
+    table = torch.zeros(16, requires_grad=True)
+    score = kf.score_fn(lambda s, b, h, qi, ki: s + table[(qi - ki).abs()], tensors=[table])  # built outside
+
+    def f(q, k, v):
+        return kf.attention(q, k, v, score=score)
+
+    q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
+    with pytest.raises(Exception, match="cannot yet give gradients"):
+        torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v).sum().backward()
