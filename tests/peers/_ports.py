@@ -94,3 +94,29 @@ def assert_state_by_rule(out, ref, naive, rows):
 #: score callables and softcap are not additive: Backend.CPU hands them to TILES (engine._resolve),
 #: so their cases run once, on the code both backends use
 SCORE_BACKENDS = [pytest.param(Backend.TILES, id="TILES")]
+
+
+def _grads(fn, q, k, v, dout):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(dout.to(out.dtype))
+    return q.grad, k.grad, v.grad
+
+
+def assert_fn_by_rule(fn, q, k, v, *, grad=True, **kw):
+    """The rule for keyfold computed some other way (pieces merged by hand): ``fn(q, k, v)``
+    against the float64 reference and naive of one ``attention(q, k, v, **kw)`` call."""
+    rows = visible_rows(q, k, mask=kw.get("mask"), q_offset=kw.get("q_offset"))
+    ref_fn = lambda a, b, c: keyfold.attention(a, b, c, backend=Backend.REFERENCE, **kw)  # noqa: E731
+    nai_fn = lambda a, b, c: torch.nan_to_num(naive_attention(a, b, c, **kw))  # noqa: E731
+    out = fn(q, k, v)
+    assert out.dtype == q.dtype
+    assert_state_by_rule(out, ref_fn(q.double(), k.double(), v.double()), nai_fn(q, k, v), rows)
+    if grad:
+        dout = torch.randn(out.shape, dtype=torch.float64) * torch.broadcast_to(rows, out.shape[:3]).unsqueeze(-1)
+        got = _grads(fn, q, k, v, dout)
+        ref = _grads(ref_fn, q.double(), k.double(), v.double(), dout)
+        nai = _grads(nai_fn, q, k, v, dout)
+        for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, nai):
+            assert g is not None and not torch.isnan(g).any(), f"{name} is None or NaN"
+            assert_close_by_rule(g, r, n, None, factor=3.0, what=name)
