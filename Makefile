@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-quick data translate verify clean
+.PHONY: demo test test-fast bench bench-quick data translate verify clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,6 +20,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# the edit-test loop: everything but the tests marked slow (CI runs them all)
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow"
 
 bench-quick: $(STAMP)
 	$(BIN)/python -m keyfold bench kernels --quick

@@ -6,10 +6,10 @@ modifier on one engine (:func:`attend`, :func:`attention`). The math: ``docs/mat
 """
 
 from .engine import Backend, attend, attend_backward, attention
-from .masks import (BlockKind, Mask, as_mask, block_sparse, causal, dilated, documents, full,
-                    prefix, sinks, window)
-from .planner import Plan, clear_plan_cache, plan
-from .scores import ScoreMod, alibi, alibi_slopes, as_score, softcap
+from .masks import (BlockKind, Logic, Mask, MaskKind, Varlen, as_mask, block_sparse, causal, dilated, documents,
+                    full, prefix, sinks, varlen, window)
+from .planner import Plan, clear_plan_cache, plan, plan_cache_stats
+from .scores import ScoreKind, ScoreMod, alibi, alibi_slopes, as_score, softcap
 from .state import State, empty_state, merge, merge_all
 from .caches import CacheFullError, KVCache, PagedKVCache, WindowCache, attend_cache, cascade, decode
 
@@ -18,9 +18,9 @@ __version__ = "0.1.0"
 __all__ = [
     "State", "merge", "merge_all", "empty_state",
     "attend", "attention", "attend_backward", "Backend",
-    "Mask", "BlockKind", "as_mask", "causal", "window", "sinks", "prefix", "documents",
-    "block_sparse", "dilated", "full",
+    "Mask", "BlockKind", "MaskKind", "Logic", "ScoreKind", "as_mask", "causal", "window", "sinks", "prefix", "documents",
+    "block_sparse", "dilated", "full", "varlen", "Varlen",
     "ScoreMod", "as_score", "alibi", "alibi_slopes", "softcap",
-    "Plan", "plan", "clear_plan_cache",
+    "Plan", "plan", "clear_plan_cache", "plan_cache_stats",
     "KVCache", "PagedKVCache", "WindowCache", "CacheFullError", "decode", "attend_cache", "cascade",
 ]

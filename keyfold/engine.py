@@ -15,8 +15,8 @@ from .kernels import cpu as _cpu
 from .kernels import reference as _reference
 from .kernels import tiles as _tiles
 from .kernels._common import Problem
-from .masks import as_mask
-from .planner import Plan, plan as _plan
+from .masks import as_mask, default_q_offset
+from .planner import Plan, _plan
 from .scores import as_score
 from .state import State
 
@@ -82,6 +82,7 @@ class _Call:
         score = as_score(score)
         if score is not None:
             score.check_heads(Hq)
+            score.check_batch(B)
         q_offset = Nk - Nq if q_offset is None else q_offset
         self.pb = Problem(mask, score, float(1.0 / math.sqrt(D) if scale is None else scale), q_offset, kv_offset)
         self.backend = _resolve(backend, q, score)
@@ -186,6 +187,7 @@ def attend(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offs
     scale: defaults to ``1/sqrt(D)``.
     q_offset: absolute position of the first query; default ``kv_offset + Nk - Nq`` is
         bottom-right alignment relative to these keys (decoding); pass 0 for Flex's top-left.
+        With a ``varlen(...)`` mask (packed queries) the default is 0.
     kv_offset: absolute position of the first key (a chunk, page or shard of a longer sequence).
 
     Returns ``State(out, lse)``: out ``(B, Hq, Nq, Dv)`` and lse ``(B, Hq, Nq)`` in float32
@@ -204,7 +206,7 @@ def attend(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offs
                                                        q_offset, kv_offset):
         return _cpu.dense(q, k, v, float(q.shape[-1] ** -0.5 if scale is None else scale))
     if q_offset is None and isinstance(k, torch.Tensor) and isinstance(q, torch.Tensor) and k.dim() == 4 and q.dim() == 4:
-        q_offset = kv_offset + k.shape[2] - q.shape[2]
+        q_offset = default_q_offset(as_mask(mask), q.shape[2], k.shape[2], kv_offset)
     call = _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs)
     return _run(q, k, v, call)
 
@@ -263,7 +265,7 @@ def attend_backward(q, k, v, out, lse, dout, *, mask=None, score=None, scale=Non
     dv are this piece's keys' full gradients. Ring attention and split-KV backward use this.
     """
     if q_offset is None and isinstance(k, torch.Tensor) and k.dim() == 4 and q.dim() == 4:
-        q_offset = kv_offset + k.shape[2] - q.shape[2]
+        q_offset = default_q_offset(as_mask(mask), q.shape[2], k.shape[2], kv_offset)
     if backend is Backend.REFERENCE:
         backend = Backend.TILES
     call = _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, False)

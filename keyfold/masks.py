@@ -22,14 +22,18 @@ Meaning (``qp = q_offset + i``, ``kp = kv_offset + j``):
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
+import operator
+import types
+import weakref
 from typing import Callable
 
 import torch
 
 __all__ = [
-    "BlockKind", "Mask", "causal", "window", "sinks", "prefix", "documents",
-    "block_sparse", "dilated", "full", "as_mask",
+    "BlockKind", "MaskKind", "Logic", "Mask", "causal", "window", "sinks", "prefix", "documents",
+    "block_sparse", "dilated", "full", "as_mask", "varlen", "Varlen", "captured_tensors",
 ]
 
 
@@ -42,6 +46,25 @@ class BlockKind(enum.IntEnum):
     EMPTY = 0    # no pair visible: skipped
     PARTIAL = 1  # some visible: the mask is applied inside the tile
     FULL = 2     # every pair visible: no mask work
+
+
+class MaskKind(enum.Enum):
+    """The presets a backend may compile natively (see :meth:`Mask.spec`)."""
+
+    CAUSAL = "causal"              # {}
+    WINDOW = "window"              # {"left": int | None, "right": int | None}
+    SINKS = "sinks"                # {"n": int | int64 tensor (B,), "name": "sinks" | "prefix"}
+    DOCUMENTS = "documents"        # {"ids": int64 (N,) | (B, N), "kv_ids": the same}
+    BLOCK_SPARSE = "block_sparse"  # {"layout": bool (nq, nk) | (H, nq, nk), "block_size": int}
+    DILATED = "dilated"            # {"step": int}
+
+
+class Logic(enum.Enum):
+    """How a combinator joins its operands (see :meth:`Mask.operands`)."""
+
+    AND = "and"  # no operands: every pair visible
+    OR = "or"
+    NOT = "not"
 
 
 class _TensorKey:
@@ -73,7 +96,27 @@ class _TensorKey:
 
 
 class Mask:
-    """Base class. Subclasses implement ``evaluate`` and, when they can, ``classify``.
+    """The mask protocol. A mask of your own subclasses this and implements ``evaluate`` (and,
+    when it can, ``classify``); it then plans and runs on every backend (docs/masks.md).
+
+    What each part of keyfold asks of a mask:
+
+    ====================================  =========================================================
+    ``evaluate(b, h, qp, kp)``            every backend: visibility on an index grid (required)
+    ``classify(q0, q1, k0, k1)``          the planner: EMPTY / PARTIAL / FULL per tile in closed
+                                          form, or None (the planner then evaluates every pair)
+    ``depends_on_batch_head()``           the planner: plan once for all batch entries / heads
+    ``__eq__`` / ``__hash__``             the plan cache: equal content, equal hash
+    ``translation_invariant``             the CPU kernel: tiles at equal diagonals are equal
+    ``preferred_block()``                 the planner: a tile size that fits the structure
+    ``check_positions(...)``              the engine: refuse positions the mask cannot answer
+    ``captured_stamp()``                  the plan cache: what callables inside capture (default:
+                                          the stamps of Mask-valued attributes)
+    ``packed_queries``                    the engine: default ``q_offset`` 0 (packed, :func:`varlen`)
+    ``spec()`` / ``operands()``           compilers (Triton, the distributed views, the verifier):
+                                          a preset's parameters / a combinator's operands; a mask
+                                          with neither is evaluated tile by tile into a bitmap
+    ====================================  =========================================================
 
     ``evaluate(b, h, qp, kp)`` gets int64 tensors that broadcast as
     ``(B, 1, 1, 1)``, ``(1, H, 1, 1)``, ``(1, 1, L, 1)``, ``(1, 1, 1, S)`` and returns a bool
@@ -100,15 +143,27 @@ class Mask:
         """A tile size that fits the mask's own structure (block_sparse's block), or None."""
         return None
 
+    def spec(self) -> tuple[MaskKind, dict] | None:
+        """``(kind, parameters)`` when this is a preset a backend may compile natively, else None."""
+        return None
+
+    def operands(self) -> tuple[Logic, tuple["Mask", ...]] | None:
+        """``(logic, operands)`` when this mask combines others (``&``, ``|``, ``~``), else None."""
+        return None
+
     def check_positions(self, q_start: int, q_end: int, k_start: int, k_end: int) -> None:
         """Raise if the mask cannot answer for queries in ``[q_start, q_end)`` / keys in ``[k_start, k_end)``."""
 
+    #: True when query positions are packed indices ``0 .. total_q - 1`` (:func:`varlen`): the
+    #: engine's default ``q_offset`` is then 0 instead of bottom-right alignment to the keys.
+    packed_queries = False
+
     # -- composition --------------------------------------------------------------------
     def __and__(self, other):
-        return _And(self, as_mask(other))
+        return _conjoin(self, as_mask(other))
 
     def __rand__(self, other):
-        return _And(as_mask(other), self)
+        return _conjoin(as_mask(other), self)
 
     def __or__(self, other):
         return _Or(self, as_mask(other))
@@ -134,7 +189,7 @@ class Mask:
         >>> causal().to_dense(2, 3).int().tolist()
         [[1, 1, 0], [1, 1, 1]]
         """
-        q_offset = Nk - Nq if q_offset is None else q_offset
+        q_offset = default_q_offset(self, Nq, Nk, kv_offset) if q_offset is None else q_offset
         b, h, qp, kp = grid_positions(B, H, q_offset, Nq, kv_offset, Nk, device)
         dense = self.evaluate(b, h, qp, kp)
         dense = torch.broadcast_to(dense, torch.broadcast_shapes(dense.shape, (1, 1, Nq, Nk)))
@@ -145,7 +200,7 @@ class Mask:
     def sparsity(self, Nq: int, Nk: int, q_offset: int | None = None, kv_offset: int = 0,
                  *, B: int = 1, H: int = 1) -> float:
         """Fraction of (query, key) pairs the mask hides, counted in row chunks (no Nq×Nk)."""
-        q_offset = Nk - Nq if q_offset is None else q_offset
+        q_offset = default_q_offset(self, Nq, Nk, kv_offset) if q_offset is None else q_offset
         rows = max(1, (1 << 22) // max(Nk * B * H, 1))
         visible = 0
         for i0 in range(0, Nq, rows):
@@ -158,6 +213,19 @@ class Mask:
     def depends_on_batch_head(self) -> tuple[bool, bool]:
         """Whether the mask can differ between batch entries / heads."""
         return False, False
+
+    def captured_stamp(self) -> tuple:
+        """What the mask reads besides its own value: a key that changes whenever a captured
+        tensor or value of a callable inside it changes (the plan cache adds it to its key).
+        Presets hold private copies and answer ``()``; wrappers and combinators ask their parts."""
+        parts = tuple(m.captured_stamp() for m in vars(self).values() if isinstance(m, Mask))
+        return parts if any(parts) else ()
+
+
+def default_q_offset(mask, Nq: int, Nk: int, kv_offset: int = 0) -> int:
+    """The first query's absolute position when the caller gives none: bottom-right aligned to
+    the keys (``kv_offset + Nk - Nq``), or 0 for packed queries (:func:`varlen`)."""
+    return 0 if mask is not None and mask.packed_queries else kv_offset + Nk - Nq
 
 
 def grid_positions(B, H, q0, Nq, k0, Nk, device, dtype=torch.int64):
@@ -189,6 +257,9 @@ class _Full(Mask):
     def classify(self, q0, q1, k0, k1):
         return torch.full(torch.broadcast_shapes(q0.shape, k0.shape), int(BlockKind.FULL), dtype=torch.int8)
 
+    def operands(self):
+        return Logic.AND, ()  # the empty conjunction: every pair
+
     def __repr__(self):
         return "full()"
 
@@ -208,6 +279,9 @@ class _Causal(Mask):
     def classify(self, q0, q1, k0, k1):
         # every key <= every query  /  every key > every query
         return _kind(k1 - 1 <= q0, k0 > q1 - 1)
+
+    def spec(self):
+        return MaskKind.CAUSAL, {}
 
     def __repr__(self):
         return "causal()"
@@ -248,6 +322,9 @@ class _Window(Mask):
         full = (k0 >= (q1 - 1) - left) & (k1 - 1 <= q0 + right)
         empty = (k1 - 1 < q0 - left) | (k0 > (q1 - 1) + right)
         return _kind(full, empty)
+
+    def spec(self):
+        return MaskKind.WINDOW, {"left": self.left, "right": self.right}
 
     def __repr__(self):
         return f"window({self.left}, {self.right})" if self.right else f"window({self.left})"
@@ -291,6 +368,10 @@ class _Sinks(Mask):
 
     def depends_on_batch_head(self):
         return isinstance(self.n, _TensorKey), False
+
+    def spec(self):
+        n = self.n.t if isinstance(self.n, _TensorKey) else self.n
+        return MaskKind.SINKS, {"n": n, "name": self.name}
 
     def __repr__(self):
         n = f"tensor{self.n.t.tolist()}" if isinstance(self.n, _TensorKey) else self.n
@@ -365,6 +446,9 @@ class _Documents(Mask):
     def depends_on_batch_head(self):
         return self.ids.t.dim() == 2 or self._kv().t.dim() == 2, False
 
+    def spec(self):
+        return MaskKind.DOCUMENTS, {"ids": self.ids.t, "kv_ids": self._kv().t}
+
     def __repr__(self):
         n = self.ids.t.shape[-1]
         ndoc = int(self.ids.t.unique().numel())
@@ -424,6 +508,9 @@ class _BlockSparse(Mask):
     def preferred_block(self):
         return self.block_size
 
+    def spec(self):
+        return MaskKind.BLOCK_SPARSE, {"layout": self.layout.t, "block_size": self.block_size}
+
     def __repr__(self):
         shape = "x".join(map(str, self.layout.t.shape))
         return f"block_sparse(<{shape} layout>, {self.block_size})"
@@ -449,6 +536,9 @@ class _Dilated(Mask):
             return _Full().classify(q0, q1, k0, k1)
         return None  # exact evaluation: tiles smaller than the step can be empty
 
+    def spec(self):
+        return MaskKind.DILATED, {"step": self.step}
+
     def __repr__(self):
         return f"dilated({self.step})"
 
@@ -466,6 +556,7 @@ class _And(Mask):
     def __init__(self, a: Mask, b: Mask):
         self.a, self.b = a, b
         self.translation_invariant = a.translation_invariant and b.translation_invariant
+        self.packed_queries = a.packed_queries or b.packed_queries
 
     def preferred_block(self):
         blocks = [x for x in (self.a.preferred_block(), self.b.preferred_block()) if x]
@@ -486,6 +577,9 @@ class _And(Mask):
         (b1, h1), (b2, h2) = self.a.depends_on_batch_head(), self.b.depends_on_batch_head()
         return b1 or b2, h1 or h2
 
+    def operands(self):
+        return Logic.AND, (self.a, self.b)
+
     def __repr__(self):
         return f"{_paren(self.a, _Or)} & {_paren(self.b, _Or)}"
 
@@ -504,6 +598,9 @@ class _Or(_And):
         x, y = self.a.classify(q0, q1, k0, k1), self.b.classify(q0, q1, k0, k1)
         return None if x is None or y is None else torch.maximum(x, y)
 
+    def operands(self):
+        return Logic.OR, (self.a, self.b)
+
     def __repr__(self):
         return f"{_paren(self.a, _And)} | {_paren(self.b, _And)}"
 
@@ -512,6 +609,7 @@ class _Not(Mask):
     def __init__(self, a: Mask):
         self.a = a
         self.translation_invariant = a.translation_invariant
+        self.packed_queries = a.packed_queries
 
     def preferred_block(self):
         return self.a.preferred_block()
@@ -529,6 +627,9 @@ class _Not(Mask):
     def depends_on_batch_head(self):
         return self.a.depends_on_batch_head()
 
+    def operands(self):
+        return Logic.NOT, (self.a,)
+
     def __repr__(self):
         return f"~{_paren(self.a, (_And, _Or))}"
 
@@ -537,6 +638,114 @@ class _Not(Mask):
 
     def __hash__(self):
         return hash(("not", self.a))
+
+
+def _terms(m: Mask) -> list[Mask]:
+    """The operands of a conjunction, flattened (``a & (b & c)`` -> [a, b, c])."""
+    return _terms(m.a) + _terms(m.b) if type(m) is _And else [m]
+
+
+def _conjoin(a: Mask, b: Mask) -> Mask:
+    """``a & b``. In a conjunction holding :func:`varlen`, ``causal()`` and ``window()`` terms
+    are folded into it, so they compare positions inside each sequence (FlashAttention's varlen
+    semantics) rather than packed indices across sequences."""
+    terms = _terms(a) + _terms(b)
+    packed = [t for t in terms if isinstance(t, Varlen)]
+    local = [t for t in terms if type(t) in (_Causal, _Window)]
+    if not packed or not local:
+        return _And(a, b)
+    left, right = None, None
+    for t in local:
+        l_, r_ = (None, 0) if type(t) is _Causal else (t.left, t.right)
+        left = l_ if left is None else (left if l_ is None else min(left, l_))
+        right = r_ if right is None else (right if r_ is None else min(right, r_))
+    rest = [t._restricted(left, right) if isinstance(t, Varlen) else t for t in terms if t not in local]
+    out = rest[0]
+    for t in rest[1:]:
+        out = _And(out, t)
+    return out
+
+
+class Varlen(Mask):
+    """Packed variable-length sequences (FlashAttention's ``cu_seqlens_q`` / ``cu_seqlens_k``).
+
+    Sequence ``s`` owns queries ``cu_q[s] .. cu_q[s+1]-1`` and keys ``cu_k[s] .. cu_k[s+1]-1``
+    (packed indices); a pair is visible when both belong to the same sequence and, with
+    ``left`` / ``right`` bounds, when the key's local index ``j`` and the query's local index
+    ``i`` satisfy ``a - left <= j <= a + right`` for ``a = i + Lk_s - Lq_s``: causal and windows
+    aligned bottom-right inside each sequence, as FlashAttention does. Built by :func:`varlen`.
+    """
+
+    packed_queries = True
+
+    def __init__(self, cu_q: torch.Tensor, cu_k: torch.Tensor, left: int | None, right: int | None):
+        self.cu_q, self.cu_k = _TensorKey(cu_q), _TensorKey(cu_k)
+        self.left, self.right = left, right
+        cq, ck = self.cu_q.t, self.cu_k.t
+        self._shift = ck[1:] - cq[1:]  # per sequence: a = qp + shift[s]
+        self.total_q, self.total_k = int(cq[-1]), int(ck[-1])
+
+    def _restricted(self, left, right) -> "Varlen":
+        lo = left if self.left is None else (self.left if left is None else min(self.left, left))
+        hi = right if self.right is None else (self.right if right is None else min(self.right, right))
+        return Varlen(self.cu_q.t, self.cu_k.t, lo, hi)
+
+    @staticmethod
+    def _seq(cu: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Sequence of each packed position (the last one starting at or before it: empty
+        sequences own no position)."""
+        s = torch.searchsorted(cu, pos.reshape(-1).to(cu.dtype).contiguous(), right=True) - 1
+        return s.clamp_(0, cu.numel() - 2).view(pos.shape)
+
+    def evaluate(self, b, h, qp, kp):
+        cq, ck = self.cu_q.on(qp.device), self.cu_k.on(qp.device)
+        sq, sk = self._seq(cq, qp), self._seq(ck, kp)
+        ok = (sq == sk) & (qp >= 0) & (qp < self.total_q) & (kp >= 0) & (kp < self.total_k)
+        if self.left is not None or self.right is not None:
+            a = qp.long() + self._shift.to(qp.device)[sq]  # the query's place among its sequence's keys
+            if self.right is not None:
+                ok = ok & (kp <= a + self.right)
+            if self.left is not None:
+                ok = ok & (kp >= a - self.left)
+        return ok
+
+    def classify(self, q0, q1, k0, k1):
+        cq, ck = self.cu_q.t, self.cu_k.t
+        sq0, sq1 = self._seq(cq, q0), self._seq(cq, q1 - 1)
+        sk0, sk1 = self._seq(ck, k0), self._seq(ck, k1 - 1)
+        empty = (sq1 < sk0) | (sk1 < sq0)  # no sequence has both queries and keys in the tile
+        single = (sq0 == sq1) & (sk0 == sk1) & (sq0 == sk0)
+        a0, a1 = q0 + self._shift[sq0], q1 - 1 + self._shift[sq0]
+        full = single.clone()
+        if self.right is not None:
+            full &= k1 - 1 <= a0 + self.right
+            empty |= single & (k0 > a1 + self.right)
+        if self.left is not None:
+            full &= k0 >= a1 - self.left
+            empty |= single & (k1 - 1 < a0 - self.left)
+        return _kind(full, empty)
+
+    def check_positions(self, q_start, q_end, k_start, k_end):
+        if q_start < 0 or q_end > self.total_q or k_start < 0 or k_end > self.total_k:
+            raise ValueError(
+                f"varlen(cu_seqlens_q, cu_seqlens_k) packs {self.total_q} queries and {self.total_k} keys, but this "
+                f"call covers queries [{q_start}, {q_end}) and keys [{k_start}, {k_end}); pass q ({self.total_q} "
+                f"tokens) and k ({self.total_k} tokens) packed on the sequence axis (batch 1), with q_offset=0 "
+                f"(the default with a varlen mask) and kv_offset where a chunk of keys starts")
+
+    def __repr__(self):
+        n = self.cu_q.t.numel() - 1
+        extra = "" if self.right != 0 or self.left is not None else ", causal"
+        if self.left is not None or self.right not in (None, 0):
+            extra = f", window=({self.left}, {self.right})"
+        return f"varlen(<{n} sequences, {self.total_q} queries, {self.total_k} keys>{extra})"
+
+    def __eq__(self, other):
+        return (type(other) is Varlen and (self.cu_q, self.cu_k, self.left, self.right)
+                == (other.cu_q, other.cu_k, other.left, other.right))
+
+    def __hash__(self):
+        return hash(("varlen", self.cu_q, self.cu_k, self.left, self.right))
 
 
 class _Prefix(_Or):
@@ -582,6 +791,9 @@ class MaskFn(Mask):
             self._deps = (shape[0] != 1, shape[1] != 1)
         return self._deps
 
+    def captured_stamp(self):
+        return captured_stamp(self.fn)
+
     def __repr__(self):
         return f"mask_fn({_fn_name(self.fn)})"
 
@@ -592,12 +804,160 @@ class MaskFn(Mask):
         return hash(("fn", id(self.fn)))
 
 
+# ------------------------------------------------------------ what a callable captures
+
+_SCALARS = (int, float, complex, bool, str, bytes, type(None))
+_MAX_CAPTURED = 4096  # objects visited per callable; past it the callable is never cached
+
+
+def _code_names(code) -> list[str]:
+    """Global names a code object and the functions nested in it may read."""
+    names = list(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names += _code_names(c)
+    return names
+
+
+def _library_code(f: types.FunctionType) -> bool:
+    """Functions of torch, numpy and keyfold hold no user state worth following."""
+    return (getattr(f, "__module__", None) or "").split(".")[0] in ("torch", "numpy", "keyfold", "functools")
+
+
+def _captured(fn) -> tuple[list, bool]:
+    """Tensors, numpy arrays and plain values a callable can read: its closure cells, defaults,
+    the globals its code names, a bound method's object, a partial's arguments, followed into
+    nested functions, containers and plain objects (an ``nn.Module``'s parameters and buffers).
+    Returns ``(objects, complete)``; ``complete`` is False when the walk gave up (too many
+    objects, or an object it cannot see into safely)."""
+    found, seen, complete = [], set(), True
+    stack = [(fn, 0)]
+    while stack:
+        obj, depth = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            if id(obj) not in seen:
+                seen.add(id(obj))
+                found.append(obj)
+            continue
+        if isinstance(obj, _SCALARS):
+            found.append(obj)
+            continue
+        if isinstance(obj, (types.ModuleType, type, types.BuiltinFunctionType, types.BuiltinMethodType)) \
+                or id(obj) in seen or (isinstance(obj, types.FunctionType) and _library_code(obj)):
+            continue
+        seen.add(id(obj))
+        if len(seen) > _MAX_CAPTURED or depth > 16:
+            complete = False
+            break
+        nxt: list = []
+        if isinstance(obj, types.FunctionType):
+            for cell in obj.__closure__ or ():
+                try:
+                    nxt.append(cell.cell_contents)
+                except ValueError:  # a cell not yet assigned
+                    nxt.append(None)
+            nxt += list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
+            g = obj.__globals__
+            nxt += [g[n] for n in _code_names(obj.__code__) if n in g]
+        elif isinstance(obj, types.MethodType):
+            nxt += [obj.__func__, obj.__self__]
+        elif isinstance(obj, functools.partial):
+            nxt += [obj.func, *obj.args, *obj.keywords.values()]
+        elif isinstance(obj, (list, tuple)):
+            nxt += list(obj)
+            found.append(len(obj))
+        elif isinstance(obj, dict):
+            nxt += [x for kv in obj.items() for x in kv]
+            found.append(len(obj))
+        elif isinstance(obj, (set, frozenset)):
+            nxt += sorted(obj, key=repr)
+            found.append(len(obj))
+        elif type(obj).__module__ == "numpy" and hasattr(obj, "tobytes"):  # an array or numpy scalar
+            found.append(obj)
+        elif isinstance(obj, _TensorKey) or isinstance(obj, Mask) and not isinstance(obj, MaskFn):
+            found.append(obj)  # immutable value objects: their equality is their content
+        elif isinstance(obj, MaskFn):
+            nxt.append(obj.fn)
+        elif hasattr(obj, "__dict__"):
+            nxt += list(vars(obj).values())
+            call = getattr(type(obj), "__call__", None)
+            if isinstance(call, types.FunctionType):  # a callable object: the globals its __call__ names
+                nxt.append(call)
+        elif callable(obj) or hasattr(obj, "__slots__"):
+            complete = False  # a C callable or slotted object: what it reads is hidden
+        stack += [(x, depth + 1) for x in reversed(nxt)]
+    return found, complete
+
+
+def captured_tensors(fn) -> list[torch.Tensor]:
+    """The tensors a mask or score callable can read (closure, defaults, globals it names,
+    nested functions, containers, objects): what keys its cached plans, and what FlexAttention
+    would lift as inputs of the mod. Each tensor once, in a stable order."""
+    return [x for x in _captured(fn)[0] if isinstance(x, torch.Tensor)]
+
+
+class _TensorStamp:
+    """A captured tensor as a cache key: equal only to a stamp of the very same tensor object
+    (held weakly) at the same version counter, storage, shape and strides. ``copy_``,
+    ``fill_``, ``x[i] = ...`` and every other in-place op bump the version."""
+
+    __slots__ = ("ref", "key")
+
+    def __init__(self, t: torch.Tensor):
+        self.ref = weakref.ref(t)
+        if t.is_inference():  # no version counter: the content itself (copied to the host) is the key
+            data = t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            self.key = ("content", tuple(t.shape), t.dtype, str(t.device), hashlib.sha1(data).hexdigest())
+        else:
+            self.key = (id(t), t._version, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, str(t.device))
+
+    def __hash__(self):
+        return hash(self.key)
+
+    def __eq__(self, other):
+        if not isinstance(other, _TensorStamp) or self.key != other.key:
+            return False
+        return self.key[0] == "content" or (self.ref() is not None and self.ref() is other.ref())
+
+
+def captured_stamp(fn) -> tuple:
+    """A hashable key of everything ``fn`` captures (:func:`captured_tensors`, numpy arrays by
+    content, plain values by value); it differs after any change a result could depend on.
+    A callable whose captures cannot be followed gets a fresh key every time (never reused)."""
+    objs, complete = _captured(fn)
+    if not complete:
+        return (object(),)
+    out = []
+    for x in objs:
+        if isinstance(x, torch.Tensor):
+            out.append(_TensorStamp(x))
+        elif type(x).__module__ == "numpy":
+            out.append((str(getattr(x, "dtype", "")), getattr(x, "shape", ()), hashlib.sha1(x.tobytes()).hexdigest()))
+        elif isinstance(x, float) and x != x:
+            out.append("nan")
+        else:
+            out.append((type(x).__name__, x))
+    return tuple(out)
+
+
+def captured_bytes(fn) -> int:
+    """Bytes of the tensors ``fn`` captures (what a cache holding ``fn`` keeps alive)."""
+    return sum(t.numel() * t.element_size() for t in captured_tensors(fn))
+
+
 # --------------------------------------------------------------------------- builders
 
 
 def _int_arg(x, name, fn, minimum=0):
+    """``x`` as a Python int: an int, a numpy integer or a 0-d integer tensor (never a bool)."""
+    if isinstance(x, torch.Tensor) and x.dim() == 0 and not x.dtype.is_floating_point \
+            and not x.dtype.is_complex and x.dtype is not torch.bool:
+        x = int(x)
+    elif not isinstance(x, (bool, torch.Tensor)) and hasattr(x, "__index__") \
+            and "bool" not in type(x).__name__:
+        x = operator.index(x)  # numpy integers
     if isinstance(x, bool) or not isinstance(x, int):
-        raise TypeError(f"{fn}({name}): expected an int, got {type(x).__name__}")
+        raise TypeError(f"{fn}({name}): expected an int (or a numpy / 0-d tensor integer), got {type(x).__name__}")
     if x < minimum:
         raise ValueError(f"{fn}({name}): must be >= {minimum}, got {x}")
     return x
@@ -627,9 +987,9 @@ def window(left: int | None, right: int | None = 0) -> Mask:
     ``window(W)`` alone is causal-or-local: it admits the W keys before the query and the query's own.
     """
     if left is not None:
-        _int_arg(left, "left", "window")
+        left = _int_arg(left, "left", "window")
     if right is not None:
-        _int_arg(right, "right", "window")
+        right = _int_arg(right, "right", "window")
     return _Window(left, right)
 
 
@@ -656,6 +1016,47 @@ def documents(ids: torch.Tensor, kv_ids: torch.Tensor | None = None) -> Mask:
     [[1, 1, 0], [1, 1, 0], [0, 0, 1]]
     """
     return _Documents(ids, kv_ids)
+
+
+def varlen(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None = None, *, causal: bool = False,
+           window: tuple[int | None, int | None] | None = None) -> Mask:
+    """Packed sequences of different query and key lengths (FlashAttention's ``flash_attn_varlen_func``).
+
+    cu_seqlens_q, cu_seqlens_k: integer ``(n + 1,)``, non-decreasing, from 0: sequence ``s`` owns
+    packed queries ``cu_seqlens_q[s] .. cu_seqlens_q[s+1]-1`` and keys likewise (``cu_seqlens_k``
+    defaults to ``cu_seqlens_q``). A sequence may have no queries or no keys (its rows give 0).
+    Pass q ``(1, H, total_q, D)`` and k, v ``(1, Hkv, total_k, D)``; with this mask the default
+    ``q_offset`` is 0. ``causal=True`` and ``window=(left, right)`` (None or -1: unbounded) act
+    inside each sequence, aligned bottom-right as in FlashAttention: local query ``i`` sees
+    local key ``j`` when ``i + Lk - Lq - left <= j <= i + Lk - Lq + right`` (causal: right 0).
+    ``varlen(...) & causal()`` and ``& window(l, r)`` mean the same as these arguments.
+
+    >>> m = varlen(torch.tensor([0, 1, 3]), torch.tensor([0, 2, 3])) & causal()
+    >>> m.to_dense(3, 3).int().tolist()
+    [[1, 1, 0], [0, 0, 0], [0, 0, 1]]
+    """
+    cus = []
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() < 2 or t.dtype.is_floating_point \
+                or t.dtype is torch.bool:
+            raise ValueError(f"varlen({name}): expected an integer tensor (n_sequences + 1,) of cumulative lengths "
+                             f"starting at 0, got {getattr(t, 'shape', type(t).__name__)}")
+        t = t.detach().to("cpu", torch.int64)
+        if int(t[0]) != 0 or bool((t[1:] < t[:-1]).any()):
+            raise ValueError(f"varlen({name}): cumulative lengths must start at 0 and never decrease, got {t.tolist()}")
+        cus.append(t)
+    if cus[0].numel() != cus[1].numel():
+        raise ValueError(f"varlen: cu_seqlens_q has {cus[0].numel() - 1} sequences and cu_seqlens_k "
+                         f"{cus[1].numel() - 1}; they must describe the same sequences")
+    left = right = None
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise ValueError(f"varlen(window=...): expected (left, right), got {window!r}")
+        left, right = (None if w is None or (not isinstance(w, torch.Tensor) and w == -1)
+                       else _int_arg(w, name, "varlen") for w, name in zip(window, ("window[0]", "window[1]")))
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return Varlen(cus[0], cus[1], left, right)
 
 
 def block_sparse(layout: torch.Tensor, block_size: int) -> Mask:

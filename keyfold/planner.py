@@ -3,7 +3,8 @@
 It tiles the (query block x key block) grid, classifies every tile EMPTY / PARTIAL /
 FULL (closed form for presets, exact evaluation for callables), skips empty tiles and
 coalesces runs of tiles in one query block into key spans, so one kernel call covers each.
-Plans are cached by the mask's hash and the shapes; ``plan(...).to_string()`` draws one.
+Plans are cached by the mask's hash, what its callables capture (:func:`keyfold.masks.captured_stamp`)
+and the shapes, in an LRU bounded by bytes; ``plan(...).to_string()`` draws one.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .masks import BlockKind, Mask, _Causal, as_mask, grid_positions
+from .masks import BlockKind, Mask, MaskFn, MaskKind, as_mask, captured_tensors, default_q_offset, grid_positions
 
-__all__ = ["PieceKind", "Piece", "Plan", "plan", "clear_plan_cache"]
+__all__ = ["PieceKind", "Piece", "Plan", "plan", "clear_plan_cache", "plan_cache_stats", "PLAN_CACHE_BYTES"]
 
 
 class PieceKind(enum.Enum):
@@ -41,9 +42,13 @@ class Piece:
         return (self.q1 - self.q0) * (self.k1 - self.k0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Plan:
-    """How one call covers the (Nq x Nk) pairs. ``kinds`` is ``(nq_blocks, nk_blocks)`` int8."""
+    """How one call covers the (Nq x Nk) pairs. ``kinds`` is ``(nq_blocks, nk_blocks)`` int8.
+
+    Plans compare and hash by identity (they hold tensors, whose ``==`` is elementwise): the plan
+    cache hands out one object per key, so ``plan(...) is plan(...)`` on a hit.
+    """
 
     Nq: int
     Nk: int
@@ -96,13 +101,15 @@ class Plan:
 class TileCache:
     """Mask tiles a plan's calls reuse, so a training or decoding loop evaluates each partial
     tile once, like Flex's BlockMask. At most ``budget`` bytes per plan; past that, kernels
-    rebuild tiles per call (still memoised within the call)."""
+    rebuild tiles per call (still memoised within the call). While its plan is in the plan
+    cache, every byte stored here counts against the cache's budget (``on_grow``)."""
 
     budget = 64 << 20
 
     def __init__(self):
         self._d: dict = {}
         self.bytes = 0
+        self.on_grow = None  # set by the plan cache while it holds the plan
 
     def get(self, key):
         return self._d.get(key)
@@ -111,6 +118,9 @@ class TileCache:
         if key not in self._d and self.bytes + nbytes <= self.budget:
             self._d[key] = value
             self.bytes += nbytes
+            grow = self.on_grow
+            if grow is not None:
+                grow(nbytes)
 
     def __len__(self):
         return len(self._d)
@@ -125,20 +135,69 @@ def _causal_area(p: Piece) -> int:
 
 # ------------------------------------------------------------------------- the cache
 
+#: Bytes the plan cache may hold: every cached plan's block kinds, pieces and mask tiles, and
+#: the tensors its mask callable captures (the cache keeps them alive). Least recently used
+#: plans go first. A module attribute, read at every insertion.
+PLAN_CACHE_BYTES = 256 << 20
+_CACHE_MAX_PLANS = 4096  # and never more plans than this, however small
+_PLAN_OVERHEAD = 512     # bytes a Plan and its key cost before any tensor (rough)
+
 _CACHE: "OrderedDict[tuple, Plan]" = OrderedDict()
-_CACHE_SIZE = 128
-_LOCK = threading.Lock()
-_STATS = {"hits": 0, "misses": 0}
+_BASE: dict = {}  # key -> bytes of the plan apart from its tiles
+_LOCK = threading.RLock()
+_STATS = {"hits": 0, "misses": 0, "evictions": 0, "bytes": 0}
 
 
 def clear_plan_cache() -> None:
+    """Drop every cached plan (and its tiles) and reset :func:`plan_cache_stats`."""
     with _LOCK:
+        for p in _CACHE.values():
+            p.tiles.on_grow = None
         _CACHE.clear()
-        _STATS.update(hits=0, misses=0)
+        _BASE.clear()
+        _STATS.update(hits=0, misses=0, evictions=0, bytes=0)
 
 
 def plan_cache_stats() -> dict[str, int]:
-    return dict(_STATS, size=len(_CACHE))
+    """The plan cache's counters: ``hits``, ``misses``, ``evictions``, ``bytes`` held (plans,
+    their mask tiles and the tensors their callables capture), ``size`` (plans) and
+    ``budget`` (:data:`PLAN_CACHE_BYTES`).
+
+    >>> import keyfold
+    >>> sorted(keyfold.plan_cache_stats())
+    ['budget', 'bytes', 'evictions', 'hits', 'misses', 'size']
+    """
+    with _LOCK:
+        return dict(_STATS, size=len(_CACHE), budget=PLAN_CACHE_BYTES)
+
+
+def _grew(nbytes: int) -> None:
+    with _LOCK:
+        _STATS["bytes"] += nbytes
+        _evict()
+
+
+def _evict() -> None:
+    """Drop least recently used plans until the cache fits its budget (caller holds _LOCK)."""
+    while _CACHE and (_STATS["bytes"] > PLAN_CACHE_BYTES or len(_CACHE) > _CACHE_MAX_PLANS):
+        key, old = _CACHE.popitem(last=False)
+        old.tiles.on_grow = None
+        _STATS["bytes"] -= _BASE.pop(key) + old.tiles.bytes
+        _STATS["evictions"] += 1
+
+
+def _plan_bytes(p: Plan, mask) -> int:
+    captured = sum(t.numel() * t.element_size() for t in _captured_tensors_of(mask))
+    return _PLAN_OVERHEAD + p.kinds.numel() * p.kinds.element_size() + 64 * len(p.pieces) + captured
+
+
+def _captured_tensors_of(mask) -> list:
+    """Tensors the callables inside ``mask`` capture (kept alive by a cache key holding it)."""
+    if mask is None:
+        return []
+    if isinstance(mask, MaskFn):
+        return captured_tensors(mask.fn)
+    return [t for m in vars(mask).values() if isinstance(m, Mask) for t in _captured_tensors_of(m)]
 
 
 def default_block(Nq: int, Nk: int) -> tuple[int, int]:
@@ -149,20 +208,31 @@ def default_block(Nq: int, Nk: int) -> tuple[int, int]:
 
 
 def plan(mask: Mask | None, Nq: int, Nk: int, *, q_offset: int | None = None, kv_offset: int = 0,
-         B: int = 1, H: int = 1, block_size: int | tuple[int, int] | None = None,
-         max_span: int | None = None, allow_causal: bool = True) -> Plan:
-    """Plan ``mask`` over ``Nq`` queries and ``Nk`` keys (cached).
+         B: int = 1, H: int = 1, block_size: int | tuple[int, int] | None = None) -> Plan:
+    """Plan ``mask`` over ``Nq`` queries and ``Nk`` keys (cached): which tiles are EMPTY, PARTIAL
+    or FULL and the pieces the kernels compute.
 
+    q_offset, kv_offset: absolute positions of the first query / key, as in :func:`keyfold.attend`.
+    B, H: batch and query heads (they matter only for masks that depend on them).
     block_size: tile size (an int, or ``(block_q, block_k)``); default from :func:`default_block`.
-    max_span: longest key span one piece may cover (the kernels bound their tile memory by it).
-    allow_causal: whether a piece may use the fused kernel's own causal flag.
 
     >>> from keyfold import causal, window
     >>> plan(causal() & window(4), 16, 16, block_size=4).counts()
     {'empty': 9, 'partial': 7, 'full': 0}
     """
+    return _plan(mask, Nq, Nk, q_offset=q_offset, kv_offset=kv_offset, B=B, H=H, block_size=block_size)
+
+
+def _plan(mask: Mask | None, Nq: int, Nk: int, *, q_offset: int | None = None, kv_offset: int = 0,
+          B: int = 1, H: int = 1, block_size: int | tuple[int, int] | None = None,
+          max_span: int | None = None, allow_causal: bool = True) -> Plan:
+    """:func:`plan` with the kernels' own settings (the engine and the Triton launcher set them).
+
+    max_span: longest key span one piece may cover (the kernels bound their tile memory by it).
+    allow_causal: whether a piece may use the fused kernel's own causal flag.
+    """
     mask = as_mask(mask)
-    q_offset = Nk - Nq if q_offset is None else q_offset
+    q_offset = default_q_offset(mask, Nq, Nk, kv_offset) if q_offset is None else q_offset
     if block_size is None:
         bq, bk = default_block(Nq, Nk)
         hint = mask.preferred_block() if mask is not None else None
@@ -175,7 +245,10 @@ def plan(mask: Mask | None, Nq: int, Nk: int, *, q_offset: int | None = None, kv
     if bq < 1 or bk < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     dep_b, dep_h = mask.depends_on_batch_head() if mask is not None else (False, False)
-    key = (mask, Nq, Nk, q_offset, kv_offset, B if dep_b else 0, H if dep_h else 0, bq, bk, max_span, allow_causal)
+    # the stamp of what callables inside the mask capture: a plan is never reused for other contents
+    stamp = mask.captured_stamp() if mask is not None else ()
+    key = (mask, stamp, Nq, Nk, q_offset, kv_offset, B if dep_b else 0, H if dep_h else 0, bq, bk, max_span,
+           allow_causal)
     with _LOCK:
         hit = _CACHE.get(key)
         if hit is not None:
@@ -185,11 +258,15 @@ def plan(mask: Mask | None, Nq: int, Nk: int, *, q_offset: int | None = None, kv
     if mask is not None:
         mask.check_positions(q_offset, q_offset + Nq, kv_offset, kv_offset + Nk)
     result = _build(mask, Nq, Nk, q_offset, kv_offset, B, H, bq, bk, max_span, allow_causal)
+    base = _plan_bytes(result, mask)
     with _LOCK:
         _STATS["misses"] += 1
-        _CACHE[key] = result
-        if len(_CACHE) > _CACHE_SIZE:
-            _CACHE.popitem(last=False)
+        if key not in _CACHE:
+            _CACHE[key] = result
+            _BASE[key] = base
+            _STATS["bytes"] += base
+            result.tiles.on_grow = _grew
+            _evict()
     return result
 
 
@@ -212,11 +289,16 @@ def _build(mask, Nq, Nk, q_offset, kv_offset, B, H, bq, bk, max_span, allow_caus
 
     if mask is None and max_span is None:
         pieces = (Piece(0, Nq, 0, Nk, PieceKind.FULL),)
-    elif isinstance(mask, _Causal) and allow_causal and max_span is None:
+    elif _is_causal(mask) and allow_causal and max_span is None:
         pieces = _causal_pieces(Nq, Nk, q_offset - kv_offset)
     else:
         pieces = _grid_pieces(kinds, Nq, Nk, bq, bk, max_span)
     return Plan(Nq, Nk, q_offset, kv_offset, bq, bk, kinds, pieces)
+
+
+def _is_causal(mask: Mask | None) -> bool:
+    spec = mask.spec() if mask is not None else None
+    return spec is not None and spec[0] is MaskKind.CAUSAL
 
 
 def _causal_pieces(Nq: int, Nk: int, d: int) -> tuple[Piece, ...]:
@@ -322,13 +404,16 @@ def _classify_exact(mask, B, H, Nq, Nk, q_offset, kv_offset, bq, bk) -> torch.Te
     rows_per_chunk = max(bq, ((1 << 23) // max(1, Nk * Be * He)) // bq * bq)
     cols = torch.full((nkb,), bk, dtype=torch.int32)
     cols[-1] = Nk - (nkb - 1) * bk
+    small = max(abs(q_offset), abs(q_offset + Nq), kv_offset + Nk) < 2**31
+    pos_dtype = torch.int32 if small else torch.int64
     out = []
     for r0 in range(0, Nq, rows_per_chunk):
         r1 = min(Nq, r0 + rows_per_chunk)
         R = r1 - r0
         nrb = -(-R // bq)
-        # int32 positions, as FlexAttention passes them: half the bytes of int64 arithmetic
-        b, h, qp, kp = grid_positions(Be, He, q_offset + r0, R, kv_offset, Nk, None, dtype=torch.int32)
+        # int32 positions, as FlexAttention passes them: half the bytes of int64 arithmetic (int64
+        # past 2^31, where int32 would wrap around and misclassify tiles)
+        b, h, qp, kp = grid_positions(Be, He, q_offset + r0, R, kv_offset, Nk, None, dtype=pos_dtype)
         m = torch.broadcast_to(mask.evaluate(b, h, qp, kp), (Be, He, R, Nk))
         if pad or nrb * bq != R:
             m = torch.nn.functional.pad(m, (0, pad, 0, nrb * bq - R), value=False)

@@ -7,6 +7,7 @@ tile by tile in torch ops. A list composes left to right.
 
 from __future__ import annotations
 
+import enum
 import math
 from typing import Callable
 
@@ -14,11 +15,21 @@ import torch
 
 from .masks import _TensorKey, _fn_name
 
-__all__ = ["ScoreMod", "alibi", "alibi_slopes", "softcap", "as_score"]
+__all__ = ["ScoreKind", "ScoreMod", "alibi", "alibi_slopes", "softcap", "as_score"]
+
+
+class ScoreKind(enum.Enum):
+    """The modifiers a backend may compile natively (see :meth:`ScoreMod.spec`)."""
+
+    ALIBI = "alibi"      # {"slopes": float32 (H,)}
+    SOFTCAP = "softcap"  # {"cap": float}
 
 
 class ScoreMod:
-    """Base class. ``apply(s, b, h, qp, kp)`` maps float32 scores ``(B, H, L, S)``.
+    """The score protocol. ``apply(s, b, h, qp, kp)`` maps float32 scores ``(B, H, L, S)``;
+    a modifier of your own subclasses this and implements ``apply`` (and, if it only adds a
+    bias, ``additive = True`` and ``bias``). ``spec()`` names a preset a backend may compile,
+    ``parts()`` the modifiers of a chain; a modifier with neither runs in torch ops per tile.
 
     Index tensors broadcast as in :meth:`keyfold.masks.Mask.evaluate` (absolute positions).
     Additive modifiers also give ``bias(b, h, qp, kp)`` with ``apply(s) == s + bias``.
@@ -48,43 +59,74 @@ class ScoreMod:
     def check_heads(self, H: int) -> None:
         """Raise if the modifier cannot serve ``H`` query heads."""
 
+    def check_batch(self, B: int) -> None:
+        """Raise if the modifier cannot serve a batch of ``B`` (per-batch ALiBi slopes)."""
+
+    def spec(self) -> tuple[ScoreKind, dict] | None:
+        """``(kind, parameters)`` when this is a preset a backend may compile natively, else None."""
+        return None
+
+    def parts(self) -> tuple["ScoreMod", ...] | None:
+        """The modifiers this one applies left to right (a chain), else None."""
+        return None
+
 
 class _Alibi(ScoreMod):
     additive = True
     translation_invariant = True
 
     def __init__(self, slopes: torch.Tensor):
-        if not isinstance(slopes, torch.Tensor) or slopes.dim() != 1:
-            raise ValueError("alibi(slopes): expected a 1-D tensor with one slope per query head; "
-                             "alibi_slopes(H) gives the paper's geometric slopes")
+        if not isinstance(slopes, torch.Tensor) or slopes.dim() not in (1, 2) or not slopes.dtype.is_floating_point:
+            got = tuple(slopes.shape) if isinstance(slopes, torch.Tensor) else type(slopes).__name__
+            raise ValueError(f"alibi(slopes): expected a float tensor (H,) with one slope per query head, or "
+                             f"(B, H) per batch entry and head (FlashAttention's alibi_slopes); got {got}; "
+                             f"alibi_slopes(H) gives the paper's geometric slopes")
         self.slopes = _TensorKey(slopes.float())
 
+    def _per_batch(self) -> bool:
+        return self.slopes.t.dim() == 2
+
     def bias(self, b, h, qp, kp):
-        slopes = self.slopes.on(qp.device).view(1, -1, 1, 1)  # (1, H, 1, 1)
-        return -slopes * (qp - kp).abs().float()
+        # the distance in exact int64 arithmetic, then cast: float32 positions are exact only below 2^24
+        dist = (qp.long() - kp.long()).abs().float()
+        t = self.slopes.on(qp.device)
+        slopes = t[b.long(), h.long()] if self._per_batch() else t[h.long()]  # (B|1, H, 1|L, 1)
+        return -slopes * dist
 
     def apply(self, s, b, h, qp, kp):
         return s + self.bias(b, h, qp, kp)
 
     def separable(self, q0, q1, k0, k1, device):
-        slopes = self.slopes.on(device).view(1, -1, 1)                      # (1, H, 1)
-        qp = torch.arange(q0, q1, device=device, dtype=torch.float32).view(1, 1, -1)
-        kp = torch.arange(k0, k1, device=device, dtype=torch.float32).view(1, 1, -1)
-        if k1 - 1 <= q0:    # every key at or before every query: -s(qp - kp), anchored at the last key
-            r = float(k1 - 1)
-            return -slopes * (qp - r), (slopes * (kp - r)).unsqueeze(2)
-        if k0 >= q1 - 1:    # every key at or after every query: -s(kp - qp), anchored at the first key
-            r = float(k0)
-            return -slopes * (r - qp), (-slopes * (kp - r)).unsqueeze(2)
-        return None
+        # Anchored at the tile's key r: -s|qp - kp| = -s|qp - r| + (-s|r - kp|) when every key is on one
+        # side of every query. Both offsets are taken in int64 and only then cast, so the key term holds
+        # numbers below the tile size at any absolute position; the row term only shifts lse.
+        t = self.slopes.on(device)
+        slopes = t.unsqueeze(-1) if self._per_batch() else t.view(1, -1, 1)  # (B|1, H, 1)
+        qp = torch.arange(q0, q1, device=device, dtype=torch.int64).view(1, 1, -1)
+        kp = torch.arange(k0, k1, device=device, dtype=torch.int64).view(1, 1, -1)
+        if k1 - 1 <= q0:    # every key at or before every query: anchored at the last key
+            r = k1 - 1
+        elif k0 >= q1 - 1:  # every key at or after every query: anchored at the first key
+            r = k0
+        else:
+            return None
+        return -slopes * (qp - r).abs().float(), (-slopes * (kp - r).abs().float()).unsqueeze(2)
 
     def check_heads(self, H):
-        if self.slopes.t.numel() != H:
-            raise ValueError(f"alibi(slopes): {self.slopes.t.numel()} slopes for {H} query heads; "
-                             f"pass one slope per query head")
+        n = self.slopes.t.shape[-1]
+        if n != H:
+            raise ValueError(f"alibi(slopes): {n} slopes for {H} query heads; pass one slope per query head")
+
+    def check_batch(self, B):
+        if self._per_batch() and self.slopes.t.shape[0] != B:
+            raise ValueError(f"alibi(slopes): slopes of shape {tuple(self.slopes.t.shape)} are per batch entry, "
+                             f"but the batch has {B}; pass (B, H) slopes for this batch or (H,) for all")
+
+    def spec(self):
+        return ScoreKind.ALIBI, {"slopes": self.slopes.t}
 
     def __repr__(self):
-        return f"alibi(<{self.slopes.t.numel()} slopes>)"
+        return f"alibi(<{'x'.join(map(str, self.slopes.t.shape))} slopes>)"
 
     def __eq__(self, other):
         return type(other) is _Alibi and self.slopes == other.slopes
@@ -104,6 +146,9 @@ class _Softcap(ScoreMod):
 
     def apply_(self, s, b, h, qp, kp):
         return s.div_(self.cap).tanh_().mul_(self.cap)
+
+    def spec(self):
+        return ScoreKind.SOFTCAP, {"cap": self.cap}
 
     def __repr__(self):
         return f"softcap({self.cap:g})"
@@ -170,6 +215,13 @@ class _Chain(ScoreMod):
         for m in self.mods:
             m.check_heads(H)
 
+    def check_batch(self, B):
+        for m in self.mods:
+            m.check_batch(B)
+
+    def parts(self):
+        return self.mods
+
     def __repr__(self):
         return "[" + ", ".join(map(repr, self.mods)) + "]"
 
@@ -189,7 +241,11 @@ def alibi_slopes(H: int) -> torch.Tensor:
 
 
 def alibi(slopes: torch.Tensor) -> ScoreMod:
-    """ALiBi: adds ``-slopes[h] * |qp - kp|`` to the scaled score (FlashAttention's convention)."""
+    """ALiBi: adds ``-slopes[h] * |qp - kp|`` to the scaled score (FlashAttention's convention).
+
+    slopes: float ``(H,)``, one per query head, or ``(B, H)``, per batch entry and head
+    (``-slopes[b, h] * |qp - kp|``). Distances are exact integers at any absolute position.
+    """
     return _Alibi(slopes)
 
 

@@ -46,23 +46,32 @@ def empty_state(B: int, H: int, Nq: int, Dv: int, *, dtype=torch.float32, device
 
 
 def _weights(lse_a: torch.Tensor, lse_b: torch.Tensor):
-    """Merged lse and the two rescaling weights, safe for empty rows.
+    """Merged lse and the two rescaling weights, safe for empty rows in value and gradient.
 
-    lse = logaddexp(lse_a, lse_b) never overflows (it shifts by the max internally), and
-    each weight exp(lse_x - lse) lies in [0, 1].  Where both sides are empty, lse is -inf
-    and ``-inf - -inf`` would be NaN, so we subtract a finite stand-in (0) there: the
-    weights become exp(-inf) = 0 and the empty row stays (0, -inf).
+    With ``m = max(lse_a, lse_b)`` (a constant: the result does not depend on it),
+    ``e_x = exp(lse_x - m)`` and ``t = e_a + e_b``: ``lse = m + log t`` and
+    ``w_x = e_x / t``. On a row that saw a key the larger term is ``exp(0) = 1``, so
+    ``1 <= t <= 2``: nothing overflows and the weights lie in [0, 1]. On a row empty on both
+    sides ``m = -inf``; we shift by 0 there instead, so ``e_a = e_b = t = 0``, and divide by 1,
+    so lse is -inf and both weights are 0 with zero gradient. ``torch.logaddexp`` would give
+    the same values but a NaN gradient at (-inf, -inf).
     """
-    lse = torch.logaddexp(lse_a, lse_b)
-    finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    return lse, torch.exp(lse_a - finite), torch.exp(lse_b - finite)
+    m = torch.maximum(lse_a, lse_b).detach()
+    empty = torch.isneginf(m)
+    m = m.masked_fill(empty, 0.0)
+    ea, eb = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    t = (ea + eb).masked_fill(empty, 1.0)
+    lse = (m + torch.log(t)).masked_fill(empty, float("-inf"))
+    return lse, ea / t, eb / t
 
 
 def merge(a: State, b: State) -> State:
     """Merge two partial states over disjoint key sets (commutative, associative).
 
     ``lse = logaddexp(lse_a, lse_b)``, ``out = out_a·exp(lse_a - lse) + out_b·exp(lse_b - lse)``.
-    Shapes must match; the result has the dtype of the inputs. Differentiable.
+    Shapes must match; the result has the dtype of the inputs. Differentiable: a row empty in
+    both (lse -inf) gives out 0, lse -inf and zero gradients, never NaN. A state's rows with
+    lse -inf count as empty whatever their ``out`` holds (weight 0).
     """
     lse, wa, wb = _weights(a.lse, b.lse)
     out = a.out * wa.unsqueeze(-1) + b.out * wb.unsqueeze(-1)
@@ -77,10 +86,17 @@ def merge_into(acc: State, part: State) -> None:
 
 
 def merge_all(states: Iterable[State]) -> State:
-    """Merge any number of partial states; merging none is an error (no shape to give)."""
+    """Merge any number of partial states; merging none is an error (no shape to give).
+
+    Rows with lse -inf are empty: the result has out 0 there (also for a single state, whose
+    empty rows may carry anything in ``out``), lse -inf and zero gradient.
+    """
     states = list(states)
     if not states:
         raise ValueError("merge_all needs at least one State; use empty_state(...) for attention over no key")
+    if len(states) == 1:
+        out, lse = states[0]
+        return State(out.masked_fill(torch.isneginf(lse).unsqueeze(-1), 0.0), lse)
     # Pairwise tree: depth log2(n), which keeps rounding growth logarithmic in the piece count.
     while len(states) > 1:
         nxt = [merge(states[i], states[i + 1]) for i in range(0, len(states) - 1, 2)]

@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         err, bound = max(c[0] for c in checks), max(c[1] for c in checks)
         ok = err <= bound and not bool(torch.isnan(out).any())
         failures += not ok
-        plan = kf.plan(kw.get("mask"), N, N, H=H, max_span=kf.engine.TILE_SPAN if "score" in kw else None)
+        plan = kf.planner._plan(kw.get("mask"), N, N, H=H, max_span=kf.engine.TILE_SPAN if "score" in kw else None)
         t_kf = _median(lambda: kf.attention(q, k, v, **kw), args.repeats)
         sdpa = _sdpa_equivalent(q, k, v, kw)
         t_sdpa = _median(sdpa, args.repeats) if sdpa is not None else None

@@ -8,6 +8,7 @@ gradients) plus 1e-6, on rows that see at least one key; rows that see none must
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import keyfold
@@ -89,3 +90,14 @@ def assert_backward_by_rule(q, k, v, **kw):
         assert g is not None and not torch.isnan(g).any(), f"{name} is None or NaN"
         assert_close_by_rule(g, r, n, None, factor=3.0, what=name)
     return got
+
+
+def require_extra(extra: str) -> None:
+    """Skip the calling test module when an application's extra is not installed, with the
+    install line as the reason (so the library's tests pass with only the core installed;
+    CI installs every extra, so nothing is skipped there)."""
+    from keyfold._extras import missing
+    absent = missing(extra)
+    if absent:
+        pytest.skip(f"needs keyfold[{extra}] ({', '.join(absent)} missing): pip install 'keyfold[{extra}]'",
+                    allow_module_level=True)

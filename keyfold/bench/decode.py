@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -31,34 +30,12 @@ from tqdm import tqdm
 
 from ..caches import KVCache, PagedKVCache, WindowCache, cascade, choose_splits, decode
 from ..masks import causal
+from .harness import interleaved, machine, results_dir, stream_bandwidth
 
-RESULTS = Path("benchmarks/results")
 B, H, D = 1, 8, 64  # the decode shape of DESIGN.md section 5
 
 
 # ---------------------------------------------------------------------------- timing
-
-
-class Timing(dict):
-    """Median seconds per name (the dict), and the minimum in ``.best`` (less sensitive to a loaded machine)."""
-
-    best: dict
-
-
-def interleaved(fns: dict, reps: int, warmup: int = 2) -> Timing:
-    """Median seconds of each callable, run alternately ``reps`` times after ``warmup`` rounds."""
-    for _ in range(warmup):
-        for f in fns.values():
-            f()
-    times = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            times[name].append(time.perf_counter() - t0)
-    out = Timing({name: statistics.median(ts) for name, ts in times.items()})
-    out.best = {name: min(ts) for name, ts in times.items()}
-    return out
 
 
 def rss_bytes() -> int:
@@ -97,7 +74,7 @@ def bench_decode(lengths, reps, bar) -> list[dict]:
         if hkv != H:
             fns["keyfold_nosplit"] = lambda: decode(q, cache, splits=1)
         n_reps = max(3, reps * 4096 // N)
-        t = interleaved(fns, n_reps)
+        t = interleaved(fns, n_reps, warmup=2)
         gb = (k.nbytes + v.nbytes) / 1e9
         name = f"{'MQA ' if hkv != H else ''}{str(dtype).replace('torch.', '')}"
         row = dict(case=name, tokens=N, kv_heads=hkv, dtype=str(dtype), reps=n_reps,
@@ -130,7 +107,7 @@ def bench_ragged(N, batch, reps, bar) -> dict:
     t = interleaved({"keyfold": lambda: decode(q, cache),
                      "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=pad),
                      # causal() reads positions, which differ per sequence: one call each
-                     "per_sequence": lambda: decode(q, cache, mask=causal())}, max(3, reps * 4096 // N))
+                     "per_sequence": lambda: decode(q, cache, mask=causal())}, max(3, reps * 4096 // N), warmup=2)
     gb = sum(lens) * H * D * 2 * 4 / 1e9
     err = (decode(q, cache) - F.scaled_dot_product_attention(q, k, v, attn_mask=pad)).abs().max().item()
     bar.update(1)
@@ -160,9 +137,9 @@ def bench_paged(N, seqs, reps, bar) -> list[dict]:
         spans = [len(g.spans) for g in pool.pieces(ids)]
         n_reps = max(3, reps * 4096 // N)
         one = interleaved({"paged": lambda: decode(q[:1], pool, seq_ids=ids[:1]),
-                           "contiguous": lambda: decode(q[:1], cont, seq_ids=[0])}, n_reps)
+                           "contiguous": lambda: decode(q[:1], cont, seq_ids=[0])}, n_reps, warmup=2)
         every = interleaved({"paged": lambda: decode(q, pool, seq_ids=ids), "contiguous": lambda: decode(q, cont)},
-                            n_reps)
+                            n_reps, warmup=2)
         st = pool.stats()
         for label, t, n_seq, n_spans in (("one sequence", one, 1, spans[0]), (f"{seqs} sequences", every, seqs,
                                                                                sum(spans) / seqs)):
@@ -186,7 +163,7 @@ def bench_cascade(R, P, S, reps, bar) -> dict:
     q = torch.randn(R, H, 1, D)
     t = interleaved({"cascade": lambda: cascade(q, pk, pv, sk, sv),
                      "sdpa_copies": lambda: F.scaled_dot_product_attention(q, full_k, full_v),
-                     "keyfold_copies": lambda: decode(q, full)}, max(3, reps // 4))
+                     "keyfold_copies": lambda: decode(q, full)}, max(3, reps // 4), warmup=2)
     err = (cascade(q, pk, pv, sk, sv) - F.scaled_dot_product_attention(q, full_k, full_v)).abs().max().item()
     bar.update(1)
     return dict(requests=R, prefix=P, suffix=S, cascade_ms=t["cascade"] * 1e3, sdpa_copies_ms=t["sdpa_copies"] * 1e3,
@@ -300,6 +277,11 @@ def _plot(res, path: Path):
     plt.close(fig)
 
 
+def _roof(gbps: float, cfg: dict) -> str:
+    """A decode rate as a fraction of the stream bandwidth measured in the same run."""
+    return f"{gbps / cfg['stream_GBps']:.0%}" if cfg.get("stream_GBps") else "n/a"
+
+
 def _markdown(res, cmd: str) -> str:
     c = res["config"]
     out = [f"# Decode benchmark ({'quick' if c['quick'] else 'full'})", "",
@@ -309,20 +291,23 @@ def _markdown(res, cmd: str) -> str:
            f"waiting for a core); every ratio is against a peer measured in the same run. B={B}, H={H}, D={D} unless stated.", "",
            "## 1. Decode step vs SDPA over the same cache", "",
            "Targets (DESIGN.md §7): <= 1.10x at 4k, <= 1.05x at 128k at the same cache dtype.", "",
-           "| cache | tokens | keyfold ms | SDPA ms | ratio (medians) | ratio (minima) | keyfold GB/s | SDPA GB/s | splits "
-           "| SDPA on a torch-allocated copy ms | keyfold / that |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           (f"Memory bandwidth measured in this run (a {c['stream_copy_bytes'] >> 20} MiB stream copy): "
+            f"{c['stream_GBps']:.1f} GB/s; `of bandwidth` = keyfold's GB/s over it." if c.get("stream_GBps") else ""),
+           "",
+           "| cache | tokens | keyfold ms | SDPA ms | ratio (medians) | ratio (minima) | keyfold GB/s | of bandwidth "
+           "| SDPA GB/s | splits | SDPA on a torch-allocated copy ms | keyfold / that |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["decode"]:
         extra = f" (no split: {r['nosplit_ms']:.2f} ms, split-KV gain {r['split_gain']:.2f}x)" if "nosplit_ms" in r else ""
         plain = (f"{r['sdpa_plain_ms']:.3f} | {r['ratio_plain']:.2f}x" if "sdpa_plain_ms" in r else "— | —")
         out.append(f"| {r['case']}{extra} | {r['tokens']} | {r['keyfold_ms']:.3f} | {r['sdpa_ms']:.3f} | "
-                   f"**{r['ratio']:.2f}x** | {r['ratio_of_min']:.2f}x | {r['keyfold_GBps']:.1f} | {r['sdpa_GBps']:.1f} | "
-                   f"{r['splits']} | {plain} |")
+                   f"**{r['ratio']:.2f}x** | {r['ratio_of_min']:.2f}x | {r['keyfold_GBps']:.1f} | {_roof(r['keyfold_GBps'], c)} | "
+                   f"{r['sdpa_GBps']:.1f} | {r['splits']} | {plain} |")
     rg = res["ragged"]
     out.append(f"| {rg['case']} ({rg['lengths'][0]}..{rg['lengths'][-1]} tokens; SDPA with a key-padding mask; "
                f"one call per sequence: {rg['per_sequence_ms']:.2f} ms; max abs diff {rg['max_abs_diff']:.1e}) | {rg['tokens']} | {rg['keyfold_ms']:.3f} | "
                f"{rg['sdpa_ms']:.3f} | **{rg['ratio']:.2f}x** | {rg['ratio_of_min']:.2f}x | {rg['keyfold_GBps']:.1f} | "
-               f"{rg['sdpa_GBps']:.1f} | 1 | — | — |")
+               f"{_roof(rg['keyfold_GBps'], c)} | {rg['sdpa_GBps']:.1f} | 1 | — | — |")
     out += ["", "SDPA reads the very cache keyfold reads (the ratio the targets are about). The last two "
                 "columns time SDPA on a copy of the same bytes in torch's own allocation, which is what a "
                 "plain tensor cache gets: keyfold's caches are allocated on transparent huge pages where "
@@ -383,6 +368,8 @@ def run(cfg: dict, lengths, reps: int, paged_tokens: int, cascade_shape, window_
     n_win = len([p_ for p_ in range(10, 21) if (1 << p_) <= cfg["stream_tokens"]])
     with tqdm(total=len(lengths) + 2 + 1 + 3 + 1 + n_win, desc="bench decode", disable=not progress) as bar:
         res = dict(config=cfg)
+        cfg["stream_copy_bytes"] = 1 << 28
+        cfg["stream_GBps"] = stream_bandwidth(cfg["stream_copy_bytes"])  # the roof every decode row is held to
         res["decode"] = bench_decode(lengths, reps, bar)
         res["ragged"] = bench_ragged(paged_tokens, 8, reps, bar)
         res["paged"] = bench_paged(paged_tokens, 4, reps, bar)
@@ -406,7 +393,7 @@ def write(res: dict, out: Path, stem: str, cmd: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m keyfold bench decode", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small preset (< 3 minutes)")
-    p.add_argument("--out", type=Path, default=RESULTS, help="results folder (default benchmarks/results)")
+    p.add_argument("--out", type=Path, default=None, help="results folder (default: the repository's benchmarks/results)")
     p.add_argument("--reps", type=int, default=None, help="repeats at 4k tokens (fewer for longer caches)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's); results then go to decode.<n>threads.*")
@@ -418,7 +405,7 @@ def main(argv=None) -> int:
     quick = args.quick
     reps = args.reps or (40 if quick else 120)
     lengths = [4096, 32768, 131072]
-    cfg = dict(quick=quick, machine=platform.processor() or platform.machine(), torch=torch.__version__,
+    cfg = dict(quick=quick, machine=machine(), torch=torch.__version__,
                threads=torch.get_num_threads(), load_before=round(os.getloadavg()[0], 2),
                window=4096, sinks=4, stream_tokens=(1 << 16) if quick else (1 << 20))
     torch.manual_seed(0)
@@ -428,5 +415,5 @@ def main(argv=None) -> int:
     if args.threads is not None:
         cmd += f" --threads {args.threads}"
         stem += f".{args.threads}threads"
-    print(write(res, args.out, stem, cmd))
+    print(write(res, results_dir(args.out), stem, cmd))
     return 0

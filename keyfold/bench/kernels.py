@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -29,7 +27,8 @@ from tqdm import tqdm
 
 import keyfold as kf
 
-RESULTS = Path("benchmarks/results")
+from .harness import interleaved, machine, matmul_rate, results_dir
+
 
 
 # ------------------------------------------------------------------------------ cases
@@ -124,19 +123,6 @@ class Result:
 # ------------------------------------------------------------------------------ timing
 
 
-def _median_alternating(fns: dict, repeats: int, warmup: int = 1) -> dict:
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    samples = {k: [] for k in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():  # alternate, so drifting load hits every impl alike
-            t0 = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in samples.items()}
-
-
 def _visible_pairs(mask, N, H, B):
     if mask is None:
         return float(N * N)
@@ -171,8 +157,8 @@ def run_case(case: Case, repeats: int, with_flex: bool) -> Result:
     variant = BY_NAME[case.variant]
     pairs = _visible_pairs(mask, case.N, case.H, case.B)
     flops = 4.0 * case.B * case.H * case.D * pairs * (3.5 if case.mode == "fwd+bwd" else 1.0)
-    plan = kf.plan(mask, case.N, case.N, B=case.B, H=case.H,
-                   max_span=kf.engine.TILE_SPAN if score is not None else None)
+    plan = kf.planner._plan(mask, case.N, case.N, B=case.B, H=case.H,
+                            max_span=kf.engine.TILE_SPAN if score is not None else None)
     res = Result(case, density=plan.density, gflop=flops / 1e9)
 
     if case.variant == "custom-callable":  # planning cost of a user's callable, cold then warm
@@ -229,7 +215,7 @@ def run_case(case: Case, repeats: int, with_flex: bool) -> Result:
             fns["flex"], res.compile_s = _flex_fns(case, mask_mod, score_mod, q, k, v)
         except Exception as e:  # noqa: BLE001 - the peer failing is a result to report
             res.errors["flex"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-    res.times = _median_alternating(fns, repeats)
+    res.times = dict(interleaved(fns, repeats))
     return res
 
 
@@ -318,34 +304,29 @@ def memory(N: int = 32768) -> dict:
 # ---------------------------------------------------------------------------- reports
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, Python {platform.python_version()}"
-
-
 def _fmt(x, spec=".3f"):
     return "n/a" if x is None else format(x, spec)
 
 
-def markdown(results: list[Result], mem: dict | None, header: str) -> str:
-    lines = [header, "",
-             "| variant | N | D | dtype | mode | work | keyfold s | SDPA s | Flex s | Flex compile s | "
-             "kf/SDPA | kf/Flex | keyfold GFLOP/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+def markdown(results: list[Result], mem: dict | None, header: str, limits: dict | None = None) -> str:
+    limits = limits or {}
+    lines = [header, ""]
+    if limits:
+        lines += ["Limits measured in this run (an n=2048 GEMM, median): " + ", ".join(
+            f"{dt} {g:.0f} GFLOP/s" for dt, g in limits.items()) + ". `of matmul` = keyfold's GFLOP/s (counted on "
+            "the visible pairs: 4·D FLOPs each forward, 3.5x that forward+backward) over that rate.", ""]
+    lines += ["| variant | N | D | dtype | mode | work | keyfold s | SDPA s | Flex s | Flex compile s | "
+              "kf/SDPA | kf/Flex | keyfold GFLOP/s | of matmul |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         c, t = r.case, r.times
         gflops = None if t.get("keyfold") is None else r.gflop / t["keyfold"]
+        frac = None if gflops is None or c.dtype not in limits else gflops / limits[c.dtype]
         lines.append(
             f"| {c.variant} | {c.N} | {c.D} | {c.dtype} | {c.mode} | {r.density:.1%} | {_fmt(t.get('keyfold'), '.4f')} | "
             f"{_fmt(t.get('sdpa'), '.4f')} | {_fmt(t.get('flex'), '.4f')} | {_fmt(r.compile_s, '.1f')} | "
-            f"{_fmt(r.ratio('sdpa'), '.2f')} | {_fmt(r.ratio('flex'), '.2f')} | {_fmt(gflops, '.1f')} |")
+            f"{_fmt(r.ratio('sdpa'), '.2f')} | {_fmt(r.ratio('flex'), '.2f')} | {_fmt(gflops, '.1f')} | "
+            f"{_fmt(frac, '.0%')} |")
     plans = [r for r in results if r.plan_s is not None]
     if plans:
         lines += ["", "Planning a user's mask callable (cold, then cached):", ""]
@@ -405,7 +386,7 @@ def main(argv=None) -> int:
                     help="quick: the issue's targets (< 3 min); standard: every variant vs N (~15 min); "
                          "full: N x D x dtype x mode (about an hour)")
     ap.add_argument("--quick", action="store_const", const="quick", dest="preset", help="the issue's targets, < 3 min")
-    ap.add_argument("--out", type=Path, default=RESULTS, help="output directory")
+    ap.add_argument("--out", type=Path, default=None, help="output directory (default: the repository's benchmarks/results)")
     ap.add_argument("--name", default="kernels", help="file stem for the results")
     ap.add_argument("--no-memory", action="store_true", help="skip the subprocess peak-memory measurement")
     ap.add_argument("--variants", nargs="*", help="only these variants")
@@ -415,6 +396,9 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
 
     todo = [c for c in cases(args.preset) if not args.variants or c.variant in args.variants]
+    # the machine's matmul rate per dtype, measured in this run (the roof each row is held to)
+    limits = {} if args.preset == "tiny" else {dt: matmul_rate(getattr(torch, dt)) for dt in
+                                               sorted({c.dtype for c in todo})}
     results = []
     for case in tqdm(todo, desc="bench kernels", unit="case"):
         results.append(run_case(case, repeats_for(case, args.preset), flex_wanted(args.preset, case)))
@@ -424,11 +408,11 @@ def main(argv=None) -> int:
     header = (f"# keyfold kernels vs SDPA and compiled FlexAttention ({args.preset})\n\n"
               f"Machine: {machine()}. Median of alternating repeats; `work` is the fraction of the dense "
               f"N×N work keyfold's plan computes. B=1, H=8.")
-    args.out.mkdir(parents=True, exist_ok=True)
-    md = markdown(results, mem, header)
+    args.out = results_dir(args.out)
+    md = markdown(results, mem, header, limits)
     (args.out / f"{args.name}.md").write_text(md)
     (args.out / f"{args.name}.json").write_text(json.dumps(
-        {"machine": machine(), "preset": args.preset, "memory": mem,
+        {"machine": machine(), "preset": args.preset, "memory": mem, "matmul_gflops": limits,
          "results": [dict(asdict(r), ratio_sdpa=r.ratio("sdpa"), ratio_flex=r.ratio("flex")) for r in results]},
         indent=1))
     plot(results, args.out / f"{args.name}.png")

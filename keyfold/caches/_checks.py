@@ -21,8 +21,10 @@ def float_dtype(dtype, owner: str) -> torch.dtype:
     return dtype
 
 
-def kv_block(k, v, *, heads: int, head_dim: int, value_dim: int, owner: str, batch: int | None = None):
-    """Check an appended ``k`` ``(b, heads, n, head_dim)`` / ``v`` ``(b, heads, n, value_dim)``."""
+def kv_block(k, v, *, heads: int, head_dim: int, value_dim: int, owner: str, batch: int | None = None,
+             device: torch.device | None = None):
+    """Check an appended ``k`` ``(b, heads, n, head_dim)`` / ``v`` ``(b, heads, n, value_dim)``,
+    on the cache's ``device``. Runs before any write, so a bad block changes nothing."""
     for name, t, last in (("k", k, head_dim), ("v", v, value_dim)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{owner}.append({name}): expected a torch.Tensor, got {type(t).__name__}")
@@ -31,6 +33,9 @@ def kv_block(k, v, *, heads: int, head_dim: int, value_dim: int, owner: str, bat
                              f"got shape {tuple(t.shape)}")
         if t.dtype not in _FLOATS:
             raise TypeError(f"{owner}.append({name}): expected a floating dtype, got {t.dtype}")
+        if device is not None and t.device != device:
+            raise ValueError(f"{owner}.append({name}): the tensor is on device {t.device} but the cache is on "
+                             f"{device}; move it first: {name}.to(cache.device)")
         if t.shape[1] != heads or t.shape[3] != last:
             raise ValueError(f"{owner}.append({name}): the cache holds {heads} heads of size {last}, "
                              f"got shape {tuple(t.shape)}; pass (batch, {heads}, tokens, {last})")

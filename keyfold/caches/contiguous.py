@@ -17,7 +17,8 @@ class KVCache:
     Storage: ``k`` ``(batch, heads, capacity, head_dim)`` and ``v`` ``(batch, heads, capacity,
     value_dim)`` in ``dtype``, allocated once. Sequence ``s`` is batch row ``s``; it holds
     ``lengths[s]`` tokens at absolute positions ``0 .. lengths[s] - 1``. Decoding reads views of
-    this storage (no copy): see :func:`keyfold.caches.decode`.
+    this storage (no copy): see :func:`keyfold.caches.decode`. Slots past a sequence's length
+    always hold zeros (fresh storage, and :meth:`reset` zeroes what it forgets).
 
     >>> import torch
     >>> from keyfold.caches import KVCache, decode
@@ -90,7 +91,7 @@ class KVCache:
         for s in ids:
             self._seq(s)
         kv_block(k, v, heads=self.heads, head_dim=self.head_dim, value_dim=self.value_dim,
-                 owner="KVCache", batch=len(ids))
+                 owner="KVCache", batch=len(ids), device=self.device)
         n = k.shape[2]
         lens = block_lengths(lengths, len(ids), n, "KVCache")
         over = [(s, self._len[s], m) for s, m in zip(ids, lens) if self._len[s] + m > self.capacity]
@@ -110,10 +111,19 @@ class KVCache:
         self._whole = None
 
     def reset(self, seq_ids=None) -> None:
-        """Forget the tokens of some sequences (default all); storage is kept."""
+        """Forget the tokens of some sequences (default all); storage is kept.
+
+        The slots' filled prefixes are zeroed, so a reset slot is indistinguishable from a fresh
+        one: a ragged decode reads keys and values past a row's length (and hides them), and an
+        old request's NaN or inf there would otherwise reach the next request as ``0 * NaN``."""
         ids = list(range(self.batch)) if seq_ids is None else seq_list(seq_ids, "KVCache.reset")
         for s in ids:
-            self._len[self._seq(s)] = 0
+            self._seq(s)
+        for s in ids:
+            if self._len[s]:
+                self.k[s, :, :self._len[s]].zero_()
+                self.v[s, :, :self._len[s]].zero_()
+            self._len[s] = 0
         self._whole = None
 
     def reorder(self, index) -> None:

@@ -229,11 +229,10 @@ def _attend_groups(q, cache: Cache, mask, score, scale, seq_ids, splits, backend
     if rows != q.shape[0]:
         raise ValueError(f"decode(q): {q.shape[0]} query rows for {rows} sequences; pass one row per "
                          f"sequence id (seq_ids)")
-    short = [L for g in groups for L in (g.row_lengths or (g.length,)) if L < Nq]
-    if short:
-        raise ValueError(f"decode(q): {Nq} query tokens but a sequence holds only {short[0]}; the "
-                         f"queries are the cache's last tokens, so append their k/v first (chunked "
-                         f"prefill is append, then decode(q_block, cache, mask=causal()))")
+    if score is not None:
+        score.check_batch(q.shape[0])
+    # More queries than a sequence holds is allowed (FlashAttention's seqlen_q > seqlen_k): they
+    # stay bottom-right aligned, the first ones at negative positions, and see what the mask allows.
     qc = q if q.dtype == cache.dtype else q.to(cache.dtype)
     return _groups_state(qc, groups, mask, score, scale, splits, backend, cache.value_dim)
 
@@ -274,7 +273,8 @@ def cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix_lengths=None, m
     q: ``(R, Hq, Nq, D)``, the last ``Nq`` tokens of each request.
     prefix_k / prefix_v: ``(1, Hkv, P, D)`` / ``(1, Hkv, P, Dv)``, shared, at positions ``0 .. P-1``.
     suffix_k / suffix_v: ``(R, Hkv, S, D)`` / ``(R, Hkv, S, Dv)``: request ``r``'s own tokens at
-    positions ``P ..``; only the first ``suffix_lengths[r]`` are real (default ``S`` each).
+    positions ``P ..``; only the first ``suffix_lengths[r]`` are real (default ``S`` each) and
+    nothing past them is read (the padding may hold anything, NaN included).
 
     All requests' queries become rows of one call over the prefix (their own positions kept,
     so masks and ALiBi stay exact); each request's suffix is its own piece; the two states
@@ -338,14 +338,10 @@ def cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix_lengths=None, m
     pre = State(pre.out.reshape(Hq, R, Nq, Dv).permute(1, 0, 2, 3),               # (R, Hq, Nq, Dv)
                 pre.lse.reshape(Hq, R, Nq).permute(1, 0, 2))                       # (R, Hq, Nq)
 
-    # each request's own suffix, at positions P..: one ragged call when nothing reads positions,
-    # else equal-length neighbours share a call
+    # each request's own suffix, at positions P..: equal-length neighbours share a call. Never a
+    # ragged call over the longest suffix: the padding past suffix_lengths[r] is the caller's
+    # (often torch.empty) and even a hidden NaN there reaches the output as 0 * NaN
     groups, r = [], 0
-    if mask is None and score is None and len(set(lens)) > 1:
-        L = max(lens)
-        groups.append(Group(0, R, P + L, (Span(suffix_k[:, :, :L], suffix_v[:, :, :L], P),),
-                            tuple(P + x for x in lens)))
-        r = R
     while r < R:
         e = r + 1
         while e < R and lens[e] == lens[r]:

@@ -204,7 +204,7 @@ class PagedKVCache:
         for s in ids:
             self._seq(s)
         kv_block(k, v, heads=self.heads, head_dim=self.head_dim, value_dim=self.value_dim,
-                 owner="PagedKVCache", batch=len(ids))
+                 owner="PagedKVCache", batch=len(ids), device=self.device)
         lens = block_lengths(lengths, len(ids), k.shape[2], "PagedKVCache")
         need = self._pages_needed(ids, lens)
         if need > self._nfree:

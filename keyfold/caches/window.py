@@ -81,7 +81,7 @@ class WindowCache:
         Blocks of any length are fine (only the sinks and the last ``ring`` tokens are kept).
         """
         kv_block(k, v, heads=self.heads, head_dim=self.head_dim, value_dim=self.value_dim,
-                 owner="WindowCache", batch=self.batch)
+                 owner="WindowCache", batch=self.batch, device=self.device)
         n, L, S, R = k.shape[2], self.length, self.sinks, self.ring
         if L < S:  # positions L .. min(S, L + n) - 1 are sinks
             e = min(S, L + n)

@@ -15,12 +15,15 @@ Failures must end every rank with a clear error, never a hang:
 
 from __future__ import annotations
 
+import enum
+import hashlib
+import types
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "DistributedError", "ShardError"]
+__all__ = ["Comm", "DistributedError", "ShardError", "fingerprint"]
 
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -32,6 +35,83 @@ class DistributedError(RuntimeError):
 
 class ShardError(ValueError):
     """The ranks' inputs disagree, or one rank's input is invalid; raised on every rank."""
+
+
+def fingerprint(obj) -> str:
+    """A digest of what a mask or score modifier *holds*, equal in every process for equal content.
+
+    Class names, numbers, strings, and the shape, dtype and bytes of every tensor it holds
+    (recursively; a callable by its module, name, code and captured values). Neither ``repr``
+    (it abbreviates tensors: two ``documents`` masks with different ids print alike) nor
+    ``hash()`` (Python salts string hashes per process) can tell ranks apart.
+
+    >>> import torch, keyfold
+    >>> a = keyfold.documents(torch.tensor([0, 0, 1, 1]))
+    >>> fingerprint(a) == fingerprint(keyfold.documents(torch.tensor([0, 1, 1, 1])))
+    False
+    """
+    h = hashlib.sha1()
+    _feed(h, obj, set())
+    return h.hexdigest()
+
+
+def _feed(h, x, seen: set) -> None:
+    if x is None or isinstance(x, (bool, int, float, complex, str, bytes, enum.Enum, torch.dtype, torch.device)):
+        h.update(repr((type(x).__name__, x)).encode())
+        return
+    if isinstance(x, torch.Tensor):
+        t = x.detach().to("cpu").contiguous()
+        h.update(f"tensor{tuple(t.shape)}{t.dtype}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return
+    if id(x) in seen:
+        h.update(b"<cycle>")
+        return
+    seen.add(id(x))
+    if isinstance(x, (list, tuple)):
+        h.update(f"{type(x).__name__}[".encode())
+        for e in x:
+            _feed(h, e, seen)
+        h.update(b"]")
+    elif isinstance(x, (set, frozenset)):
+        h.update(("set" + ",".join(sorted(fingerprint(e) for e in x))).encode())
+    elif isinstance(x, dict):
+        h.update(b"dict{")
+        for k in sorted(x, key=repr):
+            _feed(h, k, seen)
+            _feed(h, x[k], seen)
+        h.update(b"}")
+    elif isinstance(x, (types.FunctionType, types.MethodType)):
+        fn = x.__func__ if isinstance(x, types.MethodType) else x
+        h.update(f"fn {fn.__module__}.{fn.__qualname__}".encode())
+        h.update(fn.__code__.co_code)
+        _feed(h, fn.__code__.co_consts, seen)
+        _feed(h, fn.__defaults__, seen)
+        _feed(h, [c.cell_contents for c in fn.__closure__ or () if _has_contents(c)], seen)
+        if isinstance(x, types.MethodType):
+            _feed(h, x.__self__, seen)
+    elif isinstance(x, types.CodeType):
+        h.update(x.co_code)
+    elif hasattr(x, "__dict__") or hasattr(type(x), "__slots__"):
+        cls = type(x)
+        h.update(f"obj {cls.__module__}.{cls.__qualname__}(".encode())
+        names = set(getattr(x, "__dict__", {})) | {n for c in cls.__mro__ for n in getattr(c, "__slots__", ())}
+        for n in sorted(names):
+            if n.startswith("_") or not hasattr(x, n):   # private caches and digests are derived
+                continue
+            h.update(n.encode())
+            _feed(h, getattr(x, n), seen)
+        h.update(b")")
+    else:
+        h.update(repr(x).encode())
+
+
+def _has_contents(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
 
 
 class _Pending:
@@ -163,7 +243,39 @@ class Comm:
             raise ShardError(f"{what}: invalid input on another rank ({lines})")
         metas = [m for m, _ in everyone]
         if any(m != metas[0] for m in metas):
-            lines = "; ".join(f"rank {r}: {m}" for r, m in enumerate(metas))
-            raise ShardError(f"{what}: the ranks' shards disagree ({lines}); every rank of the group must "
-                             f"pass local shards of one shape and dtype and the same settings")
+            raise ShardError(f"{what}: the ranks' shards disagree ({_differences(metas)}); every rank of the "
+                             f"group must pass local shards of one shape and dtype and the same settings")
         return metas
+
+    def agree_sizes(self, what: str, sizes: list[int], error: BaseException | None):
+        """The cheap check: one all-gather of a small int64 tensor (an error flag and ``sizes``,
+        e.g. the shard shapes and dtype), no pickling. Every rank raises :class:`ShardError` if a
+        rank failed its own validation or the sizes differ, so a transfer never starts between
+        buffers of different sizes (gloo aborts the process on that)."""
+        if self.size == 1:
+            if error is not None:
+                raise error
+            return
+        row = torch.tensor([0 if error is None else 1, len(sizes)] + list(sizes), dtype=torch.int64)
+        width = self.all_reduce(torch.tensor([row.numel()]), op=dist.ReduceOp.MAX,
+                                what=f"{what}: shard size check").wait()
+        row = torch.nn.functional.pad(row, (0, int(width) - row.numel()), value=-1)
+        every = self.all_gather(row, what=f"{what}: shard size check").wait()        # (P, width)
+        failed = [r for r in range(self.size) if int(every[r, 0])]
+        if failed:
+            if error is not None:
+                raise ShardError(f"{what}: rank {self.rank}: {type(error).__name__}: {error}") from error
+            raise ShardError(f"{what}: invalid input on rank(s) {failed} (see their errors)")
+        if not bool((every == every[0]).all()):
+            lines = "; ".join(f"rank {r}: {every[r, 2:2 + int(every[r, 1])].tolist()}" for r in range(self.size))
+            raise ShardError(f"{what}: the ranks' shard shapes disagree ({lines}); every rank of the group must "
+                             f"pass local shards of one shape and dtype")
+
+
+def _differences(metas) -> str:
+    """Which rank differs from rank 0 in what (dict metas name the field), for error messages."""
+    if not all(isinstance(m, dict) for m in metas):
+        return "; ".join(f"rank {r}: {m}" for r, m in enumerate(metas))
+    keys = [k for k in metas[0] if any(m.get(k) != metas[0].get(k) for m in metas)]
+    keys += [k for m in metas for k in m if k not in metas[0] and k not in keys]
+    return "; ".join(f"rank {r}: " + ", ".join(f"{k} {m.get(k)}" for k in keys) for r, m in enumerate(metas))

@@ -25,7 +25,7 @@ from ..engine import Backend, attend
 from ..masks import as_mask
 from ..scores import as_score
 from ..state import State, empty_state, state_dtype
-from .comm import Comm
+from .comm import Comm, fingerprint
 from .layout import Layout, Run, check_length, gather_order
 from .pieces import Job, accumulate, piece_grads
 from .views import piece_args
@@ -278,6 +278,14 @@ def _validate(q, k, v, P, layout, strategy, mask, score, head_groups):
         score.check_heads(q.shape[1])
 
 
+_DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+
+
+def _describe(x) -> str | None:
+    """A mask or score for the agreement check: readable, and compared by content."""
+    return None if x is None else f"{x!r} #{fingerprint(x)[:16]}"
+
+
 def ring_attention(q, k, v, *, group=None, mask=None, score=None, scale=None,
                    layout: Layout = Layout.CONTIGUOUS, strategy: Strategy = Strategy.RING,
                    return_lse: bool = False, backend: Backend = Backend.AUTO, head_groups: int = 2,
@@ -295,8 +303,10 @@ def ring_attention(q, k, v, *, group=None, mask=None, score=None, scale=None,
     float32, with ``return_lse=True``). Rows that see no key give 0 and lse -inf. Every rank
     raises the same :class:`ShardError` if a rank's input is invalid or the shards disagree.
     check_shards: exchange shapes and settings before any transfer (one small all-gather of
-    Python objects per call); pass False in a tight loop whose shapes are known to agree, and a
-    mismatch then surfaces as a :class:`DistributedError` at the group timeout instead.
+    Python objects per call; masks and score modifiers are compared by content: the shape and
+    bytes of every tensor they hold). False skips the settings and exchanges only the shard
+    shapes and dtype as one 13-int tensor, so a shape mismatch or one rank's invalid input still
+    raises :class:`ShardError` on every rank; different masks then go unnoticed.
 
     >>> out = ring_attention(shard(q), shard(k), shard(v), mask=causal(), layout=Layout.ZIGZAG)  # doctest: +SKIP
     """
@@ -307,14 +317,15 @@ def ring_attention(q, k, v, *, group=None, mask=None, score=None, scale=None,
         _validate(q, k, v, comm.size, layout, strategy, mask, score, head_groups)
     except (ValueError, TypeError) as e:
         error = e
-    shapes = ", ".join(f"{n} {tuple(getattr(t, 'shape', ()))}" for n, t in (("q", q), ("k", k), ("v", v)))
-    meta = (f"{shapes}, {getattr(q, 'dtype', None)}, layout={getattr(layout, 'name', layout)}, "
-            f"strategy={getattr(strategy, 'name', strategy)}, mask={mask!r}, score={score!r}, scale={scale}, "
-            f"head_groups={head_groups}")
+    meta = {n: tuple(getattr(t, "shape", ())) for n, t in (("q", q), ("k", k), ("v", v))}
+    meta.update(dtype=str(getattr(q, "dtype", None)), layout=getattr(layout, "name", layout),
+                strategy=getattr(strategy, "name", strategy), mask=_describe(mask), score=_describe(score),
+                scale=scale, head_groups=head_groups)
     if check_shards:
         comm.agree("ring_attention", meta, error)
-    elif error is not None:
-        raise error  # the other ranks end at their group timeout with a DistributedError
+    else:  # shapes only, as one small tensor: a mismatch raises on every rank instead of aborting
+        sizes = [d for n in ("q", "k", "v") for d in (list(meta[n]) + [0] * 4)[:4]]
+        comm.agree_sizes("ring_attention", sizes + [_DTYPES.get(getattr(q, "dtype", None), -1)], error)
     job = Job(mask, score, scale, backend, layout, q.shape[2] * comm.size, comm.size, comm.rank)
     if strategy is Strategy.RING:
         out, lse = _RingFn.apply(q, k, v, job, comm)

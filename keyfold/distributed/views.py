@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ..masks import BlockKind, Mask, _Causal
-from ..scores import ScoreMod, _Alibi, _Chain, alibi, as_score
+from ..masks import BlockKind, Mask, MaskKind
+from ..scores import ScoreKind, ScoreMod, alibi, as_score
 from .layout import Run
 
 __all__ = ["PositionView", "ScoreView", "piece_args", "is_empty", "heads_slice"]
@@ -105,10 +105,11 @@ def heads_slice(score: ScoreMod | None, h0: int, h1: int) -> ScoreMod | None:
     :class:`ScoreView`; softcap does not depend on the head."""
     if score is None:
         return None
-    if isinstance(score, _Alibi):
-        return alibi(score.slopes.t[h0:h1])
-    if isinstance(score, _Chain):
-        return as_score([heads_slice(m, h0, h1) for m in score.mods])
+    spec = score.spec()
+    if spec is not None and spec[0] is ScoreKind.ALIBI:
+        return alibi(spec[1]["slopes"][..., h0:h1])
+    if score.parts() is not None:
+        return as_score([heads_slice(m, h0, h1) for m in score.parts()])
     return score
 
 
@@ -120,7 +121,7 @@ def piece_args(mask: Mask | None, score: ScoreMod | None, qr: Run, kr: Run,
     head_free = (mask is None or not mask.depends_on_batch_head()[1]) and score is None
     if qr.stride == 1 and kr.stride == 1 and (not sliced or head_free):
         return mask, score, qr.start, kr.start
-    if isinstance(mask, _Causal) and score is None and qr.stride == kr.stride:
+    if mask is not None and mask.spec() == (MaskKind.CAUSAL, {}) and score is None and qr.stride == kr.stride:
         # Striped causal is causal on local indices (Striped Attention, Brandon et al. 2023):
         # b + j*S <= a + i*S  <=>  j <= i + d with d = floor((a - b) / S), which attend's causal
         # sees with q_offset - kv_offset = d; the fused kernel keeps its own causal flag.

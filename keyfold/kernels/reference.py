@@ -30,11 +30,16 @@ def attend_reference(q, k, v, pb: Problem) -> State:
         s = pb.score.apply(s, b, h, qp, kp)
     if pb.mask is not None:
         s = s.masked_fill(~pb.mask.evaluate(b, h, qp, kp), NEG_INF)
-    lse = torch.logsumexp(s, dim=-1)                           # (B, Hq, Nq); -inf on empty rows
-    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    p = torch.exp(s - safe.unsqueeze(-1))                      # empty rows: exp(-inf) = 0
+    # shift by the row max and divide by the sum: exp(s - lse) would not sum to 1 once |lse| is so
+    # large that adding log(sum) rounds away (scores ~1e10 from 16-bit inputs at their maximum)
+    m = s.amax(-1, keepdim=True) if Nk else s.new_zeros(B, Hq, Nq, 1)  # (B, Hq, Nq, 1)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)  # empty rows: exp(-inf) = 0
+    p = torch.exp(s - m)
+    total = p.sum(-1, keepdim=True)
+    lse = (m + total.log()).squeeze(-1)                        # (B, Hq, Nq); -inf on empty rows
     out = p.reshape(B, Hkv, g, Nq, Nk) @ v.to(sd).unsqueeze(2)  # (B, Hkv, g, Nq, Dv)
-    return State(out.reshape(B, Hq, Nq, Dv), lse)
+    out = out.reshape(B, Hq, Nq, Dv) / torch.where(total > 0, total, torch.ones_like(total))
+    return State(out, lse)
 
 
 def attend_naive(q, k, v, pb: Problem) -> torch.Tensor:

@@ -87,6 +87,14 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem):
     delta = (dout.to(sd) * out.to(sd)).sum(-1)                               # (B, Hq, Nq)
     if dlse is not None:
         delta = delta - dlse.to(sd)
+    # Rows that one piece covers alone take D_i = sum_j P_ij dP_ij from that piece (equal to
+    # dO_i . O_i in exact arithmetic, as softmax's own backward computes it): then dS cancels
+    # exactly where it should, e.g. a row with one visible key gets dS = 1 * (dP - dP) = 0,
+    # while dO . O (a different summation order than the dP product) leaves ~1e-7.
+    cover = torch.zeros(Nq, dtype=torch.int32)
+    for piece in plan.pieces:
+        cover[piece.q0:piece.q1] += 1
+    alone = cover == 1
     for piece in plan.pieces:
         vis = _visible_cached(q, piece, pb, plan)
         pos = positions(q, piece, pb) if pb.score is not None else None  # only modifiers read positions
@@ -102,7 +110,12 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem):
             s = _modify(raw, pb, pos, vis)
         p = torch.exp(s.detach() - safe_lse[:, :, rows].unsqueeze(-1))      # (B, Hq, L, S)
         dp = (do.reshape(B, Hkv, g, L, Dv) @ vs.unsqueeze(2).transpose(-1, -2)).reshape(B, Hq, L, S)
-        ds = p * (dp - delta[:, :, rows].unsqueeze(-1))
+        d_rows = delta[:, :, rows]
+        own = alone[rows].to(q.device)
+        if bool(own.any()):
+            local = (p * dp).sum(-1) - (dlse[:, :, rows].to(sd) if dlse is not None else 0)
+            d_rows = torch.where(own, local, d_rows)
+        ds = p * (dp - d_rows.unsqueeze(-1))
         if nonadd:
             (ds,) = torch.autograd.grad(s, raw, ds)
             if vis is not None:  # a modifier's derivative may be non-finite where the mask hides the pair

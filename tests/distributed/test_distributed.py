@@ -205,6 +205,7 @@ def _worker_two(rank, P, N):
             "lse": _lse_gradients(rank, P, N)}
 
 
+@pytest.mark.slow  # ~30-50 s of spawned ranks; `make test` (CI) runs it, `make test-fast` skips it
 def test_two_ranks_every_layout_mask_and_strategy():
     results = _values(launch(_worker_two, 2, 64))
     worst = _check_matrix([r["matrix"] for r in results])
@@ -234,6 +235,7 @@ def _worker_four(rank, P, N):
     return out
 
 
+@pytest.mark.slow  # ~30-50 s of spawned ranks; `make test` (CI) runs it, `make test-fast` skips it
 def test_four_ranks_and_error_does_not_grow_with_ranks():
     results = _values(launch(_worker_four, 4, 128))
     _check_matrix([r["matrix"] for r in results])

@@ -10,6 +10,10 @@
 - :mod:`.bench`: ``python -m keyfold control bench``.
 """
 
+from keyfold._extras import require as _require
+
+_require("control", "keyfold.apps.control")
+
 from .controllers import (Controller, MPPIConfig, MPPIController, RandomBangBang, SlowController,
                           WorstActionController)
 from .loop import Clock, FakeClock, LoopConfig, LoopResult, WallClock, run_loop, square_reference

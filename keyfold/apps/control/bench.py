@@ -98,6 +98,12 @@ def _aggregate(runs: list[LoopResult]) -> dict:
         "deadline_misses": int(sum(x["deadline_misses"] for x in s)),
         "solver_fallbacks": int(sum(x["solver_fallbacks"] for x in s)),
         "uncertified": int(sum(x["uncertified"] for x in s)),
+        "controller_faults": int(sum(x["controller_faults"] for x in s)),
+        "assumption_exceeded": int(sum(x["assumption_exceeded"] for x in s)),
+        "certified_invalidated": int(sum(x["certified_invalidated"] for x in s)),
+        "violations_after_certified": int(sum(x["violations_after_certified"] for x in s)),
+        "runs_stopped": int(sum(x["stopped"] is not None for x in s)),
+        "warnings": [w for r in runs for w in r.warnings()],
         "latency_p50_ms": float(np.percentile(lat, 50) * 1e3),
         "latency_p99_ms": float(np.percentile(lat, 99) * 1e3),
         "latency_max_ms": float(lat.max() * 1e3),
@@ -208,8 +214,9 @@ def markdown(out: dict, command: str) -> str:
                   f"horizon {p['horizon']}, {p['qp_rows']} QP rows, solver {p['solver']})", "",
                   "| predictor | filter | tracking MSE | vs ARX | violations (steps / runs) | interventions | "
                   "mean / max correction | test RMSE | closed-loop RMSE | step p50 / p99 / max ms | filter p50 / p99 ms | "
-                  "deadline misses | max \\|w\\|/w_bar |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "deadline misses | faults | max \\|w\\|/w_bar (filter's bound) | w_bar exceeded / certified steps broken |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        notes = []
         for name, r in entry["predictors"].items():
             for side in ("filter_on", "filter_off"):
                 a = r[side]
@@ -221,7 +228,11 @@ def markdown(out: dict, command: str) -> str:
                     f"{_num(r['test_rmse'])} | {_num(a['closed_loop_rmse'])} | "
                     f"{a['latency_p50_ms']:.1f} / {a['latency_p99_ms']:.1f} / {a['latency_max_ms']:.1f} | "
                     f"{a['filter_p50_ms']:.2f} / {a['filter_p99_ms']:.2f} | "
-                    f"{a['deadline_misses']} | {a['max_disturbance_ratio']:.3f} |")
+                    f"{a['deadline_misses']} | {a['controller_faults']} | {a['max_disturbance_ratio']:.3f} | "
+                    f"{a['assumption_exceeded']} / {a['certified_invalidated']} |")
+                notes += [f"- **{name}, filter {'on' if side == 'filter_on' else 'off'}**: {w}" for w in a["warnings"]]
+        if notes:
+            lines += ["", "Warnings (the guarantee does not cover these runs where it says so):", ""] + notes
         lines += ["", "| predictor | parameters | train s | lr | p50 latency vs ARX |", "|---|---|---|---|---|"]
         for name, r in entry["predictors"].items():
             lines.append(f"| {name} | {r['params']} | {r['train_s']:.1f} | {r['lr']} | "

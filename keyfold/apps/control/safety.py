@@ -45,7 +45,7 @@ import scipy.sparse as sp
 
 from .plants import Box, Plant, Polytope, lqr_gain
 
-__all__ = ["FilterConfig", "FilterConfigError", "Plan", "QPSolver", "Source", "SafetyFilter"]
+__all__ = ["FilterConfig", "FilterConfigError", "Plan", "QPSolver", "Source", "CERTIFIED", "SafetyFilter"]
 
 
 class FilterConfigError(ValueError):
@@ -61,6 +61,11 @@ class Source(enum.Enum):
     DEADLINE = "deadline"     # the step missed its deadline: shifted plan
     UNCERTIFIED = "uncertified"  # even the shifted plan failed the check (assumption A1 broken)
     UNFILTERED = "unfiltered"    # filter off: the proposal clipped to the input box
+    FAULT = "fault"              # the controller raised or returned a malformed action: shifted plan
+
+
+# sources whose applied input came from a plan that passed the exact check
+CERTIFIED = frozenset({Source.PROPOSAL, Source.CORRECTED, Source.FALLBACK, Source.DEADLINE, Source.FAULT})
 
 
 class QPSolver(enum.Enum):

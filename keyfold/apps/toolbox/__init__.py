@@ -9,6 +9,10 @@
 - :mod:`.bench`: ``python -m keyfold bench toolbox``. Docs: ``docs/toolbox.md``.
 """
 
+from keyfold._extras import require as _require
+
+_require("toolbox", "keyfold.apps.toolbox")
+
 from .mixers import (AttentionMixer, GRUMixer, LinearAttentionMixer, LSTMMixer, Mixer, MixerKind,
                      MLPMixer, S4DMixer, TCNMixer, make_mixer, state_nbytes)
 from .model import Block, SequenceModel

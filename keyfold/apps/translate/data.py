@@ -266,6 +266,9 @@ def load_split(data_dir: str | Path, split: str) -> list[Example]:
     path = Path(data_dir) / f"{split}.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing: run `python -m keyfold train translate --prepare` first")
+    if not (Path(data_dir) / "stats.json").exists():
+        raise FileNotFoundError(f"{data_dir} is incomplete (no stats.json: a --prepare was interrupted); rerun "
+                                f"`python -m keyfold train translate --prepare` (it starts over)")
     with open(path, encoding="utf-8") as f:
         return [Example(d["de"], tuple(d["en"])) for d in map(json.loads, f)]
 
@@ -275,9 +278,15 @@ def prepare(data_dir: str | Path, *, dict_dir: str | Path = DICT_DIR, vocab_size
     """Parse, clean, split and train the tokenizer into ``data_dir``; returns the counts.
 
     Writes ``train/valid/test.jsonl`` (one Example per line), ``spm.model`` and ``stats.json``.
+    Every file is written to a temporary name and renamed; ``stats.json`` is removed first and
+    written last, so it marks a complete folder: a prepare killed at any point leaves none, the
+    loaders refuse the folder, and a rerun starts over and recovers.
     """
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
+    (data_dir / "stats.json").unlink(missing_ok=True)   # the folder is incomplete until the end
+    for stale in data_dir.glob("*.tmp"):                 # an earlier prepare's unfinished writes
+        stale.unlink()
     index, dic = ensure_package(Path(dict_dir), install=install)
     from tqdm import tqdm
 
@@ -294,7 +303,9 @@ def prepare(data_dir: str | Path, *, dict_dir: str | Path = DICT_DIR, vocab_size
              "multiword": sum(" " in ex.german for ex in examples),
              "pairs": sum(len(ex.english) for ex in examples),
              **{f"{k}_examples": len(v) for k, v in splits.items()}, "vocab_size": vocab_size}
-    (data_dir / "stats.json").write_text(json.dumps(stats, indent=1))
+    tmp = data_dir / "stats.json.tmp"
+    tmp.write_text(json.dumps(stats, indent=1))
+    os.replace(tmp, data_dir / "stats.json")            # the commit point
     return stats
 
 

@@ -247,8 +247,18 @@ def _truncate_log(run_dir: Path, step: int) -> None:
     """Drop log records after the checkpoint we resume from (they will be recomputed)."""
     path = run_dir / "log.jsonl"
     if path.exists():
-        keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
-        path.write_text("".join(k + "\n" for k in keep))
+        keep = [ln for ln in path.read_text().splitlines() if _record_step(ln) <= step]
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(k + "\n" for k in keep))
+        os.replace(tmp, path)
+
+
+def _record_step(line: str) -> float:
+    """The step of one log line; a line cut short by a kill (or empty) sorts after every step."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 def train(cfg: TrainConfig, model_cfg: ModelConfig, run_dir: Path, train_pairs, valid_pairs, *,
@@ -262,6 +272,8 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig, run_dir: Path, train_pairs, 
     if fresh:
         for f in list(run_dir.glob("step-*.safetensors")) + [run_dir / "checkpoint.json", run_dir / "log.jsonl"]:
             f.unlink(missing_ok=True)
+    for stale in run_dir.glob("*.tmp"):   # a checkpoint write that a kill interrupted (never committed)
+        stale.unlink()
     tr = Trainer(cfg, model_cfg, run_dir, train_pairs, valid_pairs)
     if tr.load():
         print(f"resumed from {run_dir / 'checkpoint.json'} at step {tr.step}", flush=True)

@@ -5,3 +5,7 @@ Submodules: :mod:`.bounds` (forward error bound), :mod:`.certify` (interval and 
 output bounds), :mod:`.fuzz` (robustness campaign), :mod:`.report` (the command). Docs:
 ``docs/error_bounds.md`` and ``docs/verify.md``.
 """
+from keyfold._extras import require as _require
+
+_require("verify", "keyfold.apps.verify")
+

@@ -34,7 +34,7 @@ import torch
 from keyfold.engine import TILE_SPAN
 from keyfold.masks import as_mask
 from keyfold.planner import default_block
-from keyfold.scores import ScoreMod, _Alibi, _Chain, _Softcap, as_score
+from keyfold.scores import ScoreKind, ScoreMod, as_score
 
 __all__ = ["Roundoff", "roundoff", "ErrorBound", "error_bound", "pieces_per_row", "observed_error"]
 
@@ -139,14 +139,15 @@ def _abs_score(q, k, scale, chunk=1024):
 def _score_mods(score: ScoreMod | None):
     if score is None:
         return []
-    return list(score.mods) if isinstance(score, _Chain) else [score]
+    return list(score.parts() or (score,))
 
 
 def _apply_mods(mods, R, e_s, w, Hq, q_lo, q_hi, k_lo, k_hi):
     """Carry the score bound R and its error e_s through each modifier, left to right."""
     for mod in mods:
-        if isinstance(mod, _Alibi):
-            slopes = mod.slopes.t.double().abs().view(1, Hq, 1)           # (1, Hq, 1)
+        kind, prm = mod.spec() or (None, {})
+        if kind is ScoreKind.ALIBI:
+            slopes = prm["slopes"].double().abs().view(1, Hq, 1)          # (1, Hq, 1)
             dist = max(abs(q_hi - k_lo), abs(k_hi - q_lo))                # largest |qp - kp|
             bias = slopes * dist
             # bias = -slope * |qp - kp|, or the fused path's separable form (a key term s(kp - r)
@@ -154,10 +155,10 @@ def _apply_mods(mods, R, e_s, w, Hq, q_lo, q_hi, k_lo, k_hi):
             # roundings of the bias, s + bias, and the row term's addition to lse
             R = R + bias
             e_s = e_s + w * (2 * R + 4 * bias)
-        elif isinstance(mod, _Softcap):
+        elif kind is ScoreKind.SOFTCAP:
             # cap * tanh(s / cap): division, tanh, product; tanh is 1-Lipschitz
-            e_s = e_s + w * (R + (C_TANH + 2) * mod.cap)
-            R = torch.clamp(R, max=mod.cap)
+            e_s = e_s + w * (R + (C_TANH + 2) * prm["cap"])
+            R = torch.clamp(R, max=prm["cap"])
         else:
             raise ValueError(f"error_bound: no a-priori bound for the score modifier {mod!r}; it supports "
                              f"alibi(...) and softcap(...) (a general score_mod has no known Lipschitz constant)")

@@ -350,7 +350,14 @@ def _softmax(s: Abstract, vis: torch.Tensor) -> Abstract:
     # p_j = 1 / sum_k exp(s_k - s_j): the differences keep the shared part of the scores exact
     diff = s.unsqueeze(-2) - s.unsqueeze(-1)                                # (H, N, j, k) = s_k - s_j
     # where a difference may exceed exp's range, that p_j takes the interval softmax instead
-    wild = ((diff.bounds()[1] > _EXP_MAX) & vis.unsqueeze(-2)).any(-1)      # (H, N, j)
+    over = diff.bounds()[1] > _EXP_MAX                                      # (H, N, j, k)
+    wild = (over & vis.unsqueeze(-2)).any(-1)                               # (H, N, j)
+    if bool(over.any()):
+        # exp of such a difference overflows and its NaN would reach every p of the row, even
+        # through a hidden key (0 * NaN); each is either hidden (weighted by 0 below) or in a wild
+        # row (replaced below), so any finite stand-in is sound: 0
+        zero = torch.zeros_like(diff.c)
+        diff = diff.select(over, Abstract(zero, None, zero))
     e = diff.apply(EXP)
     # k = j is exactly exp(0) = 1 (the form cannot see that both private terms are one element)
     diag = torch.eye(vis.shape[-1], dtype=torch.bool)
@@ -391,6 +398,9 @@ class AttentionWeights:
     """Multi-head self-attention ``out = concat_h softmax(Q_h K_h^T / sqrt(dh)) V_h @ wo.T + bo``.
 
     wq, wk, wv, wo: ``(E, E)``; bq, bk, bv, bo: ``(E,)``; heads divides E. float64 copies.
+    mask: a keyfold mask the layer itself applies on every call (a ``keyfold.nn`` layer's
+    ``mask=``); certification and :func:`attention_forward` AND it with the caller's mask, so
+    the certificate is for the layer as it runs.
     """
 
     wq: torch.Tensor
@@ -402,6 +412,7 @@ class AttentionWeights:
     bv: torch.Tensor
     bo: torch.Tensor
     heads: int
+    mask: object = None
 
     @staticmethod
     def random(E: int, heads: int, *, seed: int = 0, gain: float = 1.0) -> "AttentionWeights":
@@ -412,7 +423,15 @@ class AttentionWeights:
 
     @staticmethod
     def from_module(mha) -> "AttentionWeights":
-        """From a ``torch.nn.MultiheadAttention`` or ``keyfold.nn.MultiheadAttention`` (same names)."""
+        """From a ``torch.nn.MultiheadAttention`` or ``keyfold.nn.MultiheadAttention`` (same names).
+
+        A keyfold layer's ``mask`` is carried into the weights (and so into every bound); a
+        score modifier cannot be certified and raises ``ValueError`` naming it."""
+        score = getattr(mha, "score", None)
+        if score is not None:
+            raise ValueError(f"AttentionWeights.from_module: the layer applies the score modifier {score!r}; "
+                             f"certification covers plain scaled dot-product scores (with a mask) only, so a "
+                             f"bound without it would be for a different function. Build the layer without score=")
         E, H = mha.embed_dim, mha.num_heads
         if getattr(mha, "in_proj_weight", None) is not None:
             wq, wk, wv = mha.in_proj_weight.detach().double().split(E)
@@ -422,7 +441,8 @@ class AttentionWeights:
         bq, bk, bv = (mha.in_proj_bias.detach().double().split(E) if mha.in_proj_bias is not None
                       else (zeros, zeros, zeros))
         bo = mha.out_proj.bias.detach().double() if mha.out_proj.bias is not None else zeros
-        return AttentionWeights(wq, wk, wv, mha.out_proj.weight.detach().double(), bq, bk, bv, bo, H)
+        return AttentionWeights(wq, wk, wv, mha.out_proj.weight.detach().double(), bq, bk, bv, bo, H,
+                                as_mask(getattr(mha, "mask", None)))
 
 
 @dataclass(frozen=True)
@@ -460,7 +480,8 @@ class BlockWeights:
         """From ``torch.nn.TransformerEncoderLayer`` (ReLU, batch_first), ``keyfold.nn``'s encoder
         layer (``ff`` = Linear, ReLU, Dropout, Linear) or its decoder layer built with
         ``cross_attention=False`` (a decoder-only block: ``norms`` holds its two LayerNorms).
-        Dropout is ignored (eval mode). The mask is the caller's (a stream makes it causal)."""
+        Dropout is ignored (eval mode). The layer's own keyfold ``mask`` is carried (ANDed with the
+        caller's, e.g. the causal one a stream adds); a score modifier raises ``ValueError``."""
         if getattr(layer, "cross_attn", "absent") is not None and hasattr(layer, "norms"):
             raise ValueError("BlockWeights.from_module: a decoder layer with cross-attention is not one block "
                              "of self-attention + feed-forward; build it with cross_attention=False")
@@ -485,6 +506,14 @@ class BlockWeights:
 
 
 # ------------------------------------------------------------------ one forward, two domains
+
+
+def _with_layer(layer_mask, mask):
+    """The caller's mask AND the mask the layer itself carries (either may be None)."""
+    mask = as_mask(mask)
+    if layer_mask is None or mask is None:
+        return mask if layer_mask is None else layer_mask
+    return layer_mask & mask
 
 
 def _visible(mask, N: int) -> torch.Tensor:
@@ -602,7 +631,7 @@ def certify_attention(x: torch.Tensor, weights: AttentionWeights, *, eps: float 
     """
     _check_x(x, weights.wq.shape[1])
     box = Abstract.box(*_input_box(x, eps, lo, hi), method)
-    y = _attention(box, weights, _visible(mask, x.shape[0]))
+    y = _attention(box, weights, _visible(_with_layer(weights.mask, mask), x.shape[0]))
     return _result(y, method)
 
 
@@ -613,7 +642,7 @@ def certify_block(x: torch.Tensor, weights: BlockWeights, *, eps: float | None =
     LayerNorms) for all inputs in a box. Arguments as :func:`certify_attention`."""
     _check_x(x, weights.attn.wq.shape[1])
     box = Abstract.box(*_input_box(x, eps, lo, hi), method)
-    y = _block(box, weights, _visible(mask, x.shape[0]))
+    y = _block(box, weights, _visible(_with_layer(weights.attn.mask, mask), x.shape[0]))
     return _result(y, method)
 
 
@@ -646,7 +675,7 @@ def attention_forward(x: torch.Tensor, w: AttentionWeights, mask=None) -> torch.
     q = heads(x @ w.wq.t() + w.bq)
     k = heads(x @ w.wk.t() + w.bk)
     v = heads(x @ w.wv.t() + w.bv)
-    o = attention(q, k, v, mask=mask, q_offset=0, backend=Backend.REFERENCE)
+    o = attention(q, k, v, mask=_with_layer(w.mask, mask), q_offset=0, backend=Backend.REFERENCE)
     y = o.transpose(1, 2).reshape(S, N, E) @ w.wo.t() + w.bo                # (S, N, E)
     return y[0] if single else y
 

@@ -97,7 +97,7 @@ class Stream:
 def _cast(w: BlockWeights, dtype) -> BlockWeights:
     a = w.attn
     c = (lambda t: t.to(dtype))
-    attn = type(a)(*(c(t) for t in (a.wq, a.wk, a.wv, a.wo, a.bq, a.bk, a.bv, a.bo)), heads=a.heads)
+    attn = type(a)(*(c(t) for t in (a.wq, a.wk, a.wv, a.wo, a.bq, a.bk, a.bv, a.bo)), heads=a.heads, mask=a.mask)
     return BlockWeights(attn, c(w.w1), c(w.b1), c(w.w2), c(w.b2), (c(w.ln1[0]), c(w.ln1[1])),
                         (c(w.ln2[0]), c(w.ln2[1])), w.norm_first, w.eps)
 
@@ -109,7 +109,7 @@ def _attn_step(x, w, cache: WindowCache):
     k = F.linear(x, w.wk, w.bk).view(B, H, 1, dh)
     v = F.linear(x, w.wv, w.bv).view(B, H, 1, dh)
     cache.append(k, v)
-    o = decode(q, cache)                                                    # (B, H, 1, dh)
+    o = decode(q, cache, mask=w.mask)                                       # (B, H, 1, dh); the layer's own mask
     return F.linear(o.reshape(B, E), w.wo, w.bo)
 
 

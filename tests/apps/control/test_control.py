@@ -11,6 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import require_extra
+
+require_extra("control")  # skip, naming the pip line, where the extra is missing (before the app imports)
+
 from keyfold.apps.control import (ARXPredictor, Box, Controller, Disturbance, FakeClock, FilterConfig,
                              FilterConfigError, InvertedPendulum, LoopConfig, MPPIController, Polytope,
                              QPSolver, RandomBangBang, SafetyFilter, SlowController, Source, TrainConfig,

@@ -12,6 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import require_extra
+
+require_extra("toolbox")  # skip, naming the pip line, where the extra is missing (before the app imports)
+
 from keyfold.apps.toolbox import MixerKind, SequenceModel, make_mixer, state_nbytes
 from keyfold.apps.toolbox import data as D
 from keyfold.apps.toolbox import tasks as T

@@ -11,6 +11,10 @@ from hypothesis import strategies as st
 
 import keyfold
 from keyfold import nn as knn
+from tests.helpers import require_extra
+
+require_extra("translate")  # skip, naming the pip line, where the extra is missing (before the app imports)
+
 from keyfold.apps.translate import train as T
 from keyfold.apps.translate.data import BOS, EOS, PAD
 from keyfold.apps.translate.transformer import (MODEL_CONFIGS, Transformer, TransformerLM, beam_search, greedy,

@@ -9,6 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import keyfold
+from tests.helpers import require_extra
+
+require_extra("verify")  # skip, naming the pip line, where the extra is missing (before the app imports)
+
 from keyfold.apps.verify import bounds
 from keyfold.apps.verify.bounds import error_bound, observed_error, pieces_per_row
 

@@ -1,8 +1,8 @@
 """keyfold's Triton kernel against SDPA (flash), compiled FlexAttention and flash-attn on one GPU.
 
-    PYTHONPATH=. python benchmarks/gpu.py                 # on a CUDA machine, < 5 minutes
-    PYTHONPATH=. python benchmarks/gpu.py --dry-run       # tiny shapes on a CPU: checks the script
-    PYTHONPATH=. python benchmarks/gpu.py --accuracy      # error table by the rule of DESIGN.md §6
+    PYTHONPATH=. python -m keyfold bench gpu              # on a CUDA machine, < 5 minutes
+    PYTHONPATH=. python -m keyfold bench gpu --dry-run    # tiny shapes on a CPU: checks the script
+    PYTHONPATH=. python -m keyfold bench gpu --accuracy   # error table by the rule of DESIGN.md §6
 
 bfloat16, B=4, H=16, D=128, N in {2k, 8k, 32k}; variants dense, causal, causal sliding window
 1024, documents (8 packed documents of uneven length, bidirectional inside each); forward and
@@ -37,6 +37,7 @@ from tqdm import tqdm  # noqa: E402
 
 import keyfold as kf  # noqa: E402
 import keyfold.kernels.triton as kt  # noqa: E402
+from keyfold.bench.harness import interleaved, results_dir  # noqa: E402
 
 VARIANTS = ("dense", "causal", "window1024", "documents")
 MODES = ("fwd", "fwd+bwd")
@@ -187,12 +188,7 @@ def bench_ms(fn, cuda: bool, reps: int) -> float:
     if cuda:
         import triton.testing
         return float(triton.testing.do_bench(fn, warmup=10, rep=max(40, reps * 4)))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return 1000.0 * sorted(ts)[len(ts) // 2]
+    return 1000.0 * interleaved({"fn": fn}, reps, warmup=0)["fn"]
 
 
 def measure(run, q, k, v, mode: str, cuda: bool, reps: int) -> float:
@@ -360,7 +356,7 @@ def accuracy(cuda: bool, dtypes=None) -> tuple[str, bool]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="benchmarks/results", help="directory for gpu.json / gpu.md / gpu.png")
+    ap.add_argument("--out", default=None, help="directory for gpu.json / gpu.md / gpu.png (default: the repository's benchmarks/results)")
     ap.add_argument("--dry-run", action="store_true", help="tiny float32 shapes on the CPU (interpreter)")
     ap.add_argument("--budget", type=float, default=240.0, help="seconds; later cases are skipped past it")
     ap.add_argument("--sizes", default=None, help="comma-separated N (default 2048,8192,32768)")
@@ -431,12 +427,11 @@ def main(argv=None) -> int:
 
     import triton
     meta = dict(device=torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or 'dry run'})",
-                command="PYTHONPATH=. python benchmarks/gpu.py" + (" --dry-run" if args.dry_run else ""),
+                command="PYTHONPATH=. python -m keyfold bench gpu" + (" --dry-run" if args.dry_run else ""),
                 dtype=str(dtype).replace("torch.", ""), B=B, H=H, D=D, Ns=Ns, torch=torch.__version__,
                 triton=triton.__version__, seconds=time.time() - t_start, dry_run=args.dry_run)
     rats = ratios(rows)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_dir(args.out)
     stem = "gpu-dry-run" if args.dry_run else "gpu"
     (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=[asdict(r) for r in rows],
                                                       checks=checks, targets=rats), indent=1))

@@ -1,0 +1,142 @@
+"""The one timing harness every benchmark uses, and where results go.
+
+- :func:`interleaved`: warm-up, then the callables run *alternately* (so a drifting load hits
+  every implementation alike), median and minimum per name; the peer is always timed in the
+  same run. CUDA work is synchronised around each sample.
+- :func:`results_dir`: ``--out`` if given, else ``benchmarks/results/`` of the repository
+  keyfold was imported from (never a path relative to the current directory), else
+  ``./benchmarks/results`` for an installed package.
+- :func:`machine`: the CPU, its instruction sets (AVX2, AVX-512, AVX-512-BF16, AMX), threads
+  and versions, for the header of every results file.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+__all__ = ["Timing", "interleaved", "results_dir", "machine", "isa_flags", "write_json", "matmul_rate",
+           "stream_bandwidth"]
+
+
+class Timing(dict):
+    """Median seconds per name (the dict itself); minima in ``.best`` (steadier on a loaded machine)."""
+
+    best: dict
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1, *,
+                cuda: bool = False) -> Timing:
+    """Median seconds of each callable over ``repeats`` alternating rounds after ``warmup`` rounds.
+
+    >>> t = interleaved({"a": lambda: None, "b": lambda: None}, repeats=3)
+    >>> sorted(t), sorted(t.best)
+    (['a', 'b'], ['a', 'b'])
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    _sync(cuda)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            _sync(cuda)
+            t0 = time.perf_counter()
+            fn()
+            _sync(cuda)
+            samples[name].append(time.perf_counter() - t0)
+    out = Timing({name: statistics.median(ts) for name, ts in samples.items()})
+    out.best = {name: min(ts) for name, ts in samples.items()}
+    return out
+
+
+def _repo_root() -> Path | None:
+    """The checkout keyfold runs from (a folder with pyproject.toml and benchmarks/), if any."""
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        if (parent / "pyproject.toml").is_file() and (parent / "benchmarks").is_dir():
+            return parent
+    return None
+
+
+def results_dir(out: str | Path | None = None) -> Path:
+    """Where a benchmark writes: ``out``, else the repository's ``benchmarks/results/``."""
+    if out is not None:
+        path = Path(out)
+    else:
+        root = _repo_root()
+        path = (root if root is not None else Path.cwd()) / "benchmarks" / "results"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def isa_flags() -> list[str]:
+    """The vector/matrix instruction sets this CPU reports (from /proc/cpuinfo), by common name."""
+    names = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_bf16": "AVX-512-BF16", "avx512_fp16": "AVX-512-FP16",
+             "amx_tile": "AMX", "amx_bf16": "AMX-BF16", "amx_int8": "AMX-INT8"}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return [v for k, v in names.items() if k in flags]
+    except OSError:
+        pass
+    return []
+
+
+def machine() -> str:
+    """One line naming the machine a result holds on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    isa = ", ".join(isa_flags()) or "no AVX2"
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return (f"{cpu} ({isa}){gpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+            f"Python {platform.python_version()}")
+
+
+def write_json(path: Path, obj) -> None:
+    """Write ``obj`` as indented JSON (atomically: a reader never sees half a file)."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    tmp.replace(path)
+
+
+# ------------------------------------------------------------------ the machine's limits
+
+
+def matmul_rate(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 5) -> float:
+    """The machine's dense matmul rate for ``dtype`` in GFLOP/s (an ``n x n`` GEMM, median):
+    the ceiling an attention forward can approach (its FLOPs are two GEMMs per tile)."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    t = interleaved({"mm": lambda: a @ b}, repeats, warmup=2)["mm"]
+    return 2.0 * n ** 3 / t / 1e9
+
+
+def stream_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> float:
+    """Main-memory bandwidth in GB/s from a stream copy (bytes read + bytes written, median):
+    the ceiling of decode, which reads each cached key and value once."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    t = interleaved({"copy": lambda: dst.copy_(src)}, repeats, warmup=2)["copy"]
+    return 2.0 * nbytes / t / 1e9

@@ -1,0 +1,247 @@
+"""Faults and adversaries in the closed loop: the report must never show a pass its log contradicts.
+
+Every run here is checked against :func:`recount`, written from the logged trajectory alone
+(states, inputs, sources, the plant's true limits and model), not from ``LoopResult.summary``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.helpers import require_extra
+
+require_extra("control")  # skip, naming the pip line, where the extra is missing (before the app imports)
+
+from keyfold.apps.control import (Controller, Disturbance, FakeClock, LoopConfig, SafetyFilter, Source,
+                                  WorstActionController, make_plant, run_loop)
+
+# inputs from a plan that passed the exact check (fault steps apply the shifted certified plan)
+_CERT = {Source.PROPOSAL, Source.CORRECTED, Source.FALLBACK, Source.DEADLINE} | {s for s in Source if s.value == "fault"}
+
+
+def recount(res, plant, w_assumed) -> dict:
+    """The summary's safety numbers, recounted from the trajectory with the true limits."""
+    X, U = res.states, res.inputs
+    H, h = plant.state_limits.H, plant.state_limits.h
+    finite = np.isfinite(X).all(1)
+    Xf = np.where(finite[:, None], X, 0.0)
+    outside = ~finite | (Xf @ H.T > h).any(1)                            # (T + 1,)
+    W = X[1:] - X[:-1] @ plant.A.T - U @ plant.B.T                        # (T, n_x)
+    inside = ~outside[:-1]
+    wf = np.isfinite(W).all(1)
+    over = (np.abs(np.where(wf[:, None], W, 0.0)) > w_assumed).any(1) | ~wf
+    exceeded = inside & over
+    certified = np.array([res.filter_on and s in _CERT for s in res.sources], bool)  # filter off: none
+    ratios = [np.max(np.abs(W[k]) / w_assumed) if wf[k] else np.inf for k in range(len(W)) if inside[k]]
+    return {
+        "violations": int(outside.sum()),
+        "input_violations": int(((U < plant.input_limits.lo) | (U > plant.input_limits.hi) | ~np.isfinite(U)).any(1).sum()),
+        "interventions": sum(s is Source.CORRECTED for s in res.sources),
+        "deadline_misses": sum(s is Source.DEADLINE for s in res.sources),
+        "solver_fallbacks": sum(s is Source.FALLBACK for s in res.sources),
+        "uncertified": sum(s is Source.UNCERTIFIED for s in res.sources),
+        "max_disturbance_ratio": float(max(ratios)) if ratios else 0.0,
+        "assumption_exceeded": int(exceeded.sum()),
+        "certified_invalidated": int((exceeded & certified).sum()),
+        "violations_after_certified": int((certified & outside[1:]).sum()),
+        "steps": len(U),
+    }
+
+
+def _assert_report_matches(res, plant, w_assumed):
+    s, r = res.summary(), recount(res, plant, w_assumed)
+    for key, want in r.items():
+        if key == "max_disturbance_ratio":
+            assert s[key] == pytest.approx(want, rel=1e-9), (key, s[key], want)
+        else:
+            assert s[key] == want, (key, s[key], want)
+    # a certified step followed by a violation is possible only when the assumption broke
+    if r["violations_after_certified"]:
+        assert r["assumption_exceeded"] > 0 and res.warnings()
+    return s
+
+
+def _worst(plant):
+    return WorstActionController(plant.A, plant.B, plant.state_limits, plant.input_limits)
+
+
+# ------------------------------------------------ 1. an understated disturbance bound is reported
+
+
+def test_understated_disturbance_bound_is_reported_not_hidden():
+    """The plant's noise is 5x the bound the filter assumes: violations follow certified inputs,
+    and the report must say the filter's assumption broke (it used to read a ratio of 1.000)."""
+    plant = make_plant("msd", noise=np.array([0.01, 0.05]))
+    assumed = make_plant("msd").disturbance_bound()
+    sf = SafetyFilter.from_plant(plant, w_bar=assumed)
+    res = run_loop(plant, _worst(plant), np.zeros(202), LoopConfig(steps=200, disturbance=Disturbance.WORST),
+                   sf, FakeClock())
+    s = _assert_report_matches(res, plant, assumed)
+    assert np.array_equal(res.w_bar, sf.w_bar) and np.array_equal(res.w_plant, plant.disturbance_bound())
+    assert s["violations"] > 0 and s["violations_after_certified"] > 0
+    assert s["max_disturbance_ratio"] > 4.0                      # against the filter's bound, not the plant's
+    assert s["assumption_exceeded"] > 0 and s["certified_invalidated"] > 0
+    text = " ".join(res.warnings())
+    assert "safety filter assumed" in text and "do not hold" in text
+
+
+def test_correct_bound_reports_no_exceedance():
+    plant = make_plant("msd")
+    res = run_loop(plant, _worst(plant), np.zeros(152), LoopConfig(steps=150, disturbance=Disturbance.WORST),
+                   SafetyFilter.from_plant(plant), FakeClock())
+    s = _assert_report_matches(res, plant, plant.disturbance_bound())
+    assert s["violations"] == 0 and s["assumption_exceeded"] == 0 and s["max_disturbance_ratio"] <= 1.0
+    assert res.warnings() == []
+
+
+# ------------------------------------------------------- 2. a NaN plant state is never a pass
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_state_is_a_violation_and_ends_the_run(bad):
+    plant = make_plant("msd")
+    inner, calls = plant.f, []
+
+    def f(x, u):
+        calls.append(1)
+        y = inner(x, u)
+        return y * bad if len(calls) == 30 else y
+    plant.f = f
+    res = run_loop(plant, _worst(plant), np.zeros(102), LoopConfig(steps=100, filter_on=False), None, FakeClock())
+    s = _assert_report_matches(res, plant, plant.disturbance_bound())
+    assert s["steps"] == 30 and s["stopped"] is not None and "not finite" in s["stopped"]
+    assert s["violations"] >= 1 and s["max_violation"] == np.inf
+    assert res.violation[-1] == np.inf and "not finite" in res.warnings()[0]
+
+
+# ------------------------------------- 5. a controller that raises or misbehaves is replaced, not fatal
+
+
+class _Faulty(Controller):
+    """Wraps a controller; on chosen calls raises or returns a malformed action."""
+
+    def __init__(self, inner, plan: dict):
+        self.inner, self.plan, self.calls = inner, plan, 0
+        self.window, self.horizon = inner.window, inner.horizon
+
+    def reset(self, seed):
+        self.calls = 0
+        self.inner.reset(seed)
+
+    def propose(self, x_hist, u_hist, reference):
+        k, self.calls = self.calls, self.calls + 1
+        what = self.plan.get(k)
+        good = self.inner.propose(x_hist, u_hist, reference)
+        if what == "raise":
+            raise RuntimeError("predictor exploded")
+        if what == "shape":
+            return np.zeros((1, 3))
+        if what == "nan":
+            return np.full_like(good, np.nan)
+        if what == "inf":
+            return np.full_like(good, np.inf)
+        if what == "out":
+            return good * 0 + 10.0                               # the input box is +-1.5
+        if what == "text":
+            return "up"
+        return good
+
+
+_PLAN = {3: "raise", 7: "shape", 11: "nan", 12: "nan", 20: "out", 25: "inf", 31: "text", 40: "raise"}
+
+
+@pytest.mark.parametrize("filter_on", [True, False])
+def test_faulty_controller_is_replaced_by_the_fallback_every_step(filter_on):
+    plant = make_plant("msd")
+    sf = SafetyFilter.from_plant(plant)
+    ctrl = _Faulty(_worst(plant), _PLAN)
+    res = run_loop(plant, ctrl, np.zeros(62), LoopConfig(steps=60, filter_on=filter_on), sf if filter_on else None,
+                   FakeClock())
+    s = _assert_report_matches(res, plant, plant.disturbance_bound())
+    assert s["steps"] == 60 and s["stopped"] is None
+    assert sorted(res.faults) == sorted(_PLAN) and s["controller_faults"] == len(_PLAN)
+    assert [k for k, src in enumerate(res.sources) if src is Source.FAULT] == sorted(_PLAN)
+    assert "predictor exploded" in res.faults[3] and "shape" in res.faults[7] and "input box" in res.faults[20]
+    assert np.isfinite(res.inputs).all() and s["input_violations"] == 0
+    if filter_on:
+        assert s["violations"] == 0 and s["uncertified"] == 0
+    else:  # the previous plan, shifted: the worst-action controller plans one step, so its last action
+        for k in _PLAN:
+            prev = max(j for j in range(k) if j not in _PLAN) if any(j not in _PLAN for j in range(k)) else None
+            want = np.zeros(1) if prev is None else res.proposals[prev]
+            np.testing.assert_array_equal(res.inputs[k], want)
+
+
+def test_fault_fallback_is_the_shifted_certified_plan():
+    """The input applied at a fault step is row 0 of the previous plan shifted from the measured state."""
+    plant = make_plant("msd")
+    sf = SafetyFilter.from_plant(plant)
+    probe = []
+
+    class Spy(SafetyFilter):
+        def shift(self, plan, x):
+            out = super().shift(plan, x)
+            probe.append(out.v[0].copy())
+            return out
+    spy = Spy(plant.A, plant.B, plant.state_limits, plant.input_limits, sf.w_bar)
+    res = run_loop(plant, _Faulty(_worst(plant), {5: "raise", 9: "nan"}), np.zeros(22), LoopConfig(steps=20),
+                   spy, FakeClock())
+    for k in (5, 9):
+        assert res.sources[k] is Source.FAULT
+        np.testing.assert_array_equal(res.inputs[k], probe[k - 1])   # shift() runs from step 1
+
+
+def test_a_filter_that_raises_falls_back_and_is_reported():
+    plant = make_plant("msd")
+    sf = SafetyFilter.from_plant(plant)
+    calls = []
+    real = sf.filter
+
+    def flaky(x, u, fallback):
+        calls.append(1)
+        if len(calls) in (4, 5):
+            raise ArithmeticError("solver blew up")
+        return real(x, u, fallback)
+    sf.filter = flaky
+    res = run_loop(plant, _worst(plant), np.zeros(32), LoopConfig(steps=30), sf, FakeClock())
+    s = _assert_report_matches(res, plant, plant.disturbance_bound())
+    assert sorted(res.faults) == [3, 4] and "solver blew up" in res.faults[3]
+    assert res.sources[3] is Source.FALLBACK and s["violations"] == 0
+
+
+# ------------------------------------------------------------------ adversarial closed loops
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_worst_action_with_tight_limits_recount(seed):
+    """The worst admissible action every step, limits tightened to where the filter barely fits."""
+    plant = make_plant("msd", p_max=0.3, v_max=0.4, p_brake=0.35)
+    sf = SafetyFilter.from_plant(plant)
+    ctrl = _Faulty(_worst(plant), {k: "raise" for k in range(seed, 80, 9)})
+    res = run_loop(plant, ctrl, np.zeros(82), LoopConfig(steps=80, disturbance=Disturbance.WORST, seed=seed),
+                   sf, FakeClock())
+    s = _assert_report_matches(res, plant, sf.w_bar)
+    assert s["violations"] == 0 and s["interventions"] > 0 and s["controller_faults"] > 0
+
+
+@pytest.mark.parametrize("scale", [1.5, 3.0, 10.0])
+def test_disturbance_above_its_bound_is_never_reported_as_a_pass(scale):
+    """Pendulum: the real noise is ``scale`` times what the filter assumes."""
+    base = make_plant("pendulum")
+    plant = make_plant("pendulum", noise=base.noise * scale)
+    sf = SafetyFilter.from_plant(plant, w_bar=base.disturbance_bound())
+    res = run_loop(plant, _worst(plant), np.zeros(122), LoopConfig(steps=120, disturbance=Disturbance.WORST),
+                   sf, FakeClock())
+    s = _assert_report_matches(res, plant, sf.w_bar)
+    assert s["max_disturbance_ratio"] > 1.0 and s["assumption_exceeded"] > 0 and res.warnings()
+    if s["violations"]:
+        assert s["certified_invalidated"] > 0
+
+
+def test_filter_off_adversary_recount():
+    plant = make_plant("pendulum")
+    res = run_loop(plant, _worst(plant), np.zeros(62), LoopConfig(steps=60, filter_on=False,
+                                                                   disturbance=Disturbance.WORST), None, FakeClock())
+    s = _assert_report_matches(res, plant, plant.disturbance_bound())
+    assert s["violations"] > 0

@@ -1,0 +1,133 @@
+"""Faults in the proofs: certificates for the function that really runs, sound and finite at
+extreme values, and attention at the fp16 maximum.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import require_extra
+
+require_extra("verify")  # skip, naming the pip line, where the extra is missing (before the app imports)
+
+import keyfold
+import keyfold.nn as knn
+from keyfold.apps.verify import certify as C
+from keyfold.state import State, merge
+
+
+# ------------------------------- 3. a keyfold layer's own mask is part of the certified function
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("mask", [keyfold.window(1, 1), keyfold.documents(torch.tensor([0, 0, 0, 1, 1, 2]))])
+def test_block_from_module_carries_the_layers_mask(norm_first, mask):
+    torch.manual_seed(0)
+    layer = knn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, norm_first=norm_first, mask=mask).double().eval()
+    w = C.BlockWeights.from_module(layer)
+    x = torch.randn(6, 8, dtype=torch.float64)
+    with torch.no_grad():
+        real = layer(x.unsqueeze(0))[0]
+        plain = knn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, norm_first=norm_first).double().eval()
+        plain.load_state_dict(layer.state_dict())
+        assert not torch.allclose(plain(x.unsqueeze(0))[0], real)      # the mask matters here
+    torch.testing.assert_close(C.block_forward(x, w), real)
+    eps = 0.05
+    for method in C.Method:
+        b = C.certify_block(x, w, eps=eps, method=method)
+        ys = C.sample_box(x - eps, x + eps, 64, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            outs = layer(ys)                                             # the layer itself, on the box
+        assert all(b.contains(y) for y in outs), method
+    # the caller's mask is ANDed with the layer's: causal on top
+    both = C.certify_block(x, w, eps=0.0, mask=keyfold.causal())
+    with torch.no_grad():
+        assert both.contains(layer(x.unsqueeze(0), src_mask=keyfold.causal())[0])
+
+
+def test_attention_from_module_carries_the_mask_and_refuses_a_score():
+    mha = knn.MultiheadAttention(8, 2, mask=keyfold.window(2)).double()
+    w = C.AttentionWeights.from_module(mha)
+    assert w.mask == keyfold.window(2)
+    x = torch.randn(5, 8, dtype=torch.float64)
+    b = C.certify_attention(x, w, eps=0.0)
+    assert b.contains(C.attention_forward(x, w))
+    no_mask = C.AttentionWeights(*(getattr(w, n) for n in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")), w.heads)
+    assert not b.contains(C.attention_forward(x, no_mask))         # the old certificate's function
+    with pytest.raises(ValueError, match="softcap.*score"):
+        C.AttentionWeights.from_module(knn.MultiheadAttention(8, 2, score=keyfold.softcap(5.0)))
+    with pytest.raises(ValueError, match="score modifier"):
+        C.BlockWeights.from_module(knn.TransformerEncoderLayer(8, 2, 16, score=keyfold.softcap(5.0)))
+
+
+# -------------------------------- 10. the linear relaxation at large scores: finite and sound
+
+
+@pytest.mark.parametrize("gain", [10.0, 100.0, 1000.0])
+@pytest.mark.parametrize("mask", [None, keyfold.causal(), keyfold.causal() & keyfold.window(2)])
+def test_linear_relaxation_is_finite_and_sound_at_large_scores(gain, mask):
+    w = C.AttentionWeights.random(8, 2, seed=0, gain=gain)
+    x = torch.randn(6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 3
+    eps = 0.1
+    ys = C.attention_forward(C.sample_box(x - eps, x + eps, 200, generator=torch.Generator().manual_seed(2)), w,
+                             mask)
+    for method in C.Method:
+        b = C.certify_attention(x, w, eps=eps, mask=mask, method=method)
+        assert torch.isfinite(b.lo).all() and torch.isfinite(b.hi).all(), method
+        assert all(b.contains(y) for y in ys), method
+
+
+def test_block_certificate_is_finite_at_large_scores():
+    w = C.BlockWeights.random(8, 2, 16, seed=3)
+    big = C.AttentionWeights.random(8, 2, seed=3, gain=300.0)
+    w = C.BlockWeights(big, w.w1, w.b1, w.w2, w.b2, w.ln1, w.ln2)
+    x = torch.randn(6, 8, dtype=torch.float64)
+    b = C.certify_block(x, w, eps=0.1, mask=keyfold.causal())
+    assert torch.isfinite(b.lo).all() and torch.isfinite(b.hi).all()
+    ys = C.block_forward(C.sample_box(x - 0.1, x + 0.1, 100), w, keyfold.causal())
+    assert all(b.contains(y) for y in ys)
+
+
+# ------------------------------------------------ 10. attention in fp16 at the fp16 maximum
+
+
+@pytest.mark.parametrize("backend", [keyfold.Backend.AUTO, keyfold.Backend.REFERENCE, keyfold.Backend.CPU])
+@pytest.mark.parametrize("mask", [None, keyfold.causal()])
+@pytest.mark.parametrize("N", [3, 300])
+def test_fp16_attention_at_the_fp16_maximum(backend, mask, N):
+    """Every q, k, v entry is 65504: all scores are equal (about 1e10, far past fp16), so the
+    exact answer is 65504 everywhere; it used to come back inf (the weights summed to N)."""
+    x = torch.full((1, 2, N, 8), 65504.0, dtype=torch.float16)
+    out = keyfold.attention(x, x, x, mask=mask, backend=backend)
+    assert torch.isfinite(out).all() and (out == 65504.0).all()
+
+
+def test_merge_of_huge_equal_lse_is_the_average():
+    """Two halves with lse ~1e10: logaddexp's log(2) rounds away in float32, and weights
+    exp(lse_x - lse) used to be 1 each (the output doubled)."""
+    lse = torch.full((1, 1, 2), 1.2e10)
+    a, b = State(torch.full((1, 1, 2, 4), 3.0), lse), State(torch.full((1, 1, 2, 4), 5.0), lse.clone())
+    m = merge(a, b)
+    assert torch.allclose(m.out, torch.full_like(m.out, 4.0))
+    empty = State(torch.zeros(1, 1, 2, 4), torch.full((1, 1, 2), float("-inf")))
+    assert torch.equal(merge(empty, empty).out, empty.out) and torch.isneginf(merge(empty, empty).lse).all()
+    assert torch.equal(merge(empty, a).out, a.out) and torch.equal(merge(a, empty).out, a.out)
+
+
+# ------------------------------------------------ the fuzz count per module (README's reliability)
+
+
+def test_fault_fuzz_counts_every_module_and_finds_an_injected_bug(monkeypatch, tmp_path):
+    from keyfold.apps.verify import faults as F
+    from keyfold.caches import KVCache
+
+    tallies = F.run_all(dict(core=20, caches=120, distributed=30, control=4, verify=6), progress=False)
+    assert [t.wrong for t in tallies] == [0] * 5, [c for t in tallies for c in t.cases]
+    assert all(t.inputs > 0 for t in tallies) and sum(t.errors for t in tallies) > 0
+    # the count can fail: put back the reset that kept the old request's values
+    monkeypatch.setattr(KVCache, "reset", lambda self, seq_ids=None: [self._len.__setitem__(s, 0) for s in (
+        range(self.batch) if seq_ids is None else seq_ids)] and setattr(self, "_whole", None))
+    assert F.fuzz_caches(200, 0).wrong > 0
+    assert F.main(["--quick", "--modules", "distributed", "--out", str(tmp_path)]) == 0
+    assert "| keyfold.distributed |" in (tmp_path / "faults-quick.md").read_text()

@@ -1,0 +1,416 @@
+"""Regressions from porting FlexAttention's and FlashAttention's tests (issue #16, items 2-6, 10, 11).
+
+Each test failed on the code before its fix: a stale plan, NaN gradients through merge, an
+unnormalised single-state merge, ALiBi in float32 positions, varlen causal in the wrong corner,
+refused inputs, and non-zero gradients where the exact one is 0.
+"""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import keyfold as kf
+from keyfold import Backend
+from keyfold.caches import KVCache, decode
+from tests.helpers import assert_close_by_rule, assert_forward_by_rule, max_err, naive_attention
+
+BACKENDS = [Backend.CPU, Backend.TILES]
+
+
+def _qkv(B, H, Nq, Nk, D, dtype=torch.float32, seed=0, Hkv=None):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Nq, D, generator=g).to(dtype)
+    k = torch.randn(B, Hkv or H, Nk, D, generator=g).to(dtype)
+    v = torch.randn(B, Hkv or H, Nk, D, generator=g).to(dtype)
+    return q, k, v
+
+
+# ----------------------------------------------------------------- 2. stale plans, bounded cache
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_plan_follows_inplace_change_of_captured_ids(backend):
+    """Document ids of a packed batch reused across steps (``ids.copy_(new)``): the plan made
+    for the old ids must not be reused (it gave max error 3.57)."""
+    N = 384
+    ids = torch.arange(N) * 3 // N
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return ids[q_idx] == ids[kv_idx]
+
+    q, k, v = _qkv(1, 2, N, N, 16)
+    assert_forward_by_rule(q, k, v, mask=same_doc, backend=backend)
+    for n_docs in (7, 2, 11):
+        ids.copy_(torch.arange(N) * n_docs // N)
+        assert_forward_by_rule(q, k, v, mask=same_doc, backend=backend)
+
+
+def test_plan_follows_rebound_closure_value_and_global():
+    q, k, v = _qkv(1, 1, 128, 128, 8)
+    width = 3
+
+    def band(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx).abs() <= width
+
+    assert_forward_by_rule(q, k, v, mask=band)
+    width = 40  # noqa: F841 - read by band through its closure cell
+    assert_forward_by_rule(q, k, v, mask=band)
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc for the resident size")
+def test_plan_cache_is_bounded_by_bytes_over_fresh_lambdas(monkeypatch):
+    """1,000 fresh mask lambdas (one per step, as a loop that builds its mask inline does): the
+    cache's bytes stay within its budget and the process does not grow."""
+    monkeypatch.setattr(kf.planner, "PLAN_CACHE_BYTES", 4 << 20)
+    kf.clear_plan_cache()
+    q, k, v = _qkv(1, 2, 512, 512, 16)
+    rss = {}
+    for i in range(1000):
+        kf.attention(q, k, v, mask=lambda b, h, q_idx, kv_idx: (q_idx - kv_idx) % 3 != 0, block_size=128)
+        st = kf.plan_cache_stats()
+        assert st["bytes"] <= st["budget"] == 4 << 20
+        if i in (199, 999):
+            rss[i] = _rss_mib()
+    st = kf.plan_cache_stats()
+    assert st["misses"] == 1000 and st["evictions"] >= 900 and 0 < st["size"] < 100
+    assert rss[999] - rss[199] < 32, rss  # flat: (unbounded, 800 more plans with their tiles held ~200 MiB)
+    kf.clear_plan_cache()
+    assert kf.plan_cache_stats()["bytes"] == 0
+
+
+def test_plan_cache_hits_for_unchanged_captures():
+    kf.clear_plan_cache()
+    ids = torch.arange(64) // 16
+    fn = lambda b, h, q_idx, kv_idx: ids[q_idx] == ids[kv_idx]  # noqa: E731
+    q, k, v = _qkv(1, 1, 64, 64, 8)
+    for _ in range(3):
+        kf.attention(q, k, v, mask=fn, backend=Backend.TILES)
+    st = kf.plan_cache_stats()
+    assert (st["hits"], st["misses"]) == (2, 1)
+    ids[0] = 3  # in place: a new plan
+    kf.attention(q, k, v, mask=fn, backend=Backend.TILES)
+    assert kf.plan_cache_stats()["misses"] == 2
+
+
+def test_captured_tensors_follows_closures_defaults_globals_and_objects():
+    a, b_, c = torch.zeros(2), torch.ones(3), torch.full((4,), 2.0)
+
+    class Holder:
+        def __init__(self):
+            self.table = c
+
+    holder = Holder()
+
+    def fn(b, h, q_idx, kv_idx, extra=b_):
+        return (a[0] + extra[0] + holder.table[0] + _GLOBAL_TABLE[0]) > q_idx
+
+    found = kf.masks.captured_tensors(fn)
+    assert {id(t) for t in found} == {id(a), id(b_), id(c), id(_GLOBAL_TABLE)}
+
+
+_GLOBAL_TABLE = torch.zeros(5)
+
+
+# ------------------------------------------------------------------- 3, 4. the merge's empty rows
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mask", [None, kf.causal()], ids=["full", "causal"])
+def test_split_kv_more_splits_than_keys_has_finite_exact_gradients(mask, backend):
+    """FlashAttention's split-KV test: 5 splits over 3 keys leaves rows empty in several pieces;
+    dq and dk were NaN through merge_all."""
+    q, k, v = _qkv(1, 2, 4, 3, 8, dtype=torch.float64)
+    q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
+    edges = [round(i * 3 / 5) for i in range(6)]
+    parts = [kf.attend(q, k[:, :, a:e], v[:, :, a:e], mask=mask, q_offset=0, kv_offset=a, backend=backend)
+             for a, e in zip(edges[:-1], edges[1:])]
+    st = kf.merge_all(parts)
+    (st.out.sum() + st.lse.masked_fill(st.lse.isneginf(), 0).sum()).backward()
+    got = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    ref = kf.attend(q, k, v, mask=mask, q_offset=0, backend=Backend.REFERENCE)
+    (ref.out.sum() + ref.lse.masked_fill(ref.lse.isneginf(), 0).sum()).backward()
+    for g, t in zip(got, (q, k, v)):
+        assert torch.isfinite(g).all()
+        assert max_err(g, t.grad) < 1e-12
+
+
+def test_merge_of_two_empty_rows_has_zero_gradient():
+    lse_a = torch.tensor([float("-inf"), 0.5, float("-inf")], requires_grad=True)
+    lse_b = torch.tensor([float("-inf"), float("-inf"), 1.0], requires_grad=True)
+    out_a = torch.randn(3, 2, requires_grad=True)
+    out_b = torch.randn(3, 2, requires_grad=True)
+    m = kf.merge(kf.State(out_a, lse_a), kf.State(out_b, lse_b))
+    assert m.lse[0].isneginf() and (m.out[0] == 0).all()
+    (m.out.sum() + m.lse[1:].sum()).backward()
+    for t in (lse_a, lse_b, out_a, out_b):
+        assert torch.isfinite(t.grad).all()
+    assert lse_a.grad[0] == 0 and lse_b.grad[0] == 0 and (out_a.grad[0] == 0).all()
+
+
+def test_merge_all_of_one_state_zeroes_its_empty_rows():
+    """FlashAttention's combine test with one split: a state whose empty rows carry garbage."""
+    out = torch.randn(2, 3, 5, 4) * 7
+    lse = torch.randn(2, 3, 5)
+    lse[:, :, 1] = float("-inf")
+    lse[0, 2, 4] = float("-inf")
+    got = kf.merge_all([kf.State(out, lse)])
+    empty = lse.isneginf()
+    assert (got.out[empty] == 0).all() and torch.equal(got.out[~empty], out[~empty])
+    assert torch.equal(got.lse, lse)
+    two = kf.merge(kf.State(out, lse), kf.empty_state(2, 3, 5, 4))  # one state or many: the same rows
+    assert (two.out[empty] == 0).all()
+
+
+# ----------------------------------------------------------------------- 5. ALiBi far from 0
+
+
+def _alibi_ref(q, k, v, slopes, q_offset, kv_offset, causal):
+    """float64 attention with ALiBi from exact integer distances (Python ints)."""
+    Nq, Nk = q.shape[2], k.shape[2]
+    dist = torch.tensor([[abs((q_offset + i) - (kv_offset + j)) for j in range(Nk)] for i in range(Nq)],
+                        dtype=torch.float64)
+    s = q.double() @ k.double().transpose(-1, -2) * q.shape[-1] ** -0.5
+    s = s - slopes.double().view(1, -1, 1, 1) * dist
+    if causal:
+        qp = torch.arange(Nq).view(-1, 1) + q_offset
+        kp = torch.arange(Nk).view(1, -1) + kv_offset
+        s = s.masked_fill(kp > qp, float("-inf"))
+    return torch.softmax(s, -1) @ v.double()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("base", [2**24 - 100, 2**24 + 3, 2**31 - 50, 2**31 + 7, 2**33 + 1])
+@pytest.mark.parametrize("case", ["decode", "causal"])
+def test_alibi_far_from_position_zero(backend, base, case):
+    """Positions >= 2^24 held in float32 lost the distance (a stream past 16.7M tokens)."""
+    H = 4
+    slopes = kf.alibi_slopes(H) * 4  # steep slopes: a distance off by one shows
+    if case == "decode":  # every key behind the queries: one FULL piece, the separable form
+        q, k, v = _qkv(1, H, 8, 300, 16, seed=1)
+        kw = dict(q_offset=base + 300, kv_offset=base, causal=False)
+    else:                 # the diagonal: MASKED tiles (the bias) and FULL ones (separable)
+        q, k, v = _qkv(1, H, 300, 300, 16, seed=2)
+        kw = dict(q_offset=base, kv_offset=base, causal=True)
+    mask = kf.causal() if kw["causal"] else None
+    call = dict(mask=mask, score=kf.alibi(slopes), q_offset=kw["q_offset"], kv_offset=kw["kv_offset"])
+    out = kf.attention(q, k, v, backend=backend, block_size=64, **call)
+    ref = _alibi_ref(q, k, v, slopes, kw["q_offset"], kw["kv_offset"], kw["causal"])
+    naive = naive_attention(q, k, v, **call)
+    assert_close_by_rule(out, ref, naive, None)
+
+
+def test_alibi_per_batch_slopes():
+    """FlashAttention accepts alibi_slopes of shape (B, H)."""
+    B, H = 3, 4
+    g = torch.Generator().manual_seed(5)
+    slopes = torch.rand(B, H, generator=g)
+    q, k, v = _qkv(B, H, 40, 40, 8, seed=3)
+    for backend in BACKENDS:
+        out = kf.attention(q, k, v, mask=kf.causal(), score=kf.alibi(slopes), backend=backend)
+        for b in range(B):
+            one = kf.attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], mask=kf.causal(), score=kf.alibi(slopes[b]),
+                               backend=backend)
+            assert max_err(out[b:b + 1], one) < 1e-6
+        assert_forward_by_rule(q, k, v, mask=kf.causal(), score=kf.alibi(slopes), backend=backend)
+    with pytest.raises(ValueError, match="per batch entry"):
+        kf.attention(q[:2], k[:2], v[:2], score=kf.alibi(slopes))
+
+
+# ------------------------------------------------------------------ 10. refused inputs
+
+
+@pytest.mark.parametrize("mask", [None, kf.causal(), kf.causal() & kf.window(2)], ids=["none", "causal", "window"])
+def test_decode_more_queries_than_cached_keys(mask):
+    """FlashAttention's kvcache tests with seqlen_q > seqlen_k: allowed; a row with no key is 0."""
+    cache = KVCache(batch=2, heads=2, head_dim=8, capacity=16)
+    q, k, v = _qkv(2, 2, 7, 3, 8, seed=4)
+    cache.append(k, v)
+    out = decode(q, cache, mask=mask)
+    ref = kf.attention(q.double(), k.double(), v.double(), mask=mask, backend=Backend.REFERENCE)
+    assert max_err(out, ref) < 1e-6
+    if mask is not None:
+        assert (out[:, :, :4] == 0).all()  # queries at positions -4..-1 see no key
+
+
+def test_window_takes_numpy_and_0d_tensor_integers():
+    for left in (torch.tensor(5), np.int64(5), np.int32(5), torch.tensor(5, dtype=torch.int32)):
+        m = kf.window(left, torch.tensor(1))
+        assert m == kf.window(5, 1)
+    with pytest.raises(TypeError, match="window"):
+        kf.window(torch.tensor(5.0))
+    with pytest.raises(TypeError, match="window"):
+        kf.window(True)
+
+
+# ------------------------------------------------------------ 6. varlen: FlashAttention's packing
+
+
+def _ragged(seed, n_seqs=5, max_len=40, zero=True):
+    """Random cu_seqlens for queries and keys; some sequences with no queries or no keys."""
+    g = torch.Generator().manual_seed(seed)
+    lq = torch.randint(1, max_len, (n_seqs,), generator=g)
+    lk = torch.randint(1, max_len, (n_seqs,), generator=g)
+    if zero:
+        lq[1] = 0
+        lk[3] = 0
+    cu = lambda x: torch.cat([torch.zeros(1, dtype=torch.long), x.cumsum(0)])  # noqa: E731
+    return cu(lq), cu(lk)
+
+
+def _fa_varlen_ref(q, k, v, cu_q, cu_k, causal, window, dtype):
+    """FlashAttention's varlen formula, one sequence at a time, computed in ``dtype`` (float64:
+    the reference; the input dtype: the plain same-dtype yardstick). Local query i sees local
+    key j when i + Lk - Lq - left <= j <= i + Lk - Lq + right (causal: right = 0); a row with
+    no key is 0."""
+    left, right = window if window is not None else (None, None)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    outs = []
+    for s in range(cu_q.numel() - 1):
+        a, b = int(cu_q[s]), int(cu_q[s + 1])
+        c, d = int(cu_k[s]), int(cu_k[s + 1])
+        qs, ks, vs = q[:, :, a:b].to(dtype), k[:, :, c:d].to(dtype), v[:, :, c:d].to(dtype)
+        Lq, Lk = b - a, d - c
+        i = torch.arange(Lq).view(-1, 1) + (Lk - Lq)
+        j = torch.arange(Lk).view(1, -1)
+        vis = torch.ones(Lq, Lk, dtype=torch.bool)
+        if right is not None:
+            vis &= j <= i + right
+        if left is not None:
+            vis &= j >= i - left
+        sc = (qs @ ks.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        sc = sc.masked_fill(~vis, float("-inf"))
+        seen = vis.any(-1, keepdim=True)
+        p = torch.softmax(sc.float() if dtype != torch.float64 else sc, -1).to(dtype)
+        p = torch.where(seen, p, torch.zeros_like(p))  # rows with no key: 0, not NaN
+        outs.append(p @ vs)
+    return torch.cat(outs, 2)
+
+
+VARLEN_CASES = {
+    "plain": dict(causal=False, window=None),
+    "causal": dict(causal=True, window=None),
+    "window": dict(causal=False, window=(5, 3)),
+    "causal_window": dict(causal=True, window=(7, None)),
+}
+
+
+def _varlen_mask(cu_q, cu_k, causal, window, spelled):
+    if spelled == "args":
+        return kf.varlen(cu_q, cu_k, causal=causal, window=window)
+    m = kf.varlen(cu_q, cu_k)  # the same through composition
+    if causal:
+        m = m & kf.causal()
+    if window is not None:
+        m = kf.window(*window) & m
+    return m
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(VARLEN_CASES))
+@pytest.mark.parametrize("spelled", ["args", "and"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_matches_flash_attention_formula(backend, case, spelled, dtype):
+    """flash_attn_varlen_func(cu_seqlens_q, cu_seqlens_k, causal=...): each sequence aligned
+    bottom-right on its own lengths. documents(q_ids, kv_ids) & causal() put the causal edge in
+    the wrong corner for every sequence but one."""
+    causal, window = VARLEN_CASES[case]["causal"], VARLEN_CASES[case]["window"]
+    seed = sum(map(ord, case + spelled + str(dtype)))
+    cu_q, cu_k = _ragged(seed)
+    Tq, Tk = int(cu_q[-1]), int(cu_k[-1])
+    q, k, v = _qkv(1, 4, Tq, Tk, 16, dtype=dtype, seed=seed, Hkv=2)
+    mask = _varlen_mask(cu_q, cu_k, causal, window, spelled)
+    dout = torch.randn(1, 4, Tq, 16, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+    def grads(fn, dt):
+        leaves = [t.detach().to(dt).requires_grad_(True) for t in (q, k, v)]
+        out = fn(*leaves)
+        out.backward(dout.to(out.dtype))
+        return [out.detach()] + [t.grad for t in leaves]
+
+    got = grads(lambda a, b, c: kf.attention(a, b, c, mask=mask, block_size=32, backend=backend), dtype)
+    rep = lambda t: t.repeat_interleave(2, dim=1)  # noqa: E731 - GQA for the per-sequence formula
+    ref = grads(lambda a, b, c: _fa_varlen_ref(a, rep(b), rep(c), cu_q, cu_k, causal, window, torch.float64),
+                torch.float64)
+    nai = grads(lambda a, b, c: _fa_varlen_ref(a, rep(b), rep(c), cu_q, cu_k, causal, window, dtype), dtype)
+    assert not any(torch.isnan(g).any() for g in got)
+    for name, g, r, n, factor in zip(("out", "dq", "dk", "dv"), got, ref, nai, (2.0, 3.0, 3.0, 3.0)):
+        assert_close_by_rule(g, r, n, None, factor=factor, what=name)
+    seen = torch.zeros(Tq, dtype=torch.bool)
+    dense = mask.to_dense(Tq, Tk, 0)
+    seen |= dense.any(-1)
+    assert (got[0][:, :, ~seen] == 0).all()  # rows of sequences without keys (and early causal rows)
+    assert int(cu_q[2] - cu_q[1]) == 0 and int(cu_k[4] - cu_k[3]) == 0  # the empty sequences are there
+
+
+def test_varlen_classification_is_sound_against_evaluation():
+    """The planner's closed form never says FULL or EMPTY wrongly (checked on every tile)."""
+    for seed in range(6):
+        cu_q, cu_k = _ragged(100 + seed, n_seqs=7, max_len=30)
+        Tq, Tk = int(cu_q[-1]), int(cu_k[-1])
+        for causal, window in [(False, None), (True, None), (False, (4, 2)), (True, (3, None))]:
+            m = kf.varlen(cu_q, cu_k, causal=causal, window=window)
+            dense = m.to_dense(Tq, Tk, 0)
+            p = kf.plan(m, Tq, Tk, q_offset=0, block_size=8)
+            for i in range(p.kinds.shape[0]):
+                for j in range(p.kinds.shape[1]):
+                    tile = dense[i * 8:(i + 1) * 8, j * 8:(j + 1) * 8]
+                    kind = int(p.kinds[i, j])
+                    if kind == int(kf.BlockKind.FULL):
+                        assert tile.all()
+                    if kind == int(kf.BlockKind.EMPTY):
+                        assert not tile.any()
+
+
+def test_varlen_refuses_misaligned_calls_and_bad_cu_seqlens():
+    cu_q, cu_k = torch.tensor([0, 3, 5]), torch.tensor([0, 4, 9])
+    q, k, v = _qkv(1, 1, 5, 9, 8)
+    with pytest.raises(ValueError, match="packs 5 queries and 9 keys"):
+        kf.attention(q, k, v, mask=kf.varlen(cu_q, cu_k), q_offset=4)
+    with pytest.raises(ValueError, match="never decrease"):
+        kf.varlen(torch.tensor([0, 3, 2]))
+    with pytest.raises(ValueError, match="same sequences"):
+        kf.varlen(torch.tensor([0, 3]), cu_k)
+
+
+# ---------------------------------------------------- 11. exact zeros where the gradient is 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_single_visible_key_gives_exactly_zero_dq_dk_on_tiles(dtype):
+    """FlashAttention's zero_len_k varlen cases: a row that sees one key has dS = 0, so its dq
+    and the key's dk are exactly 0, as the plain formula gives (keyfold gave 2e-7..6e-7)."""
+    cu_q, cu_k = torch.tensor([0, 5, 9, 12, 20]), torch.tensor([0, 1, 1, 7, 8])  # seqs 0 and 3: one key
+    q, k, v = _qkv(1, 2, 20, 8, 16, dtype=dtype, seed=11)
+    q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
+    out = kf.attention(q, k, v, mask=kf.varlen(cu_q, cu_k), backend=Backend.TILES)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype))
+    one_key_rows = torch.cat([torch.arange(0, 5), torch.arange(12, 20)])
+    assert (q.grad[:, :, one_key_rows] == 0).all()
+    assert (k.grad[:, :, [0, 7]] == 0).all()
+    assert (v.grad[:, :, [0, 7]] != 0).all()  # the values still get their gradient
+    (q2, k2, v2) = (t.detach()[:, :, :1].clone().requires_grad_(True) for t in (q, k, v))
+    o2 = kf.attention(q2, k2, v2, backend=Backend.TILES)  # one query, one key: the plain case
+    o2.backward(torch.ones_like(o2))
+    assert (q2.grad == 0).all() and (k2.grad == 0).all()
+
+
+def test_callable_plan_at_positions_past_2_31():
+    """Exact classification evaluated callables on int32 positions, which wrap past 2^31: tiles
+    across the wrap were classified FULL/EMPTY wrongly (a silently wrong plan)."""
+    base = 2**31 - 32
+    fn = lambda b, h, q_idx, kv_idx: kv_idx <= q_idx  # noqa: E731
+    p = kf.plan(fn, 64, 64, q_offset=base, kv_offset=base, block_size=16)
+    assert torch.equal(p.kinds, kf.plan(kf.causal(), 64, 64, q_offset=base, kv_offset=base, block_size=16).kinds)
+    q, k, v = _qkv(1, 2, 64, 64, 8, seed=9)
+    for backend in BACKENDS:
+        assert_forward_by_rule(q, k, v, mask=fn, q_offset=base, kv_offset=base, block_size=16, backend=backend)

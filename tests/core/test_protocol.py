@@ -1,0 +1,123 @@
+"""The open mask and score protocol (issue #17): a mask class defined outside keyfold plans and
+runs on every backend, and the backends dispatch on the protocol, not on keyfold's classes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import keyfold as kf
+from keyfold import Backend, BlockKind, Logic, Mask, MaskKind
+from keyfold.kernels._common import Problem
+from keyfold.kernels.reference import attend_reference
+from tests.helpers import assert_backward_by_rule, assert_forward_by_rule
+
+
+class DilatedWindow(Mask):
+    """A user's mask: keys 0..width positions back whose distance is a multiple of ``step``
+    (a LongNet-style dilated local window), with a closed-form block classification."""
+
+    translation_invariant = True
+
+    def __init__(self, width: int, step: int):
+        self.width, self.step = width, step
+
+    def evaluate(self, b, h, qp, kp):
+        d = qp - kp
+        return (d >= 0) & (d <= self.width) & (d % self.step == 0)
+
+    def classify(self, q0, q1, k0, k1):
+        # EMPTY when every distance in the rectangle is outside [0, width]; never FULL unless
+        # step == 1 and the whole rectangle lies inside the band.
+        dmin, dmax = q0 - (k1 - 1), (q1 - 1) - k0
+        empty = (dmax < 0) | (dmin > self.width)
+        full = (dmin >= 0) & (dmax <= self.width) & (self.step == 1)
+        out = torch.full(torch.broadcast_shapes(empty.shape, full.shape), int(BlockKind.PARTIAL), dtype=torch.int8)
+        out[empty] = int(BlockKind.EMPTY)
+        out[full] = int(BlockKind.FULL)
+        return out
+
+    def __eq__(self, other):
+        return type(other) is DilatedWindow and (self.width, self.step) == (other.width, other.step)
+
+    def __hash__(self):
+        return hash(("DilatedWindow", self.width, self.step))
+
+    def __repr__(self):
+        return f"DilatedWindow({self.width}, {self.step})"
+
+
+def _qkv(dtype, B=2, H=2, N=300, D=16):
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(B, H, N, D, generator=g).to(dtype) for _ in range(3))
+
+
+@pytest.mark.parametrize("backend", [Backend.CPU, Backend.TILES])
+@pytest.mark.parametrize("mask", [DilatedWindow(64, 3), DilatedWindow(64, 3) | kf.sinks(2),
+                                  ~DilatedWindow(100, 1) & kf.causal()])
+def test_user_mask_class_runs_by_the_rule(backend, mask):
+    q, k, v = _qkv(torch.float32)
+    p = kf.plan(mask, 300, 300, block_size=32)
+    assert p.counts()["empty"] > 0  # the planner used the class's own classification to skip work
+    assert_forward_by_rule(q, k, v, mask=mask, backend=backend)
+    assert_backward_by_rule(q, k, v, mask=mask, backend=backend)
+
+
+def test_user_mask_plan_cache_hits_by_content():
+    kf.clear_plan_cache()
+    kf.plan(DilatedWindow(32, 2), 256, 256)
+    hits = kf.planner.plan_cache_stats()["hits"]
+    kf.plan(DilatedWindow(32, 2), 256, 256)  # another object, equal content
+    assert kf.planner.plan_cache_stats()["hits"] == hits + 1
+
+
+def test_presets_describe_themselves():
+    assert kf.causal().spec() == (MaskKind.CAUSAL, {})
+    assert kf.window(4, 1).spec() == (MaskKind.WINDOW, {"left": 4, "right": 1})
+    assert (kf.causal() & kf.window(3)).operands()[0] is Logic.AND
+    assert (kf.causal() | kf.sinks(3)).operands()[0] is Logic.OR
+    assert (~kf.causal()).operands() == (Logic.NOT, (kf.causal(),))
+    assert kf.prefix(3).operands()[0] is Logic.OR  # a preset built from others
+    assert DilatedWindow(3, 2).spec() is None and DilatedWindow(3, 2).operands() is None
+    assert kf.softcap(5.0).spec() == (kf.ScoreKind.SOFTCAP, {"cap": 5.0})
+    chain = kf.as_score([kf.alibi(kf.alibi_slopes(2)), kf.softcap(5.0)])
+    assert [m.spec()[0] for m in chain.parts()] == [kf.ScoreKind.ALIBI, kf.ScoreKind.SOFTCAP]
+
+
+def test_no_backend_tests_keyfolds_private_classes():
+    """The dispatch is on the protocol: no module outside masks.py / scores.py names their
+    private classes (this is what lets a user's class reach every backend)."""
+    import pathlib
+    import re
+    root = pathlib.Path(kf.__file__).parent
+    private = re.compile(r"\b_(Causal|Window|Sinks|Documents|BlockSparse|Dilated|And|Or|Not|Full|Prefix|"
+                         r"Alibi|Softcap|Chain)\b")
+    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
+                 if p.name not in ("masks.py", "scores.py") and private.search(p.read_text())]
+    assert offenders == []
+
+
+def test_reference_is_the_oracle_for_the_user_mask():
+    """The reference backend evaluates the class directly: every row's visible keys are exactly
+    those of the definition (a row that sees none is exactly zero)."""
+    q, k, v = _qkv(torch.float64, B=1, H=1, N=40)
+    m = DilatedWindow(5, 7)
+    st = attend_reference(q, k, v, Problem(m, None, 0.25, 0, 0))
+    i = torch.arange(40)
+    vis = m.evaluate(None, None, i.view(-1, 1), i.view(1, -1))
+    s = (q[0, 0] @ k[0, 0].T * 0.25).masked_fill(~vis, float("-inf"))
+    torch.testing.assert_close(st.out[0, 0], torch.softmax(s, -1) @ v[0, 0])
+
+
+def test_plan_compares_by_identity_and_exposes_only_public_settings():
+    """Plan holds tensors, so field equality was elementwise (and its hash broken); it compares by
+    identity now, and plan() takes only what a user sets (issue #17)."""
+    import inspect
+    kf.clear_plan_cache()
+    a = kf.plan(kf.causal() & kf.window(8), 64, 64, block_size=16)
+    assert a is kf.plan(kf.causal() & kf.window(8), 64, 64, block_size=16)  # a cache hit is the same object
+    kf.clear_plan_cache()
+    b = kf.plan(kf.causal() & kf.window(8), 64, 64, block_size=16)
+    assert a != b and a == a and hash(a) == hash(a) and len({a, b}) == 2
+    params = set(inspect.signature(kf.plan).parameters)
+    assert params == {"mask", "Nq", "Nk", "q_offset", "kv_offset", "B", "H", "block_size"}
