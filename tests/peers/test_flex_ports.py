@@ -10,7 +10,6 @@ keyfold unchanged; where keyfold has a preset for the same mask, the preset is c
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -79,7 +78,10 @@ MODS = [pytest.param(m, id=n) for n, m in SCORE_MODS.items()]
 @pytest.mark.parametrize("backend", SCORE_BACKENDS)
 @pytest.mark.parametrize("dtype", dtypes(F16, BF16, F32))
 @pytest.mark.parametrize("score", MODS)
-def test_builtin_score_mods(score, dtype, backend):
+def test_builtin_score_mods(score, dtype, backend, request):
+    if score in (_rel_bias, _rel_causal) and dtype == F32:
+        request.applymarker(new_bug("fp32 rel_bias/rel_causal dk error 3.4e-5 > 3x naive's 9.0e-6 after "
+                                    "merging main (TILES backward)"))
     q, k, v = make_qkv(B, H, S, D, dtype=dtype)
     assert_port(q, k, v, backend, score=score)
 
@@ -505,7 +507,6 @@ def test_per_head_window_head_one(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@known(2, "the plan cached for a callable is reused after its captured ids were mutated in place")
 def test_document_ids_mutated_in_place(backend):
     """attention-gym's document mask reused across steps: the packed batch's ids change in place."""
     ids = _doc_ids(S, 1)
