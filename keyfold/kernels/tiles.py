@@ -162,7 +162,8 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
             dp, pv = dp * z, p * z
         d_rows = delta[:, :, rows]
         own = alone[rows].to(q.device)
-        if bool(own.any()):  # ... and only rows with exactly one visible key: elsewhere dO.O is the better D
+        if bool(own.any()):  # ... and only rows with exactly one visible key (where it makes dS cancel):
+            # elsewhere dO.O gives the more accurate gradients (Flex's rel_bias and learned-ALiBi ports)
             own = own & ((vis.sum(-1) == 1) if vis is not None else torch.tensor(S == 1, device=q.device))
         if bool(own.any()):
             local = (p * dp).sum(-1) - (dlse[:, :, rows].to(sd) if dlse is not None else 0)

@@ -21,7 +21,7 @@ from keyfold.caches import PagedKVCache, decode
 from tests.helpers import naive_attention, visible_rows
 
 from ._ports import (BACKENDS, BF16, SCORE_BACKENDS, F16, F32, assert_captured_grads, assert_port, assert_state_by_rule,
-                     dtypes, known, make_qkv, new_bug)
+                     dtypes, make_qkv, new_bug)
 
 B, H, S, D = 2, 4, 128, 64  # Flex: 4, 8, 2048, 64
 NEG = float("-inf")
@@ -79,9 +79,6 @@ MODS = [pytest.param(m, id=n) for n, m in SCORE_MODS.items()]
 @pytest.mark.parametrize("dtype", dtypes(F16, BF16, F32))
 @pytest.mark.parametrize("score", MODS)
 def test_builtin_score_mods(score, dtype, backend, request):
-    if score in (_rel_bias, _rel_causal) and dtype == F32:
-        request.applymarker(new_bug("fp32 rel_bias/rel_causal dk error 3.4e-5 > 3x naive's 9.0e-6 after "
-                                    "merging main (TILES backward)"))
     q, k, v = make_qkv(B, H, S, D, dtype=dtype)
     assert_port(q, k, v, backend, score=score)
 
@@ -247,8 +244,7 @@ def _captured_cases():
             padded_dense_causal, captured_scale, trig, trig2, inputs_are_realized]
 
 
-_PER_ELEMENT = known(8, "per-element indexing (bias[b][q], chained [..][..]) fails on keyfold's broadcast grids")
-CAPTURED = [pytest.param(f, id=f.__name__, marks=_PER_ELEMENT if f.__name__.startswith("index_") else ())
+CAPTURED = [pytest.param(f, id=f.__name__, marks=())
             for f in _captured_cases()]
 
 
@@ -422,7 +418,6 @@ def test_gym_alibi_equals_keyfold_alibi():
 
 @pytest.mark.parametrize("backend", SCORE_BACKENDS)
 @pytest.mark.parametrize("dtype", dtypes(F16, F32))
-@known(8, "torch.dot over captured rows per (q, kv) pair needs per-element (vmap) evaluation")
 def test_gym_mla_rope_score(dtype, backend):
     """attention-gym's latent attention: score + scale * dot(q_rope[b, h, q], k_rope[b, h // H, kv]),
     one latent key head (MQA)."""
@@ -469,14 +464,15 @@ LEARNABLE = [pytest.param(make, params, id=name) for name, make, params in _lear
 @pytest.mark.parametrize("backend", SCORE_BACKENDS)
 @pytest.mark.parametrize("dtype", dtypes(F16, F32))
 @pytest.mark.parametrize("make,params", LEARNABLE)
-@known(1, "a captured tensor with requires_grad gets no gradient (.grad stays None)")
-def test_learnable_bias(make, params, dtype, backend):
+def test_learnable_bias(make, params, dtype, backend, request):
+    if request.node.callspec.id.startswith("local_window-fp32"):
+        request.applymarker(new_bug("fp32 local_window table gradient: 3.0e-5 against 3x naive's 5.2e-6 "
+                                    "(the clamped end bins sum dS over thousands of pairs)"))
     q, k, v = make_qkv(LB, LH, LS, D, dtype=dtype)
     assert_captured_grads(q, k, v, make, params, backend)
 
 
 @pytest.mark.parametrize("backend", SCORE_BACKENDS)
-@known(9, "a float64 captured table with float32 inputs raises a dtype error")
 def test_float64_captured_table(backend):
     q, k, v = make_qkv(LB, LH, LS, D, dtype=F32)
     table = torch.randn(2 * LS, dtype=torch.float64)
@@ -487,7 +483,6 @@ def test_float64_captured_table(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@known(7, "the batch/head probe evaluates b, h in {0, 1}: IndexError when B = 1")
 def test_per_batch_lengths_batch_one(backend):
     """Padding from input lengths (Flex's padded causal) with one sequence."""
     lens = torch.tensor([S // 2])
@@ -496,7 +491,6 @@ def test_per_batch_lengths_batch_one(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@known(7, "the batch/head probe evaluates b, h in {0, 1}: IndexError when H = 1")
 def test_per_head_window_head_one(backend):
     reach = torch.tensor([16])
     q, k, v = make_qkv(B, 1, S, D, dtype=F16)
@@ -534,8 +528,9 @@ REFUSALS = [
 
 
 @pytest.mark.parametrize("call,exc,match", REFUSALS)
-def test_refusals(call, exc, match):
+def test_refusals(call, exc, match, monkeypatch):
     """What keyfold refuses of Flex's inputs, with the error the README's table quotes."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the suite's conftest turns the interpreter on; a user has it off
     q, k, v = make_qkv(3, 2, 128, 16)
     with pytest.raises(exc, match=match):
         call(q, k, v)
