@@ -42,7 +42,7 @@ def _run(attn, q, k, v, params, factory, dout, **kw):
     return out.detach(), {"dq": q.grad, "dk": k.grad, "dv": v.grad, **{"d" + n: t.grad for n, t in prm.items()}}
 
 
-def check_score_grads(factory, params, backend, *, B=2, H=2, N=40, D=16, mask=None, seed=0):
+def assert_score_grads_by_rule(factory, params, backend, *, B=2, H=2, N=40, D=16, mask=None, seed=0):
     """keyfold (float32) vs float64 autograd through REFERENCE vs naive float32, by the rule,
     for the output, dq, dk, dv and every captured parameter's gradient."""
     q, k, v = _qkv(B, H, N, D, seed=seed)
@@ -118,7 +118,7 @@ PARAM_MODS = {
 @pytest.mark.parametrize("name", list(PARAM_MODS))
 def test_captured_tensors_get_gradients(name, backend):
     factory, params = PARAM_MODS[name]
-    check_score_grads(factory, params(), backend, mask=kf.causal() if name == "rel_1d" else None)
+    assert_score_grads_by_rule(factory, params(), backend, mask=kf.causal() if name == "rel_1d" else None)
 
 
 @pytest.mark.parametrize("backend", [Backend.CPU, Backend.TILES], ids=lambda b: b.name)
@@ -162,7 +162,7 @@ class _TableBias(kf.ScoreMod):
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
 def test_additive_modifier_with_tensors_gets_gradients(backend):
-    check_score_grads(lambda p: _TableBias(p["table"]), {"table": _rand(40, 40, seed=17)}, backend,
+    assert_score_grads_by_rule(lambda p: _TableBias(p["table"]), {"table": _rand(40, 40, seed=17)}, backend,
                       mask=kf.window(9), N=40)
 
 
@@ -432,12 +432,12 @@ def mla_rope(p):
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
 def test_per_element_rope_score_gets_gradients(backend):
     """Gradients flow through the vmap path to both captured tables."""
-    check_score_grads(mla_rope, {"qr": _rand(2, 2, 40, 8, seed=40), "kr": _rand(2, 40, 8, seed=41)}, backend,
+    assert_score_grads_by_rule(mla_rope, {"qr": _rand(2, 2, 40, 8, seed=40), "kr": _rand(2, 40, 8, seed=41)}, backend,
                       mask=kf.causal())
 
 
 def test_index_chain_gradients_through_vmap():
-    check_score_grads(lambda p: (lambda s, b, h, qi, ki: s + p["t"][b][h][qi] * p["u"][ki]),
+    assert_score_grads_by_rule(lambda p: (lambda s, b, h, qi, ki: s + p["t"][b][h][qi] * p["u"][ki]),
                       {"t": _rand(2, 2, 40, seed=42), "u": _rand(40, seed=43)}, Backend.TILES)
 
 

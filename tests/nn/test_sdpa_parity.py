@@ -4,7 +4,6 @@ scale, causal with L != S, batch dims), forward and backward; tensor masks and d
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
@@ -12,8 +11,7 @@ import torch.nn.functional as F
 
 import keyfold
 from keyfold import scaled_dot_product_attention as kf_sdpa
-from keyfold.kernels._common import Problem, dropout_keep
-from keyfold.kernels.reference import attend_reference
+from keyfold.kernels._common import dropout_keep
 from keyfold.masks import grid_positions
 
 F64 = torch.float64
@@ -31,7 +29,7 @@ def _fwd_bwd(fn, q, k, v, **kw):
     return out, g
 
 
-def _check(q, k, v, tol=1e-10, **kw):
+def assert_matches_sdpa(q, k, v, tol=1e-10, **kw):
     want, gw = _fwd_bwd(F.scaled_dot_product_attention, q, k, v, **kw)
     got, gg = _fwd_bwd(kf_sdpa, q, k, v, **kw)
     assert got.shape == want.shape and got.dtype == want.dtype
@@ -46,38 +44,38 @@ def test_lengths_and_top_left_causal(L, S, is_causal):
     """test_transformers' different seq lengths, is_causal with L != S (top-left, as in SDPA)."""
     if is_causal and L > S:
         pytest.skip("rows past the last key see keys in both; covered below")
-    _check(*_inputs((2, 3, L, 16), (2, 3, S, 16)), is_causal=is_causal)
+    assert_matches_sdpa(*_inputs((2, 3, L, 16), (2, 3, S, 16)), is_causal=is_causal)
 
 
 def test_causal_more_queries_than_keys():
     q, k, v = _inputs((1, 2, 9, 8), (1, 2, 4, 8))
-    _check(q, k, v, is_causal=True)
+    assert_matches_sdpa(q, k, v, is_causal=True)
 
 
 @pytest.mark.parametrize("scale", [None, 0.05, 1.0, 3.0])
 def test_scale(scale):
-    _check(*_inputs((2, 2, 10, 8), (2, 2, 12, 8)), scale=scale)
+    assert_matches_sdpa(*_inputs((2, 2, 10, 8), (2, 2, 12, 8)), scale=scale)
 
 
 @pytest.mark.parametrize("shape", [(10, 8), (3, 10, 8), (2, 3, 10, 8), (2, 2, 3, 10, 8)])
 def test_leading_batch_dims(shape):
     kshape = shape[:-2] + (12, 8)
-    _check(*_inputs(shape, kshape))
-    _check(*_inputs(shape, kshape), is_causal=True)
+    assert_matches_sdpa(*_inputs(shape, kshape))
+    assert_matches_sdpa(*_inputs(shape, kshape), is_causal=True)
 
 
 def test_value_dim_differs():
-    _check(*_inputs((2, 2, 7, 8), (2, 2, 9, 8), v_dim=5))
+    assert_matches_sdpa(*_inputs((2, 2, 7, 8), (2, 2, 9, 8), v_dim=5))
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (8, 1), (6, 3), (1, 3)])
 def test_gqa(hq, hkv):
     q, k, v = _inputs((2, hq, 7, 8), (2, hkv, 9, 8))
     if hq % hkv == 0:
-        _check(q, k, v, enable_gqa=True)
-        _check(q, k, v, enable_gqa=True, is_causal=True)
+        assert_matches_sdpa(q, k, v, enable_gqa=True)
+        assert_matches_sdpa(q, k, v, enable_gqa=True, is_causal=True)
     if 1 in (hq, hkv):  # a head dim of 1 broadcasts without enable_gqa
-        _check(q, k, v)
+        assert_matches_sdpa(q, k, v)
         return
     with pytest.raises(RuntimeError):
         F.scaled_dot_product_attention(q, k, v)
@@ -95,7 +93,7 @@ def test_masks(mshape, kind):
         m = m | (torch.arange(mshape[-1]) == 0)  # every row sees a key (SDPA's math gives NaN otherwise)
     else:
         m = torch.randn(mshape, dtype=F64, generator=g)
-    _check(q, k, v, attn_mask=m)
+    assert_matches_sdpa(q, k, v, attn_mask=m)
 
 
 def test_mask_and_is_causal_together_need_both():

@@ -9,7 +9,6 @@ import itertools
 import pytest
 import torch
 
-import keyfold
 from keyfold import nn as knn
 
 F64 = torch.float64
@@ -24,7 +23,7 @@ def _mha_pair(E, H, **kw):
     return ref.eval(), ours.eval()
 
 
-def _close(a, b, tol=1e-10):
+def assert_close_to_torch(a, b, tol=1e-10):
     assert a.shape == b.shape, (a.shape, b.shape)
     assert torch.allclose(a, b, atol=tol, rtol=0), float((a - b).abs().max())
 
@@ -50,8 +49,8 @@ def test_multihead_attention_matches_torch(add_bias_kv, add_zero_attn, bias, kvd
         for avg in (True, False):
             want, w_want = ref(q, k, v, average_attn_weights=avg, **kw)
             got, w_got = ours(q, k, v, average_attn_weights=avg, **kw)
-            _close(got, want)
-            _close(w_got, w_want)
+            assert_close_to_torch(got, want)
+            assert_close_to_torch(w_got, w_want)
 
 
 def test_multihead_attention_3d_and_float_masks_and_float_key_padding():
@@ -64,8 +63,8 @@ def test_multihead_attention_3d_and_float_masks_and_float_key_padding():
     f3 = torch.randn(B * H, L, S, dtype=F64)
     fk = torch.randn(B, S, dtype=F64)
     for kw in ({"attn_mask": m3}, {"attn_mask": f3}, {"key_padding_mask": fk}, {"attn_mask": f3, "key_padding_mask": fk}):
-        _close(ours(q, k, k, **kw)[0], ref(q, k, k, **kw)[0])
-        _close(ours(q, k, k, **kw)[1], ref(q, k, k, **kw)[1])
+        assert_close_to_torch(ours(q, k, k, **kw)[0], ref(q, k, k, **kw)[0])
+        assert_close_to_torch(ours(q, k, k, **kw)[1], ref(q, k, k, **kw)[1])
 
 
 def test_unbatched_inputs_match_torch():
@@ -75,8 +74,8 @@ def test_unbatched_inputs_match_torch():
     for kw in ({}, {"key_padding_mask": kpm}, {"attn_mask": torch.rand(4, 6) < 0.2}):
         want, ww = ref(q, k, k, **kw)
         got, wg = ours(q, k, k, **kw)
-        _close(got, want)
-        _close(wg, ww)
+        assert_close_to_torch(got, want)
+        assert_close_to_torch(wg, ww)
 
 
 def test_shape_and_dtype_errors_raise_where_torch_raises():
@@ -111,8 +110,8 @@ def test_is_causal_hint_follows_torch():
     x = torch.randn(5, 2, 8, dtype=F64)
     causal = torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)
     for nw in (False, True):
-        _close(ours(x, x, x, attn_mask=causal, is_causal=True, need_weights=nw)[0],
-               ref(x, x, x, attn_mask=causal, is_causal=True, need_weights=nw)[0])
+        assert_close_to_torch(ours(x, x, x, attn_mask=causal, is_causal=True, need_weights=nw)[0],
+                              ref(x, x, x, attn_mask=causal, is_causal=True, need_weights=nw)[0])
 
 
 def test_dropout_in_training_only_and_expectation():
@@ -159,10 +158,10 @@ def test_encoder_and_decoder_layers_match_torch(norm_first, batch_first, activat
     kpm[1, -3:] = True
     causal = torch.nn.Transformer.generate_square_subsequent_mask(T, dtype=F64)
     with torch.no_grad():
-        _close(enc(src, src_key_padding_mask=kpm), enc_ref(src, src_key_padding_mask=kpm))
+        assert_close_to_torch(enc(src, src_key_padding_mask=kpm), enc_ref(src, src_key_padding_mask=kpm))
         mem = enc_ref(src)
-        _close(dec(tgt, mem, tgt_mask=causal, memory_key_padding_mask=kpm, tgt_is_causal=True),
-               dec_ref(tgt, mem, tgt_mask=causal, memory_key_padding_mask=kpm, tgt_is_causal=True))
+        assert_close_to_torch(dec(tgt, mem, tgt_mask=causal, memory_key_padding_mask=kpm, tgt_is_causal=True),
+                              dec_ref(tgt, mem, tgt_mask=causal, memory_key_padding_mask=kpm, tgt_is_causal=True))
 
 
 def test_stacks_match_torch():
@@ -173,14 +172,14 @@ def test_stacks_match_torch():
     ours.load_state_dict(ref.state_dict())
     x = torch.randn(5, 2, 8, dtype=F64)
     with torch.no_grad():
-        _close(ours(x), ref(x))
+        assert_close_to_torch(ours(x), ref(x))
     dl = torch.nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0).to(F64)
     dref = torch.nn.TransformerDecoder(dl, 2).eval()
     dours = knn.TransformerDecoder(knn.TransformerDecoderLayer(8, 2, 16, dropout=0.0).to(F64), 2).eval()
     dours.load_state_dict(dref.state_dict())
     t = torch.randn(4, 2, 8, dtype=F64)
     with torch.no_grad():
-        _close(dours(t, x), dref(t, x))
+        assert_close_to_torch(dours(t, x), dref(t, x))
 
 
 def test_bad_activation_raises_like_torch():
@@ -197,27 +196,25 @@ def test_regression_seq_first_input_is_attended_along_the_sequence():
     """(L, B, E) with the default batch_first=False was attended along the batch axis (diff 0.70)."""
     ref, ours = _mha_pair(8, 2)
     x = torch.randn(6, 3, 8, dtype=F64)
-    _close(ours(x, x, x)[0], ref(x, x, x)[0])
+    assert_close_to_torch(ours(x, x, x)[0], ref(x, x, x)[0])
     assert ours.batch_first is False
 
 
 def test_regression_float_attn_mask_gets_its_gradient():
     """A float attn_mask with requires_grad got no gradient (it was detached)."""
-    if not hasattr(keyfold.ScoreMod, "tensors"):
-        pytest.skip("needs the engine's ScoreMod.tensors() gradient hook (#16, branch flexfa)")
     ref, ours = _mha_pair(8, 2)
     x = torch.randn(4, 2, 8, dtype=F64)
     m = torch.randn(4, 4, dtype=F64, requires_grad=True)
     (g_ref,) = torch.autograd.grad(ref(x, x, x, attn_mask=m, need_weights=False)[0].sum(), m)
     (g_ours,) = torch.autograd.grad(ours(x, x, x, attn_mask=m, need_weights=False)[0].sum(), m)
-    _close(g_ours, g_ref, 1e-9)
+    assert_close_to_torch(g_ours, g_ref, 1e-9)
 
 
 def test_regression_float64_mask_is_not_rounded_through_float32():
     ref, ours = _mha_pair(8, 2)
     x = torch.randn(4, 2, 8, dtype=F64)
     m = torch.randn(4, 4, dtype=F64) * 1e3 + torch.rand(4, 4, dtype=F64) * 1e-7
-    _close(ours(x, x, x, attn_mask=m)[0], ref(x, x, x, attn_mask=m)[0], 1e-12)
+    assert_close_to_torch(ours(x, x, x, attn_mask=m)[0], ref(x, x, x, attn_mask=m)[0], 1e-12)
 
 
 def test_regression_gelu_as_fifth_positional_argument():
@@ -226,7 +223,7 @@ def test_regression_gelu_as_fifth_positional_argument():
     assert enc.activation is torch.nn.functional.gelu and enc.norm_first is False
     x = torch.randn(5, 2, 8, dtype=F64)
     with torch.no_grad():
-        _close(enc(x), enc_ref(x))
+        assert_close_to_torch(enc(x), enc_ref(x))
 
 
 def test_need_weights_default_and_fully_masked_rows():
