@@ -34,8 +34,8 @@ from torch import nn
 from . import baselines as _bl
 from . import data as _data
 from . import train as _train
-from .data import BOS, EOS, PAD
-from .transformer import MODEL_CONFIGS, ModelConfig, Transformer, _Embedding, _force_eos, _limits, _never_special
+from .data import EOS, PAD
+from .transformer import MODEL_CONFIGS, ModelConfig, Transformer, _Embedding, greedy
 
 __all__ = ["TorchTransformer", "GRUAttention", "SYSTEMS", "greedy_recompute", "compare", "main"]
 
@@ -116,23 +116,9 @@ class GRUAttention(nn.Module):
 SYSTEMS = {"keyfold": Transformer, "torch": TorchTransformer, "gru": GRUAttention}
 
 
-@torch.no_grad()
 def greedy_recompute(model, src: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
-    """Greedy decoding by re-running ``model.decode(prefix, *model.encode(src))`` each step (any of
-    :data:`SYSTEMS`); the same output rule as :func:`~keyfold.apps.translate.transformer.greedy`."""
-    steps, limit = _limits(src, max_len, model)
-    state = model.encode(src)
-    B = src.shape[0]
-    out = torch.full((B, 1), BOS, dtype=torch.long, device=src.device)
-    done = torch.zeros(B, dtype=torch.bool, device=src.device)
-    for t in range(steps):
-        logits = model.decode(out, *state)[:, -1]
-        nxt = _force_eos(_never_special(logits), limit.eq(t + 1)).argmax(-1).masked_fill(done, PAD)
-        out = torch.cat([out, nxt[:, None]], 1)
-        done |= nxt.eq(EOS)
-        if bool(done.all()):
-            break
-    return out[:, 1:]
+    """Greedy decoding of any of :data:`SYSTEMS`, re-running the decoder over the prefix each step."""
+    return greedy(model, src, max_len, use_cache=False)
 
 
 def _keyfold_decode(model, src, max_len=None):

@@ -210,18 +210,19 @@ def _force_eos(logits: torch.Tensor, at_limit: torch.Tensor) -> torch.Tensor:
 def greedy(model: Transformer, src: torch.Tensor, max_len: int | None = None, *, use_cache: bool = True):
     """Greedy decoding of a batch ``src (B, S)``; returns ``(B, T)`` int64 tokens after BOS, each row
     ending at its first EOS and padded with PAD. ``use_cache=False`` re-runs the decoder over the
-    whole prefix every step (the reference the cached path is tested against)."""
+    whole prefix every step (the reference the cached path is tested against); uncached, any model
+    with ``encode(src) -> state`` and ``decode(prefix, *state)`` works (the Table-2 baselines)."""
     steps, limit = _limits(src, max_len, model)
-    memory, src_mask = model.encode(src)
+    state = model.encode(src)
     B = src.shape[0]
     out = torch.full((B, 1), BOS, dtype=torch.long, device=src.device)
     done = torch.zeros(B, dtype=torch.bool, device=src.device)
     caches = model.new_caches() if use_cache else None
     for t in range(steps):
         if use_cache:
-            logits = model.decode(out[:, -1:], memory, src_mask, caches, offset=t)[:, -1]
+            logits = model.decode(out[:, -1:], *state, caches, offset=t)[:, -1]
         else:
-            logits = model.decode(out, memory, src_mask)[:, -1]
+            logits = model.decode(out, *state)[:, -1]
         nxt = _force_eos(_never_special(logits), limit.eq(t + 1)).argmax(-1).masked_fill(done, PAD)
         out = torch.cat([out, nxt[:, None]], 1)
         done |= nxt.eq(EOS)
