@@ -321,3 +321,61 @@ def test_claims_say_reproduces_only_when_the_rows_show_it():
             _row("nile (L=20)", "attention", 0.6, ci=0.2, group="forecast", metric="mse")]
     text = "\n".join(B._claims(rows))
     assert "lower test MSE on 1 of 2 sets" in text and "(tie)" in text and "**does not reproduce**" in text
+
+
+def test_workers_give_the_rows_one_process_gives():
+    """Two worker processes train the same rows as one process: the same test metrics, steps
+    and curves, in the problems' order (not the order the workers finish), and each row reaches
+    on_row once."""
+    tiny = dataclasses.replace(B.PRESETS["tiny"], mixers=(MixerKind.ATTENTION, MixerKind.GRU), forecast_sets=(),
+                               ucr_sets=(), probe_widths=(), induction_factors=())
+    one = B.run(tiny, progress=False, groups=("mqar", "selective"))
+    seen = []
+    two = B.run(tiny, progress=False, groups=("mqar", "selective"), workers=2, on_row=seen.append)
+    key = lambda r: (r["task"], r["mixer"])  # noqa: E731
+    assert [key(r) for r in two["rows"]] == [key(r) for r in one["rows"]]
+    assert sorted(map(key, seen)) == sorted(map(key, one["rows"]))
+    for a, b in zip(one["rows"], two["rows"]):
+        assert a["values"] == b["values"] and a["steps"] == b["steps"]
+        assert [c[2] for c in a["curve"]] == [c[2] for c in b["curve"]]
+    assert two["machine"]["workers"] == 2
+    with pytest.raises(ValueError, match="workers"):
+        B.run(tiny, progress=False, workers=0)
+
+
+def test_selective_copy_claim_names_reach_and_time_invariance():
+    t = "selective copy N=64 k=4 (TCN field 29)"
+    kw = dict(group="recall", N=64, d=32, tcn_field=29)
+    rows = [_row(t, "attention", 0.99, **kw), _row(t, "gru", 0.9, **kw), _row(t, "tcn", 0.6, **kw),
+            _row(t, "s4d", 0.5, **kw)]
+    text = "\n".join(B._claims(rows))
+    assert "selective copying**" in text and "**reproduces**" in text
+    assert "S4D, whose kernel spans the whole sequence (the direct test of time invariance), fails" in text
+    assert "receptive field (29 positions) is shorter than the sequence (64)" in text
+    rows[3] = _row(t, "s4d", 0.98, **kw)  # S4D solves it: the claim does not hold
+    text = "\n".join(B._claims(rows))
+    assert "**does not reproduce**" in text and "S4D, whose kernel spans the whole sequence" in text
+    assert "does not fail" in text
+
+
+def test_selective_copy_tcn_field_is_shorter_than_the_sequence():
+    """The selective-copying row's TCN keeps its fixed field (the preset's levels), shorter than
+    the sequence, and the row's name states it; other tasks' TCNs still cover their sequence."""
+    quick = B.PRESETS["quick"]
+    probs = {p.name.split()[0]: p for p in B._problems(dataclasses.replace(
+        quick, forecast_sets=(), probe_widths=(), mixers=(MixerKind.TCN,)))}
+    copy_ = probs["selective"]
+    field = copy_.extra["tcn_field"]
+    assert field < copy_.seq_len and f"TCN field {field})" in copy_.name
+    tcn = copy_.make(MixerKind.TCN, 0).blocks[0].mixer
+    assert 1 + quick.depth * (tcn.receptive_field - 1) == field
+    mq = probs["mqar"].make(MixerKind.TCN, 0).blocks[0].mixer
+    assert mq.receptive_field >= probs["mqar"].seq_len
+
+
+def test_report_lists_rows_stopped_at_the_cap():
+    rows = [dict(_row("t", "gru", 0.5), stops=["cap", "plateau", "cap"]), dict(_row("t", "attention", 1.0),
+                                                                              stops=["solved"] * 3)]
+    text = "\n".join(B._capped(rows))
+    assert "t / gru (2 of 3)" in text and "attention" not in text
+    assert "none at the step cap" in "\n".join(B._capped(rows[1:]))
