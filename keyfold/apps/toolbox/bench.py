@@ -911,18 +911,19 @@ def _claims(rows: list[dict]) -> list[str]:
     fc = [r for r in rows if r["group"] == "forecast"]
     sets = list(dict.fromkeys(r["task"] for r in fc))
     if sets and any((t, "dlinear") in by and (t, "attention") in by for t in sets):
-        wins, parts = 0, []
+        wins, lower, parts = 0, 0, []
         for t in sets:
             d, a = by.get((t, "dlinear")), by.get((t, "attention"))
             if d is None or a is None:
                 continue
-            win = d["mean"] < a["mean"]
-            wins += win
-            parts.append(f"{t.split()[0]} DLinear {d['mean']:.3f} vs attention {a['mean']:.3f}"
+            lower += d["mean"] < a["mean"]
+            wins += d["mean"] < a["mean"] and _apart(d, a)  # a win is lower with the intervals apart
+            parts.append(f"{t.split()[0]} DLinear {_fmt_metric(d)} vs attention {_fmt_metric(a)}"
                          f"{'' if _apart(d, a) else ' (tie)'}")
         n = len(parts)
         out.append(f"- **LTSF-Linear (Zeng et al. 2023)**: a one-layer linear DLinear forecasts better than "
-                   f"attention. DLinear has the lower test MSE on {wins} of {n} sets ({'; '.join(parts)}): "
+                   f"attention. DLinear has the lower test MSE on {lower} of {n} sets, with the 95 % intervals "
+                   f"apart on {wins} ({'; '.join(parts)}): "
                    f"**{'reproduces' if wins > n / 2 else 'does not reproduce'}**"
                    + ("" if wins > n / 2 else
                       " (likely reason: these series have hundreds of points, not the tens of thousands of the "

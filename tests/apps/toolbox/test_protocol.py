@@ -320,7 +320,12 @@ def test_claims_say_reproduces_only_when_the_rows_show_it():
             _row("nile (L=20)", "dlinear", 0.7, group="forecast", metric="mse"),
             _row("nile (L=20)", "attention", 0.6, ci=0.2, group="forecast", metric="mse")]
     text = "\n".join(B._claims(rows))
-    assert "lower test MSE on 1 of 2 sets" in text and "(tie)" in text and "**does not reproduce**" in text
+    assert "lower test MSE on 1 of 2 sets, with the 95 % intervals apart on 1" in text
+    assert "(tie)" in text and "**does not reproduce**" in text
+    rows[3] = _row("nile (L=20)", "attention", 0.75, ci=0.2, group="forecast", metric="mse")
+    text = "\n".join(B._claims(rows))  # lower on both, but a tie on nile: one clear win of two
+    assert "lower test MSE on 2 of 2 sets, with the 95 % intervals apart on 1" in text
+    assert "**does not reproduce**" in text
 
 
 def test_workers_give_the_rows_one_process_gives():
