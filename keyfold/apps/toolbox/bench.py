@@ -13,7 +13,7 @@ A "paper claims" section states, from the rows, whether each cited result reprod
 Mixers: the built-in names, or your own (``--mixers attention,my.module:MyMixer``; in Python any
 class / factory implementing :class:`~keyfold.apps.toolbox.mixers.MixerProtocol`).
 
-Presets: ``--tiny`` (the test suite, seconds), ``--quick`` (minutes), ``--full`` (the committed
+Presets: ``--tiny`` (the test suite, seconds), ``--quick`` (about half an hour on 2 cores), ``--full`` (the committed
 results). Output: ``toolbox[.PRESET].md``, ``.json``, ``.png`` and ``.curves.png`` under
 ``benchmarks/results/`` (or ``--out``).
 """
@@ -1098,7 +1098,8 @@ def _stem(preset_name: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m keyfold bench toolbox", description=__doc__.split("\n")[0])
     size = ap.add_mutually_exclusive_group()
-    size.add_argument("--quick", dest="preset", action="store_const", const="quick", help="minutes (default)")
+    size.add_argument("--quick", dest="preset", action="store_const", const="quick",
+                      help="every mixer on every task, about 30 min on 2 cores (default)")
     size.add_argument("--full", dest="preset", action="store_const", const="full",
                       help="the committed results (about an hour on 2 cores)")
     size.add_argument("--tiny", dest="preset", action="store_const", const="tiny", help="seconds (tests)")
