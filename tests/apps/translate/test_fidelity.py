@@ -261,7 +261,7 @@ def test_compare_models_share_sizes_and_decoding_rule():
     assert torch.equal(C.greedy_recompute(kf, src, max_len=6), greedy(kf, src, max_len=6))
 
 
-def test_compare_command_with_a_tiny_budget(tmp_path):
+def test_compare_command_with_a_tiny_budget(tmp_path, monkeypatch):
     from keyfold.apps.translate import compare as C
 
     dict_dir = tmp_path / "dictd"
@@ -274,7 +274,8 @@ def test_compare_command_with_a_tiny_budget(tmp_path):
     assert C.main(["--config", "tiny", "--data", str(data_dir), "--minutes", "0.03", "--eval-minutes", "0.01",
                    "--valid-phrases", "20", "--out", str(out)]) == 0
     res = json.loads((out / "compare.json").read_text())
-    assert set(res["systems"]) == {"keyfold", "torch", "gru"}
+    assert set(res["systems"]) == {"keyfold", "torch", "gru"} and res["clock"] == "wall"
+    assert "(wall time)" in (out / "compare.md").read_text()
     for s in res["systems"].values():
         assert s["steps"] > 0 and s["params"] > 0 and s["tokens_per_s"] > 0 and s["valid_curve"]
         assert 0 <= s["chrf"] <= 100
@@ -283,3 +284,14 @@ def test_compare_command_with_a_tiny_budget(tmp_path):
     assert (out / "compare.png").stat().st_size > 0
     with pytest.raises(SystemExit):
         C.main(["--systems", "lstm", "--data", str(data_dir)])
+    with pytest.raises(SystemExit):
+        C.main(["--clock", "gpu", "--data", str(data_dir)])
+    # --clock cpu: the budget counts the clock it names. A fake CPU clock that advances 10 s per
+    # reading gives each training step 10 s, so a 0.5-minute budget is exactly 3 steps per system.
+    ticks = iter(range(0, 10**6, 10))
+    monkeypatch.setitem(C.CLOCKS, "cpu", lambda: next(ticks))
+    assert C.main(["--config", "tiny", "--data", str(data_dir), "--minutes", "0.5", "--clock", "cpu",
+                   "--valid-phrases", "4", "--test-limit", "4", "--systems", "keyfold,gru",
+                   "--out", str(tmp_path / "cpu")]) == 0
+    res = json.loads((tmp_path / "cpu" / "compare.json").read_text())
+    assert res["clock"] == "cpu" and [s["steps"] for s in res["systems"].values()] == [3, 3]
