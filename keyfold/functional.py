@@ -19,7 +19,13 @@ from .dense import tensor_mask
 from .engine import attention
 from .masks import causal
 
-__all__ = ["scaled_dot_product_attention"]
+__all__ = ["scaled_dot_product_attention", "SDPAInputError"]
+
+
+class SDPAInputError(RuntimeError, ValueError, TypeError):
+    """Bad arguments to :func:`scaled_dot_product_attention`. A ``RuntimeError`` as SDPA raises (so
+    code written against torch's SDPA catches it), and a ``ValueError``/``TypeError`` as keyfold's
+    own argument checks raise elsewhere."""
 
 
 def _prod(xs) -> int:
@@ -37,11 +43,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     dims that broadcast (at least the sequence and feature dims). ``Hq == Hkv`` unless
     ``enable_gqa=True`` (then ``Hq % Hkv == 0``). attn_mask: bool (True = attend) or float (added),
     broadcastable to ``(..., Hq, L, S)``; a float mask with ``requires_grad`` gets its gradient and
-    float64 stays float64. is_causal: top-left causal (query i sees keys ``j <= i``, also when
+    float64 stays float64; or torch's ``causal_upper_left(L, S)`` / ``causal_lower_right(L, S)``
+    (``torch.nn.attention.bias``), run as keyfold's ``causal()`` (lower right: query i sees keys
+    ``j <= i + S - L``). is_causal: top-left causal (query i sees keys ``j <= i``, also when
     ``L != S``); with attn_mask as well, a pair must pass both. dropout_p: applied whenever > 0 (as SDPA does; pass
     ``dropout_p if self.training else 0.0``); ``generator`` seeds it. scale: default ``1/sqrt(E)``.
 
     Returns ``(..., Hq, L, Ev)`` in the query dtype. A row that sees no key gives 0, never NaN.
+    Bad arguments raise :class:`SDPAInputError`, a ``RuntimeError`` like SDPA's (and a ``ValueError``).
 
     >>> q = k = v = torch.randn(2, 4, 8, 16)
     >>> out = scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -50,12 +59,18 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() < 2:
-            raise ValueError(f"{name} must be a tensor of shape (..., seq, feature), got "
-                             f"{getattr(t, 'shape', type(t).__name__)}")
+            raise SDPAInputError(f"{name} must be a tensor of shape (..., seq, feature) with at least 2 dims, got "
+                                 f"{getattr(t, 'shape', type(t).__name__)}")
+    if not query.dtype == key.dtype == value.dtype:
+        raise SDPAInputError(f"query, key and value must share one dtype, got {query.dtype}, {key.dtype} and "
+                             f"{value.dtype}; cast them first (as SDPA requires)")
     if key.shape[-1] != query.shape[-1]:
-        raise ValueError(f"query and key feature dims differ ({query.shape[-1]} vs {key.shape[-1]})")
+        raise SDPAInputError(f"query and key feature dims differ ({query.shape[-1]} vs {key.shape[-1]})")
     if key.shape[-2] != value.shape[-2]:
-        raise ValueError(f"key has {key.shape[-2]} positions but value has {value.shape[-2]}")
+        raise SDPAInputError(f"key has {key.shape[-2]} positions but value has {value.shape[-2]}")
+    q_offset = 0  # SDPA's is_causal is top-left: query i sees keys j <= i
+    if _is_causal_bias(attn_mask):  # torch.nn.attention.bias.causal_upper_left / causal_lower_right
+        attn_mask, is_causal, q_offset = _causal_bias(attn_mask, is_causal, query.shape[-2], key.shape[-2])
     L, S, E, Ev = query.shape[-2], key.shape[-2], query.shape[-1], value.shape[-1]
     nd = max(query.dim(), key.dim(), value.dim(), 3)
     q, k, v = (t.reshape((1,) * (nd - t.dim()) + tuple(t.shape)) for t in (query, key, value))
@@ -85,16 +100,45 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if attn_mask is not None:
         m4 = _mask_4d(attn_mask, lead, Hq, L, S)
         if is_causal:  # both: a pair must pass both (torch's CPU SDPA accepts the pair too)
-            m, score = tensor_mask(m4, B=B, H=Hq, Nq=L, Nk=S, name="attn_mask")
+            m, score = tensor_mask(m4, B=B, H=Hq, Nq=L, Nk=S, q_offset=q_offset, name="attn_mask")
             mask = mask if m is None else mask & m
         else:
             mask = m4
     if scale is not None:
         scale = float(scale)
-    out = attention(q4, k4, v4, mask=mask, score=score, scale=scale, q_offset=0, dropout_p=float(dropout_p),
+    out = attention(q4, k4, v4, mask=mask, score=score, scale=scale, q_offset=q_offset, dropout_p=float(dropout_p),
                     generator=generator)
     out = out.reshape(*lead, Hq, L, Ev)                             # (..., Hq, L, Ev)
     return out if max(query.dim(), key.dim(), value.dim()) >= 3 else out.reshape(L, Ev)
+
+
+def _is_causal_bias(m) -> bool:
+    try:
+        from torch.nn.attention.bias import CausalBias
+    except ImportError:  # pragma: no cover - torch without the bias module
+        return False
+    return isinstance(m, CausalBias)
+
+
+def _causal_bias(bias, is_causal: bool, L: int, S: int):
+    """torch's ``CausalBias`` as keyfold's ``causal()``: ``(attn_mask=None, is_causal=True, q_offset)``.
+
+    Its storage holds no mask (it is a tensor subclass that SDPA dispatches on), so it must never be
+    read as one. UPPER_LEFT (or a square bias) is SDPA's ``is_causal`` (query i sees keys ``j <= i``);
+    LOWER_RIGHT aligns the last query with the last key (``q_offset = S - L``): query i sees keys
+    ``j <= i + S - L``. torch's own rules: ``is_causal=True`` with a CausalBias raises ValueError.
+    """
+    from torch.nn.attention.bias import CausalVariant
+    if is_causal:
+        raise ValueError("CausalBias should not be used with causal=True: pass the bias alone (as in SDPA)")
+    if (bias.seq_len_q, bias.seq_len_kv) != (L, S) and bias.variant == CausalVariant.LOWER_RIGHT:
+        raise SDPAInputError(f"attn_mask is a lower-right CausalBias for ({bias.seq_len_q}, {bias.seq_len_kv}) "
+                             f"query/key positions but the call has ({L}, {S}); build it with causal_lower_right({L}, {S})")
+    if bias.variant == CausalVariant.UPPER_LEFT or L == S:
+        return None, True, 0
+    if bias.variant == CausalVariant.LOWER_RIGHT:
+        return None, True, S - L
+    raise ValueError(f"unknown CausalBias variant {bias.variant!r}")  # torch raises ValueError too
 
 
 def _mask_4d(m: torch.Tensor, lead, H: int, L: int, S: int) -> torch.Tensor:

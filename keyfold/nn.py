@@ -259,6 +259,8 @@ class MultiheadAttention(nn.Module):
         else:
             w = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)[which]
         b = None if self.in_proj_bias is None else self.in_proj_bias[which * E:(which + 1) * E]
+        if b is not None and b.dtype != x.dtype:  # torch accepts a bias of another dtype (cast to the query's)
+            b = b.to(x.dtype)
         return F.linear(x, w, b)
 
     def _heads(self, y):
@@ -269,6 +271,9 @@ class MultiheadAttention(nn.Module):
                 average_attn_weights: bool = True, is_causal: bool = False, *, mask=None,
                 cache: AttentionCache | None = None):
         """See the class docstring."""
+        if any(isinstance(t, torch.Tensor) and t.is_nested for t in (query, key, value)):
+            raise AssertionError("keyfold.nn.MultiheadAttention does not take NestedTensor inputs (torch's does only "
+                                 "on its inference fast path): pad them to one length and pass key_padding_mask")
         _check_mask_dtype(key_padding_mask, "key_padding_mask")
         _check_mask_dtype(attn_mask, "attn_mask")
         batched = F._mha_shape_check(query, key, value, key_padding_mask, attn_mask, self.num_heads)
@@ -287,6 +292,9 @@ class MultiheadAttention(nn.Module):
             query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)  # (B, N, E)
         B, L, _ = query.shape
         H = self.num_heads
+        trust_hint = is_causal and key_padding_mask is None and not need_weights
+        if trust_hint:  # torch drops attn_mask here, unchecked, and runs SDPA's top-left is_causal
+            attn_mask = None
         if attn_mask is not None:  # torch's checks, before bias_k / zero_attn add a key
             want = (L, key.shape[1]) if attn_mask.dim() == 2 else (B * H, L, key.shape[1])
             if tuple(attn_mask.shape) != want:
@@ -312,7 +320,7 @@ class MultiheadAttention(nn.Module):
                 k, v = cache.append(k, v)
         S = k.shape[2]
         masks, scores = [self.mask, mask], [self.score]
-        if is_causal and key_padding_mask is None and not need_weights:
+        if trust_hint:
             masks.append(causal())  # torch trusts the hint here (top-left, queries at `offset + i`)
         elif attn_mask is not None:
             if offset:
@@ -508,9 +516,28 @@ class TransformerDecoderLayer(nn.Module):
         return x
 
 
+def _detect_is_causal(mask, is_causal, size: int) -> bool:
+    """torch's rule for the stacks' ``is_causal=None``: True when ``mask`` is exactly
+    ``generate_square_subsequent_mask(size)`` (float: -inf above the diagonal, else 0; bool: True
+    above it), so every layer runs ``causal()`` instead of reading the dense mask."""
+    if is_causal is not None:
+        return bool(is_causal)
+    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (size, size):
+        return False
+    above = torch.ones(size, size, dtype=torch.bool, device=mask.device).triu(1)
+    if mask.dtype == torch.bool:
+        return bool(torch.equal(mask, above))
+    return bool(torch.equal(mask, torch.zeros_like(mask).masked_fill(above, float("-inf"))))
+
+
+def _seq_len(x, batch_first: bool) -> int:
+    return x.shape[0] if x.dim() == 2 else x.shape[1 if batch_first else 0]
+
+
 class TransformerEncoder(nn.Module):
     """``torch.nn.TransformerEncoder``: ``num_layers`` copies of ``encoder_layer`` (``layers.i``) and an
-    optional final ``norm``. forward(src, mask=None, src_key_padding_mask=None, is_causal=None)."""
+    optional final ``norm``. forward(src, mask=None, src_key_padding_mask=None, is_causal=None); as in torch,
+    ``is_causal=None`` with ``mask`` equal to ``generate_square_subsequent_mask`` runs the layers causal."""
 
     def __init__(self, encoder_layer, num_layers: int, norm=None, enable_nested_tensor: bool = True,
                  mask_check: bool = True):
@@ -520,8 +547,10 @@ class TransformerEncoder(nn.Module):
 
     def forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None):
         x = src
+        if self.layers:
+            is_causal = _detect_is_causal(mask, is_causal, _seq_len(src, self.layers[0].self_attn.batch_first))
         for layer in self.layers:
-            x = layer(x, src_mask=mask, src_key_padding_mask=src_key_padding_mask, is_causal=bool(is_causal))
+            x = layer(x, src_mask=mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal)
         return x if self.norm is None else self.norm(x)
 
 
@@ -536,6 +565,9 @@ class TransformerDecoder(nn.Module):
     def forward(self, tgt, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
                 memory_key_padding_mask=None, tgt_is_causal=None, memory_is_causal: bool = False):
         x = tgt
+        if self.layers:
+            tgt_is_causal = _detect_is_causal(tgt_mask, tgt_is_causal,
+                                              _seq_len(tgt, self.layers[0].self_attn.batch_first))
         for layer in self.layers:
             x = layer(x, memory, tgt_mask=tgt_mask, memory_mask=memory_mask, tgt_key_padding_mask=tgt_key_padding_mask,
                       memory_key_padding_mask=memory_key_padding_mask, tgt_is_causal=bool(tgt_is_causal),

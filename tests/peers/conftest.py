@@ -17,7 +17,7 @@ def pytest_runtest_logreport(report):
 def pytest_terminal_summary(terminalreporter):
     if not _outcomes:
         return
-    for name in ("test_flex_ports", "test_fa_ports", None):
+    for name in ("test_flex_ports", "test_fa_ports", "test_torch_nn", "test_torch_sdpa", None):
         sel = {k: o for k, o in _outcomes.items() if name is None or f"/{name}.py" in k}
         if not sel:
             continue
