@@ -18,8 +18,8 @@ Results go to ``benchmarks/results/memory.{md,json}``.
 from __future__ import annotations
 
 import argparse
-import shlex
 import json
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -219,25 +219,39 @@ def main(argv=None) -> int:
     ap.add_argument("--note", default="", help="a sentence for the header (e.g. the machine's load)")
     ap.add_argument("--out", type=Path, default=None, help="output directory (default: benchmarks/results)")
     ap.add_argument("--name", default="memory", help="file stem for the results")
+    ap.add_argument("--append", action="store_true",
+                    help="keep the rows already in the results file (a row measured again is replaced)")
     args = ap.parse_args(argv)
     from .kernels import BY_NAME
 
     unknown = [v for v in args.variants if v not in BY_NAME]
     if unknown:
         raise SystemExit(f"--variants: unknown {unknown}; choose from {sorted(BY_NAME)}")
+    out = results_dir(args.out)
+    command = f"python -m keyfold bench memory {shlex.join(argv if argv is not None else sys.argv[1:])}".strip()
+    prior = {"rows": [], "commands": [], "notes": []}
+    if args.append and (out / f"{args.name}.json").is_file():
+        prior = json.loads((out / f"{args.name}.json").read_text())
+        prior.setdefault("commands", []), prior.setdefault("notes", [prior.get("note", "")])
+    commands = prior["commands"] + [command]
+    notes = [n for n in prior["notes"] + [args.note] if n]
     header = (f"# Peak memory of forward+backward, keyfold vs SDPA\n\nMachine: {machine()}; each case ran with "
               f"{args.threads} threads. B=1, H={args.heads}, D={args.head_dim}, float32.\n"
-              + (f"\n{args.note}\n" if args.note else "") + f"\n{HOW}\n\nCommand: `python -m keyfold bench memory "
-              f"{shlex.join(argv if argv is not None else sys.argv[1:])}".rstrip() + "`")
-    out = results_dir(args.out)
+              + "".join(f"\n{n}\n" for n in notes) + f"\n{HOW}\n\n"
+              + "Command" + ("s" if len(commands) > 1 else "") + ": " + "; ".join(f"`{c}`" for c in commands))
 
     def write(rows):
-        (out / f"{args.name}.md").write_text(markdown(rows, header))
+        new = {(r["variant"], r["N"]) for r in rows}
+        merged = [r for r in prior["rows"] if (r["variant"], r["N"]) not in new] + rows
+        merged.sort(key=lambda r: (r["N"], VARIANTS.index(r["variant"]) if r["variant"] in VARIANTS else 99))
+        (out / f"{args.name}.md").write_text(markdown(merged, header))
         write_json(out / f"{args.name}.json", {"machine": machine(), "threads": args.threads, "method": HOW,
-                                               "note": args.note, "rows": rows})
+                                               "notes": notes, "commands": commands, "rows": merged})
+        return merged
 
     rows = run(args.variants, args.sizes, H=args.heads, D=args.head_dim, threads=args.threads,
                max_gib=args.max_gib, timeout=args.timeout, progress=lambda s: print(s, file=sys.stderr, flush=True),
                on_row=write)
+    rows = write(rows)
     print(markdown(rows, header))
     return 0
