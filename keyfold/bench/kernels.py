@@ -389,6 +389,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="output directory (default: the repository's benchmarks/results)")
     ap.add_argument("--name", default="kernels", help="file stem for the results")
     ap.add_argument("--no-memory", action="store_true", help="skip the subprocess peak-memory measurement")
+    ap.add_argument("--memory", type=int, nargs="*", default=None, metavar="N",
+                    help="also the forward+backward peak-memory table of `bench memory` (keyfold vs SDPA per mask, "
+                         "blocks visited) at these N (default 16384 65536)")
     ap.add_argument("--variants", nargs="*", help="only these variants")
     ap.add_argument("--threads", type=int, default=None, help="torch threads for every implementation")
     args = ap.parse_args(argv)
@@ -410,9 +413,15 @@ def main(argv=None) -> int:
               f"N×N work keyfold's plan computes. B=1, H=8.")
     args.out = results_dir(args.out)
     md = markdown(results, mem, header, limits)
+    mem_rows = None
+    if args.memory is not None:  # the memory column: one fresh process per (mask, N, implementation)
+        from . import memory as memory_bench
+
+        mem_rows = memory_bench.run(sizes=args.memory or (16384, 65536), threads=torch.get_num_threads())
+        md += "\n" + memory_bench.markdown(mem_rows, "## Peak memory, forward+backward\n\n" + memory_bench.HOW)
     (args.out / f"{args.name}.md").write_text(md)
     (args.out / f"{args.name}.json").write_text(json.dumps(
-        {"machine": machine(), "preset": args.preset, "memory": mem, "matmul_gflops": limits,
+        {"machine": machine(), "preset": args.preset, "memory": mem, "memory_table": mem_rows, "matmul_gflops": limits,
          "results": [dict(asdict(r), ratio_sdpa=r.ratio("sdpa"), ratio_flex=r.ratio("flex")) for r in results]},
         indent=1))
     plot(results, args.out / f"{args.name}.png")
