@@ -98,7 +98,7 @@ class _Call:
         if self.score_tensors and self.backend is Backend.TRITON:
             raise ValueError(f"Backend.TRITON cannot give gradients to tensors the score modifier {score!r} "
                              f"reads ({len(self.score_tensors)} with requires_grad): use Backend.TILES (any "
-                             f"device), or Backend.CPU on a CPU; or run under torch.no_grad() / detach them")
+                             f"device), or Backend.AUTO on a CPU; or run under torch.no_grad() / detach them")
         self.plan: Plan | None = None
         if self.backend is Backend.TRITON:  # it plans at its own tile size (cached)
             if mask is not None:

@@ -1,8 +1,8 @@
 """Pieces through PyTorch's fused CPU flash kernel, merged in float32.
 
 ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` returns ``(out, logsumexp)``,
-which is exactly a partial State. It is a private op, so we check for it at import and the
-engine falls back to the tile kernel with one warning if a torch release drops it.
+which is exactly a partial State. It is a private op, so we check for it at import; if a torch
+release drops it, Backend.AUTO uses the tile kernel (one warning) and Backend.CPU raises.
 Facts about it that this module works around (measured, DESIGN.md section 7):
 
 - it takes an additive float mask, not a bool one;
