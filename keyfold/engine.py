@@ -94,13 +94,11 @@ class _Call:
                           float(dropout_p), int(dropout_seed))
         #: Tensors the score reads that need gradients (empty unless one has requires_grad).
         self.score_tensors = _grad_tensors(score)
-        self.backend = _resolve_dropout(backend, dropout_p) if dropout_p else _resolve(backend, q, score)
+        self.backend = _resolve(backend, q, score, dropout_p)
         if self.score_tensors and self.backend is Backend.TRITON:
             raise ValueError(f"Backend.TRITON cannot give gradients to tensors the score modifier {score!r} "
                              f"reads ({len(self.score_tensors)} with requires_grad): use Backend.TILES (any "
-                             f"device), or Backend.CPU on a CPU; or run under torch.no_grad() / detach them")
-        if self.backend is Backend.CPU and (Nq == 0 or Nk == 0):  # the fused op dies of SIGFPE on an empty sequence
-            self.backend = Backend.TILES
+                             f"device), or Backend.AUTO on a CPU; or run under torch.no_grad() / detach them")
         self.plan: Plan | None = None
         if self.backend is Backend.TRITON:  # it plans at its own tile size (cached)
             if mask is not None:
@@ -145,31 +143,39 @@ def _grad_tensors(score) -> tuple:
     return tuple(t for t in score.tensors() if t.requires_grad)
 
 
-def _resolve_dropout(backend: Backend, dropout_p: float) -> Backend:
-    if backend is Backend.TRITON:
-        raise ValueError(f"dropout_p={dropout_p}: Backend.TRITON has no attention dropout; use Backend.TILES "
-                         f"(or Backend.AUTO, which routes dropout there), or dropout_p=0.0")
-    # dropout regenerates its keep mask per tile: the CPU backend routes its pieces to TILES too
-    return backend if backend is Backend.REFERENCE else Backend.TILES
-
-
-def _resolve(backend: Backend, q, score) -> Backend:
+def _resolve(backend: Backend, q, score, dropout_p: float = 0.0) -> Backend:
+    """The backend that runs the call. ``Backend.AUTO`` routes by device and by what the call
+    needs; a backend the caller names runs the call or raises, saying which one can: it is
+    never swapped for another."""
     nonadditive = score is not None and not score.additive
     if backend is Backend.AUTO:
         if q.device.type == "cuda":
             from .kernels import triton as _triton
-            backend = Backend.TRITON if _triton.available() else Backend.TILES
-        elif q.device.type == "cpu" and _cpu.AVAILABLE:
+            backend = Backend.TRITON if _triton.available() and not dropout_p else Backend.TILES
+        elif q.device.type == "cpu" and _cpu.AVAILABLE and not nonadditive and not dropout_p:
             backend = Backend.CPU
-        else:
+        else:  # softcap, score callables and dropout run tile by tile in torch ops
             backend = Backend.TILES
     if backend is Backend.CPU:
         if q.device.type != "cpu":
-            raise ValueError(f"Backend.CPU needs CPU tensors, got {q.device}; use Backend.AUTO")
-        if not _cpu.AVAILABLE or nonadditive:
-            # softcap and score callables are not additive: they run tile by tile in torch ops
-            backend = Backend.TILES
+            raise ValueError(f"backend=Backend.CPU needs CPU tensors, got {q.device}; use Backend.AUTO")
+        if not _cpu.AVAILABLE:
+            raise ValueError(f"backend=Backend.CPU: torch {torch.__version__} lacks the fused CPU flash op "
+                             f"(aten._scaled_dot_product_flash_attention_for_cpu) it runs on; use Backend.TILES, "
+                             f"or Backend.AUTO, which routes there")
+        if nonadditive:
+            raise ValueError(f"backend=Backend.CPU: score={score!r} is not additive (softcap and score_mod "
+                             f"callables are not), and the fused CPU op takes only an additive bias; use "
+                             f"Backend.TILES, or Backend.AUTO, which routes such scores there")
+        if dropout_p:
+            raise ValueError(f"backend=Backend.CPU: dropout_p={dropout_p} needs a keep mask per tile, which the "
+                             f"fused CPU op cannot apply; use Backend.TILES, or Backend.AUTO, which routes "
+                             f"dropout there (or dropout_p=0.0)")
     if backend is Backend.TRITON:
+        if dropout_p:
+            raise ValueError(f"backend=Backend.TRITON: dropout_p={dropout_p}: the Triton kernel has no attention "
+                             f"dropout; use Backend.TILES (or Backend.AUTO, which routes dropout there), or "
+                             f"dropout_p=0.0")
         from .kernels import triton as _triton
         _triton.check_supported(q, score)
     return backend
@@ -352,7 +358,8 @@ def attend_backward(q, k, v, out, lse, dout, *, mask=None, score=None, scale=Non
     if q_offset is None and isinstance(k, torch.Tensor) and k.dim() == 4 and q.dim() == 4:
         q_offset = default_q_offset(_mask_object(mask), q.shape[2], k.shape[2], kv_offset)
     if backend is Backend.REFERENCE:
-        backend = Backend.TILES
+        raise ValueError("attend_backward(backend=Backend.REFERENCE): the reference has no piece backward (it "
+                         "differentiates its own forward with autograd); use Backend.TILES, or Backend.AUTO")
     with torch.enable_grad():  # backward hooks run without grad mode; the score tensors still need theirs
         call = _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, False,
                      *_dropout_args(dropout_p, dropout_seed, None))

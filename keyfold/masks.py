@@ -121,7 +121,7 @@ class Mask:
     ``captured_stamp()``                  the plan cache: what callables inside capture (default:
                                           the stamps of Mask-valued attributes)
     ``packed_queries``                    the engine: default ``q_offset`` 0 (packed, :func:`varlen`)
-    ``spec()`` / ``operands()``           compilers (Triton, the distributed views, the verifier):
+    ``spec()`` / ``operands()``           compilers (Triton, the ring's striped causal, the verifier):
                                           a preset's parameters / a combinator's operands; a mask
                                           with neither is evaluated tile by tile into a bitmap
     ====================================  =========================================================

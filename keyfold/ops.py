@@ -261,11 +261,17 @@ def _attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
                      dout: torch.Tensor, dlse: torch.Tensor | None, tensors: list[torch.Tensor], spec: str,
                      scale: float | None, q_offset: int, kv_offset: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .engine import Backend
+    from .engine import Backend, _reference
     call = _call(q, k, v, tensors, spec, scale, q_offset, kv_offset)
-    if call.backend is Backend.REFERENCE:  # the piece backward runs on the tiles
-        call = _call(q, k, v, tensors, spec.replace('"backend":"reference"', '"backend":"tiles"'),
-                     scale, q_offset, kv_offset)
+    if call.backend is Backend.REFERENCE:  # the reference's backward is autograd through its own forward
+        with _autograd_dispatch(), torch.enable_grad():
+            qkv = [t.detach().requires_grad_() for t in (q, k, v)]
+            st = _reference.attend_reference(*qkv, call.pb)
+            outs, grads = (st.out, st.lse), (dout.to(st.out.dtype), None if dlse is None else dlse.to(st.lse.dtype))
+            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
+            dq, dk, dv = torch.autograd.grad([o for o, _ in pairs], qkv, [g for _, g in pairs], allow_unused=True)
+        dq, dk, dv = (torch.zeros_like(t) if d is None else d for t, d in zip((q, k, v), (dq, dk, dv)))
+        return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
     if dlse is not None and q.device.type == "cpu" and not bool(dlse.any()):
         dlse = None
     with _autograd_dispatch():  # a non-additive score's backward takes autograd of the score tile

@@ -101,7 +101,7 @@ class _Alibi(ScoreMod):
         dist = (qp.long() - kp.long()).abs().float()
         t = self.slopes.on(qp.device)
         # slopes broadcast over the head axis (a head slice holds its heads' slopes, see
-        # distributed.views.heads_slice); per-batch slopes are picked by b: (B|1, H, 1|L, 1)
+        # keyfold.views.heads_slice); per-batch slopes are picked by b: (B|1, H, 1|L, 1)
         slopes = t[b.long()].movedim(-1, 1).squeeze(2) if self._per_batch() else t.view(1, -1, 1, 1)
         return -slopes * dist
 

@@ -18,7 +18,8 @@ from ..engine import Backend, attend
 from ..masks import BlockKind, Mask, as_mask, sinks
 from ..scores import as_score
 from ..state import State, empty_state, merge, merge_all, state_dtype
-from ._pieces import BatchRows, BatchRowsScore, Cache, Group, QueryRows, QueryRowsScore, RowMap, Span
+from ..views import MaskView, Remap, RowTable, ScoreView, span_kinds
+from ._pieces import Cache, Group, Span
 from .contiguous import KVCache
 
 __all__ = ["decode", "attend_cache", "cascade", "choose_splits", "MIN_CHUNK"]
@@ -62,18 +63,8 @@ def _auto_splits(n_keys: int, tasks: int, q: torch.Tensor) -> int:
 
 
 def _kinds(mask: Mask, q0: int, q1: int, spans) -> list[BlockKind | None]:
-    """The mask's closed-form kind for query positions [q0, q1) against each span, in one call.
-
-    None for a span means "no closed form" (a callable): the span is attended with the mask.
-    """
-    if not spans:
-        return []
-    k0 = torch.tensor([[sp.kv_offset for sp in spans]])         # (1, n_spans)
-    k1 = torch.tensor([[sp.kv_offset + sp.n for sp in spans]])  # (1, n_spans)
-    kinds = mask.classify(torch.tensor([[q0]]), torch.tensor([[q1]]), k0, k1)
-    if kinds is None:
-        return [None] * len(spans)
-    return [BlockKind(int(x)) for x in torch.broadcast_to(kinds, (1, len(spans))).reshape(-1).tolist()]
+    """The mask's closed-form kind for query positions [q0, q1) against each span (None: no closed form)."""
+    return span_kinds(mask, q0, q1, [(sp.kv_offset, sp.kv_offset + sp.n) for sp in spans])
 
 
 def _folded(q, span: Span, s: int, scale, backend) -> list[State] | None:
@@ -150,10 +141,11 @@ def _groups_state(q, groups: list[Group], mask, score, scale, splits, backend, D
     for g in groups:
         m, sc = mask, score
         if (g.r0, g.r1) != (0, B):  # the group is a slice of the batch: keep b meaning q's row
+            rows = Remap(batch=(B, g.r0))
             if m is not None and m.depends_on_batch_head(B, q.shape[1])[0]:
-                m = BatchRows(m, B, g.r0, g.r1 - g.r0)
+                m = MaskView(m, rows, n_batch=g.r1 - g.r0)
             if sc is not None:
-                sc = BatchRowsScore(sc, g.r0)
+                sc = ScoreView(sc, rows)
         states.append(_group_state(q[g.r0:g.r1], g, m, sc, scale, splits, backend, Dv))
     if len(states) == 1:
         return states[0]
@@ -327,9 +319,9 @@ def cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix_lengths=None, m
         kind = _kinds(m, int(pos.min()), int(pos.max()) + 1, [prefix])[0]
         m = None if kind is BlockKind.FULL else m
     if m is not None or sc is not None:
-        rowmap = RowMap(pos, req, R)
-        m = None if m is None else QueryRows(m, rowmap)
-        sc = None if sc is None else QueryRowsScore(sc, rowmap)
+        rows = Remap(rows=RowTable(pos, req, R))
+        m = None if m is None else MaskView(m, rows)
+        sc = None if sc is None else ScoreView(sc, rows)
     if P == 0 or (m is not None and _kinds(m, 0, R * Nq, [prefix])[0] is BlockKind.EMPTY):
         pre = empty_state(1, Hq, R * Nq, prefix_v.shape[-1], dtype=state_dtype(dtype), device=q.device)
     else:

@@ -13,7 +13,7 @@ STRIPED        positions ``r, r+P, r+2P, ...``          one run, stride ``P`` (b
 
 Ring attention computes each (query run, key run) pair as one piece: stride-1 runs are plain
 offsets (``q_offset`` / ``kv_offset``), stride-P runs see the mask through a position view
-(:mod:`keyfold.distributed.views`).
+(:mod:`keyfold.distributed.views`, :mod:`keyfold.views`).
 """
 
 from __future__ import annotations

@@ -14,6 +14,6 @@ __all__ = ["Backend"]
 class Backend(enum.Enum):
     AUTO = "auto"            # CPU tensors: CPU; CUDA tensors: TRITON when importable
     REFERENCE = "reference"  # plain torch, materialises the scores; the test oracle
-    CPU = "cpu"              # fused aten CPU kernel per piece (tiles in torch ops for non-additive scores)
+    CPU = "cpu"              # fused aten CPU kernel per piece; additive scores only, no dropout (else it raises)
     TILES = "tiles"          # tile-by-tile torch ops, any device
     TRITON = "triton"        # the project's Triton kernel

@@ -1,8 +1,8 @@
 """Pieces through PyTorch's fused CPU flash kernel, merged in float32.
 
 ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` returns ``(out, logsumexp)``,
-which is exactly a partial State. It is a private op, so we check for it at import and the
-engine falls back to the tile kernel with one warning if a torch release drops it.
+which is exactly a partial State. It is a private op, so we check for it at import; if a torch
+release drops it, Backend.AUTO uses the tile kernel (one warning) and Backend.CPU raises.
 Facts about it that this module works around (measured, DESIGN.md section 7):
 
 - it takes an additive float mask, not a bool one;
@@ -46,7 +46,8 @@ def _probe() -> bool:
 AVAILABLE = _probe()
 if not AVAILABLE:
     warnings.warn("keyfold: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu is missing or changed "
-                  f"in torch {torch.__version__}; Backend.CPU falls back to the tile kernel (slower, same results)",
+                  f"in torch {torch.__version__}; Backend.AUTO runs CPU tensors on the tile kernel (slower, same "
+                  f"results) and Backend.CPU raises",
                   RuntimeWarning, stacklevel=2)
 
 
@@ -199,6 +200,8 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
     sd = state_dtype(q.dtype)
     B, Hq, Nq, _ = q.shape
     Dv = v.shape[-1]
+    if Nq == 0 or k.shape[2] == 0:  # nothing to attend (the fused op dies of SIGFPE on an empty sequence)
+        return empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
     inp = _Inputs(q, k, v)
     memo: dict = {}
     single = len(plan.pieces) == 1 and plan.pieces[0].q0 == 0 and plan.pieces[0].q1 == Nq
@@ -249,6 +252,9 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     sd = state_dtype(q.dtype)
     B, Hq, Nq, D = q.shape
     Dv = v.shape[-1]
+    if Nq == 0 or k.shape[2] == 0:  # no pair: every gradient is zero (and the fused op refuses empty input)
+        return (torch.zeros(q.shape, dtype=sd, device=q.device), torch.zeros(k.shape, dtype=sd, device=q.device),
+                torch.zeros(v.shape, dtype=sd, device=q.device))
     spare = dlse is not None
     inp = _Inputs(q, k, v, spare=spare)
     W = inp.W

@@ -19,7 +19,8 @@ from keyfold import Backend, _callables
 from keyfold.masks import MaskFn
 from tests.helpers import assert_close_by_rule, assert_forward_by_rule, naive_attention
 
-BACKENDS = [Backend.CPU, Backend.TILES, Backend.REFERENCE]
+# score callables are not additive: Backend.CPU refuses them and AUTO routes them to the tiles
+BACKENDS = [Backend.AUTO, Backend.TILES, Backend.REFERENCE]
 
 
 def _rand(*shape, seed, dtype=torch.float32):
@@ -121,7 +122,7 @@ def test_captured_tensors_get_gradients(name, backend):
     assert_score_grads_by_rule(factory, params(), backend, mask=kf.causal() if name == "rel_1d" else None)
 
 
-@pytest.mark.parametrize("backend", [Backend.CPU, Backend.TILES], ids=lambda b: b.name)
+@pytest.mark.parametrize("backend", [Backend.AUTO, Backend.TILES], ids=lambda b: b.name)
 def test_gradients_with_a_mask_gqa_and_many_pieces(backend):
     """Pieces of a plan (block_size 16, windowed) each add their share of the table's gradient."""
     rel = {"rel": _rand(79, seed=21)}
@@ -183,7 +184,7 @@ def test_gradient_without_qkv_grads():
     """Only the table requires grad (q, k, v frozen): it still gets its gradient."""
     q, k, v = _qkv(1, 2, 24)
     rel = torch.zeros(79, requires_grad=True)
-    kf.attention(q, k, v, score=rel_1d({"rel": rel}), backend=Backend.CPU).square().sum().backward()
+    kf.attention(q, k, v, score=rel_1d({"rel": rel}), backend=Backend.AUTO).square().sum().backward()
     assert rel.grad is not None and float(rel.grad.abs().max()) > 0
 
 
@@ -227,7 +228,7 @@ def _global_mod(score, b, h, q_idx, kv_idx):
 
 def test_triton_refuses_score_gradients_naming_tiles(monkeypatch):
     from keyfold import engine
-    monkeypatch.setattr(engine, "_resolve", lambda backend, q, score: Backend.TRITON)
+    monkeypatch.setattr(engine, "_resolve", lambda backend, q, score, dropout_p=0.0: Backend.TRITON)
     q, k, v = _qkv(1, 1, 8)
     rel = torch.zeros(79, requires_grad=True)
     with pytest.raises(ValueError, match="Backend.TILES"):
@@ -268,7 +269,7 @@ def _train_step_on_a_view(q, k, v, backend):
 def test_no_graph_kept_alive_after_backward():
     """Plans and caches hold no tensor with a grad graph: the captured non-leaf is freed."""
     q, k, v = (t.requires_grad_(True) for t in _qkv(1, 2, 24))
-    for backend in (Backend.CPU, Backend.TILES):
+    for backend in (Backend.AUTO, Backend.TILES):
         alive, base = _train_step_on_a_view(q, k, v, backend)
         gc.collect()
         assert alive() is None, backend
@@ -298,7 +299,7 @@ def test_per_head_bias_with_one_head():
     def per_head_mask(b, h, q_idx, kv_idx):
         return head_bias[h][q_idx, kv_idx] > -1.0
     q, k, v = _qkv(2, 1, 32)
-    for backend in (Backend.CPU, Backend.TILES):
+    for backend in (Backend.AUTO, Backend.TILES):
         assert_forward_by_rule(q, k, v, score=per_head, mask=per_head_mask, backend=backend)
 
 

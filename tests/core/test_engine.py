@@ -47,11 +47,24 @@ def _qkv(B=2, Hq=4, Hkv=4, Nq=97, Nk=97, D=32, Dv=None, dtype=torch.float32, mag
     return q, k, v
 
 
+def _named_or_auto(backend, kw):
+    """Backend.CPU refuses a non-additive score (softcap, callables), naming the backends that run
+    it, and is never swapped for one: such a preset checks the error, then runs on AUTO."""
+    score = kf.as_score(kw.get("score"))
+    if backend is not Backend.CPU or score is None or score.additive:
+        return backend
+    q, k, v = _qkv(B=1, Hq=1, Hkv=1, Nq=4, Nk=4, D=8)
+    with pytest.raises(ValueError, match=r"Backend\.CPU.*score=.*Backend\.TILES.*Backend\.AUTO") as err:
+        kf.attention(q, k, v, backend=backend, **kw)
+    assert "not additive" in str(err.value)
+    return Backend.AUTO
+
+
 @pytest.mark.parametrize("backend", [Backend.CPU, Backend.TILES])
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_forward(name, backend):
     q, k, v = _qkv()
-    assert_forward_by_rule(q, k, v, backend=backend, block_size=16, **PRESETS[name])
+    assert_forward_by_rule(q, k, v, backend=_named_or_auto(backend, PRESETS[name]), block_size=16, **PRESETS[name])
 
 
 @pytest.mark.parametrize("backend", [Backend.CPU, Backend.TILES])
@@ -61,7 +74,7 @@ def test_presets_backward(name, backend):
     kw = dict(PRESETS[name])
     if "score" in kw and name == "alibi":
         kw["score"] = kf.alibi(kf.alibi_slopes(2))
-    assert_backward_by_rule(q, k, v, backend=backend, block_size=16, **kw)
+    assert_backward_by_rule(q, k, v, backend=_named_or_auto(backend, kw), block_size=16, **kw)
 
 
 SHAPES = [
@@ -188,3 +201,77 @@ def test_alibi_separable_pieces_and_gqa(heads, mask):
     kw = dict(mask=mask, score=kf.alibi(kf.alibi_slopes(hq)), block_size=32)
     assert_forward_by_rule(q, k, v, **kw)
     assert_backward_by_rule(q[:1], k[:1], v[:1], **kw)
+
+
+# ------------------------------------------------ a named backend runs the call or raises
+
+
+def test_named_cpu_refuses_what_it_cannot_run_and_auto_routes_it():
+    """Backend.CPU is never swapped for TILES: a non-additive score, dropout, or a torch without the
+    fused op raise a ValueError naming the argument and the backends that can; AUTO runs them."""
+    from keyfold.engine import _Call
+    q, k, v = _qkv(B=1, Hq=2, Hkv=2, Nq=20, Nk=20, D=8)
+    fn = lambda s, b, h, qi, ki: s * 0.5  # noqa: E731
+    for score in (kf.softcap(5.0), fn, [kf.alibi(kf.alibi_slopes(2)), kf.softcap(5.0)]):
+        with pytest.raises(ValueError, match=r"backend=Backend\.CPU: score=.*not additive.*Backend\.TILES.*Backend\.AUTO"):
+            kf.attention(q, k, v, score=score, backend=Backend.CPU)
+        auto = _Call(q, k, v, None, score, None, 0, 0, Backend.AUTO, None, False)
+        assert auto.backend is Backend.TILES
+        torch.testing.assert_close(kf.attention(q, k, v, score=score),
+                                   kf.attention(q, k, v, score=score, backend=Backend.TILES))
+    with pytest.raises(ValueError, match=r"Backend\.CPU: dropout_p=0\.1.*Backend\.TILES.*Backend\.AUTO"):
+        kf.attention(q, k, v, dropout_p=0.1, backend=Backend.CPU)
+    assert _Call(q, k, v, None, None, None, 0, 0, Backend.AUTO, None, False, 0.1, 3).backend is Backend.TILES
+    # an additive score stays on the fused op
+    assert _Call(q, k, v, None, kf.alibi(kf.alibi_slopes(2)), None, 0, 0, Backend.CPU, None, False).backend \
+        is Backend.CPU
+
+
+def test_named_cpu_without_the_fused_op_raises(monkeypatch):
+    from keyfold import engine
+    q, k, v = _qkv(B=1, Hq=1, Hkv=1, Nq=8, Nk=8, D=8)
+    monkeypatch.setattr(engine._cpu, "AVAILABLE", False)
+    with pytest.raises(ValueError, match=r"backend=Backend\.CPU: torch .* lacks the fused CPU flash op.*Backend\.TILES"):
+        kf.attention(q, k, v, mask=kf.causal(), backend=Backend.CPU)
+    assert engine._Call(q, k, v, None, None, None, 0, 0, Backend.AUTO, None, False).backend is Backend.TILES
+
+
+@pytest.mark.parametrize("Nq,Nk", [(0, 7), (7, 0), (0, 0)])
+def test_named_cpu_runs_empty_sequences_itself(Nq, Nk, monkeypatch):
+    """An empty sequence on Backend.CPU: the CPU backend answers (out 0, lse -inf, zero gradients);
+    the tile kernel is never called."""
+    from keyfold import engine
+    q, k, v = (t.requires_grad_(True) for t in _qkv(B=1, Hq=2, Hkv=1, Nq=Nq, Nk=Nk, D=8))
+    assert engine._Call(q, k, v, kf.causal(), None, None, None, 0, Backend.CPU, None, False).backend is Backend.CPU
+
+    def no_tiles(*a, **kw):
+        raise AssertionError("Backend.CPU handed the call to the tile kernel")
+    monkeypatch.setattr(engine._tiles, "forward", no_tiles)
+    monkeypatch.setattr(engine._tiles, "backward", no_tiles)
+    for mask in (None, kf.causal()):
+        out, lse = kf.attention(q, k, v, mask=mask, backend=Backend.CPU, return_lse=True)
+        assert out.shape == (1, 2, Nq, 8) and bool((out == 0).all()) and bool(torch.isneginf(lse).all())
+        (out.sum() + torch.where(torch.isneginf(lse), 0.0, lse).sum()).backward()
+        for t in (q, k, v):
+            assert t.grad is not None and t.grad.shape == t.shape and bool((t.grad == 0).all())
+
+
+def test_reference_has_no_piece_backward_and_its_op_backward_is_its_own():
+    """attend_backward(backend=REFERENCE) raises (it used to run TILES); the custom op's backward
+    for REFERENCE (what torch.compile runs) is autograd through the reference itself."""
+    from keyfold.ops import attend_op
+    q, k, v = _qkv(B=1, Hq=2, Hkv=1, Nq=12, Nk=12, D=8, dtype=torch.float64)
+    out, lse = kf.attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match=r"attend_backward\(backend=Backend\.REFERENCE\).*Backend\.TILES"):
+        kf.attend_backward(q, k, v, out, lse, torch.ones_like(out), backend=Backend.REFERENCE)
+    dout = torch.randn_like(out)
+    grads = []
+    for run in (lambda a, b, c: kf.attend(a, b, c, mask=kf.causal(), score=kf.softcap(3.0), backend=Backend.REFERENCE),
+                lambda a, b, c: attend_op(a, b, c, mask=kf.causal(), score=kf.softcap(3.0), scale=None, q_offset=None,
+                                          kv_offset=0, backend=Backend.REFERENCE, block_size=None)):
+        a, b, c = (t.clone().requires_grad_(True) for t in (q, k, v))
+        st = run(a, b, c)
+        ((st.out * dout).sum() + st.lse.sum()).backward()
+        grads.append((a.grad, b.grad, c.grad))
+    for x, y in zip(*grads):
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-10)

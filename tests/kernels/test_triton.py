@@ -291,3 +291,16 @@ def test_user_mask_class_runs_in_the_kernel():
     for mask in (DilatedWindow(20, 3), DilatedWindow(20, 3) | kf.sinks(2), kf.causal() & ~DilatedWindow(8, 1)):
         assert_forward_by_rule(q, k, v, mask=mask, backend=T)
         assert_backward_by_rule(q, k, v, mask=mask, backend=T)
+
+
+def test_wall_views_run_in_the_kernel():
+    """The walls' mask view (keyfold.views: a striped ring piece with a head slice, a batch slice
+    of a per-batch mask) has no spec(): the kernel reads it as tile bitmaps, by the rule."""
+    from keyfold.views import MaskView, Remap
+    q, k, v = _qkv(torch.float32, B=2)
+    striped = MaskView(kf.causal() & kf.window(30) | kf.sinks(1), Remap(q=(3, 4), k=(1, 4), h0=1))
+    batch = MaskView(kf.causal() & (kf.window(6) | kf.sinks(torch.tensor([2, 20, 5]))),
+                     Remap(batch=(3, 1)), n_batch=2)
+    for mask in (striped, batch):
+        assert_forward_by_rule(q, k, v, mask=mask, q_offset=0, backend=T)
+        assert_backward_by_rule(q, k, v, mask=mask, q_offset=0, backend=T)

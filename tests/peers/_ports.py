@@ -91,8 +91,8 @@ def assert_state_by_rule(out, ref, naive, rows):
     return assert_close_by_rule(out, ref, naive, rows)
 
 
-#: score callables and softcap are not additive: Backend.CPU hands them to TILES (engine._resolve),
-#: so their cases run once, on the code both backends use
+#: score callables and softcap are not additive: Backend.CPU refuses them (engine._resolve) and
+#: Backend.AUTO routes them to TILES, so their cases run once, on TILES
 SCORE_BACKENDS = [pytest.param(Backend.TILES, id="TILES")]
 
 

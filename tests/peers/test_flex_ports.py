@@ -389,7 +389,7 @@ def _softcap_mods():
 
 
 _TILES, _CPU = Backend.TILES, Backend.CPU
-GYM_SCORES = [  # (maker, backend): callables and softcap run on TILES whichever is asked (see SCORE_BACKENDS)
+GYM_SCORES = [  # (maker, backend): callables and softcap run on TILES (Backend.CPU refuses them, see SCORE_BACKENDS)
     pytest.param(lambda: _softcap_mods()[0], _TILES, id="tanh_softcap-TILES"),
     pytest.param(lambda: _softcap_mods()[1], _TILES, id="tanh_softcap_approx-TILES"),
     pytest.param(lambda: keyfold.softcap(30.0), _TILES, id="keyfold_softcap-TILES"),
