@@ -85,6 +85,9 @@ def _flat_mask(m, tensors: list) -> str:
         return '["padding",' + _slot(m.starts.t, tensors) + ',' + ends + ']'
     if type(m) is M._Keys:
         return '["keys",' + _slot(m.valid.t, tensors) + ']'
+    if type(m) is M.Varlen:  # its cu_seqlens are data (built from traced tensors, a new batch each step)
+        return ('["varlen",' + _slot(m.cu_q.t, tensors) + ',' + _slot(m.cu_k.t, tensors) + ','
+                + _num(m.left) + ',' + _num(m.right) + ']')
     if type(m) is M.MaskFn:
         return '["fn",' + str(_callable_key(m.fn)) + ']'
     # a user's own Mask class: passed by reference (build it outside the compiled function)
@@ -162,6 +165,8 @@ def _build_mask(node, tensors):
         return M.padding(starts=starts) if ends is None else M.padding(ends - starts, starts=starts)
     if op == "keys":
         return M.padding(keys=t(args[0]))
+    if op == "varlen":  # through the public builder, which checks the lengths
+        return M.varlen(t(args[0]), t(args[1]), window=(args[2], args[3]))
     if op == "fn":
         return M.MaskFn(_CALLABLES[args[0]])
     if op == "obj":
@@ -226,8 +231,20 @@ def _autograd_dispatch():
             torch._C._dispatch_tls_set_dispatch_key_excluded(k, was)
 
 
+def _offsets(spec: str, tensors: list, q_offset: int, kv_offset: int) -> tuple[int, int]:
+    """The offsets, read from their tensors where the spec names slots for them (``"qoff"`` /
+    ``"kvoff"``: a static cache's position, data of the graph rather than a constant)."""
+    if '"qoff"' not in spec and '"kvoff"' not in spec:
+        return q_offset, kv_offset
+    d = json.loads(spec)
+    q = d.get("qoff")
+    kv = d.get("kvoff")
+    return (q_offset if q is None else int(tensors[q[1]])), (kv_offset if kv is None else int(tensors[kv[1]]))
+
+
 def _call(q, k, v, tensors, spec, scale, q_offset, kv_offset):
     from .engine import _Call
+    q_offset, kv_offset = _offsets(spec, tensors, q_offset, kv_offset)
     mask, score, backend, block, check = unflatten(spec, tensors)
     return _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block, check)
 
@@ -306,7 +323,17 @@ def attend_op(q, k, v, *, mask, score, scale, q_offset, kv_offset, backend, bloc
             "(a learnable bias table, a float attn_mask with requires_grad): run that attention eagerly "
             "(torch.compiler.disable around it), or freeze those tensors")
     spec, tensors = flatten(mask, score, backend, block_size, check_inputs)
-    if q_offset is None:
-        q_offset = kv_offset + k.shape[2] - q.shape[2]
+    if q_offset is None:  # as the eager call: bottom-right, or 0 for packed queries (varlen)
+        m = None if isinstance(mask, torch.Tensor) else M.as_mask(mask)
+        q_offset = 0 if m is not None and m.packed_queries else kv_offset + (k.shape[2] - q.shape[2])
+    # an offset given as a tensor (a static cache's position) travels as data: no recompile per step
+    slots = ""
+    if isinstance(q_offset, torch.Tensor):
+        slots += ',"qoff":' + _slot(q_offset.reshape(()), tensors)
+        q_offset = 0
+    if isinstance(kv_offset, torch.Tensor):
+        slots += ',"kvoff":' + _slot(kv_offset.reshape(()), tensors)
+        kv_offset = 0
+    spec = spec[:-1] + slots + "}"
     out, lse = _attend(q, k, v, tensors, spec, None if scale is None else float(scale), q_offset, kv_offset)
     return State(out, lse)
