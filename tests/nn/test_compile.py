@@ -151,18 +151,25 @@ def test_check_inputs_holds_under_compile():
         fn(q, k.detach(), v.detach())
 
 
-def test_learnable_score_tensor_under_compile_is_refused_not_dropped():
-    """A score callable whose captured table requires grad trains eagerly (#16 item 1); the custom
-    op has no gradient slot for it, so under torch.compile it raises instead of dropping the gradient."""
-    table = torch.zeros(16, requires_grad=True)
+def test_learnable_score_tensor_gets_its_gradient_under_compile():
+    """A score callable whose captured table requires grad trains eagerly (#16 item 1); compiled,
+    the table is an input of the custom op and its backward returns the table's gradient: eager's."""
+    table = torch.randn(16, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
     score = kf.score_fn(lambda s, b, h, qi, ki: s + table[(qi - ki).abs()], tensors=[table])  # built outside
 
     def f(q, k, v):
-        return kf.attention(q, k, v, score=score)
+        return kf.attention(q, k, v, score=score, mask=kf.causal())
 
-    q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
-    with pytest.raises(Exception, match="cannot yet give gradients"):
-        torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v).sum().backward()
+    q, k, v, _ = inputs(8)
+    ex = torch._dynamo.explain(f)(q, k, v)
+    assert ex.graph_break_count == 0, ex.break_reasons
+    got, want = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v), f(q, k, v)
+    assert torch.equal(got, want)
+    g1 = torch.autograd.grad(got.square().sum(), (q, k, v, table))
+    g2 = torch.autograd.grad(want.square().sum(), (q, k, v, table))
+    assert g2[3].abs().max() > 0.1  # the table's gradient is there to compare
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
 def packed(q, k, v, cu_q, cu_k):
