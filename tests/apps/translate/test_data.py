@@ -1,6 +1,5 @@
 """The dictd parser, cleaning, split and tokenizer, on dictionary entries written here (no package)."""
 
-import gzip
 import hashlib
 
 import pytest
@@ -13,53 +12,11 @@ require_extra("translate")  # skip, naming the pip line, where the extra is miss
 
 from keyfold.apps.translate import data
 from keyfold.apps.translate.baselines import WordByWord, copy_source, score
-
-B64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
-
-# Entries in the format of /usr/share/dictd/freedict-deu-eng.dict.dz (copied in style from it):
-# "Bank" has two senses (two index lines), "Schloss" lists synonyms and notes and examples,
-# "aber dalli" starts with an ellipsis, "Akut" has a domain label and several translations.
-ENTRIES = [
-    ("bank", "Bank /bˈaŋk/ <fem, n, sg>\n [fin.] bank <n>\n"
-             "      \"die vorlegende Bank\"  - the presenting bank\n"
-             "   Synonym: {Bankinstitut}\n\n see: {Banken}, {Privatbank}\n\n"),
-    ("bank", "Bank /bˈaŋk/ <fem, n, sg>\nbench <n>\n         Note: in a public area\n"
-             "   Synonyms: {Sitzbank}, {Parkbank}\n\n see: {Bänke}\n\n"),
-    ("schloss", "Schloss /ʃlˈɔs/ <neut, n, sg>\ncastle <n>, palace <n>\n"
-                "   Synonyms: {Burg}, {Kastell}, {Feste}\n\n see: {Schlösser}\n\n"),
-    ("aber dalli", "… aber dalli! /ˌɑːbɜ dˈaliː/\n… and pronto!\n see: {fix}\n\n"),
-    ("akut", "Akut /akˈuːt/ <masc, n, sg>\n [print] acute accent <n>, acute (sign) <n>\n"),
-    ("haus", "Haus /hˈaʊs/ <neut, n, sg>\nhouse <n>\n"),
-    ("grosses haus", "großes Haus /ɡɾˈoːsəs hˈaʊs/\nbig house\n"),
-    ("leer", "Leer /lˈeːɐ/\n{broken} <n>\n"),
-]
-
-
-def _b64(n: int) -> str:
-    s = ""
-    while True:
-        s = B64[n % 64] + s
-        n //= 64
-        if n == 0:
-            return s
-
-
-def write_dictd(folder, entries=ENTRIES, name=data.DICT_NAME):
-    """A dictd database: ``name.index`` (base64 offsets) and ``name.dict.dz`` (gzip)."""
-    body, index = b"", []
-    for headword, text in entries:
-        raw = text.encode("utf-8")
-        index.append(f"{headword}\t{_b64(len(body))}\t{_b64(len(raw))}")
-        body += raw
-    (folder / f"{name}.index").write_text("\n".join(index) + "\n", encoding="utf-8")
-    with gzip.open(folder / f"{name}.dict.dz", "wb") as f:
-        f.write(body)
-    return folder / f"{name}.index", folder / f"{name}.dict.dz"
-
+from tests.apps.translate.fixtures import ENTRIES, b64, write_dictd
 
 @given(st.integers(0, 2**40))
 def test_base64_numbers_round_trip(n):
-    assert data._b64_int(_b64(n)) == n
+    assert data._b64_int(b64(n)) == n
 
 
 def test_base64_known_value_and_bad_digit():

@@ -24,11 +24,8 @@ require_extra("translate")  # skip, naming the pip line, where the extra is miss
 
 from keyfold.apps.translate import data
 from keyfold.apps.translate import train as T
-from keyfold.apps.translate.transformer import MODEL_CONFIGS
-from tests.apps.translate.test_data import ENTRIES, write_dictd
-from tests.apps.translate.test_transformer import _log, _synthetic_pairs
+from tests.apps.translate.fixtures import ENTRIES, TINY, run_log, synthetic_pairs, write_dictd
 
-TINY = MODEL_CONFIGS["tiny"]
 # keep=1: every checkpoint deletes the one before (the "cleanup" kill point needs a deletion)
 CFG = dataclasses.replace(T.TRAIN_CONFIGS["tiny"], steps=12, checkpoint_every=5, eval_every=4, keep=1)
 
@@ -84,19 +81,19 @@ def _train_and_die(run_dir: str, where: str):
                 _die()
             real_log(run, rec)
         T._log = log
-    T.train(CFG, TINY, Path(run_dir), _synthetic_pairs(), _synthetic_pairs(8, seed=1), progress=False)
+    T.train(CFG, TINY, Path(run_dir), synthetic_pairs(), synthetic_pairs(8, seed=1), progress=False)
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     torch.set_num_threads(1)
     run = tmp_path_factory.mktemp("whole")
-    tr = T.train(CFG, TINY, run, _synthetic_pairs(), _synthetic_pairs(8, seed=1), progress=False)
+    tr = T.train(CFG, TINY, run, synthetic_pairs(), synthetic_pairs(8, seed=1), progress=False)
     return _curve(run), {n: p.detach().clone() for n, p in tr.model.named_parameters()}
 
 
 def _curve(run):
-    return [(r["step"], r["loss"], r.get("valid_loss")) for r in _log(run)]
+    return [(r["step"], r["loss"], r.get("valid_loss")) for r in run_log(run)]
 
 
 @pytest.mark.slow  # trains 9 short runs (~35 s here); `make test` (CI) runs it, `make test-fast` skips it
@@ -109,7 +106,7 @@ def test_kill_while_checkpointing_then_resume_loses_nothing(tmp_path, uninterrup
     tr = T.Trainer(CFG, TINY, run, [], [])
     assert tr.load() and tr.step == on_disk                      # and its weights load
     torch.set_num_threads(1)
-    resumed = T.train(CFG, TINY, run, _synthetic_pairs(), _synthetic_pairs(8, seed=1), progress=False)
+    resumed = T.train(CFG, TINY, run, synthetic_pairs(), synthetic_pairs(8, seed=1), progress=False)
     curve, weights = uninterrupted
     assert _curve(run) == curve                                  # no step lost, repeated or changed
     for n, p in resumed.model.named_parameters():

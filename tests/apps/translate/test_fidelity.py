@@ -2,9 +2,7 @@
 bf16, the test files sacrebleu rescores, staged data preparation, the slow-machine warning, Table 2."""
 
 import dataclasses
-import importlib.util
 import json
-import pathlib
 
 import pytest
 import torch
@@ -13,34 +11,14 @@ from keyfold.apps.translate import data as D
 from keyfold.apps.translate import train as T
 from keyfold.apps.translate import translate as TR
 from keyfold.apps.translate.data import BOS, EOS, PAD
-from keyfold.apps.translate.transformer import (MAX_EXTRA, MODEL_CONFIGS, Transformer, beam_search, greedy)
-
-TINY = MODEL_CONFIGS["tiny"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from keyfold.apps.translate.transformer import MAX_EXTRA, MODEL_CONFIGS, Transformer, beam_search, greedy
+from tests.apps.translate.fixtures import ENTRIES, TINY, synthetic_pairs, write_dictd
 
 
-def _pairs(n=24, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        k = int(torch.randint(2, 6, (1,), generator=g))
-        out.append((torch.randint(4, TINY.vocab_size, (k,), generator=g).tolist() + [EOS],
-                    [BOS] + torch.randint(4, TINY.vocab_size, (k,), generator=g).tolist() + [EOS]))
-    return out
 
-
-def _test_data_module():
-    spec = importlib.util.spec_from_file_location("_kf_test_data2", pathlib.Path(__file__).with_name("test_data.py"))
-    td = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(td)
-    return td
+def _random_pairs():
+    """24 training and 4 validation pairs whose targets are random (nothing to learn, only to run)."""
+    return synthetic_pairs(24, mapped=False), synthetic_pairs(4, 1, mapped=False)
 
 
 # ------------------------------------------------------------------- checkpoint averaging
@@ -50,7 +28,7 @@ def test_last_k_checkpoints_are_kept_and_averaged(tmp_path):
     from safetensors.torch import load_file
 
     cfg = dataclasses.replace(T.TRAIN_CONFIGS["tiny"], steps=8, checkpoint_every=2, keep=3, eval_every=100)
-    T.train(cfg, TINY, tmp_path, _pairs(), _pairs(4, 1), progress=False)
+    T.train(cfg, TINY, tmp_path, *_random_pairs(), progress=False)
     meta = json.loads((tmp_path / "checkpoint.json").read_text())
     assert meta["kept"] == [f"step-{s:07d}.safetensors" for s in (4, 6, 8)]
     assert sorted(p.name for p in tmp_path.glob("step-*")) == meta["kept"]   # older ones deleted
@@ -145,7 +123,7 @@ def test_base_and_big_presets_have_the_papers_sizes():
 
 def test_bf16_training_and_decoding_on_cpu(tmp_path):
     cfg = dataclasses.replace(T.TRAIN_CONFIGS["tiny"], steps=4, checkpoint_every=2, eval_every=2)
-    tr = T.train(cfg, TINY, tmp_path, _pairs(), _pairs(4, 1), progress=False, dtype="bf16")
+    tr = T.train(cfg, TINY, tmp_path, *_random_pairs(), progress=False, dtype="bf16")
     recs = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert len(recs) == 4 and all(torch.isfinite(torch.tensor(r["loss"])) for r in recs)
     assert all(p.dtype == torch.float32 for p in tr.model.parameters())          # weights stay float32
@@ -173,7 +151,7 @@ def test_device_and_dtype_arguments_are_checked():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_training_and_decoding(tmp_path):
     cfg = dataclasses.replace(T.TRAIN_CONFIGS["tiny"], steps=3, checkpoint_every=3, eval_every=3)
-    tr = T.train(cfg, TINY, tmp_path, _pairs(), _pairs(4, 1), progress=False, device="cuda", dtype="bf16")
+    tr = T.train(cfg, TINY, tmp_path, *_random_pairs(), progress=False, device="cuda", dtype="bf16")
     assert next(tr.model.parameters()).is_cuda
     src = torch.tensor([[5, 6, EOS]], device="cuda")
     assert beam_search(tr.model.eval(), src, beam=2, max_len=5).is_cuda
@@ -187,10 +165,9 @@ def test_cuda_training_and_decoding(tmp_path):
 def test_cli_writes_every_hypothesis_and_sacrebleu_reproduces_the_scores(tmp_path, capsys):
     import sacrebleu
 
-    td = _test_data_module()
     dict_dir = tmp_path / "dictd"
     dict_dir.mkdir()
-    td.write_dictd(dict_dir, td.ENTRIES + [(f"wort{i}", f"Wort{i} /v/ <n>\nword{i} <n>, term{i}\n")
+    write_dictd(dict_dir, ENTRIES + [(f"wort{i}", f"Wort{i} /v/ <n>\nword{i} <n>, term{i}\n")
                                            for i in range(400)])
     data_dir, run = tmp_path / "data", tmp_path / "run"
     assert T.main(["--prepare", "--dict-dir", str(dict_dir), "--data", str(data_dir), "--vocab-size", "90"]) == 0
@@ -224,10 +201,9 @@ def test_cli_writes_every_hypothesis_and_sacrebleu_reproduces_the_scores(tmp_pat
 
 
 def test_prepare_runs_once_and_recovers_from_a_kill(tmp_path, monkeypatch, capsys):
-    td = _test_data_module()
     dict_dir = tmp_path / "dictd"
     dict_dir.mkdir()
-    td.write_dictd(dict_dir, td.ENTRIES + [(f"wort{i}", f"Wort{i} /v/ <n>\nword{i} <n>\n") for i in range(60)])
+    write_dictd(dict_dir, ENTRIES + [(f"wort{i}", f"Wort{i} /v/ <n>\nword{i} <n>\n") for i in range(60)])
     out = tmp_path / "out"
     real = D.train_tokenizer
 
@@ -285,21 +261,21 @@ def test_compare_models_share_sizes_and_decoding_rule():
     assert torch.equal(C.greedy_recompute(kf, src, max_len=6), greedy(kf, src, max_len=6))
 
 
-def test_compare_command_with_a_tiny_budget(tmp_path):
+def test_compare_command_with_a_tiny_budget(tmp_path, monkeypatch):
     from keyfold.apps.translate import compare as C
 
-    td = _test_data_module()
     dict_dir = tmp_path / "dictd"
     dict_dir.mkdir()
     by_split = {s: [i for i in range(3000) if D.split_of(f"Wort{i}") == s] for s in D.Split.ALL}
     words = by_split["train"][:200] + by_split["valid"][:6] + by_split["test"][:6]
-    td.write_dictd(dict_dir, td.ENTRIES + [(f"wort{i}", f"Wort{i} /v/ <n>\nword{i} <n>\n") for i in words])
+    write_dictd(dict_dir, ENTRIES + [(f"wort{i}", f"Wort{i} /v/ <n>\nword{i} <n>\n") for i in words])
     data_dir, out = tmp_path / "data", tmp_path / "cmp"
     D.prepare(data_dir, dict_dir=dict_dir, vocab_size=80, install=False, progress=False)
     assert C.main(["--config", "tiny", "--data", str(data_dir), "--minutes", "0.03", "--eval-minutes", "0.01",
                    "--valid-phrases", "20", "--out", str(out)]) == 0
     res = json.loads((out / "compare.json").read_text())
-    assert set(res["systems"]) == {"keyfold", "torch", "gru"}
+    assert set(res["systems"]) == {"keyfold", "torch", "gru"} and res["clock"] == "wall"
+    assert "(wall time)" in (out / "compare.md").read_text()
     for s in res["systems"].values():
         assert s["steps"] > 0 and s["params"] > 0 and s["tokens_per_s"] > 0 and s["valid_curve"]
         assert 0 <= s["chrf"] <= 100
@@ -308,3 +284,14 @@ def test_compare_command_with_a_tiny_budget(tmp_path):
     assert (out / "compare.png").stat().st_size > 0
     with pytest.raises(SystemExit):
         C.main(["--systems", "lstm", "--data", str(data_dir)])
+    with pytest.raises(SystemExit):
+        C.main(["--clock", "gpu", "--data", str(data_dir)])
+    # --clock cpu: the budget counts the clock it names. A fake CPU clock that advances 10 s per
+    # reading gives each training step 10 s, so a 0.5-minute budget is exactly 3 steps per system.
+    ticks = iter(range(0, 10**6, 10))
+    monkeypatch.setitem(C.CLOCKS, "cpu", lambda: next(ticks))
+    assert C.main(["--config", "tiny", "--data", str(data_dir), "--minutes", "0.5", "--clock", "cpu",
+                   "--valid-phrases", "4", "--test-limit", "4", "--systems", "keyfold,gru",
+                   "--out", str(tmp_path / "cpu")]) == 0
+    res = json.loads((tmp_path / "cpu" / "compare.json").read_text())
+    assert res["clock"] == "cpu" and [s["steps"] for s in res["systems"].values()] == [3, 3]

@@ -17,19 +17,9 @@ require_extra("translate")  # skip, naming the pip line, where the extra is miss
 
 from keyfold.apps.translate import train as T
 from keyfold.apps.translate.data import BOS, EOS, PAD
-from keyfold.apps.translate.transformer import (MODEL_CONFIGS, Transformer, TransformerLM, beam_search, greedy,
-                                        length_penalty)
+from keyfold.apps.translate.transformer import Transformer, TransformerLM, beam_search, greedy, length_penalty
+from tests.apps.translate.fixtures import ENTRIES, TINY, run_log, synthetic_pairs, write_dictd
 
-TINY = MODEL_CONFIGS["tiny"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One torch thread: on the shared 2-core machine two threads ran these small ops 6x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # ------------------------------------------------------------------- MultiheadAttention
@@ -282,20 +272,6 @@ def test_length_penalty_and_beam_output():
 # ---------------------------------------------------------------------------- training
 
 
-def _synthetic_pairs(n=48, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        k = int(torch.randint(2, 6, (1,), generator=g))
-        s = torch.randint(4, TINY.vocab_size, (k,), generator=g).tolist()
-        out.append((s + [EOS], [BOS] + [(t * 7) % (TINY.vocab_size - 4) + 4 for t in s] + [EOS]))
-    return out
-
-
-def _log(run_dir):
-    return [json.loads(ln) for ln in (run_dir / "log.jsonl").read_text().splitlines()]
-
-
 def test_learning_rate_is_warmup_then_inverse_sqrt():
     cfg = T.TrainConfig(warmup=100)
     lrs = [T.learning_rate(s, 512, cfg) for s in (1, 50, 100, 400)]
@@ -307,7 +283,7 @@ def test_resume_continues_the_same_loss_curve(tmp_path):
     from safetensors.torch import load_file
 
     cfg = dataclasses.replace(T.TRAIN_CONFIGS["tiny"], steps=12, checkpoint_every=5, eval_every=4)
-    pairs, valid = _synthetic_pairs(), _synthetic_pairs(8, seed=1)
+    pairs, valid = synthetic_pairs(), synthetic_pairs(8, seed=1)
     whole = T.train(cfg, TINY, tmp_path / "a", pairs, valid, progress=False)
     # a run that dies after step 7: its last checkpoint is step 5, steps 6-7 were logged and are lost
     T.train(cfg, TINY, tmp_path / "b", pairs, valid, stop_after=5, progress=False)
@@ -319,7 +295,7 @@ def test_resume_continues_the_same_loss_curve(tmp_path):
     tensors = load_file(str(tmp_path / "b" / meta["weights"]))
     assert "rng.torch" in tensors and any(k.endswith(".exp_avg_sq") for k in tensors)
     resumed = T.train(cfg, TINY, tmp_path / "b", pairs, valid, progress=False)
-    curve = lambda run: [(r["step"], r["loss"], r.get("valid_loss")) for r in _log(tmp_path / run)]  # noqa: E731
+    curve = lambda run: [(r["step"], r["loss"], r.get("valid_loss")) for r in run_log(tmp_path / run)]  # noqa: E731
     assert curve("b") == curve("a") and len(curve("a")) == 12   # bit-identical, no lost or repeated step
     for (n, p), q in zip(whole.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(p, q), n
@@ -342,7 +318,7 @@ def test_encode_pairs_and_batches_are_deterministic():
     assert len(every) == 3 and len(first) == 2
     src, tgt = every[1]
     assert src[-1] == EOS and tgt[0] == BOS and tgt[-1] == EOS and len(tgt) == len("bench") + 2
-    pairs = _synthetic_pairs(200)
+    pairs = synthetic_pairs(200)
     a = T.make_batches(pairs, 40, seed=3, epoch=1)
     assert a == T.make_batches(pairs, 40, seed=3, epoch=1) != T.make_batches(pairs, 40, seed=3, epoch=2)
     assert sorted(i for b in a for i in b) == list(range(200))           # every pair once per epoch
@@ -351,15 +327,7 @@ def test_encode_pairs_and_batches_are_deterministic():
 
 def test_command_line_prepare_train_resume_translate(tmp_path, capsys):
     """The three commands end to end on a small dictionary written here (no Debian package)."""
-    import importlib.util
-    import pathlib
-
     from keyfold.apps.translate import translate as TR
-
-    spec = importlib.util.spec_from_file_location("_kf_test_data", pathlib.Path(__file__).with_name("test_data.py"))
-    td = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(td)  # the dictd writer and entries of tests/test_data.py
-    ENTRIES, write_dictd = td.ENTRIES, td.write_dictd
 
     dict_dir = tmp_path / "dictd"
     dict_dir.mkdir()
@@ -372,7 +340,7 @@ def test_command_line_prepare_train_resume_translate(tmp_path, capsys):
     assert json.loads((run / "checkpoint.json").read_text())["step"] == 3
     assert T.main(common + ["--steps", "6"]) == 0            # resumes at step 3
     assert "resumed" in capsys.readouterr().out
-    assert [r["step"] for r in _log(run)] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in run_log(run)] == [1, 2, 3, 4, 5, 6]
     out = tmp_path / "results"
     assert TR.main(["--checkpoint", str(run), "--data", str(data_dir), "--test", "--out", str(out),
                     "--beam", "2", "Wort3"]) == 0
