@@ -203,7 +203,8 @@ def test_import_keyfold_does_not_import_transformers():
     assert out.stdout.strip() == "False"
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("name", ["llama", pytest.param("mistral", marks=pytest.mark.slow),
+                                  pytest.param("gemma2", marks=pytest.mark.slow)])
 def test_compiles_whole_with_padding(name):
     """torch.compile(fullgraph=True) of a padded forward: 0 graph breaks, eager's logits. Mistral's
     and Gemma 2's sliding-window mask functions are closures made while dynamo traces (it cannot
