@@ -788,7 +788,15 @@ class Varlen(Mask):
         self.left, self.right = left, right
         cq, ck = self.cu_q.t, self.cu_k.t
         self._shift = ck[1:] - cq[1:]  # per sequence: a = qp + shift[s]
-        self.total_q, self.total_k = int(cq[-1]), int(ck[-1])
+
+    # read when used, not when built: under torch.compile the lengths are not known while tracing
+    @property
+    def total_q(self) -> int:
+        return int(self.cu_q.t[-1])
+
+    @property
+    def total_k(self) -> int:
+        return int(self.cu_k.t[-1])
 
     def _restricted(self, left, right) -> "Varlen":
         lo = left if self.left is None else (self.left if left is None else min(self.left, left))
@@ -1199,7 +1207,8 @@ def varlen(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None = None,
             raise ValueError(f"varlen({name}): expected an integer tensor (n_sequences + 1,) of cumulative lengths "
                              f"starting at 0, got {getattr(t, 'shape', type(t).__name__)}")
         t = t.detach().to("cpu", torch.int64)
-        if int(t[0]) != 0 or bool((t[1:] < t[:-1]).any()):
+        # (while torch.compile traces, the values are checked when the op rebuilds the mask)
+        if not torch.compiler.is_compiling() and (int(t[0]) != 0 or bool((t[1:] < t[:-1]).any())):
             raise ValueError(f"varlen({name}): cumulative lengths must start at 0 and never decrease, got {t.tolist()}")
         cus.append(t)
     if cus[0].numel() != cus[1].numel():

@@ -85,6 +85,9 @@ def _flat_mask(m, tensors: list) -> str:
         return '["padding",' + _slot(m.starts.t, tensors) + ',' + ends + ']'
     if type(m) is M._Keys:
         return '["keys",' + _slot(m.valid.t, tensors) + ']'
+    if type(m) is M.Varlen:  # its cu_seqlens are data (built from traced tensors, a new batch each step)
+        return ('["varlen",' + _slot(m.cu_q.t, tensors) + ',' + _slot(m.cu_k.t, tensors) + ','
+                + _num(m.left) + ',' + _num(m.right) + ']')
     if type(m) is M.MaskFn:
         return '["fn",' + str(_callable_key(m.fn)) + ']'
     # a user's own Mask class: passed by reference (build it outside the compiled function)
@@ -162,6 +165,8 @@ def _build_mask(node, tensors):
         return M.padding(starts=starts) if ends is None else M.padding(ends - starts, starts=starts)
     if op == "keys":
         return M.padding(keys=t(args[0]))
+    if op == "varlen":  # through the public builder, which checks the lengths
+        return M.varlen(t(args[0]), t(args[1]), window=(args[2], args[3]))
     if op == "fn":
         return M.MaskFn(_CALLABLES[args[0]])
     if op == "obj":
@@ -226,8 +231,20 @@ def _autograd_dispatch():
             torch._C._dispatch_tls_set_dispatch_key_excluded(k, was)
 
 
+def _offsets(spec: str, tensors: list, q_offset: int, kv_offset: int) -> tuple[int, int]:
+    """The offsets, read from their tensors where the spec names slots for them (``"qoff"`` /
+    ``"kvoff"``: a static cache's position, data of the graph rather than a constant)."""
+    if '"qoff"' not in spec and '"kvoff"' not in spec:
+        return q_offset, kv_offset
+    d = json.loads(spec)
+    q = d.get("qoff")
+    kv = d.get("kvoff")
+    return (q_offset if q is None else int(tensors[q[1]])), (kv_offset if kv is None else int(tensors[kv[1]]))
+
+
 def _call(q, k, v, tensors, spec, scale, q_offset, kv_offset):
     from .engine import _Call
+    q_offset, kv_offset = _offsets(spec, tensors, q_offset, kv_offset)
     mask, score, backend, block, check = unflatten(spec, tensors)
     return _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block, check)
 
@@ -238,7 +255,10 @@ def _state_dtype(dtype):
 
 @torch.library.custom_op("keyfold::attend", mutates_args=())
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor], spec: str,
-            scale: float | None, q_offset: int, kv_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+            scale: float | None, q_offset: int, kv_offset: int,
+            grad_tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    # grad_tensors: the tensors a score modifier (passed by reference) reads that need gradients;
+    # inputs only so that autograd routes their gradients to the backward (the modifier reads them)
     from .engine import Backend, _reference
     call = _call(q, k, v, tensors, spec, scale, q_offset, kv_offset)
     with torch.no_grad():
@@ -250,53 +270,71 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[tor
 
 
 @_attend.register_fake
-def _(q, k, v, tensors, spec, scale, q_offset, kv_offset):
+def _(q, k, v, tensors, spec, scale, q_offset, kv_offset, grad_tensors):
     B, Hq, Nq, _ = q.shape
     dt = _state_dtype(q.dtype)
     return q.new_empty((B, Hq, Nq, v.shape[-1]), dtype=dt), q.new_empty((B, Hq, Nq), dtype=dt)
 
 
+def _reference_backward(q, k, v, dout, dlse, call):
+    """``(dq, dk, dv, d_score_tensors)`` by autograd through the float64-capable reference forward."""
+    from .engine import _reference
+    with torch.enable_grad():
+        qkv = [t.detach().requires_grad_() for t in (q, k, v)]
+        st = _reference.attend_reference(*qkv, call.pb)
+        outs, grads = (st.out, st.lse), (dout.to(st.out.dtype), None if dlse is None else dlse.to(st.lse.dtype))
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
+        wrt = [*qkv, *call.score_tensors]
+        got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+    got = [torch.zeros_like(t) if d is None else d for t, d in zip(wrt, got)]
+    return (*got[:3], tuple(got[3:]))
+
+
 @torch.library.custom_op("keyfold::attend_backward", mutates_args=())
 def _attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                      dout: torch.Tensor, dlse: torch.Tensor | None, tensors: list[torch.Tensor], spec: str,
-                     scale: float | None, q_offset: int, kv_offset: int
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .engine import Backend, _reference
-    call = _call(q, k, v, tensors, spec, scale, q_offset, kv_offset)
-    if call.backend is Backend.REFERENCE:  # the reference's backward is autograd through its own forward
-        with _autograd_dispatch(), torch.enable_grad():
-            qkv = [t.detach().requires_grad_() for t in (q, k, v)]
-            st = _reference.attend_reference(*qkv, call.pb)
-            outs, grads = (st.out, st.lse), (dout.to(st.out.dtype), None if dlse is None else dlse.to(st.lse.dtype))
-            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
-            dq, dk, dv = torch.autograd.grad([o for o, _ in pairs], qkv, [g for _, g in pairs], allow_unused=True)
-        dq, dk, dv = (torch.zeros_like(t) if d is None else d for t, d in zip((q, k, v), (dq, dk, dv)))
-        return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+                     scale: float | None, q_offset: int, kv_offset: int, grad_tensors: list[torch.Tensor]
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    from .engine import Backend
     if dlse is not None and q.device.type == "cpu" and not bool(dlse.any()):
         dlse = None
     with _autograd_dispatch():  # a non-additive score's backward takes autograd of the score tile
-        dq, dk, dv = call.backward(q, k, v, out, lse, dout, dlse)[:3]  # score tensors: refused in forward
-    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+        # (built with grad mode on when the score's tensors need gradients: the call finds them then)
+        with torch.set_grad_enabled(bool(grad_tensors)):
+            call = _call(q, k, v, tensors, spec, scale, q_offset, kv_offset)
+        if len(call.score_tensors) != len(grad_tensors):
+            raise RuntimeError(f"keyfold::attend_backward: the score modifier reads {len(call.score_tensors)} tensor(s) "
+                               f"with requires_grad here and {len(grad_tensors)} when traced; build it outside the "
+                               f"compiled function and do not change which of its tensors require grad")
+        if call.backend is Backend.REFERENCE:  # the reference's backward is autograd through its own forward
+            dq, dk, dv, dts = _reference_backward(q, k, v, dout, dlse, call)
+        else:
+            dq, dk, dv, dts = call.backward(q, k, v, out, lse, dout, dlse)
+    dts = [d.to(t.dtype).contiguous() for d, t in zip(dts, grad_tensors)]
+    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(), dts
 
 
 @_attend_backward.register_fake
-def _(q, k, v, out, lse, dout, dlse, tensors, spec, scale, q_offset, kv_offset):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the real ones
+def _(q, k, v, out, lse, dout, dlse, tensors, spec, scale, q_offset, kv_offset, grad_tensors):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),  # contiguous, as the real ones
+            [t.new_empty(t.shape) for t in grad_tensors])
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, tensors, spec, scale, q_offset, kv_offset = inputs
+    q, k, v, tensors, spec, scale, q_offset, kv_offset, grad_tensors = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, *tensors)
+    ctx.save_for_backward(q, k, v, out, lse, *tensors, *grad_tensors)
+    ctx.n_tensors = len(tensors)
     ctx.args = (spec, scale, q_offset, kv_offset)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, *tensors = ctx.saved_tensors
+    q, k, v, out, lse, *rest = ctx.saved_tensors
+    tensors, grad_tensors = rest[:ctx.n_tensors], rest[ctx.n_tensors:]
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = _attend_backward(q, k, v, out, lse, dout.contiguous(), dlse, tensors, *ctx.args)
-    return dq, dk, dv, [None] * len(tensors), None, None, None, None
+    dq, dk, dv, dts = _attend_backward(q, k, v, out, lse, dout.contiguous(), dlse, tensors, *ctx.args, grad_tensors)
+    return dq, dk, dv, [None] * len(tensors), None, None, None, None, list(dts)
 
 
 _attend.register_autograd(_backward, setup_context=_setup_context)
@@ -305,14 +343,27 @@ _attend.register_autograd(_backward, setup_context=_setup_context)
 def attend_op(q, k, v, *, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs=False) -> State:
     """:func:`keyfold.attend` through the custom op (what it calls while dynamo traces)."""
     score_obj = S.as_score(score)
-    if score_obj is not None and torch.is_grad_enabled() and any(t.requires_grad for t in score_obj.tensors()):
-        # the op's autograd has no slot for them: refuse, never drop the gradient
-        raise NotImplementedError(
-            "keyfold under torch.compile cannot yet give gradients to tensors a score modifier reads "
-            "(a learnable bias table, a float attn_mask with requires_grad): run that attention eagerly "
-            "(torch.compiler.disable around it), or freeze those tensors")
+    grad_tensors = []
+    if score_obj is not None and torch.is_grad_enabled():
+        grad_tensors = [t for t in score_obj.tensors() if t.requires_grad]
     spec, tensors = flatten(mask, score, backend, block_size, check_inputs)
-    if q_offset is None:
-        q_offset = kv_offset + k.shape[2] - q.shape[2]
-    out, lse = _attend(q, k, v, tensors, spec, None if scale is None else float(scale), q_offset, kv_offset)
+    if any(t is x for t in grad_tensors for x in tensors):
+        # a preset's tensors travel as detached data (presets keep read-only copies today): refuse, never drop
+        raise NotImplementedError(
+            "keyfold under torch.compile gives gradients to the tensors a score callable reads, not to those a "
+            "preset holds as data: write the modifier as a score_mod callable, or freeze those tensors")
+    if q_offset is None:  # as the eager call: bottom-right, or 0 for packed queries (varlen)
+        m = None if isinstance(mask, torch.Tensor) else M.as_mask(mask)
+        q_offset = 0 if m is not None and m.packed_queries else kv_offset + (k.shape[2] - q.shape[2])
+    # an offset given as a tensor (a static cache's position) travels as data: no recompile per step
+    slots = ""
+    if isinstance(q_offset, torch.Tensor):
+        slots += ',"qoff":' + _slot(q_offset.reshape(()), tensors)
+        q_offset = 0
+    if isinstance(kv_offset, torch.Tensor):
+        slots += ',"kvoff":' + _slot(kv_offset.reshape(()), tensors)
+        kv_offset = 0
+    spec = spec[:-1] + slots + "}"
+    out, lse = _attend(q, k, v, tensors, spec, None if scale is None else float(scale), q_offset, kv_offset,
+                       grad_tensors)
     return State(out, lse)

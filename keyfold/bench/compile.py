@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     cmd = "python -m keyfold bench compile" + (" --quick" if args.quick else "") + \
         (f" --backend {args.backend}" if args.backend else "")
     stem = "compile.quick" if args.quick else "compile"
-    if args.backend and not args.quick:
+    if args.backend:  # a backend chosen by hand gets its own file (the quick aot_eager one stays)
         stem += f".{backend}"
     print(write(res, cfg, results_dir(args.out), stem, cmd))
     assert all(math.isfinite(r["first_loss_compiled"]) for r in res.values())

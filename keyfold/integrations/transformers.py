@@ -51,7 +51,8 @@ class KeyfoldMask(BlockMask):
     """What the mask builder hands the attention function instead of a dense tensor.
 
     mask: a keyfold mask over absolute positions (None: every key visible).
-    q_offset / kv_offset: absolute positions of the first query row and the first key.
+    q_offset / kv_offset: absolute positions of the first query row and the first key (q_offset
+    is a 0-d tensor for a static cache, so a compiled decoding step takes it as data).
     shape: ``(B, 1, Nq, Nk)``, the mask's logical shape.
 
     It subclasses FlexAttention's ``BlockMask`` (a block-sparse mask description, which it is)
@@ -165,6 +166,165 @@ def to_keyfold_mask(fn, mu=None, codes: _Codes | None = None, packed: torch.Tens
     return _HFMaskFn(fn)
 
 
+# ------------------------------------------------- the same, while torch.compile traces
+
+class _NotClosedForm(Exception):
+    """A mask function the symbolic probe cannot read (it indexes a tensor, or compares in a form
+    no keyfold preset states)."""
+
+
+class _Lin:
+    """``cq * q_idx + ckv * kv_idx + c``: what transformers' index arithmetic builds."""
+
+    def __init__(self, cq: int, ckv: int, c: int):
+        self.cq, self.ckv, self.c = cq, ckv, c
+
+    def _other(self, x):
+        if isinstance(x, _Lin):
+            return x
+        if type(x) is int:
+            return _Lin(0, 0, x)
+        raise _NotClosedForm
+
+    def __add__(self, x):
+        o = self._other(x)
+        return _Lin(self.cq + o.cq, self.ckv + o.ckv, self.c + o.c)
+
+    __radd__ = __add__
+
+    def __sub__(self, x):
+        o = self._other(x)
+        return _Lin(self.cq - o.cq, self.ckv - o.ckv, self.c - o.c)
+
+    def __rsub__(self, x):
+        return self._other(x).__sub__(self)
+
+    def __neg__(self):
+        return _Lin(-self.cq, -self.ckv, -self.c)
+
+    def __abs__(self):
+        return _Abs(self)
+
+    # every comparison as ``d >= 0`` or ``d <= 0`` with d = self - x (positions are integers)
+    def __ge__(self, x):
+        return _at_least_zero(self - x)
+
+    def __gt__(self, x):
+        return _at_least_zero(self - x - 1)
+
+    def __le__(self, x):
+        return _at_least_zero(-(self - x))
+
+    def __lt__(self, x):
+        return _at_least_zero(-(self - x) - 1)
+
+    def new_ones(self, *args, **kwargs):   # and_masks starts from True,
+        return _Pred(M.full())
+
+    def new_zeros(self, *args, **kwargs):  # or_masks from False
+        return _Pred(None)
+
+    def __index__(self):  # indexing a tensor with a position: not closed form
+        raise _NotClosedForm
+
+    def __bool__(self):
+        raise _NotClosedForm
+
+
+class _Abs:
+    def __init__(self, lin: _Lin):
+        self.lin = lin
+
+    def __le__(self, w):  # |q - kv| <= w
+        if type(w) is int and self.lin.c == 0 and abs(self.lin.cq) == 1 and self.lin.cq == -self.lin.ckv:
+            return _Pred(M.window(w, w))
+        raise _NotClosedForm
+
+    def __bool__(self):
+        raise _NotClosedForm
+
+
+def _at_least_zero(d: _Lin) -> "_Pred":
+    """``d >= 0`` as a keyfold mask, for ``d = +-(q - kv) + c`` or ``d = q + c``."""
+    if d.cq == 1 and d.ckv == -1:      # kv <= q + c
+        return _Pred(M.causal() if d.c == 0 else M.window(None, d.c))
+    if d.cq == -1 and d.ckv == 1:      # kv >= q - c
+        return _Pred(M.window(d.c, None))
+    if d.cq == 1 and d.ckv == 0 and d.c >= 0:  # q >= -c: every query position (bidirectional)
+        return _Pred(M.full())
+    raise _NotClosedForm
+
+
+class _Pred:
+    """A boolean mask value: a keyfold mask, or None for False (or_masks' start)."""
+
+    device = None
+
+    def __init__(self, mask):
+        self.mask = mask
+
+    def to(self, *args, **kwargs):
+        return self
+
+    def __and__(self, o):
+        if not isinstance(o, _Pred):
+            raise _NotClosedForm
+        if self.mask is None or o.mask is None:
+            return _Pred(None)
+        if self.mask == M.full():
+            return o
+        if o.mask == M.full():
+            return self
+        return _Pred(self.mask & o.mask)
+
+    def __or__(self, o):
+        if not isinstance(o, _Pred):
+            raise _NotClosedForm
+        if self.mask is None:
+            return o
+        if o.mask is None:
+            return self
+        return _Pred(self.mask | o.mask)
+
+    def __bool__(self):
+        raise _NotClosedForm
+
+
+class _Index:
+    """The batch or head index: a function that reads it is not closed form."""
+
+    def __getattr__(self, name):
+        raise _NotClosedForm
+
+    def __index__(self):
+        raise _NotClosedForm
+
+
+def traced_mask(fn) -> M.Mask | None:
+    """A transformers mask function as a keyfold mask by calling it on symbolic positions.
+
+    Used while torch.compile traces, where the mask function is a closure made inside the traced
+    region and dynamo cannot read its ``__closure__``: dynamo can call it, and the symbolic
+    positions turn ``kv_idx <= q_idx``, ``kv_idx > q_idx - w``, ``abs(q_idx - kv_idx) <= w``,
+    ``q_idx >= 0`` and and/or composites into keyfold masks (None: every key). Raises
+    :class:`_NotClosedForm` for anything else (a function that indexes a tensor).
+    """
+    out = fn(_Index(), _Index(), _Lin(1, 0, 0), _Lin(0, 1, 0))
+    if not isinstance(out, _Pred):
+        raise _NotClosedForm
+    if out.mask is None:
+        raise _NotClosedForm  # no key at all: not a mask a model builds
+    return None if out.mask == M.full() else out.mask
+
+
+def _compiled_mask(fn) -> M.Mask | None:
+    """:func:`to_keyfold_mask` while dynamo traces: the symbolic probe, else the callable."""
+    try:
+        return traced_mask(fn)
+    except (_NotClosedForm, IndexError, TypeError):
+        return _HFMaskFn(fn)
+
+
 def mask_interface(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
                    mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs) -> KeyfoldMask:
     """transformers' ``AttentionMaskInterface`` entry: the model's mask, as a :class:`KeyfoldMask`.
@@ -173,10 +333,13 @@ def mask_interface(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     by absolute key position; it is kept as ``padding(keys=...)``, never expanded to 4-D.
     """
     mu = _hf()
-    codes = _codes(mu)
-    mask = to_keyfold_mask(mu.causal_mask_function if mask_function is None else mask_function, mu, codes)
-    if isinstance(q_offset, torch.Tensor):  # a StaticCache layer reports it as a tensor
-        q_offset = int(q_offset)
+    fn = mu.causal_mask_function if mask_function is None else mask_function
+    mask = _compiled_mask(fn) if torch.compiler.is_compiling() else to_keyfold_mask(fn, mu)
+    if isinstance(q_offset, torch.Tensor):
+        # a StaticCache layer reports its length as a tensor that it advances in place during the
+        # forward: keep a copy of today's value. While compiling (or for a compiled forward that
+        # receives this mask), a tensor is data of the graph: no recompile at every decoding step.
+        q_offset = q_offset.detach().clone()
     # (traced by torch.compile, the all-real check would break the graph: keep the mask, it is exact)
     if attention_mask is not None and (torch.compiler.is_compiling() or not bool(attention_mask.all())):
         valid = attention_mask.bool()
@@ -187,7 +350,7 @@ def mask_interface(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
         mask = pad if mask is None or mask == M.full() else mask & pad
     if mask == M.full():
         mask = None
-    return KeyfoldMask(mask, int(q_offset), int(kv_offset), (batch_size, 1, q_length, kv_length))
+    return KeyfoldMask(mask, q_offset, kv_offset, (batch_size, 1, q_length, kv_length))
 
 
 # ------------------------------------------------------------------------- the attention
@@ -223,6 +386,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     q_offset, kv_offset = None, 0
     if isinstance(attention_mask, KeyfoldMask):
         mask, q_offset, kv_offset = attention_mask.mask, attention_mask.q_offset, attention_mask.kv_offset
+        if isinstance(q_offset, torch.Tensor) and not torch.compiler.is_compiling():
+            q_offset = int(q_offset)  # (compiled, the op reads it at run time)
     elif attention_mask is None:
         _check_mask_builder(module)
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)

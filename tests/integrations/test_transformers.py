@@ -203,11 +203,14 @@ def test_import_keyfold_does_not_import_transformers():
     assert out.stdout.strip() == "False"
 
 
-def test_compiles_whole_with_padding():
-    """torch.compile(fullgraph=True) of a padded Llama forward: 0 graph breaks, eager's logits.
-    (A sliding-window model's mask function is a closure made while tracing, which dynamo cannot
-    open: it compiles with graph breaks around the mask builder, see the README.)"""
-    model = build("llama")
+@pytest.mark.parametrize("name", ["llama", pytest.param("mistral", marks=pytest.mark.slow),
+                                  pytest.param("gemma2", marks=pytest.mark.slow)])
+def test_compiles_whole_with_padding(name):
+    """torch.compile(fullgraph=True) of a padded forward: 0 graph breaks, eager's logits. Mistral's
+    and Gemma 2's sliding-window mask functions are closures made while dynamo traces (it cannot
+    read their ``__closure__``): the mask builder calls them on symbolic positions instead (5 graph
+    breaks before it did)."""
+    model = build(name)
     model.set_attn_implementation("keyfold")
     ids, am = batch(left=True)
 
@@ -220,5 +223,54 @@ def test_compiles_whole_with_padding():
     got, want = compiled(ids, am), forward(ids, am)
     real = am.bool()
     assert (got - want)[real].abs().max() <= 1e-5
+    model.set_attn_implementation("eager")
+    assert (got - forward(ids, am))[real].abs().max() <= 1e-4
+    model.set_attn_implementation("keyfold")
     am2 = am.flip(0)  # other padding, same shapes: the same graph, the new padding honoured
     assert (compiled(ids.flip(0), am2) - forward(ids.flip(0), am2))[am2.bool()].abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["llama", pytest.param("gemma2", marks=pytest.mark.slow)])
+def test_compiled_static_cache_generate_is_identical(name):
+    """generate(cache_implementation="static") with transformers compiling the decoding steps
+    (fullgraph=True): eager's greedy tokens, and (Llama) one graph for every step, since the
+    cache position reaches keyfold as a tensor rather than an int guarded at each step."""
+    from torch._dynamo.utils import counters
+    model = build(name)
+    ids, am = batch(left=True)
+    kw = dict(input_ids=ids, attention_mask=am, max_new_tokens=5, min_new_tokens=5, do_sample=False,
+              cache_implementation="static")
+    model.set_attn_implementation("eager")
+    want = model.generate(**kw)
+    model.set_attn_implementation("keyfold")
+    cc = transformers.CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
+    cc._compile_all_devices = True  # transformers compiles generate's decoding only on accelerators unless told
+    torch._dynamo.reset()
+    counters.clear()
+    got = model.generate(**kw, compile_config=cc)
+    assert torch.equal(got, want)
+    assert counters["stats"]["unique_graphs"] >= 1  # the decoding steps did run compiled
+    if name == "llama":  # (a sliding-window cache layer guards on its own int length: one recompile)
+        assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_static_cache_offset_is_copied_before_the_cache_advances():
+    """A StaticCache layer's length is a tensor it advances in place inside the forward, after the
+    mask is built: the mask keeps its own copy (a shared one would move every query by Nq)."""
+    pos = torch.tensor(7)
+    built = kft.mask_interface(1, 1, 16, q_offset=pos, attention_mask=torch.ones(1, 8, dtype=torch.bool))
+    pos.add_(1)
+    assert int(built.q_offset) == 7
+
+
+def test_symbolic_probe_reads_transformers_mask_functions():
+    """What the mask builder uses while compiling: the same keyfold masks as the closure reader."""
+    mu = transformers.masking_utils
+    for fn in (mu.causal_mask_function, mu.sliding_window_causal_mask_function(3),
+               mu.sliding_window_bidirectional_mask_function(2),
+               mu.or_masks(mu.causal_mask_function, mu.sliding_window_bidirectional_overlay(1))):
+        got, want = kft.traced_mask(fn), kft.to_keyfold_mask(fn)
+        assert torch.equal(got.to_dense(9, 9), want.to_dense(9, 9)), fn
+    assert kft.traced_mask(mu.bidirectional_mask_function) is None
+    chunked = mu.chunked_causal_mask_function(2, torch.tensor([0, 1]))  # indexes a tensor
+    assert isinstance(kft._compiled_mask(chunked), kft._HFMaskFn)

@@ -151,15 +151,90 @@ def test_check_inputs_holds_under_compile():
         fn(q, k.detach(), v.detach())
 
 
-def test_learnable_score_tensor_under_compile_is_refused_not_dropped():
-    """A score callable whose captured table requires grad trains eagerly (#16 item 1); the custom
-    op has no gradient slot for it, so under torch.compile it raises instead of dropping the gradient."""
-    table = torch.zeros(16, requires_grad=True)
+def test_learnable_score_tensor_gets_its_gradient_under_compile():
+    """A score callable whose captured table requires grad trains eagerly (#16 item 1); compiled,
+    the table is an input of the custom op and its backward returns the table's gradient: eager's."""
+    table = torch.randn(16, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
     score = kf.score_fn(lambda s, b, h, qi, ki: s + table[(qi - ki).abs()], tensors=[table])  # built outside
 
     def f(q, k, v):
-        return kf.attention(q, k, v, score=score)
+        return kf.attention(q, k, v, score=score, mask=kf.causal())
 
-    q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
-    with pytest.raises(Exception, match="cannot yet give gradients"):
-        torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v).sum().backward()
+    q, k, v, _ = inputs(8)
+    ex = torch._dynamo.explain(f)(q, k, v)
+    assert ex.graph_break_count == 0, ex.break_reasons
+    got, want = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v), f(q, k, v)
+    assert torch.equal(got, want)
+    g1 = torch.autograd.grad(got.square().sum(), (q, k, v, table))
+    g2 = torch.autograd.grad(want.square().sum(), (q, k, v, table))
+    assert g2[3].abs().max() > 0.1  # the table's gradient is there to compare
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def packed(q, k, v, cu_q, cu_k):
+    """varlen masks built inside the compiled function from its cu_seqlens inputs."""
+    a = kf.attention(q, k, v, mask=kf.varlen(cu_q, cu_k, causal=True))
+    b = kf.attention(q, k, v, mask=kf.varlen(cu_q, cu_k) & kf.window(2))
+    return a + b
+
+
+def test_varlen_compiles_whole_and_new_lengths_are_data():
+    """Packed queries and keys of different totals (5 vs 9): the default q_offset is 0 under compile
+    as it is eagerly (it was ``Nk - Nq`` in the op, and the call was refused), and new cu_seqlens of
+    the same shape run in the same graph with their own answer."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 5, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 2, 9, 8, generator=g, requires_grad=True) for _ in range(2))
+    cu_q, cu_k = torch.tensor([0, 2, 5]), torch.tensor([0, 4, 9])
+    ex = torch._dynamo.explain(packed)(q, k, v, cu_q, cu_k)
+    assert ex.graph_break_count == 0, ex.break_reasons
+    compiled = torch.compile(packed, fullgraph=True, backend="aot_eager")
+    got, want = compiled(q, k, v, cu_q, cu_k), packed(q, k, v, cu_q, cu_k)
+    assert torch.equal(got, want)
+    for a, b in zip(torch.autograd.grad(got.sum(), (q, k, v)), torch.autograd.grad(want.sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    other_q, other_k = torch.tensor([0, 4, 5]), torch.tensor([0, 1, 9])
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert torch.equal(compiled(q, k, v, other_q, other_k), packed(q, k, v, other_q, other_k))
+        with pytest.raises(ValueError, match="start at 0"):  # checked when the op rebuilds the mask
+            compiled(q, k, v, torch.tensor([1, 4, 5]), other_k)
+
+
+def padded(q, k, v, lengths, keys):
+    """padding by lengths (right), by starts (left) and by a key mask, built inside."""
+    a = kf.attention(q, k, v, mask=kf.padding(lengths))
+    b = kf.attention(q, k, v, mask=kf.causal() & kf.padding(starts=k.shape[2] - lengths))
+    c = kf.attention(q, k, v, mask=kf.padding(keys=keys))
+    return a + b + c
+
+
+def test_padding_compiles_whole_with_data_lengths():
+    q, k, v, lengths = inputs(6)
+    keys = torch.rand(2, 16, generator=torch.Generator().manual_seed(0)) > 0.3
+    ex = torch._dynamo.explain(padded)(q, k, v, lengths, keys)
+    assert ex.graph_break_count == 0, ex.break_reasons
+    compiled = torch.compile(padded, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(q, k, v, lengths, keys), padded(q, k, v, lengths, keys))
+    with torch.compiler.set_stance("fail_on_recompile"):
+        other, keys2 = torch.tensor([3, 12]), ~keys
+        got, want = compiled(q, k, v, other, keys2), padded(q, k, v, other, keys2)
+        assert torch.equal(got, want)
+        for a, b in zip(torch.autograd.grad(got.sum(), (q, k, v)), torch.autograd.grad(want.sum(), (q, k, v))):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_tensor_q_offset_is_data_not_a_recompile():
+    """A decoding position given as a 0-d tensor (a static KV cache's) reaches the op as data."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = torch.randn(1, 2, 1, 8, generator=g), torch.randn(1, 2, 16, 8, generator=g), torch.randn(1, 2, 16, 8, generator=g)
+
+    def step(q, k, v, pos):
+        return kf.attention(q, k, v, mask=kf.causal() & kf.window(4), q_offset=pos)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    compiled(q, k, v, torch.tensor(3))
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for pos in (5, 11, 15):
+            want = kf.attention(q, k, v, mask=kf.causal() & kf.window(4), q_offset=pos)
+            assert torch.equal(compiled(q, k, v, torch.tensor(pos)), want)
