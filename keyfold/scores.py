@@ -91,6 +91,12 @@ class _Alibi(ScoreMod):
             raise ValueError(f"alibi(slopes): expected a float tensor (H,) with one slope per query head, or "
                              f"(B, H) per batch entry and head (FlashAttention's alibi_slopes); got {got}; "
                              f"alibi_slopes(H) gives the paper's geometric slopes")
+        if slopes.requires_grad and torch.is_grad_enabled():
+            # the preset holds a read-only copy, so the slopes would silently get no gradient
+            raise ValueError("alibi(slopes): slopes require grad, but alibi() holds fixed slopes and gives them "
+                             "no gradient; for learnable slopes pass a score callable that reads them, e.g. "
+                             "score=lambda s, b, h, q, kv: s - slopes[h] * (q - kv).abs() (it trains like Flex's), "
+                             "or pass slopes.detach() to keep them fixed")
         self.slopes = _TensorKey(slopes.float())
 
     def _per_batch(self) -> bool:

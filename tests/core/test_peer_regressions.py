@@ -229,6 +229,24 @@ def test_alibi_far_from_position_zero(backend, base, case):
     assert_close_by_rule(out, ref, naive, None)
 
 
+def test_alibi_with_learnable_slopes_raises_instead_of_dropping_their_gradient():
+    """Regression: alibi(slopes) kept a read-only copy, so slopes with requires_grad trained silently
+    to nothing (.grad stayed None). It now raises naming the callable form, which does train them."""
+    H = 4
+    slopes = torch.rand(H, requires_grad=True)
+    with pytest.raises(ValueError, match="slopes require grad"):
+        kf.alibi(slopes)
+    with torch.no_grad():                          # inference with a learned parameter: fine
+        kf.alibi(slopes)
+    kf.alibi(slopes.detach())
+    q, k, v = _qkv(1, H, 24, 24, 8, seed=4)
+    out = kf.attention(q, k, v, mask=kf.causal(), score=lambda s, b, h, qi, kv: s - slopes[h] * (qi - kv).abs())
+    out.sum().backward()
+    assert slopes.grad is not None and slopes.grad.abs().sum() > 0
+    fixed = kf.attention(q, k, v, mask=kf.causal(), score=kf.alibi(slopes.detach()))
+    assert max_err(out.detach(), fixed) < 1e-5
+
+
 def test_alibi_per_batch_slopes():
     """FlashAttention accepts alibi_slopes of shape (B, H)."""
     B, H = 3, 4
