@@ -47,6 +47,15 @@ def _gather(t: torch.Tensor, b, h, qp, kp, q0: int, k0: int) -> torch.Tensor:
     return t
 
 
+
+def refuse_under_compile(mask, name: str) -> None:
+    """Tensor masks are not yet ops data under ``torch.compile``: say so instead of failing inside."""
+    if mask is not None and torch.compiler.is_compiling() and isinstance(mask, (torch.Tensor, _DenseMask)):
+        raise NotImplementedError(
+            f"{name}: keyfold under torch.compile takes mask objects (keyfold.causal(), window(), padding(lengths), "
+            f"documents(ids), varlen(cu_q, cu_k), ...), not dense tensor masks yet; build the mask object, or run "
+            f"this call eagerly (torch.compiler.disable)")
+
 class _DenseMask(Mask):
     """A bool tensor ``(B|1, H|1, Nq|1, Nk|1)``, True = visible, at query/key offsets ``q0`` / ``k0``."""
 

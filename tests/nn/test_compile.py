@@ -238,3 +238,26 @@ def test_tensor_q_offset_is_data_not_a_recompile():
         for pos in (5, 11, 15):
             want = kf.attention(q, k, v, mask=kf.causal() & kf.window(4), q_offset=pos)
             assert torch.equal(compiled(q, k, v, torch.tensor(pos)), want)
+
+
+def test_tensor_masks_under_fullgraph_compile_raise_naming_the_argument():
+    """Dense tensor masks are not op data yet: fullgraph compile used to die inside keyfold
+    (``'_DenseMask' object has no attribute 'table'``, a data-dependent guard); it now raises
+    naming ``attn_mask`` and the mask objects to use. Without fullgraph the call runs eagerly."""
+    torch._dynamo.reset()
+    q = torch.randn(1, 2, 5, 8)
+    mask = torch.tensor([[True, False, True, True, False]]).expand(5, 5)
+    eager = kf.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+    def f(q, am):
+        return kf.scaled_dot_product_attention(q, q, q, attn_mask=am)
+
+    with pytest.raises(Exception, match="attn_mask: keyfold under torch.compile takes mask objects"):
+        torch.compile(f, fullgraph=True, backend="aot_eager")(q, mask)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(f, backend="aot_eager")(q, mask), eager)
+    mha = kf.nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(2, 5, 8)
+    with pytest.raises(Exception, match="attn_mask: keyfold under torch.compile"):
+        torch.compile(lambda x: mha(x, x, x, attn_mask=mask, need_weights=False)[0], fullgraph=True,
+                      backend="aot_eager")(x)
