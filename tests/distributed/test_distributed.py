@@ -347,11 +347,13 @@ def _worker_raises(rank, P):
 
 def test_a_rank_that_raises_ends_every_rank():
     t0 = time.monotonic()
-    got = launch(_worker_raises, 2, pg_timeout=5, deadline=60)
+    got = launch(_worker_raises, 2, pg_timeout=5, deadline=90)
     assert got[1][0] == "error" and "boom" in got[1][1][1]
     assert got[0][0] == "error" and got[0][1][0] in ("DistributedError", "ShardError"), got[0]
     assert "rank 0" in got[0][1][1]
-    assert time.monotonic() - t0 < 30
+    # rank 0 ended on its own, well before the launcher's deadline (spawning two ranks that import
+    # torch takes 10-40 s of it on 2 busy cores, so the bound is on not hanging, not on speed)
+    assert time.monotonic() - t0 < 80
 
 
 # ----------------------------------------------- positions and pieces, in-process (Hypothesis)

@@ -88,13 +88,13 @@ def _worker_dies_mid_ring(rank, P, where):
 def test_a_rank_killed_mid_ring_step_ends_the_others_within_the_timeout():
     for where in ("forward",):          # "backward" (piece_grads) ends the same way; one spawn keeps it quick
         t0 = time.monotonic()
-        got = launch(_worker_dies_mid_ring, 2, where, pg_timeout=3, deadline=40)
+        got = launch(_worker_dies_mid_ring, 2, where, pg_timeout=3, deadline=90)
         assert got[1] == ("died", 17), (where, got[1])
         status, value = got[0]
         assert status == "ok" and value[0] == "DistributedError", (where, got[0])
         assert "rank 0" in value[1] and "ring" in value[1], value[1]
         assert value[2] < 3 * 3, f"{where}: rank 0 waited {value[2]:.1f}s with a 3 s group timeout"
-        assert time.monotonic() - t0 < 40
+        assert time.monotonic() - t0 < 80   # not hanging to the deadline (spawns are slow on busy cores)
 
 
 # ------------------------------------------- masks compared by content; check_shards=False raises
