@@ -153,7 +153,7 @@ def test_sdp_math_gradcheck(contiguous_inputs):
 # ---------------------------------------- TestSDPA.test_scaled_dot_product_fused_attention_vs_math_cpu
 
 
-def _fused_vs_math(dtype, batch_size, seq_len, n_head, head_dim, causal, train):
+def assert_fused_matches_math(dtype, batch_size, seq_len, n_head, head_dim, causal, train):
     atol, rtol = FUSED_TOL[dtype]
     n_embd = n_head * head_dim
     x = torch.randn(batch_size, seq_len, 3 * n_embd, generator=torch.Generator().manual_seed(0)).to(dtype)
@@ -183,7 +183,7 @@ def test_scaled_dot_product_fused_attention_vs_math_cpu(dtype, causal, train):
     head_dim 8 (one point of torch's grid of batch 2/12, seq 267/1030, heads 1/3, head_dim 8/16;
     the rest is not ported, to keep the file fast). Packed qkv
     split into strided views; low precision against MATH in float32; torch's tolerances."""
-    _fused_vs_math(dtype, 2, 267, 3, 8, causal, train)
+    assert_fused_matches_math(dtype, 2, 267, 3, 8, causal, train)
 
 
 # ---------------------------------- TestSDPA.test_scaled_dot_product_fused_attention_mask_vs_math_cpu
