@@ -14,13 +14,7 @@ VOCAB = 101
 kft.register()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices: threads only add contention on a shared CI machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matrices
 
 
 def _decoder(name):

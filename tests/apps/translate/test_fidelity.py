@@ -7,6 +7,11 @@ import json
 import pytest
 import torch
 
+from tests.helpers import require_extra
+
+require_extra("translate")  # skip, naming the pip line, where the extra is missing (before the app imports)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 from keyfold.apps.translate import data as D
 from keyfold.apps.translate import train as T
 from keyfold.apps.translate import translate as TR

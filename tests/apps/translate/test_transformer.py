@@ -14,6 +14,7 @@ from keyfold import nn as knn
 from tests.helpers import require_extra
 
 require_extra("translate")  # skip, naming the pip line, where the extra is missing (before the app imports)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 from keyfold.apps.translate import train as T
 from keyfold.apps.translate.data import BOS, EOS, PAD
