@@ -135,7 +135,20 @@ def _pick_rows(rows: RowTable, t: torch.Tensor, idx: torch.Tensor, S: int) -> to
     return t[req, :, torch.arange(L, device=t.device), :].permute(1, 0, 2).unsqueeze(0)  # (1, H', L, S)
 
 
-class MaskView(Mask):
+class _Seen:
+    """What both views share: shown as ``inner[remap]``, equal and hashed by type and ``_key()``."""
+
+    def __repr__(self):
+        return f"{self.inner!r}[{self.remap!r}]"
+
+    def __eq__(self, other):
+        return type(other) is type(self) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash((type(self).__name__,) + self._key())
+
+
+class MaskView(_Seen, Mask):
     """``inner`` seen through ``remap``: ``evaluate(b, h, qp, kp)`` asks ``inner`` at the remapped indices.
 
     >>> import keyfold
@@ -186,17 +199,8 @@ class MaskView(Mask):
     def _key(self):
         return (self.inner, self.remap, self.n_batch)
 
-    def __repr__(self):
-        return f"{self.inner!r}[{self.remap!r}]"
 
-    def __eq__(self, other):
-        return type(other) is MaskView and self._key() == other._key()
-
-    def __hash__(self):
-        return hash(("mask_view",) + self._key())
-
-
-class ScoreView(ScoreMod):
+class ScoreView(_Seen, ScoreMod):
     """A score modifier seen through ``remap``, like :class:`MaskView`; ``b`` is the inner's batch
     row (shifted by a batch remap, each row's request under a row table)."""
 
@@ -228,15 +232,6 @@ class ScoreView(ScoreMod):
 
     def _key(self):
         return (self.inner, self.remap)
-
-    def __repr__(self):
-        return f"{self.inner!r}[{self.remap!r}]"
-
-    def __eq__(self, other):
-        return type(other) is ScoreView and self._key() == other._key()
-
-    def __hash__(self):
-        return hash(("score_view",) + self._key())
 
 
 def heads_slice(score: ScoreMod | None, h0: int, h1: int) -> ScoreMod | None:
