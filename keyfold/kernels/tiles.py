@@ -20,7 +20,7 @@ def _scores(qp_, kp_, pb: Problem):
     B, Hq, L, D = qp_.shape
     Hkv, S = kp_.shape[1], kp_.shape[2]
     g = Hq // Hkv
-    raw = (qp_.reshape(B, Hkv, g, L, D) @ kp_.unsqueeze(2).transpose(-1, -2)) * pb.scale  # (B,Hkv,g,L,S)
+    raw = (qp_.reshape(B, Hkv, g, L, D) @ kp_.unsqueeze(2).transpose(-1, -2)).mul_(pb.scale)  # (B,Hkv,g,L,S)
     raw = raw.reshape(B, Hq, L, S)
     return raw
 
@@ -60,31 +60,67 @@ def _keep(q, piece, pb: Problem, pos):
     return dropout_keep(pb.dropout_seed, pb.dropout_p, b, h, qp, kp, q.shape[1])
 
 
+def _bounds_cached(q, piece, pb: Problem, plan: Plan, dtype):
+    """The piece's mask as two float tiles for ``clamp_max_`` (cached like :func:`_visible_cached`),
+    or None when every pair is visible: ``hide`` is +inf where visible and -inf where hidden (the
+    scores before the row max), ``zero`` is +inf and 0 (the probabilities after exp). A clamp
+    against a float tile runs ~4x faster than ``masked_fill_`` with a broadcast bool tile on a CPU
+    (measured: 0.9 ms against 3.8 ms on a (1, 4, 1024, 1024) float32 tile)."""
+    key = ("bounds", piece, q.shape[0], q.shape[1], q.device, dtype)
+    bounds = plan.tiles.get(key)
+    if bounds is None:
+        vis = _visible_cached(q, piece, pb, plan)
+        if vis is None:
+            return None
+        inf = torch.tensor(float("inf"), dtype=dtype, device=q.device)
+        bounds = (torch.where(vis, inf, -inf), torch.where(vis, inf, torch.zeros((), dtype=dtype, device=q.device)))
+        plan.tiles.put(key, bounds, 2 * bounds[0].numel() * bounds[0].element_size())
+    return bounds
+
+
+#: Floor of ``s - max`` before exp: the lowest argument whose exp is a normal number. PyTorch's CPU exp
+#: leaves its vector path for arguments whose result is subnormal or 0 (measured: -inf ~5x, -110 ~15x,
+#: -90 ~50x slower per element than -87), which every hidden pair and every far-below-max score would
+#: hit. A pair floored here gets P = exp(floor) (< 2^-125 of the row's largest P, itself 1) instead of a
+#: smaller one, below the float's resolution of the sum; hidden pairs are set to 0 exactly after exp.
+_EXP_FLOOR = {torch.float32: -87.0, torch.float64: -708.0}
+
+
 def forward(q, k, v, plan: Plan, pb: Problem) -> State:
+    """Scores, softmax and ``P @ V`` in float32 (float64 for float64) for every input dtype, tile
+    by tile; q, k and v are cast once per call, not per piece (neighbouring pieces share keys)."""
     sd = state_dtype(q.dtype)
     B, Hq, Nq, _ = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
     g = Hq // Hkv
     acc = empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
+    floor = _EXP_FLOOR[sd]
+    q, k, v = q.to(sd), k.to(sd), v.to(sd)
     for piece in plan.pieces:
-        vis = _visible_cached(q, piece, pb, plan)
+        bounds = _bounds_cached(q, piece, pb, plan, sd)
         pos = positions(q, piece, pb) if pb.score is not None or pb.dropout_p else None
-        qs = q[:, :, piece.q0:piece.q1].to(sd)
-        ks = k[:, :, piece.k0:piece.k1].to(sd)
-        vs = v[:, :, piece.k0:piece.k1].to(sd)
-        s = _scores(qs, ks, pb)                                              # (B, Hq, L, S), ours
+        vs = v[:, :, piece.k0:piece.k1]
+        s = _scores(q[:, :, piece.q0:piece.q1], k[:, :, piece.k0:piece.k1], pb)  # (B, Hq, L, S), ours
         sep = _separable(piece, pb, q.device)
         if sep is not None:  # key term into the scores, row term into lse (exact far from the keys)
             s = s.add_(sep[1])
         elif pb.score is not None:
             s = pb.score.apply_(s, *pos)
-        if vis is not None:
-            s = s.masked_fill_(~vis, NEG_INF)
         # softmax in place: one max, one exp pass, one sum (empty rows: max = -inf -> use 0)
-        m = s.amax(-1, keepdim=True)
-        m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-        p = s.sub_(m).exp_()
-        total = p.sum(-1, keepdim=True)                                      # (B, Hq, L, 1)
+        if bounds is not None:
+            s = s.clamp_max_(bounds[0])
+        m = s.amax(-1, keepdim=True)                                         # (B, Hq, L, 1)
+        if bounds is not None and bool(torch.isnan(m).any()):
+            # clamp_max keeps a NaN a NaN: hide the pairs again the exact way, so a score that is NaN
+            # only where the mask hides it (a callable's log(0) there) leaves no trace, as masked_fill
+            s = s.masked_fill_(~_visible_cached(q, piece, pb, plan), NEG_INF)
+            m = s.amax(-1, keepdim=True)
+        empty = torch.isneginf(m)  # no visible key, or a score of -inf at every one (a callable's own mask)
+        m = m.masked_fill(empty, 0.0)
+        p = s.sub_(m).clamp_min_(floor).exp_()
+        if bounds is not None:
+            p = p.clamp_max_(bounds[1])                                       # hidden pairs: exactly 0
+        total = p.sum(-1, keepdim=True).masked_fill_(empty, 0.0)             # (B, Hq, L, 1)
         lse = (m + total.log()).squeeze(-1)                                  # -inf where total = 0
         if sep is not None:
             lse = lse + sep[0]
@@ -94,7 +130,7 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
             p = p.masked_fill_(~keep, 0.0)
             total = total * (1.0 - pb.dropout_p)                             # kept ones scale by 1/(1-p)
         out = (p.reshape(B, Hkv, g, L, S) @ vs.unsqueeze(2)).reshape(B, Hq, L, Dv)
-        out = out / torch.where(total > 0, total, torch.ones_like(total))
+        out = out.div_(torch.where(total > 0, total, torch.ones_like(total))).masked_fill_(empty, 0.0)
         rows = slice(piece.q0, piece.q1)
         merge_into(State(acc.out[:, :, rows], acc.lse[:, :, rows]), State(out, lse))
     return acc

@@ -1,0 +1,60 @@
+"""The tile kernel's forward (score modifiers in torch ops) on the cases its fast paths special-case:
+hidden pairs cut by a clamp against a float tile, exp's argument floored to stay on the CPU's vector
+path, and scores that a callable itself sets to -inf or NaN."""
+
+import pytest
+import torch
+
+import keyfold as kf
+from keyfold import Backend
+from tests.helpers import assert_forward_by_rule
+
+
+def _qkv(B=1, H=2, N=70, D=16, dtype=torch.float32, mag=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple((torch.randn(B, H, N, D, generator=g) * (mag if i < 2 else 1.0)).to(dtype) for i in range(3))
+
+
+@pytest.mark.parametrize("backend", [Backend.TILES, Backend.AUTO])
+def test_rows_a_score_callable_sets_to_minus_inf_are_zero(backend):
+    """A Flex-style score_mod that masks by returning -inf: a row where it does so at every key sees
+    nothing (out 0, lse -inf), even though exp's argument is floored (a floored -inf would weigh
+    exp(floor) > 0 and give such a row the mean of v); the other rows match the same call without it."""
+    q, k, v = _qkv()
+    fn = lambda s, b, h, qi, ki: torch.where(qi < 5, torch.full_like(s, float("-inf")), s)  # noqa: E731
+    out, lse = kf.attention(q, k, v, mask=kf.causal(), score=fn, backend=backend, block_size=16, return_lse=True)
+    assert bool((out[:, :, :5] == 0).all()) and bool(lse[:, :, :5].isneginf().all())
+    plain = kf.attention(q, k, v, mask=kf.causal(), backend=Backend.TILES, block_size=16)
+    torch.testing.assert_close(out[:, :, 5:], plain[:, :, 5:], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mask", [None, kf.causal(), kf.causal() & kf.window(9)], ids=["dense", "causal", "window"])
+def test_scores_hundreds_below_the_row_max_hold_the_rule(dtype, mask):
+    """Scores spread over ~1e3 (softcap 500 leaves them as they are): most exp arguments fall below
+    the floor; the rule still holds."""
+    q, k, v = _qkv(dtype=dtype, mag=6.0)
+    assert_forward_by_rule(q, k, v, mask=mask, score=kf.softcap(500.0), backend=Backend.TILES, block_size=16)
+    assert_forward_by_rule(q, k, v, mask=mask, score=lambda s, b, h, qi, ki: 3.0 * s,
+                           backend=Backend.TILES, block_size=16)
+
+
+def test_a_score_nan_only_where_the_mask_hides_the_pair_leaves_no_trace():
+    """clamp_max keeps NaN a NaN: a score that is NaN exactly at hidden pairs must give the answer of
+    the same call with a clean score, as masked_fill would."""
+    q, k, v = _qkv()
+    fn = lambda s, b, h, qi, ki: torch.where(ki <= qi, s, torch.full_like(s, float("nan")))  # noqa: E731
+    for mask in (kf.causal(), kf.causal() & kf.window(9)):
+        out = kf.attention(q, k, v, mask=mask, score=fn, backend=Backend.TILES, block_size=16)
+        clean = kf.attention(q, k, v, mask=mask, score=lambda s, b, h, qi, ki: s + 0.0, backend=Backend.TILES,
+                             block_size=16)
+        assert not bool(out.isnan().any())
+        torch.testing.assert_close(out, clean, atol=0, rtol=0)
+
+
+def test_a_score_nan_at_a_visible_pair_stays_nan():
+    """A NaN the mask does not hide is the caller's: it is not cleaned up."""
+    q, k, v = _qkv()
+    fn = lambda s, b, h, qi, ki: torch.where((qi == 20) & (ki == 3), torch.full_like(s, float("nan")), s)  # noqa: E731
+    out = kf.attention(q, k, v, mask=kf.causal(), score=fn, backend=Backend.TILES, block_size=16)
+    assert bool(out[:, :, 20].isnan().all()) and not bool(out[:, :, :20].isnan().any())
