@@ -7,7 +7,7 @@ import torch
 
 import keyfold as kf
 from keyfold import Backend
-from tests.helpers import assert_forward_by_rule
+from tests.helpers import assert_backward_by_rule, assert_forward_by_rule
 
 
 def _qkv(B=1, H=2, N=70, D=16, dtype=torch.float32, mag=1.0, seed=0):
@@ -58,3 +58,16 @@ def test_a_score_nan_at_a_visible_pair_stays_nan():
     fn = lambda s, b, h, qi, ki: torch.where((qi == 20) & (ki == 3), torch.full_like(s, float("nan")), s)  # noqa: E731
     out = kf.attention(q, k, v, mask=kf.causal(), score=fn, backend=Backend.TILES, block_size=16)
     assert bool(out[:, :, 20].isnan().all()) and not bool(out[:, :, :20].isnan().any())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cap", [2.0, 50.0])
+def test_16bit_softcap_sigmoid_form_holds_the_rule_forward_and_backward(dtype, cap):
+    """16-bit softcap on a CPU runs in its sigmoid form; the backward computes P from the same form,
+    so rows with one key (causal's first row, a 1x1 problem) get P = 1 exactly and their gradients
+    stay within the rule."""
+    q, k, v = _qkv(N=40, dtype=dtype, mag=2.0)
+    assert_forward_by_rule(q, k, v, mask=kf.causal(), score=kf.softcap(cap), block_size=16)
+    assert_backward_by_rule(q, k, v, mask=kf.causal(), score=kf.softcap(cap), block_size=16)
+    one = tuple(t[:, :, :1] for t in (q, k, v))
+    assert_backward_by_rule(*one, score=kf.softcap(cap))
