@@ -1,6 +1,6 @@
 """The tile kernel's forward (score modifiers in torch ops) on the cases its fast paths special-case:
-hidden pairs cut by a clamp against a float tile, exp's argument floored to stay on the CPU's vector
-path, and scores that a callable itself sets to -inf or NaN."""
+hidden pairs cut by a clamp against a float tile, torch.softmax with lse read back from P at the row's
+max, 16-bit softcap in its sigmoid form, and scores that a callable itself sets to -inf or NaN."""
 
 import pytest
 import torch
@@ -18,8 +18,8 @@ def _qkv(B=1, H=2, N=70, D=16, dtype=torch.float32, mag=1.0, seed=0):
 @pytest.mark.parametrize("backend", [Backend.TILES, Backend.AUTO])
 def test_rows_a_score_callable_sets_to_minus_inf_are_zero(backend):
     """A Flex-style score_mod that masks by returning -inf: a row where it does so at every key sees
-    nothing (out 0, lse -inf), even though exp's argument is floored (a floored -inf would weigh
-    exp(floor) > 0 and give such a row the mean of v); the other rows match the same call without it."""
+    nothing (out 0, lse -inf, where softmax gives NaN and an exp floored for speed would give the
+    mean of v); the other rows match the same call without it."""
     q, k, v = _qkv()
     fn = lambda s, b, h, qi, ki: torch.where(qi < 5, torch.full_like(s, float("-inf")), s)  # noqa: E731
     out, lse = kf.attention(q, k, v, mask=kf.causal(), score=fn, backend=backend, block_size=16, return_lse=True)
@@ -31,8 +31,8 @@ def test_rows_a_score_callable_sets_to_minus_inf_are_zero(backend):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mask", [None, kf.causal(), kf.causal() & kf.window(9)], ids=["dense", "causal", "window"])
 def test_scores_hundreds_below_the_row_max_hold_the_rule(dtype, mask):
-    """Scores spread over ~1e3 (softcap 500 leaves them as they are): most exp arguments fall below
-    the floor; the rule still holds."""
+    """Scores spread over ~1e3 (softcap 500 leaves them as they are): most probabilities underflow
+    (an exp floored for speed would weigh them exp(floor)); the rule still holds."""
     q, k, v = _qkv(dtype=dtype, mag=6.0)
     assert_forward_by_rule(q, k, v, mask=mask, score=kf.softcap(500.0), backend=Backend.TILES, block_size=16)
     assert_forward_by_rule(q, k, v, mask=mask, score=lambda s, b, h, qi, ki: 3.0 * s,
