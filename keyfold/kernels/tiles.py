@@ -62,10 +62,11 @@ def _keep(q, piece, pb: Problem, pos):
 
 
 def _bounds_cached(q, piece, pb: Problem, plan: Plan, dtype):
-    """The piece's mask as a float tile, +inf where visible and -inf where hidden, for ``clamp_max_``
-    (cached like :func:`_visible_cached`), or None when every pair is visible. A clamp against a float
-    tile runs ~4x faster than ``masked_fill_`` with a broadcast bool tile on a CPU (measured: 0.9 ms
-    against 3.8 ms on a (1, 4, 1024, 1024) float32 tile)."""
+    """The piece's mask as two float tiles for ``clamp_max_`` (cached like :func:`_visible_cached`),
+    or None when every pair is visible: ``hide`` is +inf where visible and -inf where hidden (the
+    scores before the row max), ``zero`` is +inf and 0 (the probabilities after exp). A clamp
+    against a float tile runs ~4x faster than ``masked_fill_`` with a broadcast bool tile on a CPU
+    (measured: 0.9 ms against 3.8 ms on a (1, 4, 1024, 1024) float32 tile)."""
     key = ("bounds", piece, q.shape[0], q.shape[1], q.device, dtype)
     bounds = plan.tiles.get(key)
     if bounds is None:
@@ -73,8 +74,8 @@ def _bounds_cached(q, piece, pb: Problem, plan: Plan, dtype):
         if vis is None:
             return None
         inf = torch.tensor(float("inf"), dtype=dtype, device=q.device)
-        bounds = torch.where(vis, inf, -inf)
-        plan.tiles.put(key, bounds, bounds.numel() * bounds.element_size())
+        bounds = (torch.where(vis, inf, -inf), torch.where(vis, inf, torch.zeros((), dtype=dtype, device=q.device)))
+        plan.tiles.put(key, bounds, 2 * bounds[0].numel() * bounds[0].element_size())
     return bounds
 
 
@@ -97,6 +98,14 @@ def _softcap_(raw, cap: float):
     return raw.mul_(2.0 / cap).sigmoid_().mul_(2.0 * cap).sub_(cap)
 
 
+#: Floor of ``s - max`` before exp: the lowest argument whose exp is a normal number. PyTorch's CPU exp
+#: leaves its vector path for arguments whose result is subnormal or 0 (measured: -inf ~5x, -110 ~15x,
+#: -90 ~50x slower per element than -87), which every hidden pair and every far-below-max score would
+#: hit. A pair floored here gets P = exp(floor) (< 2^-125 of the row's largest P, itself 1) instead of a
+#: smaller one, below the float's resolution of the sum; hidden pairs are set to 0 exactly after exp.
+_EXP_FLOOR = {torch.float32: -87.0, torch.float64: -708.0}
+
+
 def forward(q, k, v, plan: Plan, pb: Problem) -> State:
     """Scores, softmax and ``P @ V`` in float32 (float64 for float64) for every input dtype, tile
     by tile; q, k and v are cast once per call, not per piece (neighbouring pieces share keys)."""
@@ -105,6 +114,7 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
     Hkv, Dv = k.shape[1], v.shape[-1]
     g = Hq // Hkv
     acc = empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
+    floor = _EXP_FLOOR[sd]
     cap = _sigmoid_softcap(q, pb)
     q, k, v = q.to(sd), k.to(sd), v.to(sd)
     for piece in plan.pieces:
@@ -119,8 +129,9 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
             s = _softcap_(s, cap)
         elif pb.score is not None:
             s = pb.score.apply_(s, *pos)
+        # softmax in place: one max, one exp pass, one sum (empty rows: max = -inf -> use 0)
         if bounds is not None:
-            s = s.clamp_max_(bounds)                                          # hidden pairs: -inf
+            s = s.clamp_max_(bounds[0])
         m = s.amax(-1, keepdim=True)                                         # (B, Hq, L, 1)
         if bounds is not None and bool(torch.isnan(m).any()):
             # clamp_max keeps a NaN a NaN: hide the pairs again the exact way, so a score that is NaN
@@ -128,19 +139,21 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
             s = s.masked_fill_(~_visible_cached(q, piece, pb, plan), NEG_INF)
             m = s.amax(-1, keepdim=True)
         empty = torch.isneginf(m)  # no visible key, or a score of -inf at every one (a callable's own mask)
-        # torch.softmax runs each row in cache with an exp that stays fast for any argument (a separate
-        # exp_ leaves its vector path for -inf and far-below-max scores: ~5x and ~50x slower per element),
-        # ~1.6x faster than sub-exp-sum. Empty rows come back NaN and are zeroed below. lse from P at the
-        # row's max, which is exp(m - lse).
-        p = torch.softmax(s, -1)                                             # (B, Hq, L, S)
-        lse = (m - p.amax(-1, keepdim=True).log()).masked_fill_(empty, NEG_INF).squeeze(-1)
+        m = m.masked_fill(empty, 0.0)
+        p = s.sub_(m).clamp_min_(floor).exp_()
+        if bounds is not None:
+            p = p.clamp_max_(bounds[1])                                       # hidden pairs: exactly 0
+        total = p.sum(-1, keepdim=True).masked_fill_(empty, 0.0)             # (B, Hq, L, 1)
+        lse = (m + total.log()).squeeze(-1)                                  # -inf where total = 0
         if sep is not None:
             lse = lse + sep[0]
         L, S = p.shape[-2:]
         keep = _keep(q, piece, pb, pos)
-        if keep is not None:  # SDPA's dropout: drop probabilities after softmax, scale kept ones by 1/(1-p)
-            p = p.masked_fill_(~keep, 0.0).mul_(1.0 / (1.0 - pb.dropout_p))  # (lse is unchanged)
-        out = (p.reshape(B, Hkv, g, L, S) @ vs.unsqueeze(2)).reshape(B, Hq, L, Dv).masked_fill_(empty, 0.0)
+        if keep is not None:  # SDPA's dropout: drop probabilities after softmax; lse is unchanged
+            p = p.masked_fill_(~keep, 0.0)
+            total = total * (1.0 - pb.dropout_p)                             # kept ones scale by 1/(1-p)
+        out = (p.reshape(B, Hkv, g, L, S) @ vs.unsqueeze(2)).reshape(B, Hq, L, Dv)
+        out = out.div_(torch.where(total > 0, total, torch.ones_like(total))).masked_fill_(empty, 0.0)
         rows = slice(piece.q0, piece.q1)
         merge_into(State(acc.out[:, :, rows], acc.lse[:, :, rows]), State(out, lse))
     return acc
