@@ -95,6 +95,9 @@ class _Call:
         #: Tensors the score reads that need gradients (empty unless one has requires_grad).
         self.score_tensors = _grad_tensors(score)
         self.auto = backend is Backend.AUTO
+        #: Whether anyone may use lse beyond merging this call's pieces (a backward, the caller):
+        #: the tile kernel then computes it as a backward recomputes P. attention() clears it.
+        self.lse_exact = True
         self.backend = _resolve(backend, q, score, dropout_p)
         if self.backend is Backend.TRITON:
             why = _triton_refusal(q, k, v, self.pb, self.score_tensors)
@@ -121,7 +124,7 @@ class _Call:
         if self.backend is Backend.TRITON:
             from .kernels import triton as _triton
             return _triton.forward(q, k, v, self.plan, self.pb, fallback=self.auto)
-        return _tiles.forward(q, k, v, self.plan, self.pb)
+        return _tiles.forward(q, k, v, self.plan, self.pb, lse_exact=self.lse_exact)
 
     def backward(self, q, k, v, out, lse, dout, dlse, whole_rows: bool = True):
         """``(dq, dk, dv, d_score_tensors)``; the last is a tuple aligned with ``score_tensors``.
@@ -225,6 +228,7 @@ def _run(q, k, v, call: _Call) -> State:
     if call.backend is Backend.REFERENCE:
         return _reference.attend_reference(q, k, v, call.pb)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or call.score_tensors):
+        call.lse_exact = True  # the backward recomputes P from it
         out, lse = _AttendFn.apply(q, k, v, call, *call.score_tensors)
         return State(out, lse)
     return call.forward(q, k, v)
@@ -272,6 +276,13 @@ def attend(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offs
     >>> torch.allclose(keyfold.merge(a, b).out, whole.out, atol=1e-6)
     True
     """
+    return _attend(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs, dropout_p,
+                   dropout_seed, generator, lse_exact=True)
+
+
+def _attend(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs, dropout_p,
+            dropout_seed, generator, lse_exact: bool) -> State:
+    """:func:`attend`; ``lse_exact=False`` when the caller drops lse (see ``_Call.lse_exact``)."""
     if torch.compiler.is_compiling():  # one opaque custom op: dynamo never traces the planner
         if dropout_p:
             raise NotImplementedError("keyfold: dropout_p > 0 inside torch.compile is not supported yet; "
@@ -289,6 +300,7 @@ def attend(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offs
     dropout_p, dropout_seed = _dropout_args(dropout_p, dropout_seed, generator)
     call = _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs,
                  dropout_p, dropout_seed)
+    call.lse_exact = lse_exact
     return _run(q, k, v, call)
 
 
@@ -348,9 +360,8 @@ def attention(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_o
     >>> out.shape
     torch.Size([1, 8, 128, 64])
     """
-    st = attend(q, k, v, mask=mask, score=score, scale=scale, q_offset=q_offset, kv_offset=kv_offset,
-                backend=backend, block_size=block_size, check_inputs=check_inputs, dropout_p=dropout_p,
-                dropout_seed=dropout_seed, generator=generator)
+    st = _attend(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs, dropout_p,
+                 dropout_seed, generator, lse_exact=return_lse)
     out = st.out.to(q.dtype)
     return (out, st.lse) if return_lse else out
 

@@ -71,3 +71,16 @@ def test_16bit_softcap_sigmoid_form_holds_the_rule_forward_and_backward(dtype, c
     assert_backward_by_rule(q, k, v, mask=kf.causal(), score=kf.softcap(cap), block_size=16)
     one = tuple(t[:, :, :1] for t in (q, k, v))
     assert_backward_by_rule(*one, score=kf.softcap(cap))
+
+
+def test_lse_a_caller_sees_is_the_one_a_backward_recomputes_p_with():
+    """attention() without return_lse or autograd runs the softmax through torch.softmax (faster; its
+    lse only merges pieces). Asked for lse, it computes it exactly as attend() does; out agrees."""
+    q, k, v = _qkv()
+    fn = lambda s, b, h, qi, ki: s + 0.01 * (qi - ki)  # noqa: E731
+    kw = dict(mask=kf.causal() & kf.window(30), score=fn, backend=Backend.TILES, block_size=16)
+    fast = kf.attention(q, k, v, **kw)
+    out, lse = kf.attention(q, k, v, return_lse=True, **kw)
+    st = kf.attend(q, k, v, **kw)
+    assert torch.equal(lse, st.lse) and torch.equal(out, st.out)
+    torch.testing.assert_close(fast, out, atol=2e-6, rtol=0)
