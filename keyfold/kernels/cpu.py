@@ -152,9 +152,16 @@ def _tile(piece: Piece, pb: Problem, q_orig, folded: bool, g: int, memo: dict, c
     if folded:
         m = _fold_mask(m, g, Hq, L)
     tile = _Tile(m, empty_rows(vis), row_shift)
+    nbytes = sum(t.numel() * t.element_size() for t in tile if t is not None)
+    if score is None and vis is not None:  # a mask alone: equal tiles share one tensor in the cache
+        # (the rows' visible counts narrow the search; the masks must be equal, then so are the empty rows)
+        fingerprint = (tuple(m.shape), m.dtype, folded, vis.sum(-1).numpy().tobytes())
+        first = cache.shared(fingerprint, tile, lambda a, b: torch.equal(a.mask, b.mask))
+        if first is not tile:
+            tile, nbytes = first, 0
     memo[key] = tile
     if score is None or not score.tensors():  # a tile of tensors that may train would go stale
-        cache.put(key, tile, sum(t.numel() * t.element_size() for t in tile if t is not None))
+        cache.put(key, tile, nbytes)
     return tile
 
 

@@ -109,3 +109,27 @@ def test_16bit_out_in_input_dtype_keeps_the_rule(dtype, mask):
     assert_forward_by_rule(q, k, v, mask=mask, backend=kf.Backend.CPU)
     got = assert_backward_by_rule(q, k, v, mask=mask, backend=kf.Backend.CPU)
     assert all(t.dtype == dtype for t in got[1:])
+
+
+def test_equal_mask_tiles_are_stored_once():
+    """Every diagonal tile inside a document is the same causal triangle: the plan's tile cache
+    keeps one tensor for them (it kept one per tile, 256 KiB each at 256 x 256 in float32: the
+    bulk of a documents mask's memory at 16k), and the result is the one the uncached tiles give."""
+    from keyfold.planner import _plan
+
+    n, docs = 2048, 2
+    ids = torch.arange(n) * docs // n + 7  # content differs from other tests' masks: a fresh plan
+    mask = kf.documents(ids) & kf.causal()
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g) for _ in range(3))
+    first = kf.attention(q, k, v, mask=mask, backend=kf.Backend.CPU)
+    plan = _plan(mask, n, n, q_offset=0, kv_offset=0, B=1, H=2, block_size=None, max_span=None, allow_causal=True)
+    masked = [p for p in plan.pieces if p.kind.name == "MASKED"]
+    assert len(masked) >= 8  # the diagonal tiles of both documents
+    # here the triangles are equal whenever their shapes are: one float32 tile per shape
+    distinct = sum(L * S * 4 for L, S in {(p.q1 - p.q0, p.k1 - p.k0) for p in masked})
+    assert plan.tiles.bytes <= distinct, f"{plan.tiles.bytes} bytes of tiles stored, {distinct} distinct"
+    again = kf.attention(q, k, v, mask=mask, backend=kf.Backend.CPU)  # from the shared tiles
+    assert torch.equal(first, again)
+    ref = kf.attention(q, k, v, mask=mask, backend=kf.Backend.TILES)
+    assert (first - ref).abs().max() < 1e-5
