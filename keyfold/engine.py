@@ -276,9 +276,7 @@ def attend(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offs
         if dropout_p:
             raise NotImplementedError("keyfold: dropout_p > 0 inside torch.compile is not supported yet; "
                                       "run attention dropout eagerly, or set dropout_p=0 in the compiled model")
-        from .dense import refuse_under_compile
         from .ops import attend_op
-        refuse_under_compile(mask, "mask")
         return attend_op(q, k, v, mask=mask, score=score, scale=scale, q_offset=q_offset, kv_offset=kv_offset,
                          backend=backend, block_size=block_size, check_inputs=check_inputs)
     if mask is None and score is None and not dropout_p and _plain_fused(
