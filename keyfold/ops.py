@@ -94,6 +94,8 @@ def _flat_mask(m, tensors: list) -> str:
     if type(m) is M.Varlen:  # its cu_seqlens are data (built from traced tensors, a new batch each step)
         return ('["varlen",' + _slot(m.cu_q.t, tensors) + ',' + _slot(m.cu_k.t, tensors) + ','
                 + _num(m.left) + ',' + _num(m.right) + ']')
+    if type(m) is M._Remapped:  # transformers' packed positions: data, like the documents beside them
+        return '["remap",' + _flat_mask(m.inner, tensors) + ',' + _slot(m.pos.t, tensors) + ']'
     if type(m) is _DenseMask:  # a dense bool mask (SDPA's attn_mask): its tensor is data
         return '["dense",' + _slot(m.table.t, tensors) + ',' + str(m.q0) + ',' + str(m.k0) + ']'
     if type(m) is M.MaskFn:
@@ -181,6 +183,8 @@ def _build_mask(node, tensors):
         return M.padding(starts=starts) if ends is None else M.padding(ends - starts, starts=starts)
     if op == "keys":
         return M.padding(keys=t(args[0]))
+    if op == "remap":  # the conjunction it sits in (rebuilt with &) drops it where positions are plain
+        return M._Remapped(_build_mask(args[0], tensors), t(args[1]))
     if op == "dense":  # as eagerly, where a float mask without -inf has no companion mask
         table = t(args[0])
         return M.full() if bool(table.all()) else _DenseMask(table, args[1], args[2])
