@@ -167,7 +167,7 @@ def _build_mask(node, tensors):
     if op in (M.Logic.AND.value, M.Logic.OR.value):
         parts = [_build_mask(a, tensors) for a in args]
         if op == M.Logic.AND.value:  # an all-visible dense mask (see "dense") drops out of a conjunction
-            parts = [p for p in parts if type(p) is not M._Full] or [M.full()]
+            parts = [p for p in parts if p != M.full()] or [M.full()]
         if not parts:
             return M.full() if op == M.Logic.AND.value else ~M.full()
         out = parts[0]

@@ -51,7 +51,9 @@ def _hf():
 class KeyfoldMask(BlockMask):
     """What the mask builder hands the attention function instead of a dense tensor.
 
-    mask: a keyfold mask over absolute positions (None: every key visible).
+    mask: a keyfold mask over absolute positions (None: every key visible), or, for a mask
+    function compiled code cannot read otherwise, a dense bool ``(B, 1, Nq, Nk)`` tensor of this
+    call's pairs (offsets 0).
     q_offset / kv_offset: absolute positions of the first query row and the first key (q_offset
     is a 0-d tensor for a static cache, so a compiled decoding step takes it as data).
     shape: ``(B, 1, Nq, Nk)``, the mask's logical shape.
@@ -377,12 +379,18 @@ def traced_mask(fn) -> M.Mask | None:
     return None if out.mask == M.full() else out.mask
 
 
-def _compiled_mask(fn) -> M.Mask | None:
-    """:func:`to_keyfold_mask` while dynamo traces: the symbolic probe, else the callable."""
-    try:
-        return traced_mask(fn)
-    except (_NotClosedForm, IndexError, TypeError):
-        return _HFMaskFn(fn)
+def _dense_mask(mu, batch_size, q_length, kv_length, q_offset, kv_offset, fn, attention_mask, kwargs) -> "KeyfoldMask":
+    """While dynamo traces, a mask function the probe cannot read (chunked attention indexes a
+    tensor by the batch index) is evaluated on every pair by transformers' own ``sdpa_mask``,
+    padding included: a dense bool ``(B, 1, Nq, Nk)`` tensor that reaches the op as data. Exact,
+    and it costs what ``attn_implementation="sdpa"`` costs (B x Nq x Nk bytes). A callable made
+    inside the traced region cannot be passed by reference (its captured tensors are new each call)."""
+    dense = mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                         kv_offset=kv_offset, mask_function=fn,
+                         attention_mask=None if attention_mask is None else attention_mask.bool(),
+                         allow_is_causal_skip=False, use_vmap=bool(kwargs.get("use_vmap", False)),
+                         device=kwargs.get("device", "cpu"))
+    return KeyfoldMask(dense, 0, 0, (batch_size, 1, q_length, kv_length))  # its entries are this call's pairs
 
 
 def mask_interface(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
@@ -394,7 +402,13 @@ def mask_interface(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     """
     mu = _hf()
     fn = mu.causal_mask_function if mask_function is None else mask_function
-    mask = _compiled_mask(fn) if torch.compiler.is_compiling() else to_keyfold_mask(fn, mu)
+    if torch.compiler.is_compiling():
+        try:
+            mask = traced_mask(fn)
+        except (_NotClosedForm, IndexError, TypeError):
+            return _dense_mask(mu, batch_size, q_length, kv_length, q_offset, kv_offset, fn, attention_mask, kwargs)
+    else:
+        mask = to_keyfold_mask(fn, mu)
     if isinstance(q_offset, torch.Tensor):
         # a StaticCache layer reports its length as a tensor that it advances in place during the
         # forward: keep a copy of today's value. While compiling (or for a compiled forward that

@@ -267,7 +267,8 @@ def test_symbolic_probe_reads_transformers_mask_functions():
         assert torch.equal(got.to_dense(9, 9), want.to_dense(9, 9)), fn
     assert kft.traced_mask(mu.bidirectional_mask_function) is None
     chunked = mu.chunked_causal_mask_function(2, torch.tensor([0, 1]))  # indexes a tensor
-    assert isinstance(kft._compiled_mask(chunked), kft._HFMaskFn)
+    with pytest.raises(kft._NotClosedForm):
+        kft.traced_mask(chunked)
 
 
 def _packed_functions(mu):
@@ -344,3 +345,27 @@ def test_packed_position_ids_compile_whole():
     model.set_attn_implementation("keyfold")
     with torch.compiler.set_stance("fail_on_recompile"):
         assert (compiled(ids, other) - want).abs().max() <= 1e-4
+
+
+def test_unreadable_mask_function_compiles_as_a_dense_mask():
+    """A mask function the probe cannot read (chunked attention indexes left_padding by the batch
+    index) is evaluated densely by transformers' sdpa_mask while compiling, and reaches the op as
+    data: 0 breaks, the eager answer, and new padding in the same graph (it raised inside dynamo)."""
+    mu = transformers.masking_utils
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 9, 8, generator=g) for _ in range(3))
+
+    def chunked(q, k, v, left, am):
+        fn = mu.and_masks(mu.causal_mask_function, mu.chunked_causal_mask_function(3, left))
+        return kft.attention_forward(None, q, k, v, kft.mask_interface(2, 9, 9, mask_function=fn, attention_mask=am))[0]
+
+    am = torch.ones(2, 9, dtype=torch.bool)
+    am[1, :2] = False
+    left = torch.tensor([0, 2])
+    ex = torch._dynamo.explain(chunked)(q, k, v, left, am)
+    assert ex.graph_break_count == 0, ex.break_reasons
+    compiled = torch.compile(chunked, fullgraph=True, backend="aot_eager")
+    assert (compiled(q, k, v, left, am) - chunked(q, k, v, left, am)).abs().max() <= 1e-6
+    with torch.compiler.set_stance("fail_on_recompile"):
+        left2, am2 = torch.tensor([1, 0]), am.flip(0)
+        assert (compiled(q, k, v, left2, am2) - chunked(q, k, v, left2, am2)).abs().max() <= 1e-6
