@@ -336,8 +336,12 @@ def test_packed_position_ids_compile_whole():
     ex = torch._dynamo.explain(forward)(ids, pos)
     assert ex.graph_break_count == 0 and ex.graph_count == 1, ex.break_reasons
     compiled = torch.compile(forward, fullgraph=True, backend="aot_eager")
-    got = compiled(ids, pos)
-    assert (got - forward(ids, pos)).abs().max() <= 1e-5
+    got, want = compiled(ids, pos), forward(ids, pos)
+    assert (got - want).abs().max() <= 1e-5
+    params = [p for p in model.parameters() if p.requires_grad]  # packing is for training: eager's gradients
+    for a, b in zip(torch.autograd.grad(got.square().mean(), params), torch.autograd.grad(want.square().mean(), params)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    got = got.detach()
     model.set_attn_implementation("eager")
     assert (got - forward(ids, pos)).abs().max() <= 1e-4
     other = torch.tensor([[0, 1, 0, 1, 2, 3, 4, 5, 0, 1]])
