@@ -94,11 +94,15 @@ class _Call:
                           float(dropout_p), int(dropout_seed))
         #: Tensors the score reads that need gradients (empty unless one has requires_grad).
         self.score_tensors = _grad_tensors(score)
+        self.auto = backend is Backend.AUTO
         self.backend = _resolve(backend, q, score, dropout_p)
-        if self.score_tensors and self.backend is Backend.TRITON:
-            raise ValueError(f"Backend.TRITON cannot give gradients to tensors the score modifier {score!r} "
-                             f"reads ({len(self.score_tensors)} with requires_grad): use Backend.TILES (any "
-                             f"device), or Backend.AUTO on a CPU; or run under torch.no_grad() / detach them")
+        if self.backend is Backend.TRITON:
+            why = _triton_refusal(q, k, v, self.pb, self.score_tensors)
+            if why is not None:
+                if backend is Backend.TRITON:  # named: run it or raise, never another backend
+                    from .kernels import triton as _triton
+                    raise _triton.refusal(why)
+                self.backend = Backend.TILES   # AUTO: the tile kernel runs everything
         self.plan: Plan | None = None
         if self.backend is Backend.TRITON:  # it plans at its own tile size (cached)
             if mask is not None:
@@ -118,7 +122,7 @@ class _Call:
             return _cpu.forward(q, k, v, self.plan, self.pb, keep_dtype=in_dtype)
         if self.backend is Backend.TRITON:
             from .kernels import triton as _triton
-            return _triton.forward(q, k, v, self.plan, self.pb)
+            return _triton.forward(q, k, v, self.plan, self.pb, fallback=self.auto)
         return _tiles.forward(q, k, v, self.plan, self.pb)
 
     def backward(self, q, k, v, out, lse, dout, dlse, whole_rows: bool = True):
@@ -137,8 +141,17 @@ class _Call:
                                    grad_dtype=q.dtype if whole_rows else None), ())
         if self.backend is Backend.TRITON:
             from .kernels import triton as _triton
-            return (*_triton.backward(q, k, v, out, lse, dout, dlse, self.plan, self.pb), ())
+            return (*_triton.backward(q, k, v, out, lse, dout, dlse, self.plan, self.pb, fallback=self.auto), ())
         return (*_tiles.backward(q, k, v, out, lse, dout, dlse, self.plan, self.pb, whole_rows), ())
+
+
+def _triton_refusal(q, k, v, pb: Problem, score_tensors) -> str | None:
+    """What in this call the Triton kernel cannot run, or None."""
+    from .kernels import triton as _triton
+    if score_tensors:
+        return (f"gradients for the {len(score_tensors)} tensor(s) the score modifier {pb.score!r} reads "
+                f"with requires_grad (or run under torch.no_grad() / detach them)")
+    return _triton.why_not_native(q, k, v, pb)
 
 
 def _grad_tensors(score) -> tuple:
@@ -283,9 +296,7 @@ def _attend(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_siz
         if dropout_p:
             raise NotImplementedError("keyfold: dropout_p > 0 inside torch.compile is not supported yet; "
                                       "run attention dropout eagerly, or set dropout_p=0 in the compiled model")
-        from .dense import refuse_under_compile
         from .ops import attend_op
-        refuse_under_compile(mask, "mask")
         return attend_op(q, k, v, mask=mask, score=score, scale=scale, q_offset=q_offset, kv_offset=kv_offset,
                          backend=backend, block_size=block_size, check_inputs=check_inputs)
     if mask is None and score is None and not dropout_p and _plain_fused(

@@ -200,14 +200,44 @@ def test_mask_program_encoding():
     assert fn.tile_mask is not None  # callables are evaluated per partial tile
 
 
-def test_score_callable_falls_back_with_a_warning():
+@pytest.mark.parametrize("case,match", [
+    ("callable", "score_mod callable"), ("float64", "float64"), ("head_dim", "head_dim 288 > 256"),
+    ("positions", "positions >= 2\\^30")])
+def test_named_triton_raises_for_what_it_cannot_run(case, match):
+    """Issue #17: a named backend runs the call or raises; it never hands it to another (the
+    old code ran these on the tile kernel with a RuntimeWarning)."""
+    q, k, v = _qkv(torch.float32, Nq=20, Nk=20)
+    kw = {"mask": kf.causal()}
+    if case == "callable":
+        kw["score"] = lambda s, b, h, qi, ki: s * 0.5
+    elif case == "float64":
+        q, k, v = q.double(), k.double(), v.double()
+    elif case == "head_dim":
+        q, k, v = (torch.randn(1, 2, 20, 288) for _ in range(3))
+    else:
+        kw["q_offset"], kw["kv_offset"] = 1 << 30, 1 << 30
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning either
+        with pytest.raises(ValueError, match=match) as e:
+            kf.attention(q, k, v, backend=T, **kw)
+    assert "Backend.AUTO" in str(e.value) and "Backend.TILES" in str(e.value)
+
+
+def test_auto_routes_to_tiles_what_triton_cannot_run(monkeypatch):
+    """Where AUTO picks Triton (CUDA), a call the kernel cannot run goes to the tile kernel,
+    silently and with the tile kernel's answer; a call it can run stays on Triton."""
+    from keyfold import engine
+    monkeypatch.setattr(engine, "_resolve", lambda backend, q, score, dropout_p=0.0: T)  # AUTO as on CUDA
     q, k, v = _qkv(torch.float32, Nq=20, Nk=20)
     fn = lambda s, b, h, qi, ki: s * 0.5  # noqa: E731
-    kt._WARNED.clear()
-    with pytest.warns(RuntimeWarning, match="score_mod callable"):
-        got = kf.attention(q, k, v, score=fn, mask=kf.causal(), backend=T)
+    call = engine._Call(q, k, v, kf.causal(), kf.as_score(fn), None, None, 0, Backend.AUTO, None, False)
+    assert call.backend is Backend.TILES
+    assert engine._Call(q, k, v, kf.causal(), None, None, None, 0, Backend.AUTO, None, False).backend is T
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = kf.attention(q, k, v, score=fn, mask=kf.causal())
     ref = kf.attention(q, k, v, score=fn, mask=kf.causal(), backend=Backend.TILES)
-    assert torch.allclose(got, ref, atol=1e-6)
+    assert torch.equal(got, ref)
 
 
 def test_availability_and_clear_errors(monkeypatch):

@@ -14,8 +14,10 @@ possibly negated), whose op codes are compile-time constants and whose parameter
 (window sizes, document ids, layouts) live in small int32 buffers. A Flex ``mask_mod``
 callable cannot be traced into Triton: it is evaluated once per *partial* tile into a
 cached bool bitmap that the kernel reads (full and empty tiles need no bitmap).
-ALiBi and softcap (and the two chained) run in the kernel; a ``score_mod`` callable
-falls back to the tile kernel with one warning. Details and numbers: ``docs/gpu.md``.
+ALiBi and softcap (and the two chained) run in the kernel. What the kernel cannot run (a
+``score_mod`` callable, float64, head_dim > 256, positions >= 2^30: :func:`why_not_native`)
+raises when the caller names ``Backend.TRITON``; ``Backend.AUTO`` routes it to the tile kernel.
+Details and numbers: ``docs/gpu.md``.
 """
 
 import torch
@@ -28,25 +30,36 @@ from .. import tiles as _tiles
 from .._common import Problem
 from ._env import _WARNED, _interpreting, _warn_once, available, check_supported, triton  # noqa: F401
 from .launch import (_Launch, _configs, _fallback_plan, _last_dim_contiguous, _pow2, _program_of,
-                     _tiles_forward, _why_not_native)
+                     _tiles_forward, why_not_native)
 from .program import _END, _NEGATE, _Op, _mask_program, _score_program  # noqa: F401
 from .source import _bwd_dkdv_kernel, _bwd_dq_kernel, _fwd_kernel
 
-__all__ = ["available", "check_supported", "forward", "backward", "compile_for_gpu", "USE_ATEN_DENSE"]
+__all__ = ["available", "check_supported", "why_not_native", "forward", "backward", "compile_for_gpu", "USE_ATEN_DENSE"]
 
 # Plain dense 16-bit pieces on CUDA go through PyTorch's own flash op (aten), which is faster
 # than a portable kernel there; set to False to measure or use the Triton kernel alone.
 USE_ATEN_DENSE = True
 
 
-def forward(q, k, v, plan: Plan, pb: Problem) -> State:
+_BITMAPS = "the mask callable's tile bitmaps would exceed 256 MiB"
+
+
+def refusal(why: str) -> ValueError:
+    """The error of a call that names Backend.TRITON for what the kernel cannot run."""
+    return ValueError(f"backend=Backend.TRITON cannot run {why}; use Backend.AUTO, which routes this call "
+                      f"to Backend.TILES, or name Backend.TILES")
+
+
+def forward(q, k, v, plan: Plan, pb: Problem, fallback: bool = False) -> State:
     """Attention of q over these keys under ``pb``: the merged State (float32).
 
     ``plan`` is the engine's plan; the kernel re-plans at its own tile size (cached).
+    fallback: run on the tile kernel (one warning) when a mask callable's bitmaps are too
+    big, as ``Backend.AUTO`` does; False (a named backend) raises instead.
     """
-    why = _why_not_native(q, k, v, pb)
+    why = why_not_native(q, k, v, pb)
     if why is not None:
-        return _tiles_forward(q, k, v, pb, why)
+        raise refusal(why)
     if _aten_dense_ok(q, k, v, pb):
         st = _aten_dense(q, k, v, pb)
         if st is not None:
@@ -55,8 +68,10 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
     cfg = _configs(q, q.shape[-1], v.shape[-1], _program_of(pb).nlit)[0]
     L = _Launch(q, k, v, pb, cfg)
     if L.layout is None:
-        return _tiles_forward(q, k, v, pb, "the mask callable's tile bitmaps exceed 256 MiB: it runs on "
-                              "the tile kernel; write it with keyfold presets to run in the kernel")
+        if not fallback:
+            raise refusal(_BITMAPS + " (write the mask with keyfold presets to run it in the kernel)")
+        return _tiles_forward(q, k, v, pb, _BITMAPS + ": it runs on the tile kernel; write it with keyfold "
+                              "presets to run in the kernel")
     sd = state_dtype(q.dtype)
     out = torch.empty(L.B, L.Hq, L.Nq, L.Dv, dtype=sd, device=q.device)
     lse = torch.empty(L.B, L.Hq, L.Nq, dtype=sd, device=q.device)
@@ -73,17 +88,19 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
     return State(out, lse)
 
 
-def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem):
-    """dq, dk, dv (float32) of these keys from the *global* out/lse (and dlse), docs/math.md §2."""
-    why = _why_not_native(q, k, v, pb)
+def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, fallback: bool = False):
+    """dq, dk, dv (float32) of these keys from the *global* out/lse (and dlse), docs/math.md §2.
+    ``fallback`` as in :func:`forward`."""
+    why = why_not_native(q, k, v, pb)
     if why is not None:
-        _warn_once(why, why)
-        return _tiles.backward(q, k, v, out, lse, dout, dlse, _fallback_plan(q, k, pb), pb)
+        raise refusal(why)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     cfg = _configs(q, q.shape[-1], v.shape[-1], _program_of(pb).nlit)[1]
     L = _Launch(q, k, v, pb, cfg)
     if L.layout is None:
-        _warn_once("bitmaps", "the mask callable's tile bitmaps exceed 256 MiB: it runs on the tile kernel")
+        if not fallback:
+            raise refusal(_BITMAPS + " (write the mask with keyfold presets to run it in the kernel)")
+        _warn_once("bitmaps", _BITMAPS + ": it runs on the tile kernel")
         return _tiles.backward(q, k, v, out, lse, dout, dlse, _fallback_plan(q, k, pb), pb)
     sd = state_dtype(q.dtype)
     # Rows that saw no key have lse = -inf; every tile hides them, so any finite stand-in

@@ -38,8 +38,8 @@ def available() -> bool:
 def check_supported(q, score) -> None:
     """Raise, saying what to do, when Backend.TRITON cannot run on ``q`` at all.
 
-    Settings it cannot run natively (float64, a ``score_mod`` callable, head_dim > 256)
-    do not raise: they fall back to the tile kernel with one warning.
+    What the kernel cannot run for these particular inputs (float64, a ``score_mod`` callable,
+    head_dim > 256) is :func:`why_not_native`'s to say.
     """
     if triton is None:
         raise RuntimeError("Backend.TRITON needs the triton package: `pip install triton` "

@@ -154,18 +154,21 @@ def _tile_bitmaps(mask, plan: Plan, p_ptr, p_col, B: int, Hq: int, cfg: _Config)
     return bits, params
 
 
-def _why_not_native(q, k, v, pb: Problem) -> str | None:
-    """Why these inputs run on the tile kernel instead (None when the Triton kernel runs)."""
+def why_not_native(q, k, v, pb: Problem) -> str | None:
+    """What in these inputs the Triton kernel cannot run (None when it runs them). The engine
+    raises with it when the caller named ``Backend.TRITON`` and routes to ``Backend.TILES`` under
+    ``Backend.AUTO``."""
     if q.dtype == torch.float64:
-        return "float64 inputs run on the tile kernel (the GPU kernel is for 16- and 32-bit floats)"
+        return "float64 inputs (the Triton kernel is for 16- and 32-bit floats)"
     if _score_program(pb.score) is None:
         return (f"score {pb.score!r} is not ALiBi/softcap (alone or chained): a score_mod callable "
-                f"cannot be traced into Triton, so it runs on the tile kernel (same results, slower)")
+                f"cannot be traced into Triton")
     if max(q.shape[-1], v.shape[-1]) > 256:
-        return "head_dim > 256 runs on the tile kernel"
+        return f"head_dim {max(q.shape[-1], v.shape[-1])} > 256"
     Nq, Nk = q.shape[2], k.shape[2]
     if max(abs(pb.q_offset) + Nq, pb.kv_offset + Nk) >= _MAX_POS:
-        return f"positions >= 2^30 run on the tile kernel (q_offset={pb.q_offset}, kv_offset={pb.kv_offset})"
+        return (f"positions >= 2^30 (q_offset={pb.q_offset}, kv_offset={pb.kv_offset}; the kernel "
+                f"computes positions in int32)")
     return None
 
 
