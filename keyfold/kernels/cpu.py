@@ -305,7 +305,7 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
             o_p, do_p, l_p = _fold(o_p, inp.g), _fold(do_p, inp.g), _fold(l_p, inp.g)
         if qs.dim() == 5:  # GQA under the causal flag: per member, dk / dv summed over the group
             o5, do5, l5 = (_members(t.contiguous(), inp.g) for t in (o_p, do_p, l_p))
-            gq = q.new_empty(qs.shape, dtype=sd)  # (B, Hkv, g, L, W)
+            gq = qs.new_empty(qs.shape)  # (B, Hkv, g, L, W), in the dtype the op returns
             gk = gv = None
             for j in range(inp.g):  # one member's op outputs alive at a time
                 a, b, c = _BWD(do5[:, :, j], qs[:, :, j], ks, vs, o5[:, :, j], l5[:, :, j],
