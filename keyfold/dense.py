@@ -10,6 +10,10 @@ Cost compared with a mask object: the engine keeps a private read-only copy (the
 tensor) hashed by content (one pass), and classifying tiles for block skipping builds prefix sums
 over ``(Nq+1) x (Nk+1)`` int32/int64 counts once per distinct mask (cached with the plan). A
 preset (``causal()``, ``window(w)``, ``padding(lengths)``) costs none of that.
+
+Under ``torch.compile`` both are data of the ``keyfold::attend`` op (:mod:`keyfold.ops`): the
+tensor travels as an op input, so a new mask of the same shape reuses the graph, and a float mask
+with ``requires_grad`` gets its gradient from the op's backward.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 from .masks import BlockKind, Mask, _TensorKey, _kind
 from .scores import ScoreMod
 
-__all__ = ["tensor_mask"]
+__all__ = ["tensor_mask", "check_additive"]
 
 
 def _shape4(t: torch.Tensor, B: int, H: int, Nq: int, Nk: int, name: str) -> torch.Tensor:
@@ -48,13 +52,13 @@ def _gather(t: torch.Tensor, b, h, qp, kp, q0: int, k0: int) -> torch.Tensor:
 
 
 
-def refuse_under_compile(mask, name: str) -> None:
-    """Tensor masks are not yet ops data under ``torch.compile``: say so instead of failing inside."""
-    if mask is not None and torch.compiler.is_compiling() and isinstance(mask, (torch.Tensor, _DenseMask)):
-        raise NotImplementedError(
-            f"{name}: keyfold under torch.compile takes mask objects (keyfold.causal(), window(), padding(lengths), "
-            f"documents(ids), varlen(cu_q, cu_k), ...), not dense tensor masks yet; build the mask object, or run "
-            f"this call eagerly (torch.compiler.disable)")
+
+def check_additive(t: torch.Tensor, name: str) -> None:
+    """An additive mask may hold finite values and -inf (hidden), never NaN or +inf."""
+    det = t.detach()
+    if bool(torch.isnan(det).any() | torch.isposinf(det).any()):
+        raise ValueError(f"{name} contains NaN or +inf; an additive mask may hold finite values and -inf (hidden)")
+
 
 class _DenseMask(Mask):
     """A bool tensor ``(B|1, H|1, Nq|1, Nk|1)``, True = visible, at query/key offsets ``q0`` / ``k0``."""
@@ -182,8 +186,11 @@ def tensor_mask(t: torch.Tensor, *, B: int, H: int, Nq: int, Nk: int, q_offset: 
         raise TypeError(f"{name} must be bool (True = attend) or float (added to the scores), got {t.dtype}; "
                         f"convert it with `m.bool()` or `m.float()`")
     det = t4.detach()
-    if bool(torch.isnan(det).any() | torch.isposinf(det).any()):
-        raise ValueError(f"{name} contains NaN or +inf; an additive mask may hold finite values and -inf (hidden)")
     hidden = torch.isneginf(det)
+    if torch.compiler.is_compiling():
+        # traced: no data-dependent branch. keyfold.ops checks the values and drops an all-visible
+        # companion mask when it rebuilds these objects inside the op, where the data is known.
+        return _DenseMask(~hidden, q_offset, kv_offset), _DenseBias(t4, q_offset, kv_offset)
+    check_additive(det, name)
     mask = _DenseMask(~hidden, q_offset, kv_offset) if bool(hidden.any()) else None
     return mask, _DenseBias(t4, q_offset, kv_offset)

@@ -118,9 +118,11 @@ class _Call:
         elif mask is not None:
             mask.check_positions(q_offset, q_offset + Nq, kv_offset, kv_offset + Nk)
 
-    def forward(self, q, k, v) -> State:
+    def forward(self, q, k, v, in_dtype: bool = False) -> State:
+        """The merged State; with ``in_dtype`` the CPU backend may give ``out`` in the input dtype
+        (a one-piece plan: the op's own tensor, not a float32 copy of it)."""
         if self.backend is Backend.CPU:
-            return _cpu.forward(q, k, v, self.plan, self.pb)
+            return _cpu.forward(q, k, v, self.plan, self.pb, keep_dtype=in_dtype)
         if self.backend is Backend.TRITON:
             from .kernels import triton as _triton
             return _triton.forward(q, k, v, self.plan, self.pb, fallback=self.auto)
@@ -136,7 +138,10 @@ class _Call:
             return _tiles.backward_with_score(q, k, v, out, lse, dout, dlse, self.plan, self.pb, self.score_tensors,
                                               whole_rows)
         if self.backend is Backend.CPU:
-            return (*_cpu.backward(q, k, v, out, lse, dout, dlse, self.plan, self.pb, whole_rows), ())
+            # the engine's own backward takes the gradients in the input dtype (a one-piece plan's
+            # come from the op as they are); attend_backward's stay float32 as documented
+            return (*_cpu.backward(q, k, v, out, lse, dout, dlse, self.plan, self.pb, whole_rows,
+                                   grad_dtype=q.dtype if whole_rows else None), ())
         if self.backend is Backend.TRITON:
             from .kernels import triton as _triton
             return (*_triton.backward(q, k, v, out, lse, dout, dlse, self.plan, self.pb, fallback=self.auto), ())
@@ -201,16 +206,22 @@ def _resolve(backend: Backend, q, score, dropout_p: float = 0.0) -> Backend:
 
 
 class _AttendFn(torch.autograd.Function):
-    """Forward: merged (out, lse) in float32. Backward: per piece with the global (out, lse)."""
+    """Forward: merged (out, lse) in float32. Backward: per piece with the global (out, lse).
+
+    in_dtype (``attention``, which returns out in the input dtype): on the CPU backend out comes
+    back, and is saved, in the input dtype. Its backward reads O in that dtype anyway, so a
+    16-bit call then holds no float32 copy of out, and its dout arrives 16-bit, not upcast."""
 
     @staticmethod
-    def forward(ctx, q, k, v, call: _Call, *score_tensors):
+    def forward(ctx, q, k, v, call: _Call, in_dtype: bool, *score_tensors):
         # score_tensors (call.score_tensors) are inputs only so that autograd routes their
         # gradients here; the score modifier reads them itself.
-        st = call.forward(q, k, v)
+        cast = in_dtype and call.backend is Backend.CPU
+        st = call.forward(q, k, v, in_dtype=cast)
+        out = st.out.to(q.dtype) if cast else st.out
         ctx.call = call
-        ctx.save_for_backward(q, k, v, st.out, st.lse)
-        return st.out, st.lse
+        ctx.save_for_backward(q, k, v, out, st.lse)
+        return out, st.lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -221,17 +232,18 @@ class _AttendFn(torch.autograd.Function):
         if dlse is not None and q.device.type == "cpu" and not bool(dlse.any()):
             dlse = None  # (on a GPU this check would cost a sync; the kernels take dlse = 0 as is)
         dq, dk, dv, dts = call.backward(q, k, v, out, lse, dout, dlse)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *dts)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, *dts)
 
 
-def _run(q, k, v, call: _Call) -> State:
+def _run(q, k, v, call: _Call, in_dtype: bool = False) -> State:
+    """The call's State; ``in_dtype``: out may come back in the input dtype (see _AttendFn)."""
     if call.backend is Backend.REFERENCE:
         return _reference.attend_reference(q, k, v, call.pb)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or call.score_tensors):
         call.lse_exact = True  # the backward recomputes P from it
-        out, lse = _AttendFn.apply(q, k, v, call, *call.score_tensors)
+        out, lse = _AttendFn.apply(q, k, v, call, in_dtype, *call.score_tensors)
         return State(out, lse)
-    return call.forward(q, k, v)
+    return call.forward(q, k, v, in_dtype=in_dtype)
 
 
 # ------------------------------------------------------------------------------ public
@@ -277,31 +289,31 @@ def attend(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offs
     True
     """
     return _attend(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs, dropout_p,
-                   dropout_seed, generator, lse_exact=True)
+                   dropout_seed, generator, in_dtype=False, lse_exact=True)
 
 
 def _attend(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs, dropout_p,
-            dropout_seed, generator, lse_exact: bool) -> State:
-    """:func:`attend`; ``lse_exact=False`` when the caller drops lse (see ``_Call.lse_exact``)."""
+            dropout_seed, generator, in_dtype: bool, lse_exact: bool) -> State:
+    """:func:`attend`; with ``in_dtype`` (``attention``, which casts out to the input dtype) out
+    may already come back in it, sparing a float32 copy of out (see _AttendFn); ``lse_exact=False``
+    when the caller drops lse (see ``_Call.lse_exact``)."""
     if torch.compiler.is_compiling():  # one opaque custom op: dynamo never traces the planner
         if dropout_p:
             raise NotImplementedError("keyfold: dropout_p > 0 inside torch.compile is not supported yet; "
                                       "run attention dropout eagerly, or set dropout_p=0 in the compiled model")
-        from .dense import refuse_under_compile
         from .ops import attend_op
-        refuse_under_compile(mask, "mask")
         return attend_op(q, k, v, mask=mask, score=score, scale=scale, q_offset=q_offset, kv_offset=kv_offset,
                          backend=backend, block_size=block_size, check_inputs=check_inputs)
     if mask is None and score is None and not dropout_p and _plain_fused(
             q, k, v, backend, block_size, check_inputs, scale, q_offset, kv_offset):
-        return _cpu.dense(q, k, v, float(q.shape[-1] ** -0.5 if scale is None else scale))
+        return _cpu.dense(q, k, v, float(q.shape[-1] ** -0.5 if scale is None else scale), keep_dtype=in_dtype)
     if q_offset is None and isinstance(k, torch.Tensor) and isinstance(q, torch.Tensor) and k.dim() == 4 and q.dim() == 4:
         q_offset = default_q_offset(_mask_object(mask), q.shape[2], k.shape[2], kv_offset)
     dropout_p, dropout_seed = _dropout_args(dropout_p, dropout_seed, generator)
     call = _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs,
                  dropout_p, dropout_seed)
     call.lse_exact = lse_exact
-    return _run(q, k, v, call)
+    return _run(q, k, v, call, in_dtype)
 
 
 def _mask_object(mask):
@@ -361,7 +373,7 @@ def attention(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_o
     torch.Size([1, 8, 128, 64])
     """
     st = _attend(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs, dropout_p,
-                 dropout_seed, generator, lse_exact=return_lse)
+                 dropout_seed, generator, in_dtype=True, lse_exact=return_lse)
     out = st.out.to(q.dtype)
     return (out, st.lse) if return_lse else out
 

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .dense import refuse_under_compile, tensor_mask
+from .dense import tensor_mask
 from .engine import attention
 from .masks import causal
 
@@ -57,7 +57,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     >>> torch.allclose(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-5)
     True
     """
-    refuse_under_compile(attn_mask, "attn_mask")
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() < 2:
             raise SDPAInputError(f"{name} must be a tensor of shape (..., seq, feature) with at least 2 dims, got "

@@ -567,6 +567,68 @@ class _Documents(Mask):
         return hash(("documents", self.ids, self.kv_ids))
 
 
+class _Remapped(Mask):
+    """``inner`` seen at remapped positions: the pair ``(qp, kp)`` is visible when ``inner`` shows
+    ``(positions[b, qp], positions[b, kp])``. This is Hugging Face's packed-sequence remapping
+    (``remap_positions_for_packed_sequence``: positions restart at 0 in every packed sequence).
+
+    inner: a translation-invariant mask (causal, windows, their combinations), which compares
+    positions elementwise; positions: integer ``(N,)`` or ``(B, N)``, indexed by absolute
+    position. Exact, evaluated per tile; in a conjunction with ``documents(ids)`` whose positions
+    advance by one inside every document it is replaced by ``inner`` (:func:`_conjoin`), which
+    plans in closed form.
+    """
+
+    def __init__(self, inner: Mask, positions: torch.Tensor):
+        if not inner.translation_invariant:
+            raise ValueError(f"remapped positions: {inner!r} is not translation invariant; only masks that "
+                             f"compare positions elementwise (causal(), window(...)) can be remapped")
+        if (not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point
+                or positions.dim() not in (1, 2)):
+            raise ValueError(f"remapped positions: expected an integer tensor (N,) or (B, N), got "
+                             f"{getattr(positions, 'shape', type(positions))}")
+        self.inner = inner
+        self.pos = _TensorKey(positions.long().reshape(-1, positions.shape[-1]))  # (B|1, N)
+
+    def evaluate(self, b, h, qp, kp):
+        t = self.pos.on(qp.device)                                        # (B|1, N)
+        pq = t[:, qp.reshape(-1)].view(t.shape[0], 1, -1, 1)              # (B|1, 1, L, 1)
+        pk = t[:, kp.reshape(-1)].view(t.shape[0], 1, 1, -1)              # (B|1, 1, 1, S)
+        return self.inner.evaluate(b, h, pq, pk)
+
+    def check_positions(self, q_start, q_end, k_start, k_end):
+        n = self.pos.t.shape[-1]
+        if min(q_start, k_start) < 0 or max(q_end, k_end) > n:
+            raise ValueError(f"remapped positions cover {n} positions but this call touches queries "
+                             f"[{q_start}, {q_end}) and keys [{k_start}, {k_end}); pass position ids for every "
+                             f"position (packed sequences: q_offset=0, one position per token)")
+
+    def depends_on_batch_head(self, B=None, H=None):
+        b, h = self.inner.depends_on_batch_head(B, H)
+        return b or self.pos.t.shape[0] != 1, h
+
+    def within(self, docs: "_Documents") -> bool:
+        """Whether ``inner`` gives this mask's answer on every pair inside one of ``docs``'
+        documents: positions advance by one inside each (then ``positions - index`` is constant
+        there, and a translation-invariant mask sees the same differences)."""
+        if docs.ids.t.shape[-1] != self.pos.t.shape[-1] or not (docs.kv_ids is None
+                                                                 or torch.equal(docs.kv_ids.t, docs.ids.t)):
+            return False
+        ids, pos = torch.broadcast_tensors(docs.ids.t.reshape(-1, docs.ids.t.shape[-1]), self.pos.t)
+        shift = pos - torch.arange(pos.shape[-1])
+        same_doc = ids[:, 1:] == ids[:, :-1]
+        return bool((shift[:, 1:] == shift[:, :-1])[same_doc].all())
+
+    def __repr__(self):
+        return f"remapped({self.inner!r}, <positions {'x'.join(map(str, self.pos.t.shape))}>)"
+
+    def __eq__(self, other):
+        return type(other) is _Remapped and self.inner == other.inner and self.pos == other.pos
+
+    def __hash__(self):
+        return hash(("remapped", self.inner, self.pos))
+
+
 class _BlockSparse(Mask):
     def __init__(self, layout: torch.Tensor, block_size: int):
         if not isinstance(layout, torch.Tensor) or layout.dim() not in (2, 3):
@@ -753,8 +815,17 @@ def _terms(m: Mask) -> list[Mask]:
 def _conjoin(a: Mask, b: Mask) -> Mask:
     """``a & b``. In a conjunction holding :func:`varlen`, ``causal()`` and ``window()`` terms
     are folded into it, so they compare positions inside each sequence (FlashAttention's varlen
-    semantics) rather than packed indices across sequences."""
+    semantics) rather than packed indices across sequences. A remapped mask beside the documents
+    its positions restart in becomes its plain inner mask (:meth:`_Remapped.within`)."""
     terms = _terms(a) + _terms(b)
+    if not torch.compiler.is_compiling() and any(type(t) is _Remapped for t in terms):
+        docs = [t for t in terms if type(t) is _Documents]
+        plain = [t.inner if type(t) is _Remapped and any(t.within(d) for d in docs) else t for t in terms]
+        if any(p is not t for p, t in zip(plain, terms)):  # (traced, positions are unknown: keyfold.ops rebuilds)
+            out = plain[0]
+            for t in plain[1:]:
+                out = _conjoin(out, t)
+            return out
     packed = [t for t in terms if isinstance(t, Varlen)]
     local = [t for t in terms if type(t) in (_Causal, _Window)]
     if not packed or not local:

@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .caches import KVCache, decode
-from .dense import refuse_under_compile, tensor_mask
+from .dense import tensor_mask
 from .engine import attention
 from .kernels._common import dropout_keep
 from .masks import Mask, as_mask, causal, documents, grid_positions, sinks
@@ -276,7 +276,6 @@ class MultiheadAttention(nn.Module):
                                  "on its inference fast path): pad them to one length and pass key_padding_mask")
         _check_mask_dtype(key_padding_mask, "key_padding_mask")
         _check_mask_dtype(attn_mask, "attn_mask")
-        refuse_under_compile(attn_mask, "attn_mask")
         batched = F._mha_shape_check(query, key, value, key_padding_mask, attn_mask, self.num_heads)
         if is_causal and attn_mask is None:
             raise RuntimeError("Need attn_mask if specifying the is_causal hint. You may use the Transformer "

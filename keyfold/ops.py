@@ -12,6 +12,11 @@ Python code; :func:`flatten` (also traced) turns one into a JSON ``spec`` string
 the graph) and the list of tensors it holds (graph values, so a padding mask built from a
 traced ``attention_mask`` stays data, not a constant). The real implementation rebuilds the
 objects from both with :func:`unflatten`; equal masks hash equal, so the plan cache still hits.
+Dense tensor masks (SDPA's ``attn_mask``) are data the same way: a bool mask's tensor fills a slot,
+and so does a float mask's, unless it needs a gradient: then it is one of the op's
+``grad_tensors`` (named ``["g", i]``), the backward rebuilds it as a leaf and returns its gradient.
+Values a trace cannot look at (NaN / +inf in a float mask, a float mask without -inf) are checked
+when the op rebuilds the mask.
 A Flex-style callable, or a user's own Mask / ScoreMod class, is not data: it is kept in a
 registry and named in the spec by its key (dynamo reads the key as a constant; build such an
 object outside the compiled function).
@@ -27,6 +32,7 @@ import torch
 
 from . import masks as M
 from . import scores as S
+from .dense import _DenseBias, _DenseMask, check_additive, tensor_mask
 from .state import State
 
 __all__ = ["attend_op", "flatten", "unflatten"]
@@ -88,33 +94,43 @@ def _flat_mask(m, tensors: list) -> str:
     if type(m) is M.Varlen:  # its cu_seqlens are data (built from traced tensors, a new batch each step)
         return ('["varlen",' + _slot(m.cu_q.t, tensors) + ',' + _slot(m.cu_k.t, tensors) + ','
                 + _num(m.left) + ',' + _num(m.right) + ']')
+    if type(m) is M._Remapped:  # transformers' packed positions: data, like the documents beside them
+        return '["remap",' + _flat_mask(m.inner, tensors) + ',' + _slot(m.pos.t, tensors) + ']'
+    if type(m) is _DenseMask:  # a dense bool mask (SDPA's attn_mask): its tensor is data
+        return '["dense",' + _slot(m.table.t, tensors) + ',' + str(m.q0) + ',' + str(m.k0) + ']'
     if type(m) is M.MaskFn:
         return '["fn",' + str(_callable_key(m.fn)) + ']'
     # a user's own Mask class: passed by reference (build it outside the compiled function)
     return '["obj",' + str(_callable_key(m)) + ']'
 
 
-def _flat_score(s, tensors: list) -> str:
+def _flat_score(s, tensors: list, grads) -> str:
     if s is None:
         return "null"
     parts = s.parts()
     if parts is not None:
-        return '["chain"' + "".join("," + _flat_score(x, tensors) for x in parts) + "]"
+        return '["chain"' + "".join("," + _flat_score(x, tensors, grads) for x in parts) + "]"
     spec = s.spec()
     if spec is not None:
         kind, params = spec
         return '["spec","' + kind.value + '",' + _params(params, tensors) + "]"
+    if type(s) is _DenseBias:  # an additive float mask: data; one that trains is named among the grad tensors
+        i = next((i for i, g in enumerate(grads) if g is s.live), None)
+        slot = _slot(s.table.t, tensors) if i is None else '["g",' + str(i) + ']'
+        return '["bias",' + slot + ',' + str(s.q0) + ',' + str(s.k0) + ']'
     if type(s) is S.ScoreFn:
         return '["fn",' + str(_callable_key(s.fn)) + ']'
     return '["obj",' + str(_callable_key(s)) + ']'
 
 
-def flatten(mask, score, backend, block_size, check_inputs: bool = False) -> tuple[str, list]:
+def flatten(mask, score, backend, block_size, check_inputs: bool = False, grad_tensors=()) -> tuple[str, list]:
     """``(spec, tensors)``: a JSON string naming the mask, score, backend and block size, and the
-    tensors they hold in the order the spec's ``["#", i]`` slots name them."""
+    tensors they hold in the order the spec's ``["#", i]`` slots name them. A dense float mask
+    that is one of ``grad_tensors`` is named by its place there (``["g", i]``) instead: the op
+    receives it as an input that gets a gradient."""
     tensors: list = []
     m = _flat_mask(M.as_mask(mask), tensors)
-    s = _flat_score(S.as_score(score), tensors)
+    s = _flat_score(S.as_score(score), tensors, grad_tensors)
     if block_size is not None and type(block_size) is not int:
         block_size = '[' + str(block_size[0]) + ',' + str(block_size[1]) + ']'
     spec = ('{"mask":' + m + ',"score":' + s + ',"backend":"' + backend.value + '","block":' + _num(block_size)
@@ -150,6 +166,8 @@ def _build_mask(node, tensors):
     t = lambda x: None if x is None else tensors[x[1]]  # noqa: E731
     if op in (M.Logic.AND.value, M.Logic.OR.value):
         parts = [_build_mask(a, tensors) for a in args]
+        if op == M.Logic.AND.value:  # an all-visible dense mask (see "dense") drops out of a conjunction
+            parts = [p for p in parts if p != M.full()] or [M.full()]
         if not parts:
             return M.full() if op == M.Logic.AND.value else ~M.full()
         out = parts[0]
@@ -165,6 +183,11 @@ def _build_mask(node, tensors):
         return M.padding(starts=starts) if ends is None else M.padding(ends - starts, starts=starts)
     if op == "keys":
         return M.padding(keys=t(args[0]))
+    if op == "remap":  # the conjunction it sits in (rebuilt with &) drops it where positions are plain
+        return M._Remapped(_build_mask(args[0], tensors), t(args[1]))
+    if op == "dense":  # as eagerly, where a float mask without -inf has no companion mask
+        table = t(args[0])
+        return M.full() if bool(table.all()) else _DenseMask(table, args[1], args[2])
     if op == "varlen":  # through the public builder, which checks the lengths
         return M.varlen(t(args[0]), t(args[1]), window=(args[2], args[3]))
     if op == "fn":
@@ -174,12 +197,17 @@ def _build_mask(node, tensors):
     raise ValueError(f"unknown mask node {op!r}")
 
 
-def _build_score(node, tensors):
+def _build_score(node, tensors, grads):
     if node is None:
         return None
     op, args = node[0], node[1:]
     if op == "chain":
-        return S.as_score([_build_score(a, tensors) for a in args])
+        return S.as_score([_build_score(a, tensors, grads) for a in args])
+    if op == "bias":
+        where, i = args[0]
+        live = grads[i] if where == "g" else tensors[i]
+        check_additive(live, "attn_mask")  # (traced, tensor_mask could not look at the values)
+        return _DenseBias(live, args[1], args[2])
     if op == "spec":
         kind, p = S.ScoreKind(args[0]), _args(args[1], tensors)
         if kind is S.ScoreKind.ALIBI:
@@ -196,20 +224,24 @@ def _build_score(node, tensors):
 
 @functools.lru_cache(maxsize=256)
 def _cached(spec: str):
-    return _unflatten(spec, [])
+    return _unflatten(spec, [], [])
 
 
-def _unflatten(spec, tensors):
+def _unflatten(spec, tensors, grads):
     from .engine import Backend
     d = json.loads(spec)
     block = d["block"]
-    return (_build_mask(d["mask"], tensors), _build_score(d["score"], tensors), Backend(d["backend"]),
+    return (_build_mask(d["mask"], tensors), _build_score(d["score"], tensors, grads), Backend(d["backend"]),
             tuple(block) if isinstance(block, list) else block, d.get("check", False))
 
 
-def unflatten(spec: str, tensors: list) -> tuple:
-    """``(mask, score, backend, block_size, check_inputs)`` from :func:`flatten`'s output (tensorless specs cached)."""
-    return _cached(spec) if not tensors else _unflatten(spec, [x.detach() for x in tensors])
+def unflatten(spec: str, tensors: list, grads: list = ()) -> tuple:
+    """``(mask, score, backend, block_size, check_inputs)`` from :func:`flatten`'s output (tensorless
+    specs cached). ``grads``: the op's grad tensors, which ``["g", i]`` slots name (taken as given:
+    the backward passes them as leaves that require grad, the forward detached)."""
+    if not tensors and not grads:
+        return _cached(spec)
+    return _unflatten(spec, [x.detach() for x in tensors], list(grads))
 
 
 # ------------------------------------------------------------------------------ the ops
@@ -242,10 +274,10 @@ def _offsets(spec: str, tensors: list, q_offset: int, kv_offset: int) -> tuple[i
     return (q_offset if q is None else int(tensors[q[1]])), (kv_offset if kv is None else int(tensors[kv[1]]))
 
 
-def _call(q, k, v, tensors, spec, scale, q_offset, kv_offset):
+def _call(q, k, v, tensors, spec, scale, q_offset, kv_offset, grads=()):
     from .engine import _Call
     q_offset, kv_offset = _offsets(spec, tensors, q_offset, kv_offset)
-    mask, score, backend, block, check = unflatten(spec, tensors)
+    mask, score, backend, block, check = unflatten(spec, tensors, grads)
     return _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block, check)
 
 
@@ -260,7 +292,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[tor
     # grad_tensors: the tensors a score modifier (passed by reference) reads that need gradients;
     # inputs only so that autograd routes their gradients to the backward (the modifier reads them)
     from .engine import Backend, _reference
-    call = _call(q, k, v, tensors, spec, scale, q_offset, kv_offset)
+    call = _call(q, k, v, tensors, spec, scale, q_offset, kv_offset, [g.detach() for g in grad_tensors])
     with torch.no_grad():
         st = (_reference.attend_reference(q, k, v, call.pb) if call.backend is Backend.REFERENCE
               else call.forward(q, k, v))
@@ -300,8 +332,9 @@ def _attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
         dlse = None
     with _autograd_dispatch():  # a non-additive score's backward takes autograd of the score tile
         # (built with grad mode on when the score's tensors need gradients: the call finds them then)
-        with torch.set_grad_enabled(bool(grad_tensors)):
-            call = _call(q, k, v, tensors, spec, scale, q_offset, kv_offset)
+        with torch.set_grad_enabled(bool(grad_tensors)):  # (a dense float mask's slot: a leaf of its own)
+            call = _call(q, k, v, tensors, spec, scale, q_offset, kv_offset,
+                         [g.detach().requires_grad_() for g in grad_tensors])
         if len(call.score_tensors) != len(grad_tensors):
             raise RuntimeError(f"keyfold::attend_backward: the score modifier reads {len(call.score_tensors)} tensor(s) "
                                f"with requires_grad here and {len(grad_tensors)} when traced; build it outside the "
@@ -342,11 +375,22 @@ _attend.register_autograd(_backward, setup_context=_setup_context)
 
 def attend_op(q, k, v, *, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs=False) -> State:
     """:func:`keyfold.attend` through the custom op (what it calls while dynamo traces)."""
+    if isinstance(mask, torch.Tensor):  # SDPA's attn_mask, relative to this call (as _Call converts it)
+        if isinstance(q_offset, torch.Tensor) or isinstance(kv_offset, torch.Tensor):
+            raise NotImplementedError("keyfold under torch.compile: a dense tensor mask is indexed relative to the "
+                                      "call, so q_offset / kv_offset must be ints with it, not tensors; pass a "
+                                      "mask object (causal(), window(), padding(...)), which sees absolute positions")
+        B, Hq, Nq, _ = q.shape
+        Nk = k.shape[2]
+        mask, bias = tensor_mask(mask, B=B, H=Hq, Nq=Nq, Nk=Nk, q_offset=kv_offset + Nk - Nq if q_offset is None
+                                 else q_offset, kv_offset=kv_offset)
+        if bias is not None:
+            score = [score, bias]
     score_obj = S.as_score(score)
     grad_tensors = []
     if score_obj is not None and torch.is_grad_enabled():
         grad_tensors = [t for t in score_obj.tensors() if t.requires_grad]
-    spec, tensors = flatten(mask, score, backend, block_size, check_inputs)
+    spec, tensors = flatten(mask, score_obj, backend, block_size, check_inputs, grad_tensors)
     if any(t is x for t in grad_tensors for x in tensors):
         # a preset's tensors travel as detached data (presets keep read-only copies today): refuse, never drop
         raise NotImplementedError(

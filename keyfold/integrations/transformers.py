@@ -26,6 +26,7 @@ import inspect
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
+from torch.overrides import TorchFunctionMode
 
 from .. import masks as M
 from ..engine import attention
@@ -50,7 +51,9 @@ def _hf():
 class KeyfoldMask(BlockMask):
     """What the mask builder hands the attention function instead of a dense tensor.
 
-    mask: a keyfold mask over absolute positions (None: every key visible).
+    mask: a keyfold mask over absolute positions (None: every key visible), or, for a mask
+    function compiled code cannot read otherwise, a dense bool ``(B, 1, Nq, Nk)`` tensor of this
+    call's pairs (offsets 0).
     q_offset / kv_offset: absolute positions of the first query row and the first key (q_offset
     is a 0-d tensor for a static cache, so a compiled decoding step takes it as data).
     shape: ``(B, 1, Nq, Nk)``, the mask's logical shape.
@@ -112,15 +115,13 @@ class _HFMaskFn(M.MaskFn):
         return True, False
 
 
-def _consecutive_within(psm: torch.Tensor, pos: torch.Tensor) -> bool:
-    """Whether ``pos[b, i] - i`` is constant inside every packed sequence of ``psm``: then a mask
-    that depends only on ``q - kv`` gives the same answer on remapped and raw positions there."""
-    shift = pos - torch.arange(pos.shape[-1], device=pos.device)
-    same_doc = psm[:, 1:] == psm[:, :-1]
-    return bool((shift[:, 1:] == shift[:, :-1])[same_doc].all())
+def _remapped(inner: M.Mask | None, positions: torch.Tensor) -> M.Mask:
+    """``inner`` at packed positions (every key, None or ``full()``, ignores them). Beside the
+    documents those positions restart in, ``&`` turns it back into ``inner`` (closed form)."""
+    return M.full() if inner is None or inner == M.full() else M._Remapped(inner, positions)
 
 
-def to_keyfold_mask(fn, mu=None, codes: _Codes | None = None, packed: torch.Tensor | None = None) -> M.Mask | None:
+def to_keyfold_mask(fn, mu=None, codes: _Codes | None = None) -> M.Mask | None:
     """A transformers ``mask_function(batch_idx, head_idx, q_idx, kv_idx)`` as a keyfold mask.
 
     causal / bidirectional / sliding-window overlays / padding / packed sequences become
@@ -137,12 +138,9 @@ def to_keyfold_mask(fn, mu=None, codes: _Codes | None = None, packed: torch.Tens
     code = getattr(fn, "__code__", None)
     if code is codes.and_masks or code is codes.or_masks:
         parts = _closure(fn)["mask_functions"]
-        # packed sequences: remap(f, positions) & same-sequence -> f & documents when f is shift-free
-        psm = next((_closure(p)["packed_sequence_mask"] for p in parts
-                    if getattr(p, "__code__", None) is codes.packed), None)
         out = None
-        for p in parts:
-            m = to_keyfold_mask(p, mu, codes, psm)
+        for p in parts:  # (packed: remapped(f, positions) & documents -> f & documents, by &)
+            m = to_keyfold_mask(p, mu, codes)
             if out is None:
                 out = m
             else:
@@ -157,12 +155,11 @@ def to_keyfold_mask(fn, mu=None, codes: _Codes | None = None, packed: torch.Tens
         return M.padding(keys=_closure(fn)["padding_mask"])
     if code is codes.packed:
         return M.documents(_closure(fn)["packed_sequence_mask"])
-    if code is codes.remap and packed is not None:
+    if code is codes.remap:
         cells = _closure(fn)
         inner = to_keyfold_mask(cells["mask_function"], mu, codes)
-        pos = cells["position_ids"]
-        if (inner is None or inner.translation_invariant) and _consecutive_within(packed, pos):
-            return inner
+        if inner is None or inner.translation_invariant:
+            return _remapped(inner, cells["position_ids"])
     return _HFMaskFn(fn)
 
 
@@ -174,10 +171,12 @@ class _NotClosedForm(Exception):
 
 
 class _Lin:
-    """``cq * q_idx + ckv * kv_idx + c``: what transformers' index arithmetic builds."""
+    """``cq * q_idx + ckv * kv_idx + c``: what transformers' index arithmetic builds. With
+    ``pos`` (a ``(B, N)`` tensor), the indices are remapped: ``cq * pos[b, q_idx] + ckv * pos[b, kv_idx] + c``
+    (what ``position_ids[batch_idx, q_idx]`` gives under :class:`_Probe`)."""
 
-    def __init__(self, cq: int, ckv: int, c: int):
-        self.cq, self.ckv, self.c = cq, ckv, c
+    def __init__(self, cq: int, ckv: int, c: int, pos: torch.Tensor | None = None):
+        self.cq, self.ckv, self.c, self.pos = cq, ckv, c, pos
 
     def _other(self, x):
         if isinstance(x, _Lin):
@@ -186,21 +185,36 @@ class _Lin:
             return _Lin(0, 0, x)
         raise _NotClosedForm
 
+    def _pos(self, o: "_Lin"):
+        """The positions both sides index (one remapping, or none, per expression)."""
+        mine, theirs = (self.cq, self.ckv) != (0, 0), (o.cq, o.ckv) != (0, 0)
+        if mine and theirs and self.pos is not o.pos:
+            raise _NotClosedForm
+        return self.pos if mine else o.pos
+
     def __add__(self, x):
         o = self._other(x)
-        return _Lin(self.cq + o.cq, self.ckv + o.ckv, self.c + o.c)
+        return _Lin(self.cq + o.cq, self.ckv + o.ckv, self.c + o.c, self._pos(o))
 
     __radd__ = __add__
 
     def __sub__(self, x):
         o = self._other(x)
-        return _Lin(self.cq - o.cq, self.ckv - o.ckv, self.c - o.c)
+        return _Lin(self.cq - o.cq, self.ckv - o.ckv, self.c - o.c, self._pos(o))
 
     def __rsub__(self, x):
         return self._other(x).__sub__(self)
 
     def __neg__(self):
-        return _Lin(-self.cq, -self.ckv, -self.c)
+        return _Lin(-self.cq, -self.ckv, -self.c, self.pos)
+
+    def __eq__(self, x):  # packed_sequence_mask[b, q_idx] == packed_sequence_mask[b, kv_idx]
+        d = self - x
+        if d.pos is not None and d.c == 0 and abs(d.cq) == 1 and d.cq == -d.ckv:
+            return _Pred(M.documents(d.pos))
+        raise _NotClosedForm
+
+    __hash__ = None
 
     def __abs__(self):
         return _Abs(self)
@@ -237,7 +251,8 @@ class _Abs:
 
     def __le__(self, w):  # |q - kv| <= w
         if type(w) is int and self.lin.c == 0 and abs(self.lin.cq) == 1 and self.lin.cq == -self.lin.ckv:
-            return _Pred(M.window(w, w))
+            m = M.window(w, w)
+            return _Pred(m if self.lin.pos is None else _remapped(m, self.lin.pos))
         raise _NotClosedForm
 
     def __bool__(self):
@@ -245,14 +260,17 @@ class _Abs:
 
 
 def _at_least_zero(d: _Lin) -> "_Pred":
-    """``d >= 0`` as a keyfold mask, for ``d = +-(q - kv) + c`` or ``d = q + c``."""
+    """``d >= 0`` as a keyfold mask, for ``d = +-(q - kv) + c`` or ``d = q + c`` (of remapped
+    positions when ``d.pos`` is set)."""
     if d.cq == 1 and d.ckv == -1:      # kv <= q + c
-        return _Pred(M.causal() if d.c == 0 else M.window(None, d.c))
-    if d.cq == -1 and d.ckv == 1:      # kv >= q - c
-        return _Pred(M.window(d.c, None))
-    if d.cq == 1 and d.ckv == 0 and d.c >= 0:  # q >= -c: every query position (bidirectional)
+        m = M.causal() if d.c == 0 else M.window(None, d.c)
+    elif d.cq == -1 and d.ckv == 1:    # kv >= q - c
+        m = M.window(d.c, None)
+    elif d.cq == 1 and d.ckv == 0 and d.c >= 0 and d.pos is None:  # q >= -c: every query (bidirectional)
         return _Pred(M.full())
-    raise _NotClosedForm
+    else:
+        raise _NotClosedForm
+    return _Pred(m if d.pos is None else _remapped(m, d.pos))
 
 
 class _Pred:
@@ -291,12 +309,55 @@ class _Pred:
 
 
 class _Index:
-    """The batch or head index: a function that reads it is not closed form."""
+    """The batch or head index: a function that reads it is not closed form (except to index a
+    per-batch tensor of positions, see :class:`_Probe`)."""
+
+    def __init__(self, batch: bool):
+        object.__setattr__(self, "batch", batch)
 
     def __getattr__(self, name):
+        if name.startswith("__"):  # a protocol lookup (dynamo asks for __torch_function__): absent
+            raise AttributeError(name)
         raise _NotClosedForm
 
     def __index__(self):
+        raise _NotClosedForm
+
+
+class _Probe(TorchFunctionMode):
+    """While the probe runs: ``t[batch_idx, q_idx]`` / ``t[batch_idx, kv_idx]`` on a ``(B, N)``
+    tensor is the remapped index ``_Lin(.., pos=t)`` (transformers' packed-sequence functions
+    index ``position_ids`` and ``packed_sequence_mask`` so); any other use of a symbolic index
+    by torch is not closed form. Dynamo traces a torch function mode, so this keeps the probe
+    inside the graph where indexing a tensor with a Python object would break it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__getitem__ and isinstance(args[1], tuple) and len(args[1]) == 2:
+            (b, i), t = args[1], args[0]
+            if (isinstance(b, _Index) and b.batch and isinstance(i, _Lin) and i.pos is None and i.c == 0
+                    and (i.cq, i.ckv) in ((1, 0), (0, 1)) and t.dim() == 2):
+                return _Lin(i.cq, i.ckv, 0, t)
+        flat = [y for x in (*args, *(kwargs or {}).values()) for y in (x if isinstance(x, (tuple, list)) else (x,))]
+        if any(isinstance(a, (_Index, _Lin, _Abs, _Pred, _Opaque)) for a in flat):
+            return _Opaque()  # (raising here, inside the mode, is an internal error for dynamo)
+        return func(*args, **(kwargs or {}))
+
+
+def _not_closed_form(*args, **kwargs):
+    raise _NotClosedForm
+
+
+class _Opaque:
+    """What torch gave for a symbolic index it cannot read: any use of it is not closed form."""
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __floordiv__ = __rfloordiv__ = _not_closed_form
+    __mod__ = __rmod__ = __and__ = __rand__ = __or__ = __ror__ = __invert__ = __neg__ = _not_closed_form
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __bool__ = __index__ = __getitem__ = _not_closed_form
+    __hash__ = None
+
+    def __getattr__(self, name):
+        if name.startswith("__"):  # a protocol lookup (dynamo asks for __torch_function__): absent
+            raise AttributeError(name)
         raise _NotClosedForm
 
 
@@ -309,7 +370,8 @@ def traced_mask(fn) -> M.Mask | None:
     ``q_idx >= 0`` and and/or composites into keyfold masks (None: every key). Raises
     :class:`_NotClosedForm` for anything else (a function that indexes a tensor).
     """
-    out = fn(_Index(), _Index(), _Lin(1, 0, 0), _Lin(0, 1, 0))
+    with _Probe():
+        out = fn(_Index(True), _Index(False), _Lin(1, 0, 0), _Lin(0, 1, 0))
     if not isinstance(out, _Pred):
         raise _NotClosedForm
     if out.mask is None:
@@ -317,12 +379,18 @@ def traced_mask(fn) -> M.Mask | None:
     return None if out.mask == M.full() else out.mask
 
 
-def _compiled_mask(fn) -> M.Mask | None:
-    """:func:`to_keyfold_mask` while dynamo traces: the symbolic probe, else the callable."""
-    try:
-        return traced_mask(fn)
-    except (_NotClosedForm, IndexError, TypeError):
-        return _HFMaskFn(fn)
+def _dense_mask(mu, batch_size, q_length, kv_length, q_offset, kv_offset, fn, attention_mask, kwargs) -> "KeyfoldMask":
+    """While dynamo traces, a mask function the probe cannot read (chunked attention indexes a
+    tensor by the batch index) is evaluated on every pair by transformers' own ``sdpa_mask``,
+    padding included: a dense bool ``(B, 1, Nq, Nk)`` tensor that reaches the op as data. Exact,
+    and it costs what ``attn_implementation="sdpa"`` costs (B x Nq x Nk bytes). A callable made
+    inside the traced region cannot be passed by reference (its captured tensors are new each call)."""
+    dense = mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                         kv_offset=kv_offset, mask_function=fn,
+                         attention_mask=None if attention_mask is None else attention_mask.bool(),
+                         allow_is_causal_skip=False, use_vmap=bool(kwargs.get("use_vmap", False)),
+                         device=kwargs.get("device", "cpu"))
+    return KeyfoldMask(dense, 0, 0, (batch_size, 1, q_length, kv_length))  # its entries are this call's pairs
 
 
 def mask_interface(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
@@ -334,7 +402,13 @@ def mask_interface(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     """
     mu = _hf()
     fn = mu.causal_mask_function if mask_function is None else mask_function
-    mask = _compiled_mask(fn) if torch.compiler.is_compiling() else to_keyfold_mask(fn, mu)
+    if torch.compiler.is_compiling():
+        try:
+            mask = traced_mask(fn)
+        except (_NotClosedForm, IndexError, TypeError):
+            return _dense_mask(mu, batch_size, q_length, kv_length, q_offset, kv_offset, fn, attention_mask, kwargs)
+    else:
+        mask = to_keyfold_mask(fn, mu)
     if isinstance(q_offset, torch.Tensor):
         # a StaticCache layer reports its length as a tensor that it advances in place during the
         # forward: keep a copy of today's value. While compiling (or for a compiled forward that

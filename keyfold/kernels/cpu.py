@@ -184,9 +184,16 @@ def _tile(piece: Piece, pb: Problem, q_orig, folded: bool, g: int, memo: dict, c
     if folded:
         m = _fold_mask(m, g, Hq, L)
     tile = _Tile(m, empty_rows(vis), row_shift)
+    nbytes = sum(t.numel() * t.element_size() for t in tile if t is not None)
+    if score is None and vis is not None:  # a mask alone: equal tiles share one tensor in the cache
+        # (the rows' visible counts narrow the search; the masks must be equal, then so are the empty rows)
+        fingerprint = (tuple(m.shape), m.dtype, folded, vis.sum(-1).numpy().tobytes())
+        first = cache.shared(fingerprint, tile, lambda a, b: torch.equal(a.mask, b.mask))
+        if first is not tile:
+            tile, nbytes = first, 0
     memo[key] = tile
     if score is None or not score.tensors():  # a tile of tensors that may train would go stale
-        cache.put(key, tile, sum(t.numel() * t.element_size() for t in tile if t is not None))
+        cache.put(key, tile, nbytes)
     return tile
 
 
@@ -220,16 +227,21 @@ def _bias_needed(pb: Problem) -> bool:
     return pb.score is not None and pb.score.additive
 
 
-def dense(q, k, v, scale: float) -> State:
-    """One fused call over every key, no mask: the op's (out, lse) is the whole state."""
+def dense(q, k, v, scale: float, keep_dtype: bool = False) -> State:
+    """One fused call over every key, no mask: the op's (out, lse) is the whole state.
+    keep_dtype: out stays in the op's dtype (the input's, float32 for widened float16), for a
+    caller that casts it to the input dtype anyway."""
     sd = state_dtype(q.dtype)
     q, k, v = _widen(q, k, v)
     out, lse = _FWD(q, k, v, 0.0, False, attn_mask=None, scale=scale)
-    return State(out if out.dtype == sd else out.to(sd), lse if lse.dtype == sd else lse.to(sd))
+    return State(out if out.dtype == sd or keep_dtype else out.to(sd), lse if lse.dtype == sd else lse.to(sd))
 
 
-def forward(q, k, v, plan: Plan, pb: Problem) -> State:
-    """Attention over the plan's pieces; returns the merged State (float32 / float64)."""
+def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State:
+    """Attention over the plan's pieces; returns the merged State (float32 / float64).
+
+    keep_dtype: a one-piece plan's out stays in the op's (input) dtype, for a caller that wants
+    it there (pieces that are merged are always upcast first)."""
     sd = state_dtype(q.dtype)
     B, Hq, Nq, _ = q.shape
     Dv = v.shape[-1]
@@ -253,7 +265,7 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
             out, lse = _unfold(out, inp.g, Hq), _unfold(lse, inp.g, Hq)
         if out.shape[-1] != Dv:
             out = out[..., :Dv]
-        if out.dtype != sd:  # 16-bit pieces are upcast before any merge
+        if out.dtype != sd and not (single and keep_dtype):  # 16-bit pieces are upcast before any merge
             out = out.to(sd)
         if lse.dtype != sd:
             lse = lse.to(sd)
@@ -277,17 +289,25 @@ def forward(q, k, v, plan: Plan, pb: Problem) -> State:
     return acc
 
 
-def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows: bool = True):
+def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows: bool = True, grad_dtype=None):
     """Per-piece gradients with the global (out, lse), summed in float32 (docs/math.md §2).
 
     whole_rows: these keys are all the keys the rows see (the engine's own backward); False for a
-    piece of a larger computation (``attend_backward``), where a row's one key here need not be its only one."""
+    piece of a larger computation (``attend_backward``), where a row's one key here need not be its only one.
+    grad_dtype: the dtype the caller wants the gradients in (default float32, float64 for float64
+    inputs). A gradient one piece computes alone comes back as the op returned it, cast once; sums
+    of several pieces are taken in float32.
+
+    Memory: besides the three gradients this holds one piece's op outputs at a time. A gradient
+    that one piece covers whole is the op's own tensor (no zeroed buffer beside it), and rows
+    with a single visible key are taken out of the op through their lse, not a copy of dout."""
     sd = state_dtype(q.dtype)
+    gd = sd if grad_dtype is None else grad_dtype
     B, Hq, Nq, D = q.shape
     Dv = v.shape[-1]
     if Nq == 0 or k.shape[2] == 0:  # no pair: every gradient is zero (and the fused op refuses empty input)
-        return (torch.zeros(q.shape, dtype=sd, device=q.device), torch.zeros(k.shape, dtype=sd, device=q.device),
-                torch.zeros(v.shape, dtype=sd, device=q.device))
+        return (torch.zeros(q.shape, dtype=gd, device=q.device), torch.zeros(k.shape, dtype=gd, device=q.device),
+                torch.zeros(v.shape, dtype=gd, device=q.device))
     spare = dlse is not None
     q, k, v = _widen(q, k, v)
     inp = _Inputs(q, k, v, spare=spare)
@@ -302,15 +322,15 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     # Rows that saw no key anywhere have lse = -inf; every piece hides them, so any finite
     # stand-in gives P = 0 there, while -inf itself would make the op return NaN.
     lse_safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).to(sd)
-    dq = torch.zeros(B, Hq, Nq, W, dtype=sd, device=q.device)
-    dk = torch.zeros(k.shape[:3] + (W,), dtype=sd, device=q.device)
-    dv = torch.zeros(k.shape[:3] + (W,), dtype=sd, device=q.device)
     memo: dict = {}
     single = _single_key_rows(inp, plan, pb, q, memo) if whole_rows else None
-    if single is not None:  # those rows leave the op (dO = 0 gives dS = 0 exactly) and are added below
-        do = do.clone() if not spare else do
-        do.masked_fill_(single[0].expand(B, Hq, Nq).unsqueeze(-1), 0.0)
-    for piece in plan.pieces:
+    if single is not None:  # those rows leave the op and are added exactly below: with lse huge,
+        # P = exp(s - lse) = 0 for every key, so the op gives them dS = 0 and no dV (as dO = 0 would)
+        lse_safe = lse_safe.masked_fill(single[0], _OUT_OF_OP)
+    # A gradient with one piece: kept as the op returns it (16-bit too). Several: summed in sd.
+    alone = len(plan.pieces) == 1 and single is None
+    acc = _Grads(q, k, W, sd, gd if alone else sd)
+    for piece in _backward_pieces(plan, k.shape[2], cut=q.dtype == sd):
         qs, ks, vs, causal, tile, folded = _piece_args(inp, piece, pb, q, memo, plan.tiles)
         rows, keys = slice(piece.q0, piece.q1), slice(piece.k0, piece.k1)
         o_p, do_p, l_p = o[:, :, rows], do[:, :, rows], lse_safe[:, :, rows]
@@ -320,22 +340,103 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
             o_p, do_p, l_p = _fold(o_p, inp.g), _fold(do_p, inp.g), _fold(l_p, inp.g)
         if qs.dim() == 5:  # GQA under the causal flag: per member, dk / dv summed over the group
             o5, do5, l5 = (_members(t.contiguous(), inp.g) for t in (o_p, do_p, l_p))
-            parts = [_BWD(do5[:, :, j], qs[:, :, j], ks, vs, o5[:, :, j], l5[:, :, j],
-                          0.0, causal, attn_mask=tile.mask, scale=pb.scale) for j in range(inp.g)]
-            gq = torch.stack([p[0] for p in parts], 2).flatten(1, 2)
-            gk = sum(p[1].to(sd) for p in parts)
-            gv = sum(p[2].to(sd) for p in parts)
+            gq = qs.new_empty(qs.shape)  # (B, Hkv, g, L, W), in the dtype the op returns
+            gk = gv = None
+            for j in range(inp.g):  # one member's op outputs alive at a time
+                a, b, c = _BWD(do5[:, :, j], qs[:, :, j], ks, vs, o5[:, :, j], l5[:, :, j],
+                               0.0, causal, attn_mask=tile.mask, scale=pb.scale)
+                gq[:, :, j] = a
+                gk = b.to(sd) if gk is None else gk.add_(b)
+                gv = c.to(sd) if gv is None else gv.add_(c)
+                del a, b, c
+            gq = gq.flatten(1, 2)                                      # (B, Hq, L, W)
         else:
-            gq, gk, gv = _BWD(do_p.contiguous(), qs, ks, vs, o_p.contiguous(), l_p.contiguous(),
-                              0.0, causal, attn_mask=tile.mask, scale=pb.scale)
+            # row slices go in as views: the op reads strided dO, O and lse (it copies them itself)
+            gq, gk, gv = _BWD(do_p, qs, ks, vs, o_p, l_p, 0.0, causal, attn_mask=tile.mask, scale=pb.scale)
         if folded:
             gq = _unfold(gq, inp.g, Hq)
-        dq[:, :, rows] += gq
-        dk[:, :, keys] += gk
-        dv[:, :, keys] += gv
+        acc.add(gq, gk, gv, rows, keys)
+        del gq, gk, gv
+    dq, dk, dv = acc.grads
+    del acc
     if single is not None:
         _add_single_key_rows(single, q, k, dout, dlse, dq, dk, dv, pb.scale, inp.g)
-    return dq[..., :D], dk[..., :D], dv[..., :Dv]
+    dq = _trim(dq, D, gd)  # one at a time: a float32 sum is freed as soon as its cast exists
+    dk = _trim(dk, D, gd)
+    return dq, dk, _trim(dv, Dv, gd)
+
+
+#: Key span above which the backward cuts a FULL piece of a many-piece plan (see _backward_pieces)
+BACKWARD_SPAN = 1024
+
+
+def _backward_pieces(plan: Plan, Nk: int, cut: bool = True):
+    """The plan's pieces for the backward, FULL ones cut into key spans of at most
+    ``max(BACKWARD_SPAN, Nk // 8)`` when there are several pieces (and ``cut``).
+
+    The op returns dk and dv over its whole key span, which the backward adds into the sums and
+    frees: a row band of a prefix-LM plan spans up to every key, so uncut it would hold two more
+    key-length gradients at its peak. Cut, the pieces' own outputs stay under a quarter of one
+    gradient (from 8k keys on). A FULL piece's gradient is the sum of its key spans' (the
+    global O and lse make every span exact), and a span is more than half the cap, so each op
+    call stays large. A one-piece plan is not cut: its outputs are the gradients themselves.
+    16-bit inputs are not cut (``cut=False``): the op rounds each call's dq to 16 bits, so every
+    extra span would add a rounding to the row's sum (measured: 5e-3 relative in bf16 dq)."""
+    if len(plan.pieces) == 1 or not cut:
+        yield from plan.pieces
+        return
+    cap = max(BACKWARD_SPAN, Nk // 8)
+    for p in plan.pieces:
+        if p.kind is not PieceKind.FULL or p.k1 - p.k0 <= cap:
+            yield p
+            continue
+        n = -(-(p.k1 - p.k0) // cap)  # spans of equal length
+        edges = [p.k0 + (p.k1 - p.k0) * i // n for i in range(n + 1)]
+        for a, b in zip(edges, edges[1:]):
+            yield Piece(p.q0, p.q1, a, b, PieceKind.FULL)
+
+
+#: lse given to the op for rows it must not touch: exp(s - lse) underflows to exactly 0 for any
+#: finite score s (a float32 score is at most ~3.4e38, and s - 1e30 < -88 whenever s < 1e30 - 88)
+_OUT_OF_OP = 1e30
+
+
+class _Grads:
+    """dq, dk, dv ``(B, H, N, W)`` summed over pieces. A piece that covers a gradient's whole
+    length and comes first gives its own tensor as the sum (when its dtype is the one to sum in),
+    so a one-piece plan allocates nothing beside the op's outputs; otherwise zeros, then adds."""
+
+    def __init__(self, q, k, W, sd, dtype):
+        self.shapes = (q.shape[:3] + (W,), k.shape[:3] + (W,), k.shape[:3] + (W,))
+        self.sd, self.dtype, self.device = sd, dtype, q.device
+        self.dq = self.dk = self.dv = None
+
+    def _one(self, acc, part, span, shape):
+        if acc is None:
+            if span.start == 0 and span.stop == shape[2] and part.dtype == self.dtype and part.shape == shape:
+                return part  # the op's (or our) fresh tensor: nothing else holds it
+            acc = torch.zeros(shape, dtype=self.sd, device=self.device)
+        acc[:, :, span] += part
+        return acc
+
+    def add(self, gq, gk, gv, rows, keys):
+        self.dq = self._one(self.dq, gq, rows, self.shapes[0])
+        self.dk = self._one(self.dk, gk, keys, self.shapes[1])
+        self.dv = self._one(self.dv, gv, keys, self.shapes[2])
+
+    @property
+    def grads(self):
+        """(dq, dk, dv); zeros for one no piece reached."""
+        return tuple(torch.zeros(shape, dtype=self.sd, device=self.device) if g is None else g
+                     for g, shape in zip((self.dq, self.dk, self.dv), self.shapes))
+
+
+def _trim(g, n, dtype):
+    """``g[..., :n]`` in ``dtype``: a view when nothing is cut and the dtype matches; else one
+    contiguous copy (autograd would copy a strided slice anyway to give ``.grad`` its layout)."""
+    if g.shape[-1] == n:
+        return g if g.dtype == dtype else g.to(dtype)
+    return g[..., :n].to(dtype, memory_format=torch.contiguous_format, copy=True)
 
 
 def _single_key_rows(inp: _Inputs, plan: Plan, pb: Problem, q, memo: dict):

@@ -267,4 +267,109 @@ def test_symbolic_probe_reads_transformers_mask_functions():
         assert torch.equal(got.to_dense(9, 9), want.to_dense(9, 9)), fn
     assert kft.traced_mask(mu.bidirectional_mask_function) is None
     chunked = mu.chunked_causal_mask_function(2, torch.tensor([0, 1]))  # indexes a tensor
-    assert isinstance(kft._compiled_mask(chunked), kft._HFMaskFn)
+    with pytest.raises(kft._NotClosedForm):
+        kft.traced_mask(chunked)
+
+
+def _packed_functions(mu):
+    """transformers' packed-sequence mask functions (as create_causal_mask composes them), and one
+    whose sequence ids do not come from its positions (the remapping must then stay exact)."""
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1], [0, 1, 2, 3, 4, 5, 0, 1, 2, 3]])
+    psm = mu.find_packed_sequence_indices(pos)
+
+    def packed(fn, ids=psm):
+        return mu.and_masks(mu.remap_positions_for_packed_sequence(fn, pos), mu.packed_sequence_mask_function(ids))
+
+    return {"causal": packed(mu.causal_mask_function),
+            "sliding window": packed(mu.sliding_window_causal_mask_function(3)),
+            "ids not from the positions": packed(mu.causal_mask_function, torch.zeros_like(psm))}, psm
+
+
+def test_packed_mask_functions_read_exactly_traced_and_eager():
+    """The symbolic probe (what the mask builder runs while compiling) reads the packed functions
+    too: ``position_ids[b, q_idx]`` is a remapped position, ``psm[b, q] == psm[b, kv]`` documents.
+    Both readers give the function's own answer on every pair; where the ids do come from the
+    positions, ``&`` turns the remapped mask into the plain closed form."""
+    mu = transformers.masking_utils
+    cases, psm = _packed_functions(mu)
+    b, h = torch.arange(2).view(2, 1, 1, 1), torch.arange(1).view(1, 1, 1, 1)
+    qp, kp = torch.arange(10).view(1, 1, 10, 1), torch.arange(10).view(1, 1, 1, 10)
+    for what, fn in cases.items():
+        want = torch.broadcast_to(fn(b, h, qp, kp), (2, 1, 10, 10))
+        for reader in (kft.traced_mask, kft.to_keyfold_mask):
+            m = reader(fn)
+            assert not isinstance(m, kft._HFMaskFn) and "fn" not in repr(m), (what, m)
+            assert torch.equal(torch.broadcast_to(m.evaluate(b, h, qp, kp), (2, 1, 10, 10)), want), (what, reader)
+    assert kft.traced_mask(cases["causal"]) == kf.causal() & kf.documents(psm)
+    assert kft.traced_mask(cases["sliding window"]) == kf.window(2, None) & kf.causal() & kf.documents(psm)
+    assert "remapped" in repr(kft.traced_mask(cases["ids not from the positions"]))
+
+
+def test_packed_masks_reach_the_op_as_data_and_plan_in_closed_form():
+    """Traced, the positions are unknown and the mask stays remapped; the op rebuilds it with the
+    data and ``&`` drops the remapping (no per-pair evaluation in the plan)."""
+    from keyfold.ops import flatten, unflatten
+    mu = transformers.masking_utils
+    cases, psm = _packed_functions(mu)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1], [0, 1, 2, 3, 4, 5, 0, 1, 2, 3]])
+    traced = kf.masks._And(kf.masks._Remapped(kf.causal(), pos), kf.documents(psm))  # as the trace builds it
+    spec, tensors = flatten(traced, None, kf.Backend.AUTO, None)
+    assert '"remap"' in spec
+    mask = unflatten(spec, tensors)[0]
+    assert mask == kf.causal() & kf.documents(psm, psm)
+
+
+def test_packed_position_ids_compile_whole():
+    """Packed sequences from position_ids (transformers packs when there is no attention_mask and
+    no cache; under compile it always does): 0 graph breaks with fullgraph (3 before: the probe
+    indexed position_ids with Python objects), eager's logits, and a new packing of the same
+    shape runs in the same graph with its own answer."""
+    model = build("llama")
+    model.set_attn_implementation("keyfold")
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, VOCAB, (2, 10), generator=g)
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2]])
+
+    def forward(ids, pos):
+        return model(input_ids=ids, position_ids=pos, use_cache=False).logits
+
+    ex = torch._dynamo.explain(forward)(ids, pos)
+    assert ex.graph_break_count == 0 and ex.graph_count == 1, ex.break_reasons
+    compiled = torch.compile(forward, fullgraph=True, backend="aot_eager")
+    got, want = compiled(ids, pos), forward(ids, pos)
+    assert (got - want).abs().max() <= 1e-5
+    params = [p for p in model.parameters() if p.requires_grad]  # packing is for training: eager's gradients
+    for a, b in zip(torch.autograd.grad(got.square().mean(), params), torch.autograd.grad(want.square().mean(), params)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    got = got.detach()
+    model.set_attn_implementation("eager")
+    assert (got - forward(ids, pos)).abs().max() <= 1e-4
+    other = torch.tensor([[0, 1, 0, 1, 2, 3, 4, 5, 0, 1]])
+    want = forward(ids, other)
+    model.set_attn_implementation("keyfold")
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert (compiled(ids, other) - want).abs().max() <= 1e-4
+
+
+def test_unreadable_mask_function_compiles_as_a_dense_mask():
+    """A mask function the probe cannot read (chunked attention indexes left_padding by the batch
+    index) is evaluated densely by transformers' sdpa_mask while compiling, and reaches the op as
+    data: 0 breaks, the eager answer, and new padding in the same graph (it raised inside dynamo)."""
+    mu = transformers.masking_utils
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 9, 8, generator=g) for _ in range(3))
+
+    def chunked(q, k, v, left, am):
+        fn = mu.and_masks(mu.causal_mask_function, mu.chunked_causal_mask_function(3, left))
+        return kft.attention_forward(None, q, k, v, kft.mask_interface(2, 9, 9, mask_function=fn, attention_mask=am))[0]
+
+    am = torch.ones(2, 9, dtype=torch.bool)
+    am[1, :2] = False
+    left = torch.tensor([0, 2])
+    ex = torch._dynamo.explain(chunked)(q, k, v, left, am)
+    assert ex.graph_break_count == 0, ex.break_reasons
+    compiled = torch.compile(chunked, fullgraph=True, backend="aot_eager")
+    assert (compiled(q, k, v, left, am) - chunked(q, k, v, left, am)).abs().max() <= 1e-6
+    with torch.compiler.set_stance("fail_on_recompile"):
+        left2, am2 = torch.tensor([1, 0]), am.flip(0)
+        assert (compiled(q, k, v, left2, am2) - chunked(q, k, v, left2, am2)).abs().max() <= 1e-6

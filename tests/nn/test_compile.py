@@ -7,7 +7,9 @@ import pytest
 import torch
 
 import keyfold as kf
+import keyfold.nn  # noqa: F401
 from keyfold.nn import TransformerEncoderLayer
+from tests.helpers import assert_close_by_rule
 
 IDS = torch.tensor([0] * 5 + [1] * 11)
 SLOPES = kf.alibi_slopes(2)
@@ -240,24 +242,98 @@ def test_tensor_q_offset_is_data_not_a_recompile():
             assert torch.equal(compiled(q, k, v, torch.tensor(pos)), want)
 
 
-def test_tensor_masks_under_fullgraph_compile_raise_naming_the_argument():
-    """Dense tensor masks are not op data yet: fullgraph compile used to die inside keyfold
-    (``'_DenseMask' object has no attribute 'table'``, a data-dependent guard); it now raises
-    naming ``attn_mask`` and the mask objects to use. Without fullgraph the call runs eagerly."""
-    torch._dynamo.reset()
-    q = torch.randn(1, 2, 5, 8)
-    mask = torch.tensor([[True, False, True, True, False]]).expand(5, 5)
-    eager = kf.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+def _naive_dense(q, k, v, mask):
+    """The plain implementation with a dense SDPA mask (bool True = attend, or float added), in the
+    dtype of q: the float64 reference on float64 inputs, the yardstick (DESIGN.md 6) on float32."""
+    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5                         # (B, H, Nq, Nk)
+    s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(s.dtype)
+    return torch.softmax(s.float(), -1).to(q.dtype) @ v
 
-    def f(q, am):
-        return kf.scaled_dot_product_attention(q, q, q, attn_mask=am)
 
-    with pytest.raises(Exception, match="attn_mask: keyfold under torch.compile takes mask objects"):
-        torch.compile(f, fullgraph=True, backend="aot_eager")(q, mask)
-    torch._dynamo.reset()
-    assert torch.equal(torch.compile(f, backend="aot_eager")(q, mask), eager)
+def dense_masked(q, k, v, bm, fm):
+    """A bool mask through keyfold.attention, a float64 additive mask (with -inf) through SDPA's
+    signature, and a bool mask with is_causal (the mask object and the tensor combined)."""
+    return (kf.attention(q, k, v, mask=bm), kf.scaled_dot_product_attention(q, k, v, attn_mask=fm),
+            kf.scaled_dot_product_attention(q, k, v, attn_mask=bm, is_causal=True))
+
+
+def test_dense_masks_compile_whole_and_the_float_mask_gets_its_gradient():
+    """Dense tensor masks are data of the op: 0 graph breaks with fullgraph, eager's outputs and
+    gradients (the float64 mask's gradient too, in float64), within the rule of the float64
+    reference; new masks of the same shapes run in the same graph with their own answers."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 2, 12, 8, generator=g, requires_grad=True) for _ in range(3))
+    bm = (torch.rand(2, 1, 12, 12, generator=g) > 0.5) | torch.eye(12, dtype=torch.bool)  # every row sees a key
+    fm = torch.randn(1, 2, 12, 12, generator=g, dtype=torch.float64)
+    fm[0, :, 3, 5] = fm[0, 1, 7, :7] = float("-inf")
+    fm.requires_grad_(True)
+    ex = torch._dynamo.explain(dense_masked)(q, k, v, bm, fm)
+    assert ex.graph_break_count == 0 and ex.graph_count == 1, ex.break_reasons
+    compiled = torch.compile(dense_masked, fullgraph=True, backend="aot_eager")
+    got, want = compiled(q, k, v, bm, fm), dense_masked(q, k, v, bm, fm)
+    douts = [torch.randn(o.shape, generator=g) for o in want]
+    g_got = torch.autograd.grad(got, (q, k, v, fm), douts, retain_graph=True)
+    g_want = torch.autograd.grad(want, (q, k, v, fm), douts)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)  # the same kernels run in both
+    assert g_got[3].dtype == torch.float64 and g_want[3].abs().max() > 0.1
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    # against the float64 reference, by the rule (float mask: output and every gradient)
+    x64 = [t.detach().double().requires_grad_(True) for t in (q, k, v)] + [fm.detach().clone().requires_grad_(True)]
+    x32 = [t.detach().requires_grad_(True) for t in (q, k, v)] + [fm.detach().clone().requires_grad_(True)]
+    ref, naive = _naive_dense(*x64), _naive_dense(*x32)
+    assert_close_by_rule(got[1].detach(), ref.detach(), naive.detach(), None)
+    for name, a, r, n in zip(("dq", "dk", "dv", "dmask"), torch.autograd.grad(got[1], (q, k, v, fm), douts[1]),
+                             torch.autograd.grad(ref, x64, douts[1].double()),
+                             torch.autograd.grad(naive, x32, douts[1])):
+        assert_close_by_rule(a, r, n, None, factor=3.0, what=name)
+    with torch.no_grad():
+        assert_close_by_rule(got[0], _naive_dense(q.double(), k.double(), v.double(), bm), _naive_dense(q, k, v, bm),
+                             None)
+    with torch.compiler.set_stance("fail_on_recompile"):  # other data, same shapes; no -inf left in fm2
+        bm2, fm2 = bm.flip(-1) | torch.eye(12, dtype=torch.bool), fm.detach().clamp(min=-3.0).requires_grad_(True)
+        for a, b in zip(compiled(q, k, v, bm2, fm2), dense_masked(q, k, v, bm2, fm2)):
+            assert torch.equal(a, b)
+
+
+def test_multihead_attention_with_tensor_masks_compiles_whole():
+    """nn.MultiheadAttention with torch's masks (bool attn_mask, float key_padding_mask that trains),
+    with and without the attention weights: 0 breaks, eager's outputs and gradients."""
+    torch.manual_seed(0)
     mha = kf.nn.MultiheadAttention(8, 2, batch_first=True)
-    x = torch.randn(2, 5, 8)
-    with pytest.raises(Exception, match="attn_mask: keyfold under torch.compile"):
-        torch.compile(lambda x: mha(x, x, x, attn_mask=mask, need_weights=False)[0], fullgraph=True,
-                      backend="aot_eager")(x)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    am = torch.tensor([[False, True, False, False, True]]).expand(5, 5)  # True = not allowed
+    kpm = torch.zeros(2, 5)
+    kpm[1, 3:], kpm[0, 0] = float("-inf"), 0.5
+    kpm.requires_grad_(True)
+
+    def f(x, am, kpm):
+        out, w = mha(x, x, x, attn_mask=am, key_padding_mask=kpm, need_weights=True)
+        return out, w
+
+    ex = torch._dynamo.explain(f)(x, am, kpm)
+    assert ex.graph_break_count == 0, ex.break_reasons
+    got, want = torch.compile(f, fullgraph=True, backend="aot_eager")(x, am, kpm), f(x, am, kpm)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    g1 = torch.autograd.grad(got[0].square().sum() + got[1].sum(), (x, kpm, *mha.parameters()))
+    g2 = torch.autograd.grad(want[0].square().sum() + want[1].sum(), (x, kpm, *mha.parameters()))
+    assert g2[1].abs().max() > 0.01
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_dense_mask_values_are_checked_inside_the_op():
+    """Traced, the mask's values are unknown; the op checks them when it rebuilds the mask (a NaN
+    raises, as eagerly), and a tensor offset with a dense mask raises naming what to pass."""
+    q = torch.randn(1, 2, 5, 8)
+    f = torch.compile(lambda q, m: kf.scaled_dot_product_attention(q, q, q, attn_mask=m), fullgraph=True,
+                      backend="eager")
+    bad = torch.zeros(5, 5)
+    bad[1, 2] = float("nan")
+    with pytest.raises(ValueError, match="attn_mask contains NaN"):
+        f(q, bad)
+    g = torch.compile(lambda q, m, pos: kf.attention(q, q, q, mask=m, q_offset=pos), fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match="q_offset / kv_offset must be ints"):
+        g(q, torch.ones(5, 5, dtype=torch.bool), torch.tensor(0))

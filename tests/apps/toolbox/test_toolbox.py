@@ -389,3 +389,27 @@ def test_repeated_tokens_vary_rules_out_the_fixed_offset_shortcut():
     assert len(starts) >= 5  # the shortcut's offset is not one number any more
     with pytest.raises(ValueError, match="vocab >= 18"):
         T.repeated_tokens(2, 24, vocab=10, vary=True)
+
+
+def _mqar_row(mixer, N, d, mean, ci):
+    return {"task": f"mqar N={N} d={d} kv=6", "group": "mqar", "mixer": mixer, "N": N, "d": d,
+            "mean": mean, "ci95": ci, "metric": "accuracy"}
+
+
+@pytest.mark.parametrize("gru_long,tcn_wide,verdict", [
+    ((0.40, 0.02), (0.80, 0.02), "**reproduces**"),              # falls with length, recovers with width
+    ((0.60, 0.02), (0.55, 0.02), "**partly reproduces**"),       # floor-level: no move beyond the intervals
+    ((0.90, 0.02), (0.80, 0.02), "**does not reproduce**"),      # gru rises with length, intervals apart
+])
+def test_zoology_scaling_verdict_counts_only_moves_beyond_both_intervals(gru_long, tcn_wide, verdict):
+    """A mixer sitting near its floor at every size is not evidence for the trend (the old check
+    called that 'reproduces' or, from one interval, 'does not reproduce')."""
+    from keyfold.apps.toolbox import bench as tb
+    rows = [_mqar_row("attention", 48, 48, 0.99, 0.01), _mqar_row("gru", 48, 48, 0.6, 0.02),
+            _mqar_row("tcn", 48, 48, 0.5, 0.02),
+            _mqar_row("attention", 96, 48, 0.99, 0.01), _mqar_row("gru", 96, 48, *gru_long),
+            _mqar_row("tcn", 96, 48, 0.5, 0.02),
+            _mqar_row("attention", 48, 96, 0.99, 0.01), _mqar_row("gru", 48, 96, 0.6, 0.02),
+            _mqar_row("tcn", 48, 96, *tcn_wide)]
+    line = next(x for x in tb._claims(rows) if "Zoology, scaling" in x)
+    assert verdict in line, line
