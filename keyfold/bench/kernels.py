@@ -317,7 +317,8 @@ def markdown(results: list[Result], mem: dict | None, header: str, limits: dict 
     limits = limits or {}
     lines = [header, ""]
     if limits:
-        lines += ["Limits measured in this run (the best square GEMM, n = 1024 or 2048): " + ", ".join(
+        lines += ["Limits measured in this run (the best square GEMM, n = 1024 or 2048; a 16-bit dtype natively or "
+                  "cast to float32, whichever is faster): " + ", ".join(
             f"{dt} {g:.0f} GFLOP/s" for dt, g in limits.items()) + ". `of matmul` = keyfold's GFLOP/s (counted on "
             "the visible pairs: 4·D FLOPs each forward, 3.5x that forward+backward) over that rate.", ""]
     lines += ["| variant | N | D | dtype | mode | work | keyfold s | SDPA s | Flex s | Flex compile s | "
