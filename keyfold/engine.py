@@ -95,9 +95,6 @@ class _Call:
         #: Tensors the score reads that need gradients (empty unless one has requires_grad).
         self.score_tensors = _grad_tensors(score)
         self.auto = backend is Backend.AUTO
-        #: Whether anyone may use lse beyond merging this call's pieces (a backward, the caller):
-        #: the tile kernel then computes it as a backward recomputes P. attention() clears it.
-        self.lse_exact = True
         self.backend = _resolve(backend, q, score, dropout_p)
         if self.backend is Backend.TRITON:
             why = _triton_refusal(q, k, v, self.pb, self.score_tensors)
@@ -118,15 +115,17 @@ class _Call:
         elif mask is not None:
             mask.check_positions(q_offset, q_offset + Nq, kv_offset, kv_offset + Nk)
 
-    def forward(self, q, k, v, in_dtype: bool = False) -> State:
+    def forward(self, q, k, v, in_dtype: bool = False, lse_exact: bool = True) -> State:
         """The merged State; with ``in_dtype`` the CPU backend may give ``out`` in the input dtype
-        (a one-piece plan: the op's own tensor, not a float32 copy of it)."""
+        (a one-piece plan: the op's own tensor, not a float32 copy of it). ``lse_exact=False``: nobody
+        uses lse beyond merging this call's pieces (no backward, no caller), so the tile kernel need
+        not compute it the way a backward recomputes P."""
         if self.backend is Backend.CPU:
             return _cpu.forward(q, k, v, self.plan, self.pb, keep_dtype=in_dtype)
         if self.backend is Backend.TRITON:
             from .kernels import triton as _triton
             return _triton.forward(q, k, v, self.plan, self.pb, fallback=self.auto)
-        return _tiles.forward(q, k, v, self.plan, self.pb, lse_exact=self.lse_exact)
+        return _tiles.forward(q, k, v, self.plan, self.pb, lse_exact=lse_exact)
 
     def backward(self, q, k, v, out, lse, dout, dlse, whole_rows: bool = True):
         """``(dq, dk, dv, d_score_tensors)``; the last is a tuple aligned with ``score_tensors``.
@@ -235,15 +234,15 @@ class _AttendFn(torch.autograd.Function):
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, *dts)
 
 
-def _run(q, k, v, call: _Call, in_dtype: bool = False) -> State:
-    """The call's State; ``in_dtype``: out may come back in the input dtype (see _AttendFn)."""
+def _run(q, k, v, call: _Call, in_dtype: bool = False, lse_exact: bool = True) -> State:
+    """The call's State; ``in_dtype``: out may come back in the input dtype (see _AttendFn);
+    ``lse_exact``: as in :meth:`_Call.forward` (a backward always needs it)."""
     if call.backend is Backend.REFERENCE:
         return _reference.attend_reference(q, k, v, call.pb)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or call.score_tensors):
-        call.lse_exact = True  # the backward recomputes P from it
         out, lse = _AttendFn.apply(q, k, v, call, in_dtype, *call.score_tensors)
         return State(out, lse)
-    return call.forward(q, k, v, in_dtype=in_dtype)
+    return call.forward(q, k, v, in_dtype=in_dtype, lse_exact=lse_exact)
 
 
 # ------------------------------------------------------------------------------ public
@@ -296,7 +295,7 @@ def _attend(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_siz
             dropout_seed, generator, in_dtype: bool, lse_exact: bool) -> State:
     """:func:`attend`; with ``in_dtype`` (``attention``, which casts out to the input dtype) out
     may already come back in it, sparing a float32 copy of out (see _AttendFn); ``lse_exact=False``
-    when the caller drops lse (see ``_Call.lse_exact``)."""
+    when the caller drops lse (see :meth:`_Call.forward`)."""
     if torch.compiler.is_compiling():  # one opaque custom op: dynamo never traces the planner
         if dropout_p:
             raise NotImplementedError("keyfold: dropout_p > 0 inside torch.compile is not supported yet; "
@@ -312,8 +311,7 @@ def _attend(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_siz
     dropout_p, dropout_seed = _dropout_args(dropout_p, dropout_seed, generator)
     call = _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs,
                  dropout_p, dropout_seed)
-    call.lse_exact = lse_exact
-    return _run(q, k, v, call, in_dtype)
+    return _run(q, k, v, call, in_dtype, lse_exact)
 
 
 def _mask_object(mask):

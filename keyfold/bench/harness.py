@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from ..kernels._common import cpu_flags
+
 __all__ = ["Timing", "interleaved", "results_dir", "machine", "isa_flags", "write_json", "matmul_rate",
            "stream_bandwidth"]
 
@@ -87,15 +89,7 @@ def isa_flags() -> list[str]:
     """The vector/matrix instruction sets this CPU reports (from /proc/cpuinfo), by common name."""
     names = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_bf16": "AVX-512-BF16", "avx512_fp16": "AVX-512-FP16",
              "amx_tile": "AMX", "amx_bf16": "AMX-BF16", "amx_int8": "AMX-INT8"}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return [v for k, v in names.items() if k in flags]
-    except OSError:
-        pass
-    return []
+    return [v for k, v in names.items() if k in cpu_flags()]
 
 
 def machine() -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -79,3 +80,16 @@ def dropout_keep(seed: int, p: float, b, h, qp, kp, H: int) -> torch.Tensor:
     row = _mix32(row ^ (qp & _M32))                            # (B, H, L, 1)
     x = _mix32(_mix32(row ^ (kp & _M32)))                      # (B, H, L, S)
     return x >= int(p * 4294967296.0)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags this CPU reports in /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()

@@ -21,7 +21,7 @@ import torch
 
 from ..planner import Piece, PieceKind, Plan
 from ..state import State, empty_state, merge_into, state_dtype
-from ._common import NEG_INF, Problem, empty_rows, positions, visible
+from ._common import NEG_INF, Problem, cpu_flags, empty_rows, positions, visible
 
 __all__ = ["AVAILABLE", "dense", "forward", "backward"]
 
@@ -49,15 +49,7 @@ def _fp16_units() -> bool:
     is assumed to (ARM has float16 arithmetic)."""
     if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686", "x86"):
         return True
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return "avx512_fp16" in flags or "amx_fp16" in flags
-    except OSError:
-        pass
-    return False
+    return bool({"avx512_fp16", "amx_fp16"} & cpu_flags())
 
 
 #: float16 inputs run the fused op in float32 (q, k, v cast once per call) on CPUs without float16

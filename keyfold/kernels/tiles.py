@@ -241,22 +241,21 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
             dp, pv = dp * z, p * z
         d_rows = delta[:, :, rows]
         own = alone[rows].to(q.device)
-        if score_tensors and bool(own.any()):
-            # Captured tensors that train sum dS over many pairs (a clamped relative-position bin
-            # gathers most of each row), so dS must cancel along the row as softmax's own backward
-            # makes it: P renormalized to sum 1 and D_i = sum_j P_ij dP_ij. exp(s - lse) alone sums
-            # to 1 only up to lse's rounding, which the bins add up (local_window's table: 5.7x
-            # naive's error with it, 2.8x without). Only rows one piece covers can do this.
-            own = own.view(1, 1, L, 1)
-            total = p.sum(-1, keepdim=True)
-            p = torch.where(own & (total > 0), p / torch.where(total > 0, total, torch.ones_like(total)), p)
-            pv = p if keep is None else p * z
-            local = (p * dp).sum(-1) - (dlse[:, :, rows].to(sd) if dlse is not None else 0)
-            d_rows = torch.where(own.view(1, 1, L), local, d_rows)
-        elif bool(own.any()):  # ... and only rows with exactly one visible key (where it makes dS cancel):
-            # elsewhere dO.O gives the more accurate gradients (Flex's rel_bias and learned-ALiBi ports)
-            own = own & ((vis.sum(-1) == 1) if vis is not None else torch.tensor(S == 1, device=q.device))
-        if not score_tensors and bool(own.any()):
+        if bool(own.any()):
+            if score_tensors:
+                # Captured tensors that train sum dS over many pairs (a clamped relative-position bin
+                # gathers most of each row), so dS must cancel along the row as softmax's own backward
+                # makes it: P renormalized to sum 1 and D_i = sum_j P_ij dP_ij. exp(s - lse) alone sums
+                # to 1 only up to lse's rounding, which the bins add up (local_window's table: 5.7x
+                # naive's error with it, 2.8x without). Only rows one piece covers can do this.
+                total = p.sum(-1, keepdim=True)
+                p = torch.where(own.view(1, 1, L, 1) & (total > 0),
+                                p / torch.where(total > 0, total, torch.ones_like(total)), p)
+                pv = p if keep is None else p * z
+            else:  # ... and only rows with exactly one visible key (where it makes dS cancel):
+                # elsewhere dO.O gives the more accurate gradients (Flex's rel_bias and learned-ALiBi ports)
+                own = own & ((vis.sum(-1) == 1) if vis is not None else torch.tensor(S == 1, device=q.device))
+        if bool(own.any()):
             local = (p * dp).sum(-1) - (dlse[:, :, rows].to(sd) if dlse is not None else 0)
             d_rows = torch.where(own, local, d_rows)
         ds = p * (dp - d_rows.unsqueeze(-1))
