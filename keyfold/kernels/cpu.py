@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from ..planner import Piece, PieceKind, Plan
-from ..state import State, empty_state, merge_into, state_dtype
+from ..state import State, empty_state, merge_all, merge_into, state_dtype
 from ._common import NEG_INF, Problem, cpu_flags, empty_rows, positions, visible
 
 __all__ = ["AVAILABLE", "dense", "forward", "backward"]
@@ -65,6 +65,58 @@ def _widen(q, k, v):
     if FP16_AS_FP32 and q.dtype is torch.float16:
         return q.float(), k.float(), v.float()
     return q, k, v
+
+
+#: Bytes of float32 keys (and as many of values) a chunk of :func:`_by_chunks` holds: two such
+#: buffers stay in the last-level cache between the cast and the fused op that reads them.
+CHUNK_BYTES = 4 << 20
+
+
+def _chunks_pay(dtype: torch.dtype, rows: int, n: int) -> bool:
+    """Whether a fused call reads 16-bit keys with so few query rows that casting them to float32 a
+    chunk at a time (:func:`_by_chunks`) beats the op in the input dtype. Decoding is that case:
+    per byte of cache there is little arithmetic, and PyTorch's 16-bit op does it slowly (bfloat16 with
+    one query row: 3.5-4.4 GB/s against 9.7-12.3 GB/s by chunks; float16 on a CPU without float16
+    units ~1.5 GB/s, and casting the whole cache allocates twice its size afresh every step: 5x slower
+    at 16k keys; AMD EPYC, 2 threads, B=1 H=8 D=64, 8k-128k keys). From two query rows on, the
+    bfloat16 op runs twice as fast as with one and chunks no longer win; float16 by chunks wins or
+    ties up to 256 rows."""
+    if dtype is torch.bfloat16:
+        return rows == 1 and n >= 8192
+    if dtype is torch.float16 and FP16_AS_FP32:
+        return rows <= 256 and n >= 4096
+    return False
+
+
+def _by_chunks(q, k, v, scale: float):
+    """``(out, lse)`` in float32 of the fused op over every key, the 16-bit keys and values cast to
+    float32 one chunk at a time into two reused buffers (exact casts), the chunks' states merged."""
+    B, H, n, D = k.shape
+    per = max(256, CHUNK_BYTES // (B * H * max(D, v.shape[-1]) * 4))  # keys per chunk, at most
+    chunks = -(-n // per)
+    c = -(-n // chunks)  # equal chunks: no sliver at the end
+    kb = torch.empty(B, H, c, D, dtype=torch.float32, device=k.device)
+    vb = torch.empty(B, H, c, v.shape[-1], dtype=torch.float32, device=v.device)
+    qf = q.float()
+    states = []
+    for a in range(0, n, c):
+        e = min(n, a + c)
+        kc, vc = kb[:, :, :e - a], vb[:, :, :e - a]
+        kc.copy_(k[:, :, a:e])
+        vc.copy_(v[:, :, a:e])
+        states.append(State(*_FWD(qf, kc, vc, 0.0, False, attn_mask=None, scale=scale)))
+    st = merge_all(states)
+    return st.out, st.lse
+
+
+def _op(q, k, v, causal: bool, mask, scale: float):
+    """One fused call, ``(out, lse)``: by float32 chunks where :func:`_chunks_pay`, else in float32
+    for float16 where :data:`FP16_AS_FP32` says so (inputs not yet widened), else as given."""
+    if not causal and mask is None and q.dim() == 4 and _chunks_pay(q.dtype, q.shape[2], k.shape[2]):
+        return _by_chunks(q, k, v, scale)
+    if FP16_AS_FP32 and q.dtype is torch.float16:
+        q, k, v = q.float(), k.float(), v.float()
+    return _FWD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
 
 
 AVAILABLE = _probe()
@@ -224,8 +276,7 @@ def dense(q, k, v, scale: float, keep_dtype: bool = False) -> State:
     keep_dtype: out stays in the op's dtype (the input's, float32 for widened float16), for a
     caller that casts it to the input dtype anyway."""
     sd = state_dtype(q.dtype)
-    q, k, v = _widen(q, k, v)
-    out, lse = _FWD(q, k, v, 0.0, False, attn_mask=None, scale=scale)
+    out, lse = _op(q, k, v, False, None, scale)
     return State(out if out.dtype == sd or keep_dtype else out.to(sd), lse if lse.dtype == sd else lse.to(sd))
 
 
@@ -239,7 +290,9 @@ def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State
     Dv = v.shape[-1]
     if Nq == 0 or k.shape[2] == 0:  # nothing to attend (the fused op dies of SIGFPE on an empty sequence)
         return empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
-    inp = _Inputs(*_widen(q, k, v))
+    # a call whose plain pieces go by float32 chunks is not widened as a whole (a piece is, in _op)
+    few = _chunks_pay(q.dtype, Nq * (Hq // k.shape[1]), k.shape[2])
+    inp = _Inputs(q, k, v) if few else _Inputs(*_widen(q, k, v))
     memo: dict = {}
     single = len(plan.pieces) == 1 and plan.pieces[0].q0 == 0 and plan.pieces[0].q1 == Nq
     acc = None if single else empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
@@ -247,12 +300,11 @@ def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State
     for piece in plan.pieces:
         qs, ks, vs, causal, tile, folded = _piece_args(inp, piece, pb, q, memo, plan.tiles)
         if qs.dim() == 5:  # GQA under the causal flag: one call per group member
-            parts = [_FWD(qs[:, :, j], ks, vs, 0.0, causal, attn_mask=tile.mask, scale=pb.scale)
-                     for j in range(inp.g)]
+            parts = [_op(qs[:, :, j], ks, vs, causal, tile.mask, pb.scale) for j in range(inp.g)]
             out = torch.stack([p[0] for p in parts], 2).flatten(1, 2)   # (B, Hq, L, W)
             lse = torch.stack([p[1] for p in parts], 2).flatten(1, 2)   # (B, Hq, L)
         else:
-            out, lse = _FWD(qs, ks, vs, 0.0, causal, attn_mask=tile.mask, scale=pb.scale)
+            out, lse = _op(qs, ks, vs, causal, tile.mask, pb.scale)
         if folded:
             out, lse = _unfold(out, inp.g, Hq), _unfold(lse, inp.g, Hq)
         if out.shape[-1] != Dv:

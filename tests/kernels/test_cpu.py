@@ -37,3 +37,68 @@ def test_bfloat16_is_not_widened(monkeypatch):
     monkeypatch.setattr(cpu, "FP16_AS_FP32", True)
     q, k, v = _qkv(torch.bfloat16)
     assert cpu._widen(q, k, v)[0] is q
+
+
+# ---------------------------------------------------------------- 16-bit keys read by few rows
+
+
+def _spy_chunks(monkeypatch):
+    """Count the calls that went by float32 chunks; chunks of 256 keys (the floor) from here on."""
+    calls = []
+    real = cpu._by_chunks
+    monkeypatch.setattr(cpu, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(cpu, "_by_chunks", lambda *a: calls.append(a[1].shape[2]) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("Nk", [8192, 8192 + 300])
+def test_few_rows_over_16_bit_keys_go_by_float32_chunks(dtype, Nk, monkeypatch):
+    """One query row over >= 8k bfloat16 (or float16) keys: the keys are cast a chunk at a time
+    and the chunks' states merged. It equals the float32 op on the same values (the casts are
+    exact), lse included, and holds the rule; a length that is no multiple of the chunk included."""
+    monkeypatch.setattr(cpu, "FP16_AS_FP32", True)
+    calls = _spy_chunks(monkeypatch)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 2, 1, 16, generator=g).to(dtype)
+    k, v = (torch.randn(1, 2, Nk, 16, generator=g).mul(3).to(dtype) for _ in range(2))
+    st = kf.attend(q, k, v)
+    assert calls == [Nk]
+    wide = cpu._FWD(q.float(), k.float(), v.float(), 0.0, False, attn_mask=None, scale=0.25)
+    torch.testing.assert_close(st.out, wide[0], atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(st.lse, wide[1], atol=2e-6, rtol=1e-6)
+    assert_forward_by_rule(q, k, v)
+
+
+@pytest.mark.parametrize("mask", [None, "window"])
+def test_float16_decode_with_gqa_and_masks_by_chunks(mask, monkeypatch):
+    """float16 from a cache, GQA (query heads folded into rows) and a window mask whose partial
+    tile is not a chunked piece (that piece is widened alone): the same result as float32, by the rule."""
+    from keyfold.caches import KVCache, decode
+    monkeypatch.setattr(cpu, "FP16_AS_FP32", True)
+    calls = _spy_chunks(monkeypatch)
+    g = torch.Generator().manual_seed(2)
+    N = 9000
+    k, v = (torch.randn(1, 2, N, 16, generator=g).half() for _ in range(2))
+    q = torch.randn(1, 4, 3, 16, generator=g).half()
+    cache = KVCache(1, 2, 16, N, dtype=torch.float16)
+    cache.append(k, v)
+    m = None if mask is None else kf.causal() & kf.window(6000)
+    got = decode(q, cache, mask=m, splits=1)
+    assert calls, "no piece went by chunks"
+    want = decode(q.float(), _as_float_cache(cache), mask=m, splits=1)
+    torch.testing.assert_close(got.float(), want, atol=1e-3, rtol=0)
+    assert_forward_by_rule(q, k, v, mask=m, q_offset=N - 3)
+
+
+def _as_float_cache(cache):
+    from keyfold.caches import KVCache
+    c = KVCache(1, cache.heads, cache.head_dim, cache.capacity)
+    c.append(cache.k.float(), cache.v.float())
+    return c
+
+
+def test_bfloat16_with_two_rows_keeps_the_op():
+    """From two query rows on PyTorch's bfloat16 op is the faster one: no chunks."""
+    assert cpu._chunks_pay(torch.bfloat16, 1, 8192) and not cpu._chunks_pay(torch.bfloat16, 2, 8192)
+    assert not cpu._chunks_pay(torch.bfloat16, 1, 4096) and not cpu._chunks_pay(torch.float32, 1, 1 << 20)
