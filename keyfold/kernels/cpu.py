@@ -67,6 +67,11 @@ def _widen(q, k, v):
     return q, k, v
 
 
+#: bfloat16 decoding goes by float32 chunks on CPUs without AMX. With AMX (Intel Xeon, 2 threads)
+#: PyTorch's bfloat16 op decoded 128k keys at 20 GB/s, 1.04x SDPA's time on the float32 path, so
+#: it keeps the op there; without (AMD EPYC with AVX-512-BF16) the op ran at 3.5-4.4 GB/s.
+BF16_BY_CHUNKS = "amx_bf16" not in cpu_flags()
+
 #: Bytes of float32 keys (and as many of values) a chunk of :func:`_by_chunks` holds: two such
 #: buffers stay in the last-level cache between the cast and the fused op that reads them.
 CHUNK_BYTES = 4 << 20
@@ -81,7 +86,7 @@ def _chunks_pay(dtype: torch.dtype, rows: int, n: int) -> bool:
     at 16k keys; AMD EPYC, 2 threads, B=1 H=8 D=64, 8k-128k keys). From two query rows on, the
     bfloat16 op runs twice as fast as with one and chunks no longer win; float16 by chunks wins or
     ties up to 256 rows."""
-    if dtype is torch.bfloat16:
+    if dtype is torch.bfloat16 and BF16_BY_CHUNKS:
         return rows == 1 and n >= 8192
     if dtype is torch.float16 and FP16_AS_FP32:
         return rows <= 256 and n >= 4096
@@ -188,6 +193,20 @@ class _Tile(NamedTuple):
     mask: torch.Tensor | None       # (B|1, H|1, L|1, S), or (.., g*L, S) when folded
     empty: torch.Tensor | None      # (B|1, H|1, L) rows with no visible key
     row_shift: torch.Tensor | None  # (1, H|1, L) separable bias's row term, added to lse
+    cols: tuple[int, int] | None = None  # the piece's keys [a, b) the call reads (mask trimmed to them)
+
+
+def _visible_cols(vis: torch.Tensor) -> tuple[int, int] | None:
+    """The narrowest key range ``[a, b)`` of a tile holding every visible pair, when it is narrower
+    than the tile. A sink column (keys 0..3 of a 256-key tile, every query block) or a document's
+    edge then costs the keys it shows, not the tile: window 256 + 4 sinks at 4k ran 1.5x window 256
+    alone, for 30% more tiles, when each sink tile was a full 256 x 256 call."""
+    S = vis.shape[-1]
+    seen = vis.reshape(-1, S).any(0).nonzero()
+    if len(seen) == 0:
+        return None
+    a, b = int(seen[0]), int(seen[-1]) + 1
+    return (a, b) if b - a < S else None
 
 
 def _tile(piece: Piece, pb: Problem, q_orig, folded: bool, g: int, memo: dict, cache) -> _Tile:
@@ -224,14 +243,19 @@ def _tile(piece: Piece, pb: Problem, q_orig, folded: bool, g: int, memo: dict, c
         vis = visible(q_orig, piece, pb, pos) if piece.kind is PieceKind.MASKED else None
         with torch.no_grad():  # a tile is data: never a piece of a tensor's autograd graph
             bias = score.bias(*pos) if score is not None else None
+    cols = _visible_cols(vis) if vis is not None else None
+    if cols is not None:  # keys no row sees are left out of the call (and of the mask)
+        vis = vis[..., cols[0]:cols[1]]
+        if bias is not None and bias.shape[-1] == S:
+            bias = bias[..., cols[0]:cols[1]]
     m = _tile_mask(vis, bias, state_dtype(q_orig.dtype))
     if folded:
         m = _fold_mask(m, g, Hq, L)
-    tile = _Tile(m, empty_rows(vis), row_shift)
-    nbytes = sum(t.numel() * t.element_size() for t in tile if t is not None)
+    tile = _Tile(m, empty_rows(vis), row_shift, cols)
+    nbytes = sum(t.numel() * t.element_size() for t in tile[:3] if t is not None)
     if score is None and vis is not None:  # a mask alone: equal tiles share one tensor in the cache
         # (the rows' visible counts narrow the search; the masks must be equal, then so are the empty rows)
-        fingerprint = (tuple(m.shape), m.dtype, folded, vis.sum(-1).numpy().tobytes())
+        fingerprint = (tuple(m.shape), m.dtype, folded, cols, vis.sum(-1).numpy().tobytes())
         first = cache.shared(fingerprint, tile, lambda a, b: torch.equal(a.mask, b.mask))
         if first is not tile:
             tile, nbytes = first, 0
@@ -239,6 +263,13 @@ def _tile(piece: Piece, pb: Problem, q_orig, folded: bool, g: int, memo: dict, c
     if score is None or not score.tensors():  # a tile of tensors that may train would go stale
         cache.put(key, tile, nbytes)
     return tile
+
+
+def _keys(piece: Piece, tile: _Tile) -> slice:
+    """The keys one fused call of the piece reads: the piece's, or the visible part of them."""
+    if tile.cols is None:
+        return slice(piece.k0, piece.k1)
+    return slice(piece.k0 + tile.cols[0], piece.k0 + tile.cols[1])
 
 
 def _piece_args(inp: _Inputs, piece: Piece, pb: Problem, q_orig, memo: dict, cache):
@@ -253,8 +284,9 @@ def _piece_args(inp: _Inputs, piece: Piece, pb: Problem, q_orig, memo: dict, cac
     folded = not causal and inp.g > 1
     tile = _tile(piece, pb, q_orig, folded, inp.g, memo, cache)
     qs = inp.q[:, :, piece.q0:piece.q1]
-    ks = inp.k[:, :, piece.k0:piece.k1]
-    vs = inp.v[:, :, piece.k0:piece.k1]
+    keys = _keys(piece, tile)
+    ks = inp.k[:, :, keys]
+    vs = inp.v[:, :, keys]
     if folded:
         qs = _fold(qs, inp.g)
     elif inp.g > 1:
@@ -376,7 +408,7 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     acc = _Grads(q, k, W, sd, gd if alone else sd)
     for piece in _backward_pieces(plan, k.shape[2], cut=q.dtype == sd):
         qs, ks, vs, causal, tile, folded = _piece_args(inp, piece, pb, q, memo, plan.tiles)
-        rows, keys = slice(piece.q0, piece.q1), slice(piece.k0, piece.k1)
+        rows, keys = slice(piece.q0, piece.q1), _keys(piece, tile)
         o_p, do_p, l_p = o[:, :, rows], do[:, :, rows], lse_safe[:, :, rows]
         if tile.row_shift is not None:  # the op sees scores without the row term
             l_p = l_p - tile.row_shift
@@ -496,7 +528,8 @@ def _single_key_rows(inp: _Inputs, plan: Plan, pb: Problem, q, memo: dict):
     key = torch.zeros(1, 1, Nq, dtype=torch.int64)
     for piece in plan.pieces:
         _, _, _, causal, tile, folded = _piece_args(inp, piece, pb, q, memo, plan.tiles)
-        L, S = piece.q1 - piece.q0, piece.k1 - piece.k0
+        keys = _keys(piece, tile)
+        L, S = piece.q1 - piece.q0, keys.stop - keys.start
         if causal:      # top-left causal inside the piece: row i sees keys 0..i
             c = torch.clamp(torch.arange(1, L + 1), max=S).view(1, 1, L)
             j = torch.zeros(1, 1, L, dtype=torch.int64)
@@ -515,7 +548,7 @@ def _single_key_rows(inp: _Inputs, plan: Plan, pb: Problem, q, memo: dict):
         count, key = count.expand(shape).clone(), key.expand(shape).clone()
         rows = slice(piece.q0, piece.q1)
         count[:, :, rows] += c
-        key[:, :, rows] = torch.where(c == 1, j + piece.k0, key[:, :, rows])
+        key[:, :, rows] = torch.where(c == 1, j + keys.start, key[:, :, rows])
     single = count == 1
     return (single, key) if bool(single.any()) else None
 

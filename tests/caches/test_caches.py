@@ -632,7 +632,9 @@ def test_bench_decode_smoke(tmp_path):
     md = bench.write(res, tmp_path, "decode", "test")
     saved = json.loads((tmp_path / "decode.json").read_text())
     assert (tmp_path / "decode.png").stat().st_size > 0 and "## 4. Window cache" in md
-    assert [r["tokens"] for r in saved["decode"]] == [256, 512, 512, 512]
+    # float32 at every length; bfloat16 and float16 at the long ones; MQA at the longest
+    assert [(r["tokens"], r["case"]) for r in saved["decode"]] == [
+        (256, "float32"), (512, "float32"), (512, "bfloat16"), (512, "float16"), (512, "MQA float32")]
     assert saved["cascade"]["max_abs_diff"] < 1e-5
     assert saved["ragged"]["lengths"] == [128, 146, 164, 182, 201, 219, 237, 256]
     assert saved["ragged"]["max_abs_diff"] < 1e-5

@@ -58,6 +58,7 @@ def test_few_rows_over_16_bit_keys_go_by_float32_chunks(dtype, Nk, monkeypatch):
     and the chunks' states merged. It equals the float32 op on the same values (the casts are
     exact), lse included, and holds the rule; a length that is no multiple of the chunk included."""
     monkeypatch.setattr(cpu, "FP16_AS_FP32", True)
+    monkeypatch.setattr(cpu, "BF16_BY_CHUNKS", True)
     calls = _spy_chunks(monkeypatch)
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, 2, 1, 16, generator=g).to(dtype)
@@ -98,7 +99,43 @@ def _as_float_cache(cache):
     return c
 
 
-def test_bfloat16_with_two_rows_keeps_the_op():
-    """From two query rows on PyTorch's bfloat16 op is the faster one: no chunks."""
+def test_bfloat16_with_two_rows_keeps_the_op(monkeypatch):
+    """From two query rows on PyTorch's bfloat16 op is the faster one: no chunks (nor with AMX)."""
+    monkeypatch.setattr(cpu, "BF16_BY_CHUNKS", True)
     assert cpu._chunks_pay(torch.bfloat16, 1, 8192) and not cpu._chunks_pay(torch.bfloat16, 2, 8192)
     assert not cpu._chunks_pay(torch.bfloat16, 1, 4096) and not cpu._chunks_pay(torch.float32, 1, 1 << 20)
+    monkeypatch.setattr(cpu, "BF16_BY_CHUNKS", False)
+    assert not cpu._chunks_pay(torch.bfloat16, 1, 1 << 20)
+
+
+# ---------------------------------------------------------------- tiles trimmed to visible keys
+
+
+TRIMMED = {"sinks": kf.causal() & (kf.window(20) | kf.sinks(3)),
+           "documents": kf.documents(torch.arange(200) // 45) & kf.causal(),
+           "dilated": kf.causal() & kf.dilated(4)}
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("score", [None, "alibi"])
+@pytest.mark.parametrize("mask", sorted(TRIMMED))
+def test_a_masked_tile_reads_only_the_keys_its_rows_see(mask, score, gqa, monkeypatch):
+    """A sink column or a document edge inside a 32-key tile: the fused call reads only the key
+    range holding visible pairs (its mask trimmed alike). Same result and gradients as the whole
+    tile, by the rule, with GQA (folded masks) and with a bias (trimmed with the mask); dilated
+    tiles see keys across the tile and are left whole."""
+    seen = []
+    real = cpu._visible_cols
+    monkeypatch.setattr(cpu, "_visible_cols", lambda vis: seen.append(real(vis)) or seen[-1])
+    g = torch.Generator().manual_seed(3)
+    H, Hkv = (4, 2) if gqa else (2, 2)
+    q = torch.randn(1, H, 200, 16, generator=g)
+    k, v = (torch.randn(1, Hkv, 200, 16, generator=g) for _ in range(2))
+    kw = dict(mask=TRIMMED[mask], block_size=32, score=None if score is None else kf.alibi(kf.alibi_slopes(H)))
+    assert_forward_by_rule(q, k, v, **kw)
+    assert_backward_by_rule(q, k, v, **kw)
+    trimmed = [c for c in seen if c is not None]
+    if mask == "dilated":
+        assert not trimmed
+    else:
+        assert trimmed
