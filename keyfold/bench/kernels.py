@@ -397,13 +397,16 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="kernels", help="file stem for the results")
     ap.add_argument("--no-memory", action="store_true", help="skip the subprocess peak-memory measurement")
     ap.add_argument("--memory", type=int, nargs="*", default=None, metavar="N",
-                    help="also the forward+backward peak-memory table of `bench memory` (keyfold vs SDPA per mask, "
-                         "blocks visited) at these N (default 16384 65536)")
+                    help="the forward+backward peak-memory table of `bench memory` (keyfold vs SDPA per mask, "
+                         "blocks visited) at these N (default 16384 65536; standard and full include it "
+                         "unless --no-memory)")
     ap.add_argument("--variants", nargs="*", help="only these variants")
     ap.add_argument("--threads", type=int, default=None, help="torch threads for every implementation")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.memory is None and args.preset in ("standard", "full") and not args.no_memory:
+        args.memory = []  # the memory column: 16k and 64k, one fresh process per case
 
     todo = [c for c in cases(args.preset) if not args.variants or c.variant in args.variants]
     # the machine's matmul rate per dtype, measured in this run (the roof each row is held to)
