@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from ..caches import KVCache, PagedKVCache, WindowCache, cascade, choose_splits, decode
 from ..masks import causal
-from .harness import interleaved, machine, results_dir, stream_bandwidth
+from .harness import fit_exponent, interleaved, machine, results_dir, stream_bandwidth
 
 B, H, D = 1, 8, 64  # the decode shape of DESIGN.md section 5
 
@@ -353,11 +353,18 @@ def _markdown(res, cmd: str) -> str:
     full = [r for r in win if r["tokens"] >= c["window"] + c["sinks"]] or win
     cpu, best = [r["step_cpu_ms"] for r in full], [r["step_min_ms"] for r in full]
     grow = [r for r in win if r["full_cache_step_ms"] is not None]
+    # the trend, robust to a noisy step here and there: the fitted exponent of step time vs tokens
+    trend = (fit_exponent([r["tokens"] for r in full], best) if len(full) > 1 else None)
+    trend_full = (fit_exponent([r["tokens"] for r in grow], [r["full_cache_step_min_ms"] for r in grow])
+                  if len(grow) > 1 else None)
     out += ["", "Steps run on one thread, so CPU time is the work a step does (wall-time medians on a loaded "
                 "machine mostly measure waiting for a core).",
             "", f"Once the window is full (from {c['window'] + c['sinks']} tokens on) the step's CPU time varies "
                 f"{max(cpu) / min(cpu):.2f}x and its fastest wall time {max(best) / min(best):.2f}x over the "
-                f"stream; cache bytes "
+                f"stream"
+                + (f" (fitted exponent of the fastest step time vs tokens: {trend:.2f}; a full KV cache's: "
+                   f"{trend_full:.2f})" if trend is not None and trend_full is not None else "")
+                + "; cache bytes "
                 f"{'constant' if len({r['cache_bytes'] for r in win}) == 1 else 'NOT constant'}; process RSS "
                 f"{min(r['rss_bytes'] for r in win) / 2**20:.0f} to {max(r['rss_bytes'] for r in win) / 2**20:.0f} MiB."
             + (f" A full KV cache's step (fastest) grows "

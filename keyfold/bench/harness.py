@@ -19,12 +19,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..kernels._common import cpu_flags
 
 __all__ = ["Timing", "interleaved", "results_dir", "machine", "isa_flags", "write_json", "matmul_rate",
-           "stream_bandwidth"]
+           "stream_bandwidth", "fit_exponent"]
 
 
 class Timing(dict):
@@ -151,3 +152,17 @@ def stream_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> float:
     dst = torch.empty_like(src)
     t = interleaved({"copy": lambda: dst.copy_(src)}, repeats, warmup=2).best["copy"]
     return 2.0 * nbytes / t / 1e9  # the best repeat, for the same reason as matmul_rate
+
+
+def fit_exponent(ns, ts) -> float:
+    """The slope ``p`` of the least-squares line through ``(log N, log t)``: ``t ~ c * N**p``.
+
+    >>> round(fit_exponent([1, 2, 4, 8], [3, 12, 48, 192]), 6)
+    2.0
+    """
+    ns, ts = np.asarray(ns, dtype=float), np.asarray(ts, dtype=float)
+    if ns.shape != ts.shape or ns.size < 2:
+        raise ValueError(f"fit_exponent needs two or more (N, t) pairs of equal length, got {ns.size} and {ts.size}")
+    if (ns <= 0).any() or (ts <= 0).any():
+        raise ValueError("fit_exponent: every N and time must be positive (it fits on log-log axes)")
+    return float(np.polyfit(np.log(ns), np.log(ts), 1)[0])

@@ -18,12 +18,11 @@ import gc
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 import keyfold as kf
 
-from .harness import interleaved, machine, results_dir, write_json
+from .harness import fit_exponent, interleaved, machine, results_dir, write_json
 
 __all__ = ["MASKS", "mask_for", "fit_exponent", "run", "markdown", "plot", "main"]
 
@@ -44,20 +43,6 @@ def mask_for(name: str, N: int):
         length = int(name[len("documents"):])
         return kf.documents(torch.arange(N) // length) & kf.causal()
     raise KeyError(f"unknown scaling mask {name!r}; choose from {MASKS}")
-
-
-def fit_exponent(ns, ts) -> float:
-    """The slope ``p`` of the least-squares line through ``(log N, log t)``: ``t ~ c * N**p``.
-
-    >>> round(fit_exponent([1, 2, 4, 8], [3, 12, 48, 192]), 6)
-    2.0
-    """
-    ns, ts = np.asarray(ns, dtype=float), np.asarray(ts, dtype=float)
-    if ns.shape != ts.shape or ns.size < 2:
-        raise ValueError(f"fit_exponent needs two or more (N, t) pairs of equal length, got {ns.size} and {ts.size}")
-    if (ns <= 0).any() or (ts <= 0).any():
-        raise ValueError("fit_exponent: every N and time must be positive (it fits on log-log axes)")
-    return float(np.polyfit(np.log(ns), np.log(ts), 1)[0])
 
 
 def _repeats(N: int) -> tuple[int, int]:

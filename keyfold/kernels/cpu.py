@@ -117,6 +117,8 @@ def _by_chunks(q, k, v, scale: float):
 def _op(q, k, v, causal: bool, mask, scale: float):
     """One fused call, ``(out, lse)``: by float32 chunks where :func:`_chunks_pay`, else in float32
     for float16 where :data:`FP16_AS_FP32` says so (inputs not yet widened), else as given."""
+    if q.dtype is torch.float32:  # the decoding step's common case: nothing to decide
+        return _FWD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
     if not causal and mask is None and q.dim() == 4 and _chunks_pay(q.dtype, q.shape[2], k.shape[2]):
         return _by_chunks(q, k, v, scale)
     if FP16_AS_FP32 and q.dtype is torch.float16:
