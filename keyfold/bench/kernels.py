@@ -238,7 +238,7 @@ def cases(preset: str) -> list[Case]:
     lowp += [Case(v.name, 4096, 64, "bfloat16", "fwd+bwd") for v in VARIANTS if v.differentiable]
     if preset == "lowp":  # only the 16-bit rows of standard: ~20 min
         return lowp
-    if preset == "standard":  # every variant vs N with Flex (the plot), backward, 16-bit at 4096: ~25 min
+    if preset == "standard":  # every variant vs N with Flex (the plot), backward, 16-bit at 4k and 16k, memory: ~35-50 min
         out = [Case(v.name, N, 64, "float32", "fwd") for N in (1024, 4096, 16384) for v in VARIANTS]
         out += [Case(v.name, 4096, 64, "float32", "fwd+bwd") for v in VARIANTS if v.differentiable]
         out += [Case(n, 4096, 128, "float32", "fwd") for n in ("dense", "causal", "window256", "documents8")]
@@ -392,7 +392,7 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", choices=("tiny", "quick", "lowp", "standard", "full"), default="standard",
                     help="quick: the issue's targets (< 3 min); lowp: every variant in bfloat16 and float16 at 4096 and "
                          "16384, and bfloat16 backward (~20 min); standard: every variant vs N, plus lowp "
-                         "(~25 min); full: N x D x dtype x mode (about an hour)")
+                         "and the memory table (~35-50 min); full: N x D x dtype x mode (about an hour)")
     ap.add_argument("--quick", action="store_const", const="quick", dest="preset", help="the issue's targets, < 3 min")
     ap.add_argument("--out", type=Path, default=None, help="output directory (default: the repository's benchmarks/results)")
     ap.add_argument("--name", default="kernels", help="file stem for the results")
