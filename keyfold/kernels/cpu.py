@@ -121,8 +121,7 @@ def _op(q, k, v, causal: bool, mask, scale: float):
         return _FWD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
     if not causal and mask is None and q.dim() == 4 and _chunks_pay(q.dtype, q.shape[2], k.shape[2]):
         return _by_chunks(q, k, v, scale)
-    if FP16_AS_FP32 and q.dtype is torch.float16:
-        q, k, v = q.float(), k.float(), v.float()
+    q, k, v = _widen(q, k, v)
     return _FWD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
 
 
@@ -267,15 +266,9 @@ def _tile(piece: Piece, pb: Problem, q_orig, folded: bool, g: int, memo: dict, c
     return tile
 
 
-def _keys(piece: Piece, tile: _Tile) -> slice:
-    """The keys one fused call of the piece reads: the piece's, or the visible part of them."""
-    if tile.cols is None:
-        return slice(piece.k0, piece.k1)
-    return slice(piece.k0 + tile.cols[0], piece.k0 + tile.cols[1])
-
-
 def _piece_args(inp: _Inputs, piece: Piece, pb: Problem, q_orig, memo: dict, cache):
-    """Tensors and flags for one fused call: (q, k, v, causal, tile, folded).
+    """Tensors and flags for one fused call: (q, k, v, causal, tile, folded, keys), ``keys`` the
+    slice of the call's keys in the whole sequence (the piece's, or the part its rows see).
 
     With GQA (g query heads per key/value head) a piece either *folds* the group's heads into
     the query rows (one call, k and v untouched) or, for the fused causal flag, which folding
@@ -286,14 +279,14 @@ def _piece_args(inp: _Inputs, piece: Piece, pb: Problem, q_orig, memo: dict, cac
     folded = not causal and inp.g > 1
     tile = _tile(piece, pb, q_orig, folded, inp.g, memo, cache)
     qs = inp.q[:, :, piece.q0:piece.q1]
-    keys = _keys(piece, tile)
+    keys = slice(piece.k0, piece.k1) if tile.cols is None else slice(piece.k0 + tile.cols[0], piece.k0 + tile.cols[1])
     ks = inp.k[:, :, keys]
     vs = inp.v[:, :, keys]
     if folded:
         qs = _fold(qs, inp.g)
     elif inp.g > 1:
         qs = qs.unflatten(1, (-1, inp.g))  # (B, Hkv, g, L, W): member j is qs[:, :, j]
-    return qs, ks, vs, causal, tile, folded
+    return qs, ks, vs, causal, tile, folded, keys
 
 
 def _members(x, g):
@@ -332,7 +325,7 @@ def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State
     acc = None if single else empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
     touched = None if single else torch.zeros(Nq, dtype=torch.bool)
     for piece in plan.pieces:
-        qs, ks, vs, causal, tile, folded = _piece_args(inp, piece, pb, q, memo, plan.tiles)
+        qs, ks, vs, causal, tile, folded, _ = _piece_args(inp, piece, pb, q, memo, plan.tiles)
         if qs.dim() == 5:  # GQA under the causal flag: one call per group member
             parts = [_op(qs[:, :, j], ks, vs, causal, tile.mask, pb.scale) for j in range(inp.g)]
             out = torch.stack([p[0] for p in parts], 2).flatten(1, 2)   # (B, Hq, L, W)
@@ -409,8 +402,8 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     alone = len(plan.pieces) == 1 and single is None
     acc = _Grads(q, k, W, sd, gd if alone else sd)
     for piece in _backward_pieces(plan, k.shape[2], cut=q.dtype == sd):
-        qs, ks, vs, causal, tile, folded = _piece_args(inp, piece, pb, q, memo, plan.tiles)
-        rows, keys = slice(piece.q0, piece.q1), _keys(piece, tile)
+        qs, ks, vs, causal, tile, folded, keys = _piece_args(inp, piece, pb, q, memo, plan.tiles)
+        rows = slice(piece.q0, piece.q1)
         o_p, do_p, l_p = o[:, :, rows], do[:, :, rows], lse_safe[:, :, rows]
         if tile.row_shift is not None:  # the op sees scores without the row term
             l_p = l_p - tile.row_shift
@@ -529,8 +522,7 @@ def _single_key_rows(inp: _Inputs, plan: Plan, pb: Problem, q, memo: dict):
     count = torch.zeros(1, 1, Nq, dtype=torch.int64)
     key = torch.zeros(1, 1, Nq, dtype=torch.int64)
     for piece in plan.pieces:
-        _, _, _, causal, tile, folded = _piece_args(inp, piece, pb, q, memo, plan.tiles)
-        keys = _keys(piece, tile)
+        _, _, _, causal, tile, folded, keys = _piece_args(inp, piece, pb, q, memo, plan.tiles)
         L, S = piece.q1 - piece.q0, keys.stop - keys.start
         if causal:      # top-left causal inside the piece: row i sees keys 0..i
             c = torch.clamp(torch.arange(1, L + 1), max=S).view(1, 1, L)
