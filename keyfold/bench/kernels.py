@@ -318,7 +318,7 @@ def markdown(results: list[Result], mem: dict | None, header: str, limits: dict 
     limits = limits or {}
     lines = [header, ""]
     if limits:
-        lines += ["Limits measured in this run, at its start and at its end, the higher kept (the best square GEMM, n = 1024 or 2048; a 16-bit dtype natively or "
+        lines += ["Limits measured in this run, sampled every few minutes through it and the best kept (the best square GEMM, n = 1024 or 2048; a 16-bit dtype natively or "
                   "cast to float32, whichever is faster): " + ", ".join(
             f"{dt} {g:.0f} GFLOP/s" for dt, g in limits.items()) + ". `of matmul` = keyfold's GFLOP/s (counted on "
             "the visible pairs: 4·D FLOPs each forward, 3.5x that forward+backward) over that rate.", ""]
@@ -387,6 +387,33 @@ def plot(results: list[Result], path: Path) -> None:
     plt.close(fig)
 
 
+#: Cases between two samples of the matmul roof (a sample costs ~1-3 s per dtype; 15 cases of the
+#: standard run are ~5 minutes, slow and fast minutes on a shared machine alternate at that scale)
+ROOF_EVERY = 15
+
+
+class Roof:
+    """The matmul rate per dtype, sampled at the start of a run, every ``every`` cases, and at its end;
+    ``best`` is the highest sample (the ceiling, which a loaded minute can only lower)."""
+
+    def __init__(self, dtypes, every: int = ROOF_EVERY, rate=matmul_rate):
+        self.dtypes, self.every, self.rate = tuple(dtypes), every, rate
+        self.samples: dict[str, list[float]] = {dt: [] for dt in self.dtypes}
+
+    def sample(self) -> None:
+        for dt in self.dtypes:
+            self.samples[dt].append(self.rate(getattr(torch, dt)))
+
+    def maybe_sample(self, i: int) -> None:
+        """Sample before case ``i`` when it opens a stretch of ``every`` cases."""
+        if i % self.every == 0:
+            self.sample()
+
+    @property
+    def best(self) -> dict[str, float]:
+        return {dt: max(v) for dt, v in self.samples.items() if v}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m keyfold bench kernels", description=__doc__)
     ap.add_argument("--preset", choices=("tiny", "quick", "lowp", "standard", "full"), default="standard",
@@ -410,20 +437,18 @@ def main(argv=None) -> int:
         args.memory = []  # the issue's memory column: 16k and 64k, one fresh process per case
 
     todo = [c for c in cases(args.preset) if not args.variants or c.variant in args.variants]
-    # the machine's matmul rate per dtype, measured in this run (the roof each row is held to)
-    limits = {} if args.preset == "tiny" else {dt: matmul_rate(getattr(torch, dt)) for dt in
-                                               sorted({c.dtype for c in todo})}
+    # the machine's matmul rate per dtype, sampled through the run and the best kept: a roof taken in
+    # a slow minute flatters every row (one standard run measured float32 at 156 GFLOP/s at its start
+    # and end, another 198; a run with only a start and an end sample put a float16 row at "104%")
+    roof = Roof(() if args.preset == "tiny" else sorted({c.dtype for c in todo}), every=ROOF_EVERY)
     results = []
-    for case in tqdm(todo, desc="bench kernels", unit="case"):
+    for i, case in enumerate(tqdm(todo, desc="bench kernels", unit="case")):
+        roof.maybe_sample(i)
         results.append(run_case(case, repeats_for(case, args.preset), flex_wanted(args.preset, case)))
         torch._dynamo.reset()  # free the compiled peer and its block mask before the next case
         gc.collect()
-    # measured again at the end, the best of both kept: a roof taken in a slow minute flatters every
-    # row (one standard run measured float32 at 156 GFLOP/s, another 195)
-    limits_at = {"start": dict(limits)}
-    if limits:
-        limits_at["end"] = {dt: matmul_rate(getattr(torch, dt)) for dt in limits}
-        limits = {dt: max(limits_at["start"][dt], limits_at["end"][dt]) for dt in limits}
+    roof.sample()
+    limits = roof.best
     mem = None if (args.no_memory or args.preset == "tiny") else memory()
     header = (f"# keyfold kernels vs SDPA and compiled FlexAttention ({args.preset})\n\n"
               f"Machine: {machine()}. Median of alternating repeats; `work` is the fraction of the dense "
@@ -439,7 +464,7 @@ def main(argv=None) -> int:
     (args.out / f"{args.name}.md").write_text(md)
     (args.out / f"{args.name}.json").write_text(json.dumps(
         {"machine": machine(), "preset": args.preset, "memory": mem, "memory_table": mem_rows, "matmul_gflops": limits,
-         "matmul_gflops_at": limits_at,
+         "matmul_gflops_samples": roof.samples,
          "results": [dict(asdict(r), ratio_sdpa=r.ratio("sdpa"), ratio_flex=r.ratio("flex")) for r in results]},
         indent=1))
     plot(results, args.out / f"{args.name}.png")

@@ -22,3 +22,21 @@ def test_harness_runs_and_writes_results(tmp_path):
 def test_needed_work_is_counted_from_the_mask():
     r = kernels.run_case(kernels.Case("causal", 128, 16, "float32", "fwd", H=1), repeats=1, with_flex=False)
     assert abs(r.gflop - 4 * 16 * (128 * 129 / 2) / 1e9) < 1e-9
+
+
+def test_roof_is_sampled_through_the_run_and_the_best_kept():
+    calls = []
+    rates = iter([150.0, 198.0, 120.0, 90.0, 95.0, 40.0])  # float32, then bfloat16, per sample
+
+    def rate(dtype):
+        calls.append(dtype)
+        return next(rates)
+
+    roof = kernels.Roof(["float32", "bfloat16"], every=3, rate=rate)
+    for i in range(5):  # cases 0..4: samples before cases 0 and 3
+        roof.maybe_sample(i)
+    roof.sample()  # and at the end
+    assert roof.samples == {"float32": [150.0, 120.0, 95.0], "bfloat16": [198.0, 90.0, 40.0]}
+    assert roof.best == {"float32": 150.0, "bfloat16": 198.0}  # a slow sample never lowers the roof
+    assert len(calls) == 6
+    assert kernels.Roof([], rate=rate).best == {}
