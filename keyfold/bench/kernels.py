@@ -419,7 +419,7 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", choices=("tiny", "quick", "lowp", "standard", "full"), default="standard",
                     help="quick: the issue's targets (< 3 min); lowp: every variant in bfloat16 and float16 at 4096 and "
                          "16384, and bfloat16 backward (~20 min); standard: every variant vs N, plus lowp "
-                         "and the memory table (~35-50 min); full: N x D x dtype x mode (about an hour)")
+                         "and the memory table (~35-50 min); full: N x D x dtype x mode (50 min on the Intel Xeon with AMX, ~2 h on the AMD EPYC)")
     ap.add_argument("--quick", action="store_const", const="quick", dest="preset", help="the issue's targets, < 3 min")
     ap.add_argument("--out", type=Path, default=None, help="output directory (default: the repository's benchmarks/results)")
     ap.add_argument("--name", default="kernels", help="file stem for the results")
