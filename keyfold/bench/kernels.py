@@ -440,7 +440,7 @@ def main(argv=None) -> int:
     # the machine's matmul rate per dtype, sampled through the run and the best kept: a roof taken in
     # a slow minute flatters every row (one standard run measured float32 at 156 GFLOP/s at its start
     # and end, another 198; a run with only a start and an end sample put a float16 row at "104%")
-    roof = Roof(() if args.preset == "tiny" else sorted({c.dtype for c in todo}), every=ROOF_EVERY)
+    roof = Roof(() if args.preset == "tiny" else sorted({c.dtype for c in todo}))
     results = []
     for i, case in enumerate(tqdm(todo, desc="bench kernels", unit="case")):
         roof.maybe_sample(i)
