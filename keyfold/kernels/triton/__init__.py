@@ -36,9 +36,10 @@ from .source import _bwd_dkdv_kernel, _bwd_dq_kernel, _fwd_kernel
 
 __all__ = ["available", "check_supported", "why_not_native", "forward", "backward", "compile_for_gpu", "USE_ATEN_DENSE"]
 
-# Plain dense 16-bit pieces on CUDA go through PyTorch's own flash op (aten), which is faster
-# than a portable kernel there; set to False to measure or use the Triton kernel alone.
-USE_ATEN_DENSE = True
+# True: plain dense 16-bit pieces on CUDA go forward through PyTorch's own flash op (aten).
+# Off by default: on an H200 (torch 2.11, benchmarks/results/gpu.md) that op took 1.4-1.5x the
+# Triton kernel's time (bf16 dense forward, N = 2k-32k: 287-349 vs 403-506 TFLOP/s).
+USE_ATEN_DENSE = False
 
 
 _BITMAPS = "the mask callable's tile bitmaps would exceed 256 MiB"
@@ -65,7 +66,7 @@ def forward(q, k, v, plan: Plan, pb: Problem, fallback: bool = False) -> State:
         if st is not None:
             return st
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-    cfg = _configs(q, q.shape[-1], v.shape[-1], _program_of(pb).nlit)[0]
+    cfg = _configs(q, q.shape[-1], v.shape[-1], _program_of(pb))[0]
     L = _Launch(q, k, v, pb, cfg)
     if L.layout is None:
         if not fallback:
@@ -95,9 +96,10 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, fallback: b
     if why is not None:
         raise refusal(why)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-    cfg = _configs(q, q.shape[-1], v.shape[-1], _program_of(pb).nlit)[1]
-    L = _Launch(q, k, v, pb, cfg)
-    if L.layout is None:
+    _, cfg_dq, cfg = _configs(q, q.shape[-1], v.shape[-1], _program_of(pb))
+    L = _Launch(q, k, v, pb, cfg)                                   # dK/dV's tiles
+    Lq = L if cfg_dq == cfg else _Launch(q, k, v, pb, cfg_dq)       # dQ's, when they differ
+    if L.layout is None or Lq.layout is None:
         if not fallback:
             raise refusal(_BITMAPS + " (write the mask with keyfold presets to run it in the kernel)")
         _warn_once("bitmaps", _BITMAPS + ": it runs on the tile kernel")
@@ -116,16 +118,16 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, fallback: b
     dv = torch.zeros(L.B, L.Hkv, L.Nk, L.Dv, dtype=sd, device=q.device)
     if L.Nq == 0 or L.Nk == 0:
         return dq, dk, dv
-    lay = L.layout
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
-    tail = (lay.params, lay.aux, lay.bits, L.slopes, L.cap)
-    _bwd_dq_kernel[(triton.cdiv(L.Nq, cfg.block_m), L.B * L.Hq)](
-        q, k, v, do, lse_safe, delta, dq, *strides, *lay.fwd, *tail,
+    lay = Lq.layout
+    _bwd_dq_kernel[(triton.cdiv(L.Nq, cfg_dq.block_m), L.B * L.Hq)](
+        q, k, v, do, lse_safe, delta, dq, *strides, *lay.fwd, lay.params, lay.aux, lay.bits, L.slopes, L.cap,
         L.Hq, L.G, L.Nq, L.Nk, L.D, L.Dv, *L.scalars,
-        EVEN_N=L.Nk % cfg.block_n == 0, **L.const)
+        EVEN_N=L.Nk % cfg_dq.block_n == 0, **Lq.const)
+    lay = L.layout
     _bwd_dkdv_kernel[(triton.cdiv(L.Nk, cfg.block_n), L.B * L.Hkv)](
-        q, k, v, do, lse_safe, delta, dk, dv, *strides, *lay.bwd, *tail,
+        q, k, v, do, lse_safe, delta, dk, dv, *strides, *lay.bwd, lay.params, lay.aux, lay.bits, L.slopes, L.cap,
         L.Hq, L.Hkv, L.G, L.Nq, L.Nk, L.D, L.Dv, *L.scalars, **L.const)
     return dq, dk, dv
 
@@ -160,7 +162,7 @@ def _aten_dense(q, k, v, pb: Problem) -> State | None:
 
 
 def compile_for_gpu(arch: int = 90, dtype: str = "bf16", head_dim: int = 128, mask=None, score=None,
-                    kernels=("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel")) -> dict:
+                    kernels=("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"), aligned: bool = True) -> dict:
     """Compile the three kernels ahead of time for an NVIDIA GPU of compute capability ``arch``
     (90 = H100/H200) without one: proves they lower to a cubin. Returns per kernel
     ``{"seconds", "shared_bytes"}``. Needs triton with its bundled ptxas, and must run in a
@@ -169,6 +171,9 @@ def compile_for_gpu(arch: int = 90, dtype: str = "bf16", head_dim: int = 128, ma
     mask, score: the settings whose programs to compile (default ``causal() & (window(64) |
     sinks(4))`` with ``[alibi, softcap]``, which exercises most of the in-kernel code).
     kernels: which of the three to compile.
+    aligned: compile as a launch on aligned tensors with sizes divisible by 16 is specialised
+    (Triton's ``tt.divisibility``); without it the kernels pipeline less and need less shared
+    memory than they do on the GPU.
     """
     import time
 
@@ -189,20 +194,24 @@ def compile_for_gpu(arch: int = 90, dtype: str = "bf16", head_dim: int = 128, ma
                  IEEE=dtype == "fp32")
     fake = torch.empty(1, dtype={"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype],
                        device="meta")
-    fwd, bwd = _configs(_MetaCuda(fake), head_dim, head_dim, prog.nlit)
+    fwd, dq, dkdv = _configs(_MetaCuda(fake), head_dim, head_dim, prog)
     ptrs = {n: "*i32" for n in ("p_ptr", "p_col", "f_ptr", "f_lo", "f_hi", "p_row", "p_slot", "prm", "aux")}
     ptrs.update(bits="*i8", slopes="*fp32", O="*fp32", LSE="*fp32", DELTA="*fp32", DQ="*fp32", DK="*fp32",
                 DV="*fp32", **{n: "*" + dtype for n in ("Q", "K", "V", "DO")})
     result = {}
-    for fn, cfg, extra in ((_fwd_kernel, fwd, dict(EVEN_N=False)), (_bwd_dq_kernel, bwd, dict(EVEN_N=False)),
-                           (_bwd_dkdv_kernel, bwd, {})):
+    for fn, cfg, extra in ((_fwd_kernel, fwd, dict(EVEN_N=False)), (_bwd_dq_kernel, dq, dict(EVEN_N=False)),
+                           (_bwd_dkdv_kernel, dkdv, {})):
         if fn.__name__ not in kernels:
             continue
         c = dict(const, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **extra)
         sig = {n: "constexpr" if n in c else ptrs.get(n, "fp32" if n in ("cap", "sm_scale") else "i32")
                for n in fn.arg_names}
         t0 = time.perf_counter()
-        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c), target=GPUTarget("cuda", arch, 32),
+        # a real launch marks 16-byte-aligned pointers and integers divisible by 16 (here: all of
+        # them, the launch with the most room to pipeline and so the most shared memory)
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                 if aligned and n not in c and sig[n] != "fp32"}
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c, attrs=attrs), target=GPUTarget("cuda", arch, 32),
                            options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
         result[fn.__name__] = {"seconds": round(time.perf_counter() - t0, 2), "shared_bytes": k.metadata.shared}
     return result

@@ -23,25 +23,42 @@ class _Config:
     num_stages: int
 
 
-def _configs(q, D: int, Dv: int, nlit: int) -> tuple[_Config, _Config]:
-    """(forward, backward) configs. The interpreter uses 16 x 16 tiles so tiny test shapes
-    still have empty, partial and full tiles. CUDA sizes were chosen by compiling for sm_90
-    (``compile_for_gpu``) and reading ptxas's register report: no spills in the forward for
-    bf16 head_dim 128 (128 x 128 tiles; 128 x 64 once the mask program has > 3 literals),
-    none in dQ, none in dK/dV at 64 x 64 without GQA (~200 bytes with its head loop; smaller
-    tiles lose Hopper's wgmma)."""
+# Set by the GPU benchmark's tuner (``python -m keyfold bench gpu --tune``) alone: "fwd", "dq"
+# or "dkdv" -> a _Config used instead of the table below.
+_CONFIG_OVERRIDE: dict = {}
+
+
+def _configs(q, D: int, Dv: int, prog) -> tuple[_Config, _Config, _Config]:
+    """(forward, dQ, dK/dV) configs for a mask program; the two backward kernels may tile
+    differently (each plans at its own tile size). The interpreter uses 16 x 16 tiles so
+    tiny test shapes still have empty, partial and full tiles. CUDA sizes were chosen by
+    compiling for sm_90 (``compile_for_gpu``, specialised as an aligned launch is) and reading
+    ptxas's register report and the shared memory: no spills in the forward for bf16 head_dim
+    128 (128 x 128 tiles; 128 x 64 once the program has > 3 literals or reads a per-pair table,
+    whose staging took 256 and 352 KiB of shared memory at 128 x 128, over the H100/H200's
+    227 KiB). The backward's were then timed on an H200 (``python -m keyfold bench gpu --tune``,
+    benchmarks/results/gpu-tune.md: bf16 causal N=8192 forward + backward 18.7 ms with both at
+    64 x 64, 8 warps, 2 stages; 10.5 ms with dQ at 128 x 64, 8 warps, 3 stages and dK/dV at
+    64 x 64, 4 warps, 2 stages)."""
+    fwd, dq, dkdv = _table(q, D, Dv, prog)
+    o = _CONFIG_OVERRIDE
+    return o.get("fwd", fwd), o.get("dq", dq), o.get("dkdv", dkdv)
+
+
+def _table(q, D: int, Dv: int, prog) -> tuple[_Config, _Config, _Config]:
     if q.device.type != "cuda":
-        return _Config(16, 16, 4, 1), _Config(16, 16, 4, 1)
+        return _Config(16, 16, 4, 1), _Config(16, 16, 4, 1), _Config(16, 16, 4, 1)
     width = max(D, Dv)
     if q.dtype == torch.float32:
         if width <= 64:
-            return _Config(64, 32, 4, 2), _Config(32, 32, 4, 1)
-        return _Config(32, 32, 4, 1), _Config(16, 32, 4, 1)
+            return _Config(64, 32, 4, 2), _Config(32, 32, 4, 1), _Config(32, 32, 4, 1)
+        return _Config(32, 32, 4, 1), _Config(16, 32, 4, 1), _Config(16, 32, 4, 1)
     if width <= 64:
-        return _Config(128, 64, 4, 3), _Config(64, 64, 4, 2)
+        return _Config(128, 64, 4, 3), _Config(64, 64, 4, 2), _Config(64, 64, 4, 2)
     if width <= 128:
-        return _Config(128, 128 if nlit <= 3 else 64, 8, 3), _Config(64, 64, 8, 2)
-    return _Config(64, 32, 8, 2), _Config(32, 32, 8, 1)
+        narrow = prog.nlit > 3 or prog.gathers
+        return _Config(128, 64 if narrow else 128, 8, 3), _Config(128, 64, 8, 3), _Config(64, 64, 4, 2)
+    return _Config(64, 32, 8, 2), _Config(32, 32, 8, 1), _Config(32, 32, 8, 1)
 
 
 def _pow2(n: int) -> int:

@@ -50,6 +50,13 @@ class _MaskProgram:
     aux: torch.Tensor
     tile_mask: _m.Mask | None = None
 
+    @property
+    def gathers(self) -> bool:
+        """Whether a literal reads a per-pair table (a tile bitmap or a block layout): the
+        kernel stages it through shared memory, so its tiles must leave room for it."""
+        ops = {(self.code >> (_LIT_BITS * i)) & 15 for i in range(self.nlit)}
+        return bool(ops & {int(_Op.TILE), int(_Op.BLOCK_SPARSE)})
+
 
 def _dnf(mask, neg=False):
     """The mask as a list of clauses (AND of ``(leaf, negated)``); ``[]`` is false, ``[[]]`` true."""
