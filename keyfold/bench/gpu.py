@@ -251,7 +251,7 @@ def time_ratios(rows) -> list[dict]:
     return out
 
 
-def write_markdown(path: Path, meta, rows, checks, rats):
+def write_markdown(path: Path, meta, rows, checks, rats, trats):
     lines = [f"# keyfold Triton kernel vs peers on {meta['device']}", "",
              f"`{meta['command']}` — {meta['dtype']}, B={meta['B']} H={meta['H']} D={meta['D']}; "
              f"torch {meta['torch']} (CUDA {meta.get('cuda')}), triton {meta['triton']}; "
@@ -278,7 +278,7 @@ def write_markdown(path: Path, meta, rows, checks, rats):
               "| N | variant | mode | method | ms | / SDPA-flash | / compiled Flex | / flash-attn |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['N']} | {r['variant']} | {r['mode']} | {r['method']} | {r['ms']:.3g} | "
               + " | ".join(f"{r[p]:.2f}x" if p in r else "—" for p in ("sdpa-flash", "flex", "flash-attn")) + " |"
-              for r in time_ratios(rows)]
+              for r in trats]
     lines += ["", "## output check (max |method - keyfold|, first N, forward)", ""]
     lines += [f"- {variant}: " + ", ".join(f"{m} {d:.2e}" if isinstance(d, float) else f"{m} {d}"
                                            for m, d in diffs.items()) for variant, diffs in checks.items()]
@@ -606,9 +606,10 @@ def main(argv=None) -> int:
     rats = ratios(rows)
     out = results_dir(args.out)
     stem = "gpu-dry-run" if args.dry_run else ("gpu-tuned" if args.tune else "gpu")
+    trats = time_ratios(rows)
     (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=[asdict(r) for r in rows], checks=checks,
-                                                      targets=rats, time_ratios=time_ratios(rows)), indent=1))
-    write_markdown(out / f"{stem}.md", meta, rows, checks, rats)
+                                                      targets=rats, time_ratios=trats), indent=1))
+    write_markdown(out / f"{stem}.md", meta, rows, checks, rats, trats)
     write_png(out / f"{stem}.png", rows)
     print((out / f"{stem}.md").read_text())
     return 0

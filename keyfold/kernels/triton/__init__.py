@@ -120,14 +120,16 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, fallback: b
         return dq, dk, dv
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
+    def tail(lay):  # the mask program's data as one launch's tiles see it, then the score's
+        return lay.params, lay.aux, lay.bits, L.slopes, L.cap
     lay = Lq.layout
     _bwd_dq_kernel[(triton.cdiv(L.Nq, cfg_dq.block_m), L.B * L.Hq)](
-        q, k, v, do, lse_safe, delta, dq, *strides, *lay.fwd, lay.params, lay.aux, lay.bits, L.slopes, L.cap,
+        q, k, v, do, lse_safe, delta, dq, *strides, *lay.fwd, *tail(lay),
         L.Hq, L.G, L.Nq, L.Nk, L.D, L.Dv, *L.scalars,
         EVEN_N=L.Nk % cfg_dq.block_n == 0, **Lq.const)
     lay = L.layout
     _bwd_dkdv_kernel[(triton.cdiv(L.Nk, cfg.block_n), L.B * L.Hkv)](
-        q, k, v, do, lse_safe, delta, dk, dv, *strides, *lay.bwd, lay.params, lay.aux, lay.bits, L.slopes, L.cap,
+        q, k, v, do, lse_safe, delta, dk, dv, *strides, *lay.bwd, *tail(lay),
         L.Hq, L.Hkv, L.G, L.Nq, L.Nk, L.D, L.Dv, *L.scalars, **L.const)
     return dq, dk, dv
 
