@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..caches import KVCache, PagedKVCache, WindowCache, cascade, choose_splits, decode
+from ..kernels import native
 from ..masks import causal
 from .harness import fit_exponent, interleaved, machine, results_dir, stream_bandwidth
 
@@ -76,6 +77,9 @@ def bench_decode(lengths, reps, bar) -> list[dict]:
         if hkv != H:
             fns["keyfold_nosplit"] = lambda: decode(q, cache, splits=1)
         n_reps = max(3, reps * 4096 // N)
+        before = native.calls
+        decode(q, cache)
+        path = "native" if native.calls > before else "op"  # which kernel keyfold's step ran on
         t = interleaved(fns, n_reps, warmup=2)
         gb = (k.nbytes + v.nbytes) / 1e9
         name = f"{'MQA ' if hkv != H else ''}{str(dtype).replace('torch.', '')}"
@@ -83,7 +87,7 @@ def bench_decode(lengths, reps, bar) -> list[dict]:
                    keyfold_ms=t["keyfold"] * 1e3, sdpa_ms=t["sdpa"] * 1e3, ratio=t["keyfold"] / t["sdpa"],
                    ratio_of_min=t.best["keyfold"] / t.best["sdpa"],
                    keyfold_GBps=gb / t["keyfold"], sdpa_GBps=gb / t["sdpa"],
-                   splits=choose_splits(N, B * hkv, torch.get_num_threads()),
+                   splits=choose_splits(N, B * hkv, torch.get_num_threads()), kernel=path,
                    sdpa_plain_ms=t["sdpa_plain"] * 1e3, ratio_plain=t["keyfold"] / t["sdpa_plain"])
         if "keyfold_nosplit" in t:
             row["nosplit_ms"] = t["keyfold_nosplit"] * 1e3
@@ -297,24 +301,26 @@ def _markdown(res, cmd: str) -> str:
             f"{c['stream_GBps']:.1f} GB/s; `of bandwidth` = keyfold's GB/s over it." if c.get("stream_GBps") else ""),
            "",
            "| cache | tokens | keyfold ms | SDPA ms | ratio (medians) | ratio (minima) | keyfold GB/s | of bandwidth "
-           "| SDPA GB/s | splits | SDPA on a torch-allocated copy ms | keyfold / that |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| SDPA GB/s | splits | kernel | SDPA on a torch-allocated copy ms | keyfold / that |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["decode"]:
         extra = f" (no split: {r['nosplit_ms']:.2f} ms, split-KV gain {r['split_gain']:.2f}x)" if "nosplit_ms" in r else ""
         plain = (f"{r['sdpa_plain_ms']:.3f} | {r['ratio_plain']:.2f}x" if "sdpa_plain_ms" in r else "— | —")
         out.append(f"| {r['case']}{extra} | {r['tokens']} | {r['keyfold_ms']:.3f} | {r['sdpa_ms']:.3f} | "
                    f"**{r['ratio']:.2f}x** | {r['ratio_of_min']:.2f}x | {r['keyfold_GBps']:.1f} | {_roof(r['keyfold_GBps'], c)} | "
-                   f"{r['sdpa_GBps']:.1f} | {r['splits']} | {plain} |")
+                   f"{r['sdpa_GBps']:.1f} | {r['splits']} | {r.get('kernel', '—')} | {plain} |")
     rg = res["ragged"]
     out.append(f"| {rg['case']} ({rg['lengths'][0]}..{rg['lengths'][-1]} tokens; SDPA with a key-padding mask; "
                f"one call per sequence: {rg['per_sequence_ms']:.2f} ms; max abs diff {rg['max_abs_diff']:.1e}) | {rg['tokens']} | {rg['keyfold_ms']:.3f} | "
                f"{rg['sdpa_ms']:.3f} | **{rg['ratio']:.2f}x** | {rg['ratio_of_min']:.2f}x | {rg['keyfold_GBps']:.1f} | "
-               f"{_roof(rg['keyfold_GBps'], c)} | {rg['sdpa_GBps']:.1f} | 1 | — | — |")
+               f"{_roof(rg['keyfold_GBps'], c)} | {rg['sdpa_GBps']:.1f} | 1 | — | — | — |")
     out += ["", "SDPA reads the very cache keyfold reads (the ratio the targets are about). The last two "
                 "columns time SDPA on a copy of the same bytes in torch's own allocation, which is what a "
                 "plain tensor cache gets: keyfold's caches are allocated on transparent huge pages where "
                 "the OS allows (`keyfold/caches/_storage.py`), and decode is bound by memory and TLB, so "
-                "that difference is the allocation, not the kernel."]
+                "that difference is the allocation, not the kernel. `kernel`: where keyfold's step ran, "
+                "`native` (keyfold's own decode kernel, `keyfold/kernels/decode.c`) or `op` (PyTorch's "
+                f"fused CPU op); the native kernel here: {c.get('native', 'n/a')}."]
     fp32 = {r["tokens"]: r for r in res["decode"] if r["case"] == "float32"}
     for half in ("bfloat16", "float16"):
         r16 = [r for r in res["decode"] if r["case"] == half and r["tokens"] in fp32]
@@ -406,6 +412,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="small preset (< 3 minutes)")
     p.add_argument("--out", type=Path, default=None, help="results folder (default: the repository's benchmarks/results)")
     p.add_argument("--reps", type=int, default=None, help="repeats at 4k tokens (fewer for longer caches)")
+    p.add_argument("--name", default=None, help="results file stem (default: decode, decode.quick)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's); results then go to decode.<n>threads.*")
     args = p.parse_args(argv)
@@ -416,7 +423,7 @@ def main(argv=None) -> int:
     quick = args.quick
     reps = args.reps or (40 if quick else 120)
     lengths = [4096, 32768, 131072]
-    cfg = dict(quick=quick, machine=machine(), torch=torch.__version__,
+    cfg = dict(quick=quick, machine=machine(), torch=torch.__version__, native=native.why(),
                threads=torch.get_num_threads(), load_before=round(os.getloadavg()[0], 2),
                window=4096, sinks=4, stream_tokens=(1 << 16) if quick else (1 << 20))
     torch.manual_seed(0)
@@ -426,5 +433,8 @@ def main(argv=None) -> int:
     if args.threads is not None:
         cmd += f" --threads {args.threads}"
         stem += f".{args.threads}threads"
+    if args.name:
+        cmd += f" --name {args.name}"
+        stem = args.name
     print(write(res, results_dir(args.out), stem, cmd))
     return 0

@@ -1,0 +1,188 @@
+"""keyfold's own CPU decode kernel (``decode.c``), built on first use with the system C compiler.
+
+Decoding reads every cached key and value once for a few query rows, so its limit is the memory
+bandwidth, not arithmetic. PyTorch's fused CPU op reaches that limit for a float32 cache but not
+for a 16-bit one: it converts float16 element by element (12 GB/s against a 27 GB/s stream copy,
+Intel Xeon with AMX, 2 threads, 128k keys), and bfloat16 without AMX runs at 3.5-4.4 GB/s (AMD EPYC).
+``decode.c`` widens 16-bit keys and values in registers and reads each byte once, float32 arithmetic
+throughout; a GQA group's query heads come in as rows of their key/value head, so the group reads its
+keys once (the fused op's GQA path through ``cpu.py`` folds them the same way).
+
+Used for pieces without mask or score whose few query rows (at most :data:`MAX_ROWS`, every head of
+a GQA group counted) read at least :data:`MIN_KEYS` keys: a decoding step over a cache, a split-KV
+chunk, a cascade's shared prefix. Everything else stays on the fused op.
+
+Built once per source, compiler flags and CPU into ``$KEYFOLD_CACHE`` (else
+``$XDG_CACHE_HOME/keyfold``, else ``~/.cache/keyfold``): the file's name carries their hash, so an
+edit or another CPU builds anew, and a build is written under a temporary name and renamed, so
+processes that build at once (spawned ranks) never load half a file. Where it cannot be built (no C
+compiler, a CPU without AVX-512, ``KEYFOLD_NATIVE=0`` in the environment), :func:`available` is
+False, :func:`why` says why, and decoding stays on PyTorch's op, with the same results to rounding.
+
+>>> import torch
+>>> from keyfold.kernels import native
+>>> q, k, v = torch.randn(1, 8, 1, 64), torch.randn(1, 8, 4096, 64), torch.randn(1, 8, 4096, 64)
+>>> if native.available():
+...     out, lse = native.attend(q, k, v, 64 ** -0.5)          # (1, 8, 1, 64), (1, 8, 1) float32
+...     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+...     torch.testing.assert_close(out, ref)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from ._common import cpu_flags
+
+__all__ = ["available", "why", "pays", "attend", "MAX_ROWS", "MIN_KEYS"]
+
+SOURCE = Path(__file__).with_name("decode.c")
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast",
+         "-fPIC", "-shared", "-fopenmp")
+
+#: The most query rows (heads of a GQA group times tokens) a call may have: the kernel's limit.
+MAX_ROWS = 64
+#: Query rows up to which the kernel beats the fused op (measured below, Intel Xeon, 2 threads):
+#: it reads each key once whatever the rows, but does their arithmetic without a GEMM.
+PAYS_ROWS = 16
+#: Keys a call must read for the kernel to pay its fixed cost (threads, scratch, the q copy).
+MIN_KEYS = 256
+#: The largest head size (q, k and v) the kernel takes.
+MAX_HEAD = 256
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_why: str | None = None  # None: not tried yet
+#: Calls that ran on the kernel so far in this process (the decode bench reports which path ran).
+calls = 0
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("KEYFOLD_CACHE"):
+        return Path(os.environ["KEYFOLD_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "keyfold"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _build() -> tuple[ctypes.CDLL | None, str]:
+    """Load the kernel, compiling it first when this source, flags and CPU have no build yet."""
+    if os.environ.get("KEYFOLD_NATIVE", "1") == "0":
+        return None, "disabled by KEYFOLD_NATIVE=0"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, f"needs an x86-64 CPU with AVX-512 (this is {platform.machine()})"
+    missing = {"avx512f", "avx512bw", "avx512vl"} - cpu_flags()
+    if missing:
+        return None, f"this CPU lacks {', '.join(sorted(missing))}"
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler (cc, gcc or clang) on PATH; set CC to one"
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"the C compiler {cc} does not run: {e}"
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version,
+                                    " ".join(sorted(cpu_flags()))]).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"decode-{key}.so"
+    if not path.exists():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+            os.close(fd)
+            res = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
+            if res.returncode != 0:
+                os.unlink(tmp)
+                return None, f"{cc} failed on {SOURCE.name}: {res.stderr.strip()[-500:]}"
+            os.replace(tmp, path)  # atomic: another process sees the whole file or none
+        except (OSError, subprocess.SubprocessError) as e:
+            return None, f"could not build into {path.parent}: {e}; set KEYFOLD_CACHE to a writable folder"
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        return None, f"could not load {path}: {e}"
+    P, LL, I = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
+    lib.kf_decode.restype = I
+    lib.kf_decode.argtypes = [P, P, P, I, LL, LL, LL, LL, LL, LL, I, I, I, I, I, LL, I, I, P, P]
+    return lib, f"built at {path}"
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded (the first call builds it: about a second)."""
+    global _lib, _why
+    if _why is None:
+        with _lock:
+            if _why is None:
+                _lib, _why = _build()
+    return _lib is not None
+
+
+def why() -> str:
+    """Where the kernel was built, or why it was not."""
+    available()
+    return _why or ""
+
+
+def _reset() -> None:
+    """Forget the build, so the next :func:`available` tries again (tests change the environment)."""
+    global _lib, _why
+    with _lock:
+        _lib, _why = None, None
+
+
+def pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``attend(q, k, v)`` should run here rather than on the fused op: CPU tensors, keys and
+    values of one supported dtype with contiguous rows, q ``(B, H, R, D)`` with ``R <= PAYS_ROWS``
+    over k ``(B, H, N, D)``, ``N >= MIN_KEYS``, head sizes up to :data:`MAX_HEAD`, and a kernel built."""
+    rows, n = q.shape[2], k.shape[2]
+    return (rows <= PAYS_ROWS and n >= MIN_KEYS and q.device.type == "cpu" and k.dtype in _DTYPES
+            and v.dtype == k.dtype and q.dtype in _DTYPES and k.stride(-1) == 1 and v.stride(-1) == 1
+            and max(q.shape[-1], v.shape[-1]) <= MAX_HEAD and q.shape[:2] == k.shape[:2] == v.shape[:2]
+            and available())
+
+
+def _chunks(tasks: int, n: int, threads: int) -> int:
+    """Key chunks per (batch, head): enough work items for every thread to get about four, chunks
+    of at least 1024 keys (the items run dynamically scheduled, so uneven counts balance)."""
+    want = -(-4 * threads // tasks)
+    return max(1, min(want, n // 1024))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` in float32 of rows ``q (B, H, R, D)`` over every key of ``k (B, H, N, D)``,
+    ``v (B, H, N, Dv)`` (see :func:`pays` for what is taken). A row sees every key, so none is empty.
+
+    Raises RuntimeError when the kernel is not available or refuses the shapes."""
+    global calls
+    if not available():
+        raise RuntimeError(f"keyfold's native decode kernel is not available: {why()}")
+    B, H, R, D = q.shape
+    N, Dv = k.shape[2], v.shape[-1]
+    if R > MAX_ROWS or max(D, Dv) > MAX_HEAD or k.dtype not in _DTYPES or v.dtype != k.dtype:
+        raise RuntimeError(f"native.attend: rows {R} (max {MAX_ROWS}), head sizes {D}/{Dv} (max {MAX_HEAD}), "
+                           f"dtypes {k.dtype}/{v.dtype}: use the fused op for these")
+    qs = torch.mul(q.to(torch.float32), scale).contiguous()  # (B, H, R, D), the scale folded in
+    out = torch.empty(B, H, R, Dv, dtype=torch.float32)
+    lse = torch.empty(B, H, R, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    rc = _lib.kf_decode(qs.data_ptr(), k.data_ptr(), v.data_ptr(), _DTYPES[k.dtype], *k.stride()[:3],
+                        *v.stride()[:3], B, H, R, D, Dv, N, _chunks(B * H, N, threads), threads,
+                        out.data_ptr(), lse.data_ptr())
+    calls += 1
+    if rc != 0:
+        raise RuntimeError(f"keyfold's native decode kernel refused q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                           f"v {tuple(v.shape)} (code {rc})")
+    return out, lse

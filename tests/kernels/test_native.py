@@ -1,0 +1,196 @@
+"""keyfold's own CPU decode kernel (keyfold/kernels/native.py, decode.c): held to the rule against
+float64, its chunks merged exactly, routed only where it pays, and built or declined cleanly."""
+
+import os
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import keyfold as kf
+from keyfold.caches import KVCache, decode
+from keyfold.kernels import cpu, native
+from tests.helpers import assert_close_by_rule, assert_forward_by_rule, naive_attention
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native decode kernel: {native.why()}")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _inputs(dtype, B, H, R, N, D, Dv, cap=None, seed=0):
+    """q (B, H, R, D); k, v views of the first N of ``cap`` cached keys (strided, as a cache's are)."""
+    g = torch.Generator().manual_seed(seed)
+    cap = cap or N + 37
+    q = torch.randn(B, H, R, D, generator=g).to(dtype)
+    k = torch.randn(B, H, cap, D, generator=g).mul(2).to(dtype)[:, :, :N]
+    v = torch.randn(B, H, cap, Dv, generator=g).to(dtype)[:, :, :N]
+    return q, k, v
+
+
+SHAPES = {  # B, H, R, N, D, Dv
+    "decode": (1, 2, 1, 5000, 64, 64),
+    "tails": (2, 3, 3, 1500, 80, 48),       # head sizes no multiple of 16, D != Dv, B > 1
+    "gqa rows": (1, 1, 8, 4099, 128, 128),  # one head, many rows: split into key chunks
+    "small": (1, 2, 2, 17, 16, 16),         # fewer keys than a block
+    "wide": (1, 1, 1, 700, 256, 256),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_native_holds_the_rule_with_its_lse(shape, dtype):
+    """out by FlashAttention's rule against float64 (2x the plain same-dtype error + 1e-6), and lse,
+    the natural log of the row's sum, to float32 rounding."""
+    B, H, R, N, D, Dv = SHAPES[shape]
+    q, k, v = _inputs(dtype, B, H, R, N, D, Dv)
+    scale = D ** -0.5
+    out, lse = native.attend(q, k, v, scale)
+    assert out.dtype == lse.dtype == torch.float32 and out.shape == (B, H, R, Dv) and lse.shape == (B, H, R)
+    ref = kf.attend(q.double(), k.double(), v.double(), q_offset=N, backend=kf.Backend.REFERENCE)
+    naive = naive_attention(q, k, v, q_offset=N)
+    assert_close_by_rule(out, ref.out, naive, None)
+    torch.testing.assert_close(lse.double(), ref.lse, atol=2e-5, rtol=2e-6)
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 8])
+def test_key_chunks_merge_to_the_whole(chunks, monkeypatch):
+    """Split-KV inside the kernel: any number of chunks gives the one-chunk state to rounding."""
+    q, k, v = _inputs(torch.float16, 1, 2, 2, 8192, 64, 64, seed=3)
+    monkeypatch.setattr(native, "_chunks", lambda tasks, n, threads: 1)
+    whole = native.attend(q, k, v, 0.125)
+    monkeypatch.setattr(native, "_chunks", lambda tasks, n, threads: chunks)
+    parts = native.attend(q, k, v, 0.125)
+    torch.testing.assert_close(parts[0], whole[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(parts[1], whole[1], atol=1e-6, rtol=1e-6)
+
+
+@given(n=st.integers(2, 600), cut=st.integers(1, 599), dtype=st.sampled_from(DTYPES))
+def test_two_pieces_merged_equal_the_whole(n, cut, dtype):
+    """The operator's promise for this kernel: states over any two parts of the keys, merged,
+    equal the state over all of them."""
+    cut = min(cut, n - 1)
+    q, k, v = _inputs(dtype, 1, 2, 1, n, 32, 32, seed=n)
+    whole = kf.State(*native.attend(q, k, v, 0.2))
+    a = kf.State(*native.attend(q, k[:, :, :cut], v[:, :, :cut], 0.2))
+    b = kf.State(*native.attend(q, k[:, :, cut:], v[:, :, cut:], 0.2))
+    m = kf.merge(a, b)
+    torch.testing.assert_close(m.out, whole.out, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(m.lse, whole.lse, atol=2e-6, rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------- routing
+
+
+def _spy(monkeypatch):
+    calls = []
+    real = native.attend
+    monkeypatch.setattr(native, "attend", lambda q, k, v, s: calls.append(tuple(q.shape)) or real(q, k, v, s))
+    return calls
+
+
+@pytest.mark.parametrize("group", [4, 8])
+def test_float16_decode_runs_native_up_to_its_rows(group, monkeypatch):
+    """A float16 cache decoded with GQA: the group's heads are the kernel's rows, so a group of 4
+    (<= NATIVE_ROWS) runs native and a group of 8 stays on the op; both hold the rule."""
+    calls = _spy(monkeypatch)
+    N, Hkv = 3000, 2
+    q, k, v = _inputs(torch.float16, 2, Hkv, 1, N, 64, 64, cap=4096, seed=group)
+    cache = KVCache(2, Hkv, 64, 4096, dtype=torch.float16)
+    cache.append(k, v)
+    qg = torch.randn(2, Hkv * group, 1, 64).half()
+    got = decode(qg, cache, splits=1)
+    assert calls == ([(2, Hkv, group, 64)] if group <= cpu.NATIVE_ROWS else [])
+    ref = kf.attention(qg.double(), k.double(), v.double(), backend=kf.Backend.REFERENCE)
+    assert_close_by_rule(got, ref, naive_attention(qg, k, v), None)
+
+
+def test_bfloat16_goes_native_where_the_op_is_slow(monkeypatch):
+    """bfloat16: native without AMX (BF16_BY_CHUNKS) or from NATIVE_BF16_BYTES of keys and values on;
+    float32 and masked pieces never (a window's
+    maskless span would: it is a piece without mask)."""
+    q, k, v = _inputs(torch.bfloat16, 1, 2, 1, 4096, 64, 64)
+    monkeypatch.setattr(cpu, "BF16_BY_CHUNKS", False)
+    monkeypatch.setattr(cpu, "NATIVE_BF16_BYTES", 1 << 40)
+    assert not cpu._native_pays(q, k, v)
+    monkeypatch.setattr(cpu, "NATIVE_BF16_BYTES", k.nbytes + v.nbytes)
+    assert cpu._native_pays(q, k, v)
+    monkeypatch.setattr(cpu, "NATIVE_BF16_BYTES", 1 << 40)
+    monkeypatch.setattr(cpu, "BF16_BY_CHUNKS", True)
+    assert cpu._native_pays(q, k, v)
+    assert not cpu._native_pays(q.float(), k.float(), v.float())
+    calls = _spy(monkeypatch)
+    assert_forward_by_rule(q, k, v)                                  # whole keys: native
+    assert_forward_by_rule(q, k, v, mask=kf.dilated(3))               # masked tiles: the op
+    assert calls == [(1, 2, 1, 64)]
+
+
+def test_the_kernel_takes_only_what_it_can(monkeypatch):
+    q, k, v = _inputs(torch.float16, 1, 2, 1, 4096, 64, 64)
+    assert native.pays(q, k, v)
+    assert not native.pays(q, k[:, :, :100], v[:, :, :100])                 # too few keys to pay
+    assert not native.pays(q.expand(1, 2, 17, 64), k, v)                    # too many rows
+    assert not native.pays(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v)  # rows not contiguous
+    assert not native.pays(q, k, v.float())                                 # mixed dtypes
+    with pytest.raises(RuntimeError, match="rows 65"):
+        native.attend(q.expand(1, 2, 65, 64), k, v, 0.1)
+
+
+# ------------------------------------------------------------------------------- the build
+
+
+@pytest.fixture
+def fresh_build(monkeypatch):
+    """Build state forgotten before and after (the environment changes in between)."""
+    native._reset()
+    yield
+    monkeypatch.undo()
+    native._reset()
+    assert native.available()
+
+
+def test_built_once_into_the_cache_folder(tmp_path, monkeypatch, fresh_build):
+    monkeypatch.setenv("KEYFOLD_CACHE", str(tmp_path))
+    assert native.available() and str(tmp_path) in native.why()
+    built = list(tmp_path.glob("decode-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    native._reset()
+    assert native.available() and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
+    assert not [p for p in tmp_path.iterdir() if p.suffix == ".so" and p != built[0]]  # no temporary left
+
+
+@pytest.mark.parametrize("how", ["disabled", "no compiler", "compiler fails"])
+def test_without_the_kernel_decoding_stays_on_the_op(how, tmp_path, monkeypatch, fresh_build):
+    """No kernel (switched off, no compiler, a failed build): available() says so with the reason,
+    and float16 decoding gives the same answer on PyTorch's op."""
+    q, k, v = _inputs(torch.float16, 1, 2, 1, 3000, 64, 64)
+    with_kernel = kf.attend(q, k, v)
+    native._reset()
+    monkeypatch.setenv("KEYFOLD_CACHE", str(tmp_path))
+    if how == "disabled":
+        monkeypatch.setenv("KEYFOLD_NATIVE", "0")
+        reason = "KEYFOLD_NATIVE=0"
+    elif how == "no compiler":
+        monkeypatch.delenv("CC", raising=False)
+        monkeypatch.setattr(native.shutil, "which", lambda name: None)
+        reason = "no C compiler"
+    else:
+        fake = tmp_path / "cc"
+        fake.write_text("#!/bin/sh\necho 'not a compiler' >&2\nexit 1\n")
+        fake.chmod(0o755)
+        monkeypatch.setenv("CC", str(fake))
+        reason = "failed on decode.c"
+    assert not native.available() and reason in native.why()
+    assert not cpu._native_pays(q, k, v)
+    with pytest.raises(RuntimeError, match="not available"):
+        native.attend(q, k, v, 0.125)
+    without = kf.attend(q, k, v)
+    torch.testing.assert_close(without.out, with_kernel.out, atol=2e-3, rtol=0)  # float16 op vs float32 sums
+    torch.testing.assert_close(without.lse, with_kernel.lse, atol=1e-3, rtol=0)
+    assert not list(tmp_path.glob("decode-*.so"))
+
+
+def test_source_ships_with_the_package():
+    assert native.SOURCE.is_file() and "kf_decode" in native.SOURCE.read_text()
+    assert os.path.dirname(native.SOURCE) == os.path.dirname(native.__file__)
