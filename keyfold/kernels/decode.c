@@ -32,7 +32,9 @@ enum { KF_F32 = 0, KF_BF16 = 1, KF_F16 = 2 };
 #define MAXW 16         /* 16-float vectors per row: head sizes up to 256 */
 
 typedef struct {
-    const float *q;               /* (B, H, R, D) float32, contiguous, already times scale */
+    const float *q;               /* (B, H, R, D) float32, contiguous */
+    const uint16_t *qbf;          /* the same q in bfloat16 when it is exactly that (else NULL) */
+    float scale;
     const char *k, *v;            /* key and value bases; rows contiguous, other dims strided */
     int dtype;                    /* of k and v */
     long long skb, skh, skn, svb, svh, svn;  /* strides in elements */
@@ -89,6 +91,19 @@ static inline __m512 hsum16(const __m512 *t) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
+#ifdef __AVX512BF16__
+/* bfloat16 keys against bfloat16 q: vdpbf16ps multiplies pairs and adds them in float32, 32 elements
+ * an instruction, with no widening (lanes past D are zero in q and masked out of k) */
+static inline __m512 dot_bf16(const uint16_t *q, const char *k, int D) {
+    __m512 x = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 32) {
+        const __mmask32 m = D - d >= 32 ? 0xFFFFFFFFu : (__mmask32)(0xFFFFFFFFu >> (32 - (D - d)));
+        x = _mm512_dpbf16_ps(x, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_maskz_loadu_epi16(m, k + 2 * d));
+    }
+    return x;
+}
+#endif
+
 static inline void prefetch_row(const char *p, size_t bytes) {
     for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
 }
@@ -115,6 +130,18 @@ static void item(const job_t *J, int w) {
     float s[MAXR][BK] __attribute__((aligned(64)));          /* the block's scores, then exp(s - m) */
     float vb[BK][MAXW * 16] __attribute__((aligned(64)));    /* the block's values in float32 (16-bit) */
     float *acc = J->acc + (size_t)w * R * Wv * 16, *mm = J->m + (size_t)w * R, *ll = J->l + (size_t)w * R;
+    const __m512 scale = _mm512_set1_ps(J->scale);
+    uint16_t (*qh)[MAXW * 16] = NULL;                         /* the rows' bfloat16 q, zero past D */
+#ifdef __AVX512BF16__
+    uint16_t qhb[J->qbf && dt == KF_BF16 ? MAXR : 1][MAXW * 16] __attribute__((aligned(64)));
+    if (J->qbf && dt == KF_BF16) {
+        qh = qhb;
+        for (int r = 0; r < R; r++) {
+            memset(qh[r], 0, sizeof(uint16_t) * 32 * ((D + 31) / 32));
+            memcpy(qh[r], J->qbf + ((size_t)bh * R + r) * D, sizeof(uint16_t) * D);
+        }
+    }
+#endif
     for (int r = 0; r < R; r++) {
         memset(qs[r], 0, sizeof(float) * 16 * W);
         memcpy(qs[r], J->q + ((size_t)bh * R + r) * D, sizeof(float) * D);
@@ -133,13 +160,16 @@ static void item(const job_t *J, int w) {
                 for (int j = 0; j < 16; j++, kr += kstep) {
                     if (j >= m) { t[j] = _mm512_setzero_ps(); continue; }
                     if (r == 0) prefetch_row(kr + kpf, krow);
+#ifdef __AVX512BF16__
+                    if (qh) { t[j] = dot_bf16(qh[r], kr, D); continue; }
+#endif
                     __m512 x = _mm512_mul_ps(_mm512_load_ps(qs[r]), load16(kr, dt, W == 1 ? tk : 0xFFFF));
                     for (int i = 1; i < W; i++)
                         x = _mm512_fmadd_ps(_mm512_load_ps(qs[r] + 16 * i),
                                             load16(kr + (size_t)i * 16 * es, dt, i == W - 1 ? tk : 0xFFFF), x);
                     t[j] = x;
                 }
-                _mm512_store_ps(&s[r][j0], hsum16(t));
+                _mm512_store_ps(&s[r][j0], _mm512_mul_ps(hsum16(t), scale));
             }
         }
         kp += (size_t)nb * kstep;
@@ -164,32 +194,35 @@ static void item(const job_t *J, int w) {
             ll[r] = ll[r] * corr + _mm512_reduce_add_ps(sum);
             mm[r] = mn;
         }
-        /* values: 16-bit rows widened once into vb; then per row and 16-wide slice of Dv,
-         * acc += sum_j p_j v_j with the slice held in a register */
-        const float *vrows = (const float *)vp;
-        size_t vstride = (size_t)J->svn;
+        /* values: acc_r += sum_j p_j v_j per 16-wide slice of Dv, four slices (four FMA chains) at a
+         * time. Float32 rows, or a single query row, are read where they lie (16-bit widened in the
+         * loop); several rows over 16-bit values read them widened once into vb. */
+        const char *vsrc = vp;
+        size_t vs = vstep, ves = es;
+        int vdt = dt;
         const char *vr = vp;
         for (int j = 0; j < nb; j++, vr += vstep) {
             prefetch_row(vr + vpf, vrow);
-            if (dt != KF_F32)
+            if (dt != KF_F32 && R > 1)
                 for (int i = 0; i < Wv; i++)
                     _mm512_store_ps(vb[j] + 16 * i, load16(vr + (size_t)i * 16 * es, dt, i == Wv - 1 ? tv : 0xFFFF));
         }
-        if (dt != KF_F32) { vrows = vb[0]; vstride = MAXW * 16; }
+        if (dt != KF_F32 && R > 1) { vsrc = (const char *)vb[0]; vs = sizeof(vb[0]); ves = 4; vdt = KF_F32; }
         for (int r = 0; r < R; r++) {
             float *a = acc + (size_t)r * Wv * 16;
-            for (int i = 0; i < Wv; i += 4) {  /* four slices at once: four independent FMA chains */
+            for (int i = 0; i < Wv; i += 4) {
                 const __mmask16 m0 = slice(i, Wv, tv), m1 = slice(i + 1, Wv, tv), m2 = slice(i + 2, Wv, tv),
                                 m3 = slice(i + 3, Wv, tv);
                 __m512 y0 = _mm512_maskz_loadu_ps(m0, a + 16 * i), y1 = _mm512_maskz_loadu_ps(m1, a + 16 * i + 16),
                        y2 = _mm512_maskz_loadu_ps(m2, a + 16 * i + 32), y3 = _mm512_maskz_loadu_ps(m3, a + 16 * i + 48);
-                const float *x = vrows + 16 * i;
-                for (int j = 0; j < nb; j++, x += vstride) {
+                const char *x = vsrc + (size_t)i * 16 * ves;
+                const size_t o = 16 * ves;
+                for (int j = 0; j < nb; j++, x += vs) {
                     const __m512 p = _mm512_set1_ps(s[r][j]);
-                    y0 = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(m0, x), y0);
-                    y1 = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(m1, x + 16), y1);
-                    y2 = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(m2, x + 32), y2);
-                    y3 = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(m3, x + 48), y3);
+                    y0 = _mm512_fmadd_ps(p, load16(x, vdt, m0), y0);
+                    y1 = _mm512_fmadd_ps(p, load16(x + o, vdt, m1), y1);
+                    y2 = _mm512_fmadd_ps(p, load16(x + 2 * o, vdt, m2), y2);
+                    y3 = _mm512_fmadd_ps(p, load16(x + 3 * o, vdt, m3), y3);
                 }
                 _mm512_mask_storeu_ps(a + 16 * i, m0, y0);
                 _mm512_mask_storeu_ps(a + 16 * i + 16, m1, y1);
@@ -229,14 +262,14 @@ static void finish(const job_t *J) {
 
 /* The entry point (keyfold/kernels/native.py). Returns 0, or -1 for arguments out of range, -2 when
  * the scratch memory cannot be had. */
-int kf_decode(const float *q, const void *k, const void *v, int dtype,
+int kf_decode(const float *q, const uint16_t *qbf, float scale, const void *k, const void *v, int dtype,
               long long skb, long long skh, long long skn, long long svb, long long svh, long long svn,
               int B, int H, int R, int D, int Dv, long long N, int chunks, int threads,
               float *out, float *lse) {
     if (B < 1 || H < 1 || R < 1 || R > MAXR || D < 1 || D > 16 * MAXW || Dv < 1 || Dv > 16 * MAXW || N < 1
         || chunks < 1 || dtype < KF_F32 || dtype > KF_F16)
         return -1;
-    job_t J = {q, (const char *)k, (const char *)v, dtype, skb, skh, skn, svb, svh, svn,
+    job_t J = {q, qbf, scale, (const char *)k, (const char *)v, dtype, skb, skh, skn, svb, svh, svn,
                B, H, R, D, Dv, N, chunks, NULL, NULL, NULL, out, lse};
     const long long items = (long long)B * H * chunks;
     J.acc = malloc(sizeof(float) * (size_t)items * R * ((Dv + 15) / 16 * 16));

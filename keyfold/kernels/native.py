@@ -116,7 +116,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         return None, f"could not load {path}: {e}"
     P, LL, I = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
     lib.kf_decode.restype = I
-    lib.kf_decode.argtypes = [P, P, P, I, LL, LL, LL, LL, LL, LL, I, I, I, I, I, LL, I, I, P, P]
+    lib.kf_decode.argtypes = [P, P, ctypes.c_float, P, P, I, LL, LL, LL, LL, LL, LL, I, I, I, I, I, LL, I, I, P, P]
     return lib, f"built at {path}"
 
 
@@ -174,11 +174,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
     if R > MAX_ROWS or max(D, Dv) > MAX_HEAD or k.dtype not in _DTYPES or v.dtype != k.dtype:
         raise RuntimeError(f"native.attend: rows {R} (max {MAX_ROWS}), head sizes {D}/{Dv} (max {MAX_HEAD}), "
                            f"dtypes {k.dtype}/{v.dtype}: use the fused op for these")
-    qs = torch.mul(q.to(torch.float32), scale).contiguous()  # (B, H, R, D), the scale folded in
+    qs = q.to(torch.float32).contiguous()  # (B, H, R, D)
+    # bfloat16 q over bfloat16 keys: the kernel also takes q as it is, for dot products in bfloat16
+    # pairs summed in float32 (exact products: no widening of the keys)
+    qb = q.contiguous() if q.dtype is torch.bfloat16 and k.dtype is torch.bfloat16 else None
     out = torch.empty(B, H, R, Dv, dtype=torch.float32)
     lse = torch.empty(B, H, R, dtype=torch.float32)
     threads = torch.get_num_threads()
-    rc = _lib.kf_decode(qs.data_ptr(), k.data_ptr(), v.data_ptr(), _DTYPES[k.dtype], *k.stride()[:3],
+    rc = _lib.kf_decode(qs.data_ptr(), None if qb is None else qb.data_ptr(), scale, k.data_ptr(), v.data_ptr(), _DTYPES[k.dtype], *k.stride()[:3],
                         *v.stride()[:3], B, H, R, D, Dv, N, _chunks(B * H, N, threads), threads,
                         out.data_ptr(), lse.data_ptr())
     calls += 1
