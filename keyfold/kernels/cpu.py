@@ -346,8 +346,11 @@ def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State
     Dv = v.shape[-1]
     if Nq == 0 or k.shape[2] == 0:  # nothing to attend (the fused op dies of SIGFPE on an empty sequence)
         return empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
-    # a call whose plain pieces go by float32 chunks is not widened as a whole (a piece is, in _op)
-    few = _chunks_pay(q.dtype, Nq * (Hq // k.shape[1]), k.shape[2])
+    # a call whose plain pieces go by float32 chunks or to the native kernel is not widened as a whole
+    # (a piece that goes neither way is, in _op)
+    rows = Nq * (Hq // k.shape[1])
+    few = _chunks_pay(q.dtype, rows, k.shape[2]) or (
+        q.dtype is torch.float16 and rows <= NATIVE_ROWS and k.shape[2] >= native.MIN_KEYS and native.available())
     inp = _Inputs(q, k, v) if few else _Inputs(*_widen(q, k, v))
     memo: dict = {}
     single = len(plan.pieces) == 1 and plan.pieces[0].q0 == 0 and plan.pieces[0].q1 == Nq

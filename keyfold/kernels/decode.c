@@ -55,7 +55,8 @@ static inline __m512 load16(const char *p, int dtype, __mmask16 k) {
 
 /* e^x for x <= 0 (a score minus its row's running max): x = n ln2 + r, |r| <= ln2/2, with ln2 in two
  * parts so r is exact; e^r by Cephes' degree-6 polynomial (about 1 ulp); 2^n in the exponent bits.
- * Below -87 (and at -inf) it gives 0: e^-87 is at the bottom of float32's normal range. */
+ * Below -87 (and at -inf) it gives 0: e^-87 is at the bottom of float32's normal range. NaN gives NaN
+ * (a NaN or infinite input must reach the output, as in PyTorch's op, never vanish as 0). */
 static inline __m512 exp16(__m512 x) {
     const __m512 lo = _mm512_set1_ps(-87.0f);
     __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
@@ -72,7 +73,8 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
+    const __m512 y = _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
+    return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);  /* NaN stays NaN */
 }
 
 /* lane j of the result = the sum of t[j]'s lanes: a transpose-and-add tree, 15 shuffle-add steps
@@ -126,18 +128,21 @@ static void item(const job_t *J, int w) {
     const size_t kpf = (PREFETCH / krow + 1) * kstep, vpf = (PREFETCH / vrow + 1) * vstep;
     const char *kp = J->k + (size_t)(b * J->skb + h * J->skh) * es + (size_t)n0 * kstep;
     const char *vp = J->v + (size_t)(b * J->svb + h * J->svh) * es + (size_t)n0 * vstep;
-    float qs[MAXR][MAXW * 16] __attribute__((aligned(64)));  /* the rows' q, zero past D */
-    float s[MAXR][BK] __attribute__((aligned(64)));          /* the block's scores, then exp(s - m) */
-    float vb[BK][MAXW * 16] __attribute__((aligned(64)));    /* the block's values in float32 (16-bit) */
+    /* stack scratch sized by the call (about 10 KB for 4 rows of 64): the rows' q (zero past D), the
+     * block's scores (then exp(s - m)), the block's values in float32 (several rows over 16-bit values) */
+    float qs[R][16 * W] __attribute__((aligned(64)));
+    float s[R][BK] __attribute__((aligned(64)));
+    float vb[dt != KF_F32 && R > 1 ? BK : 1][16 * Wv] __attribute__((aligned(64)));
     float *acc = J->acc + (size_t)w * R * Wv * 16, *mm = J->m + (size_t)w * R, *ll = J->l + (size_t)w * R;
     const __m512 scale = _mm512_set1_ps(J->scale);
-    uint16_t (*qh)[MAXW * 16] = NULL;                         /* the rows' bfloat16 q, zero past D */
+    const int Wb = (D + 31) / 32;                             /* 32-element bfloat16 vectors per row */
+    uint16_t (*qh)[32 * Wb] = NULL;                           /* the rows' bfloat16 q, zero past D */
 #ifdef __AVX512BF16__
-    uint16_t qhb[J->qbf && dt == KF_BF16 ? MAXR : 1][MAXW * 16] __attribute__((aligned(64)));
+    uint16_t qhb[J->qbf && dt == KF_BF16 ? R : 1][32 * Wb] __attribute__((aligned(64)));
     if (J->qbf && dt == KF_BF16) {
         qh = qhb;
         for (int r = 0; r < R; r++) {
-            memset(qh[r], 0, sizeof(uint16_t) * 32 * ((D + 31) / 32));
+            memset(qh[r], 0, sizeof(uint16_t) * 32 * Wb);
             memcpy(qh[r], J->qbf + ((size_t)bh * R + r) * D, sizeof(uint16_t) * D);
         }
     }
@@ -177,7 +182,7 @@ static void item(const job_t *J, int w) {
         for (int r = 0; r < R; r++) {
             __m512 bm = _mm512_set1_ps(-INFINITY);
             for (int j = 0; j < nb; j += 16) bm = _mm512_mask_max_ps(bm, first(nb - j), bm, _mm512_load_ps(&s[r][j]));
-            const float mx = _mm512_reduce_max_ps(bm), mn = mx > mm[r] ? mx : mm[r];
+            const float mx = _mm512_reduce_max_ps(bm), mn = (isnan(mx) || mx > mm[r]) ? mx : mm[r];
             const float corr = _mm512_cvtss_f32(exp16(_mm512_set1_ps(mm[r] - mn)));  /* 0 on the first block */
             const __m512 mnv = _mm512_set1_ps(mn);
             __m512 sum = _mm512_setzero_ps();
@@ -234,7 +239,8 @@ static void item(const job_t *J, int w) {
     }
 }
 
-/* Merge every head's chunks into out and lse (a chunk of no keys has l = 0 and is skipped). */
+/* Merge every head's chunks into out and lse. A chunk of no keys (m = -inf, l = 0) is skipped; any
+ * other, NaN included, takes part, so a NaN or infinite score reaches out and lse as NaN. */
 static void finish(const job_t *J) {
     const int R = J->R, Dv = J->Dv, C = J->chunks, P = (Dv + 15) / 16 * 16;
     for (int bh = 0; bh < J->B * J->H; bh++)
@@ -242,13 +248,15 @@ static void finish(const job_t *J) {
             float M = -INFINITY, L = 0.0f;
             for (int c = 0; c < C; c++) {
                 const size_t i = (size_t)(bh * C + c) * R + r;
-                if (J->l[i] > 0.0f && J->m[i] > M) M = J->m[i];
+                if (J->l[i] == 0.0f && J->m[i] == -INFINITY) continue;
+                if (isnan(J->m[i]) || isnan(J->l[i])) M = NAN;
+                else if (J->m[i] > M) M = J->m[i];
             }
             float *o = J->out + ((size_t)bh * R + r) * Dv;
             memset(o, 0, sizeof(float) * Dv);
             for (int c = 0; c < C; c++) {
                 const size_t i = (size_t)(bh * C + c) * R + r;
-                if (!(J->l[i] > 0.0f)) continue;
+                if (J->l[i] == 0.0f && J->m[i] == -INFINITY) continue;
                 const float f = expf(J->m[i] - M);
                 const float *a = J->acc + i * P;
                 L += f * J->l[i];
@@ -258,6 +266,15 @@ static void finish(const job_t *J) {
             for (int d = 0; d < Dv; d++) o[d] *= inv;
             J->lse[(size_t)bh * R + r] = M + logf(L);
         }
+}
+
+/* What this build compiled in: bit 0, bfloat16 keys dotted by vdpbf16ps (AVX-512-BF16). */
+int kf_features(void) {
+#ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* The entry point (keyfold/kernels/native.py). Returns 0, or -1 for arguments out of range, -2 when

@@ -44,7 +44,7 @@ import torch
 
 from ._common import cpu_flags
 
-__all__ = ["available", "why", "pays", "attend", "MAX_ROWS", "MIN_KEYS"]
+__all__ = ["available", "why", "bf16_dot", "pays", "attend", "MAX_ROWS", "MIN_KEYS"]
 
 SOURCE = Path(__file__).with_name("decode.c")
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast",
@@ -99,23 +99,29 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
                                     " ".join(sorted(cpu_flags()))]).encode()).hexdigest()[:16]
     path = _cache_dir() / f"decode-{key}.so"
     if not path.exists():
+        tmp = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+            fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=path.parent)
             os.close(fd)
             res = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
             if res.returncode != 0:
-                os.unlink(tmp)
                 return None, f"{cc} failed on {SOURCE.name}: {res.stderr.strip()[-500:]}"
+            os.chmod(tmp, 0o755)  # mkstemp's 0600 would lock other users of a shared cache folder out
             os.replace(tmp, path)  # atomic: another process sees the whole file or none
+            tmp = None
         except (OSError, subprocess.SubprocessError) as e:
             return None, f"could not build into {path.parent}: {e}; set KEYFOLD_CACHE to a writable folder"
+        finally:
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         return None, f"could not load {path}: {e}"
     P, LL, I = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
     lib.kf_decode.restype = I
+    lib.kf_features.restype = I
     lib.kf_decode.argtypes = [P, P, ctypes.c_float, P, P, I, LL, LL, LL, LL, LL, LL, I, I, I, I, I, LL, I, I, P, P]
     return lib, f"built at {path}"
 
@@ -136,6 +142,12 @@ def why() -> str:
     return _why or ""
 
 
+def bf16_dot() -> bool:
+    """Whether the build dots bfloat16 keys with a bfloat16 q by ``vdpbf16ps`` (CPUs with
+    AVX-512-BF16); without it bfloat16 keys are widened to float32 like float16 ones."""
+    return available() and bool(_lib.kf_features() & 1)
+
+
 def _reset() -> None:
     """Forget the build, so the next :func:`available` tries again (tests change the environment)."""
     global _lib, _why
@@ -148,10 +160,25 @@ def pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     values of one supported dtype with contiguous rows, q ``(B, H, R, D)`` with ``R <= PAYS_ROWS``
     over k ``(B, H, N, D)``, ``N >= MIN_KEYS``, head sizes up to :data:`MAX_HEAD`, and a kernel built."""
     rows, n = q.shape[2], k.shape[2]
-    return (rows <= PAYS_ROWS and n >= MIN_KEYS and q.device.type == "cpu" and k.dtype in _DTYPES
-            and v.dtype == k.dtype and q.dtype in _DTYPES and k.stride(-1) == 1 and v.stride(-1) == 1
-            and max(q.shape[-1], v.shape[-1]) <= MAX_HEAD and q.shape[:2] == k.shape[:2] == v.shape[:2]
-            and available())
+    return (rows <= PAYS_ROWS and n >= MIN_KEYS and _takes(q, k, v) is None and available())
+
+
+def _takes(q, k, v) -> str | None:
+    """None when the kernel can run ``(q, k, v)``, else what it cannot take."""
+    if not (q.dim() == k.dim() == v.dim() == 4):
+        return f"q, k, v must be 4-d (B, H, N, D); got {q.dim()}, {k.dim()}, {v.dim()} dims"
+    if not (q.device.type == k.device.type == v.device.type == "cpu"):
+        return f"CPU tensors only; got {q.device}, {k.device}, {v.device}"
+    if q.dtype not in _DTYPES or k.dtype not in _DTYPES or v.dtype != k.dtype:
+        return f"dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}: float32, bfloat16 or float16, k and v alike"
+    if q.shape[:2] != k.shape[:2] or v.shape[:3] != k.shape[:3] or q.shape[-1] != k.shape[-1]:
+        return f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match"
+    if q.shape[2] > MAX_ROWS or max(q.shape[-1], v.shape[-1]) > MAX_HEAD or k.shape[2] < 1:
+        return (f"rows {q.shape[2]} (max {MAX_ROWS}), head sizes {q.shape[-1]}/{v.shape[-1]} (max {MAX_HEAD}), "
+                f"keys {k.shape[2]} (min 1)")
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        return "k and v rows must be contiguous (stride 1 in the last dim)"
+    return None
 
 
 def _chunks(tasks: int, n: int, threads: int) -> int:
@@ -163,17 +190,18 @@ def _chunks(tasks: int, n: int, threads: int) -> int:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` in float32 of rows ``q (B, H, R, D)`` over every key of ``k (B, H, N, D)``,
-    ``v (B, H, N, Dv)`` (see :func:`pays` for what is taken). A row sees every key, so none is empty.
+    ``v (B, H, N, Dv)`` (see :func:`pays` for what is taken). A row sees every key, so none is empty;
+    a NaN or infinite score makes its row NaN (out and lse), as in PyTorch's op.
 
     Raises RuntimeError when the kernel is not available or refuses the shapes."""
     global calls
     if not available():
         raise RuntimeError(f"keyfold's native decode kernel is not available: {why()}")
+    refused = _takes(q, k, v)
+    if refused is not None:
+        raise RuntimeError(f"native.attend: {refused}; use the fused op for these")
     B, H, R, D = q.shape
     N, Dv = k.shape[2], v.shape[-1]
-    if R > MAX_ROWS or max(D, Dv) > MAX_HEAD or k.dtype not in _DTYPES or v.dtype != k.dtype:
-        raise RuntimeError(f"native.attend: rows {R} (max {MAX_ROWS}), head sizes {D}/{Dv} (max {MAX_HEAD}), "
-                           f"dtypes {k.dtype}/{v.dtype}: use the fused op for these")
     qs = q.to(torch.float32).contiguous()  # (B, H, R, D)
     # bfloat16 q over bfloat16 keys: the kernel also takes q as it is, for dot products in bfloat16
     # pairs summed in float32 (exact products: no widening of the keys)

@@ -18,11 +18,16 @@ pytestmark = pytest.mark.skipif(not native.available(), reason=f"native decode k
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def _inputs(dtype, B, H, R, N, D, Dv, cap=None, seed=0):
-    """q (B, H, R, D); k, v views of the first N of ``cap`` cached keys (strided, as a cache's are)."""
+def _inputs(dtype, B, H, R, N, D, Dv, cap=None, seed=0, tokens_first=False):
+    """q (B, H, R, D); k, v views of the first N of ``cap`` cached keys (strided, as a cache's are),
+    or with ``tokens_first`` views of (B, N, H, D) tensors (rows H*D apart)."""
     g = torch.Generator().manual_seed(seed)
     cap = cap or N + 37
     q = torch.randn(B, H, R, D, generator=g).to(dtype)
+    if tokens_first:
+        k = torch.randn(B, N, H, D, generator=g).mul(2).to(dtype).transpose(1, 2)
+        v = torch.randn(B, N, H, Dv, generator=g).to(dtype).transpose(1, 2)
+        return q, k, v
     k = torch.randn(B, H, cap, D, generator=g).mul(2).to(dtype)[:, :, :N]
     v = torch.randn(B, H, cap, Dv, generator=g).to(dtype)[:, :, :N]
     return q, k, v
@@ -30,6 +35,7 @@ def _inputs(dtype, B, H, R, N, D, Dv, cap=None, seed=0):
 
 SHAPES = {  # B, H, R, N, D, Dv
     "decode": (1, 2, 1, 5000, 64, 64),
+    "tokens first": (2, 4, 2, 3000, 64, 64),  # k, v viewed from (B, N, H, D): rows H*D apart
     "tails": (2, 3, 3, 1500, 80, 48),       # head sizes no multiple of 16, D != Dv, B > 1
     "gqa rows": (1, 1, 8, 4099, 128, 128),  # one head, many rows: split into key chunks
     "small": (1, 2, 2, 17, 16, 16),         # fewer keys than a block
@@ -43,7 +49,7 @@ def test_native_holds_the_rule_with_its_lse(shape, dtype):
     """out by FlashAttention's rule against float64 (2x the plain same-dtype error + 1e-6), and lse,
     the natural log of the row's sum, to float32 rounding."""
     B, H, R, N, D, Dv = SHAPES[shape]
-    q, k, v = _inputs(dtype, B, H, R, N, D, Dv)
+    q, k, v = _inputs(dtype, B, H, R, N, D, Dv, tokens_first=shape == "tokens first")
     scale = D ** -0.5
     out, lse = native.attend(q, k, v, scale)
     assert out.dtype == lse.dtype == torch.float32 and out.shape == (B, H, R, Dv) and lse.shape == (B, H, R)
@@ -63,6 +69,39 @@ def test_key_chunks_merge_to_the_whole(chunks, monkeypatch):
     parts = native.attend(q, k, v, 0.125)
     torch.testing.assert_close(parts[0], whole[0], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(parts[1], whole[1], atol=1e-6, rtol=1e-6)
+
+
+def test_more_chunks_than_keys(monkeypatch):
+    """Most chunks empty (1000 chunks over 300 keys): they are the merge's identity."""
+    q, k, v = _inputs(torch.bfloat16, 1, 2, 3, 300, 48, 40, seed=4)
+    monkeypatch.setattr(native, "_chunks", lambda tasks, n, threads: 1)
+    whole = native.attend(q, k, v, 0.15)
+    monkeypatch.setattr(native, "_chunks", lambda tasks, n, threads: 1000)
+    parts = native.attend(q, k, v, 0.15)
+    torch.testing.assert_close(parts[0], whole[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(parts[1], whole[1], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+@pytest.mark.parametrize("bad", ["nan key", "infinite score"])
+def test_a_nan_or_infinite_score_reaches_the_output(bad, chunks, monkeypatch):
+    """Inputs are not scanned (DESIGN section 7), so a NaN must not vanish: a key whose score is
+    NaN or +inf makes its head's rows NaN, out and lse, as in PyTorch's op and SDPA, whichever
+    chunk holds it; the other heads are untouched."""
+    monkeypatch.setattr(native, "_chunks", lambda tasks, n, threads: chunks)
+    q, k, v = _inputs(torch.float32, 1, 2, 2, 4000, 64, 64, seed=5)
+    k = k.clone()
+    if bad == "nan key":
+        k[0, 0, 2500, 7] = float("nan")
+    else:  # every product +inf: the score is +inf
+        k[0, 0, 2500] = torch.sign(q[0, 0, 0]) * float("inf")
+        q = q.clone()
+        q[0, 0, 1] = q[0, 0, 0]
+    out, lse = native.attend(q, k, v, 0.125)
+    assert torch.isnan(out[0, 0]).all() and torch.isnan(lse[0, 0]).all()
+    assert torch.isnan(torch.nn.functional.scaled_dot_product_attention(q, k, v)[0, 0]).all()
+    good = kf.attend(q[:, 1:], k[:, 1:], v[:, 1:], backend=kf.Backend.REFERENCE)
+    torch.testing.assert_close(out[:, 1:], good.out, atol=1e-5, rtol=1e-4)
 
 
 @given(n=st.integers(2, 600), cut=st.integers(1, 599), dtype=st.sampled_from(DTYPES))
@@ -89,10 +128,13 @@ def _spy(monkeypatch):
     return calls
 
 
+@pytest.mark.parametrize("widen", [False, True])
 @pytest.mark.parametrize("group", [4, 8])
-def test_float16_decode_runs_native_up_to_its_rows(group, monkeypatch):
+def test_float16_decode_runs_native_up_to_its_rows(group, widen, monkeypatch):
     """A float16 cache decoded with GQA: the group's heads are the kernel's rows, so a group of 4
-    (<= NATIVE_ROWS) runs native and a group of 8 stays on the op; both hold the rule."""
+    (<= NATIVE_ROWS) runs native and a group of 8 stays on the op; both hold the rule. Also on
+    CPUs without float16 units (FP16_AS_FP32), where the call must not be widened first."""
+    monkeypatch.setattr(cpu, "FP16_AS_FP32", widen)
     calls = _spy(monkeypatch)
     N, Hkv = 3000, 2
     q, k, v = _inputs(torch.float16, 2, Hkv, 1, N, 64, 64, cap=4096, seed=group)
@@ -128,6 +170,10 @@ def test_bfloat16_goes_native_where_the_op_is_slow(monkeypatch):
 def test_the_kernel_takes_only_what_it_can(monkeypatch):
     q, k, v = _inputs(torch.float16, 1, 2, 1, 4096, 64, 64)
     assert native.pays(q, k, v)
+    assert not native.pays(q[..., :32], k, v)                               # q and k head sizes differ
+    assert not native.pays(q, k, v[:, :, :100])                             # v has other keys than k
+    with pytest.raises(RuntimeError, match="do not match"):
+        native.attend(q, k, v[:, :1], 0.1)
     assert not native.pays(q, k[:, :, :100], v[:, :, :100])                 # too few keys to pay
     assert not native.pays(q.expand(1, 2, 17, 64), k, v)                    # too many rows
     assert not native.pays(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v)  # rows not contiguous
@@ -189,6 +235,13 @@ def test_without_the_kernel_decoding_stays_on_the_op(how, tmp_path, monkeypatch,
     torch.testing.assert_close(without.out, with_kernel.out, atol=2e-3, rtol=0)  # float16 op vs float32 sums
     torch.testing.assert_close(without.lse, with_kernel.lse, atol=1e-3, rtol=0)
     assert not list(tmp_path.glob("decode-*.so"))
+
+
+def test_bfloat16_dot_products_are_built_where_the_cpu_has_them():
+    """The vdpbf16ps path is compiled in exactly where -march=native offers AVX-512-BF16 (so the
+    bfloat16 cases above test it there)."""
+    from keyfold.kernels._common import cpu_flags
+    assert native.bf16_dot() == ("avx512_bf16" in cpu_flags())
 
 
 def test_source_ships_with_the_package():
