@@ -339,8 +339,10 @@ def dense(q, k, v, scale: float, keep_dtype: bool = False) -> State:
 def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State:
     """Attention over the plan's pieces; returns the merged State (float32 / float64).
 
-    keep_dtype: a one-piece plan's out stays in the op's (input) dtype, for a caller that wants
-    it there (pieces that are merged are always upcast first)."""
+    keep_dtype: out comes back in the input dtype, for a caller that casts it there anyway: a
+    one-piece plan's out is the op's own tensor, and a plan whose pieces cover disjoint rows (no row
+    in two pieces: nothing to merge, as in a sliding window's band) writes every piece's out straight
+    into one output in the input dtype. Pieces that are merged are always upcast first."""
     sd = state_dtype(q.dtype)
     B, Hq, Nq, _ = q.shape
     Dv = v.shape[-1]
@@ -348,14 +350,20 @@ def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State
         return empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
     # a call whose plain pieces go by float32 chunks or to the native kernel is not widened as a whole
     # (a piece that goes neither way is, in _op)
-    rows = Nq * (Hq // k.shape[1])
-    few = _chunks_pay(q.dtype, rows, k.shape[2]) or (
-        q.dtype is torch.float16 and rows <= NATIVE_ROWS and k.shape[2] >= native.MIN_KEYS and native.available())
+    nrows = Nq * (Hq // k.shape[1])
+    few = _chunks_pay(q.dtype, nrows, k.shape[2]) or (
+        q.dtype is torch.float16 and nrows <= NATIVE_ROWS and k.shape[2] >= native.MIN_KEYS and native.available())
     inp = _Inputs(q, k, v) if few else _Inputs(*_widen(q, k, v))
     memo: dict = {}
     single = len(plan.pieces) == 1 and plan.pieces[0].q0 == 0 and plan.pieces[0].q1 == Nq
-    acc = None if single else empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
-    touched = None if single else torch.zeros(Nq, dtype=torch.bool)
+    direct = not single and keep_dtype and _rows_disjoint(plan.pieces)
+    if direct:  # filled piece by piece; rows no piece covers are set at the end
+        acc = State(torch.empty(B, Hq, Nq, Dv, dtype=q.dtype, device=q.device),
+                    torch.empty(B, Hq, Nq, dtype=sd, device=q.device))
+    else:
+        acc = None if single else empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
+    touched = None if single or direct else torch.zeros(Nq, dtype=torch.bool)
+    covered = 0  # rows written, when direct
     for piece in plan.pieces:
         qs, ks, vs, causal, tile, folded, _ = _piece_args(inp, piece, pb, q, memo, plan.tiles)
         if qs.dim() == 5:  # GQA under the causal flag: one call per group member
@@ -368,7 +376,7 @@ def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State
             out, lse = _unfold(out, inp.g, Hq), _unfold(lse, inp.g, Hq)
         if out.shape[-1] != Dv:
             out = out[..., :Dv]
-        if out.dtype != sd and not (single and keep_dtype):  # 16-bit pieces are upcast before any merge
+        if out.dtype != sd and not ((single or direct) and keep_dtype):  # upcast before any merge
             out = out.to(sd)
         if lse.dtype != sd:
             lse = lse.to(sd)
@@ -380,7 +388,11 @@ def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State
         if single:  # one piece covers every row: it is the whole state, no accumulator
             return State(out, lse)
         rows = slice(piece.q0, piece.q1)
-        if not bool(touched[rows].any()):
+        if direct:  # no other piece has these rows (copy_ casts a float32 piece, e.g. the native kernel's)
+            acc.out[:, :, rows] = out
+            acc.lse[:, :, rows] = lse
+            covered += piece.q1 - piece.q0
+        elif not bool(touched[rows].any()):
             acc.out[:, :, rows] = out
             acc.lse[:, :, rows] = lse
             touched[rows] = True
@@ -389,7 +401,24 @@ def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State
             touched[rows] = True
     if acc is None:  # a single piece of no rows: nothing ran
         return empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
+    if direct and covered < Nq:  # rows no piece covers see no key: out 0, lse -inf
+        bare = torch.ones(Nq, dtype=torch.bool)
+        for p in plan.pieces:
+            bare[p.q0:p.q1] = False
+        acc.out[:, :, bare] = 0
+        acc.lse[:, :, bare] = NEG_INF
     return acc
+
+
+def _rows_disjoint(pieces) -> bool:
+    """Whether the pieces, in their order, cover row ranges that never overlap (so nothing merges).
+    Pieces out of row order answer False: the merging path, always right, runs then."""
+    end = 0
+    for p in pieces:
+        if p.q0 < end:
+            return False
+        end = p.q1
+    return True
 
 
 def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows: bool = True, grad_dtype=None):

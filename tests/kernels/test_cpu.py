@@ -142,3 +142,24 @@ def test_a_masked_tile_reads_only_the_keys_its_rows_see(mask, score, gqa, monkey
         assert not trimmed
     else:
         assert trimmed
+
+
+# ---------------------------------------------------------------- pieces over disjoint rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_pieces_over_disjoint_rows_write_one_output_in_the_input_dtype(dtype, monkeypatch):
+    """A plan whose pieces never share a row (here packed sequences, the middle one with queries
+    but no keys) has nothing to merge: `attention` gets every piece's out written straight into one
+    output in the input dtype. It holds the rule, and the middle sequence's rows, which no piece
+    covers, are exactly 0 (checked by assert_forward_by_rule)."""
+    seen = []
+    real = cpu._rows_disjoint
+    monkeypatch.setattr(cpu, "_rows_disjoint", lambda pieces: seen.append(real(pieces)) or seen[-1])
+    N = 300
+    mask = kf.varlen(torch.tensor([0, 96, 224, 300]), torch.tensor([0, 96, 96, 300]))
+    q, k, v = _qkv(dtype, N=N)
+    assert_forward_by_rule(q, k, v, mask=mask, block_size=32)
+    assert seen and all(seen)
+    plan = kf.plan(mask, N, N, q_offset=0, block_size=32)
+    assert len(plan.pieces) > 1 and sum(p.q1 - p.q0 for p in plan.pieces) < N  # some rows in no piece
