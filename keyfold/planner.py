@@ -379,6 +379,11 @@ def _grid_pieces(kinds, Nq, Nk, bq, bk, max_span) -> tuple[Piece, ...]:
 
 
 ABSORB_FULL = 256  # a FULL run this short between/next to MASKED spans rides along in their call
+#: A FULL run this short with MASKED spans on *both* sides (a sliding window's band) rides along too:
+#: one call over the band with a mask beats three calls and two merges. Window 1024 at 4k keys
+#: (Intel Xeon, 2 threads): 0.76x the time in bfloat16, 0.81x in float32. Runs with a MASKED span on
+#: one side only stay apart: absorbing a prefix-LM's prefix or a causal row's past cost 1.05-1.7x.
+ABSORB_BETWEEN = 1024
 
 
 def _absorb_short_full(spans):
@@ -395,6 +400,22 @@ def _absorb_short_full(spans):
             prev[1], prev[2] = k1, PieceKind.MASKED
         else:
             out.append([k0, k1, kind])
+    return _absorb_between(out)
+
+
+def _absorb_between(spans):
+    """MASKED | FULL (at most ABSORB_BETWEEN keys) | MASKED, touching, becomes one MASKED span."""
+    out = []
+    for span in spans:
+        if (span[2] is PieceKind.MASKED and len(out) >= 2 and out[-1][2] is PieceKind.FULL
+                and out[-2][2] is PieceKind.MASKED and out[-2][1] == out[-1][0] and out[-1][1] == span[0]
+                and out[-1][1] - out[-1][0] <= ABSORB_BETWEEN):
+            out.pop()
+            out[-1][1] = span[1]
+        elif span[2] is PieceKind.MASKED and out and out[-1][2] is PieceKind.MASKED and out[-1][1] == span[0]:
+            out[-1][1] = span[1]
+        else:
+            out.append(span)
     return out
 
 
