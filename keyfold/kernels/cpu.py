@@ -123,8 +123,9 @@ def _by_chunks(q, k, v, scale: float):
 NATIVE_ROWS = 4
 
 #: With AMX PyTorch's bfloat16 op reads a cache that the last-level cache holds faster than the
-#: kernel (47 vs 35 GB/s at 16k keys), and a larger one slower (24 vs 26 GB/s at 128k, the stream
-#: copy 27 GB/s): bfloat16 calls that read fewer bytes of keys and values than this stay on the op there.
+#: kernel (47 vs 38 GB/s at 16k keys), and a larger one slower (24 vs 31 GB/s at 128k, the stream
+#: copy 27 GB/s; B=1, H=8, D=64): bfloat16 calls that read fewer bytes of keys and values than this
+#: stay on the op there (64k keys, 128 MiB: the kernel took 0.91x the op's time).
 NATIVE_BF16_BYTES = 128 << 20
 
 

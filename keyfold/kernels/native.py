@@ -8,8 +8,8 @@ Intel Xeon with AMX, 2 threads, 128k keys), and bfloat16 without AMX runs at 3.5
 throughout; a GQA group's query heads come in as rows of their key/value head, so the group reads its
 keys once (the fused op's GQA path through ``cpu.py`` folds them the same way).
 
-Used for pieces without mask or score whose few query rows (at most :data:`MAX_ROWS`, every head of
-a GQA group counted) read at least :data:`MIN_KEYS` keys: a decoding step over a cache, a split-KV
+Used for pieces without mask or score whose few query rows (at most ``cpu.NATIVE_ROWS``, every head
+of a GQA group counted) read at least :data:`MIN_KEYS` keys: a decoding step over a cache, a split-KV
 chunk, a cascade's shared prefix. Everything else stays on the fused op.
 
 Built once per source, compiler flags and CPU into ``$KEYFOLD_CACHE`` (else
@@ -51,10 +51,8 @@ FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-
          "-fPIC", "-shared", "-fopenmp")
 
 #: The most query rows (heads of a GQA group times tokens) a call may have: the kernel's limit.
+#: Up to how many it *pays* against the fused op is the router's call (``cpu.NATIVE_ROWS``).
 MAX_ROWS = 64
-#: Query rows up to which the kernel beats the fused op (measured below, Intel Xeon, 2 threads):
-#: it reads each key once whatever the rows, but does their arithmetic without a GEMM.
-PAYS_ROWS = 16
 #: Keys a call must read for the kernel to pay its fixed cost (threads, scratch, the q copy).
 MIN_KEYS = 256
 #: The largest head size (q, k and v) the kernel takes.
@@ -156,11 +154,11 @@ def _reset() -> None:
 
 
 def pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether ``attend(q, k, v)`` should run here rather than on the fused op: CPU tensors, keys and
-    values of one supported dtype with contiguous rows, q ``(B, H, R, D)`` with ``R <= PAYS_ROWS``
-    over k ``(B, H, N, D)``, ``N >= MIN_KEYS``, head sizes up to :data:`MAX_HEAD`, and a kernel built."""
-    rows, n = q.shape[2], k.shape[2]
-    return (rows <= PAYS_ROWS and n >= MIN_KEYS and _takes(q, k, v) is None and available())
+    """Whether the kernel can run ``attend(q, k, v)`` and pays its fixed cost: CPU tensors, keys and
+    values of one supported dtype with contiguous rows, q ``(B, H, R, D)`` with ``R <= MAX_ROWS``
+    over k ``(B, H, N, D)``, ``N >= MIN_KEYS``, head sizes up to :data:`MAX_HEAD`, and a kernel built.
+    How many rows it beats the fused op at is the router's call (``cpu.NATIVE_ROWS``)."""
+    return k.shape[2] >= MIN_KEYS and _takes(q, k, v) is None and available()
 
 
 def _takes(q, k, v) -> str | None:

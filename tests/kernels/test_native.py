@@ -175,7 +175,9 @@ def test_the_kernel_takes_only_what_it_can(monkeypatch):
     with pytest.raises(RuntimeError, match="do not match"):
         native.attend(q, k, v[:, :1], 0.1)
     assert not native.pays(q, k[:, :, :100], v[:, :, :100])                 # too few keys to pay
-    assert not native.pays(q.expand(1, 2, 17, 64), k, v)                    # too many rows
+    assert native.pays(q.expand(1, 2, 64, 64), k, v)                        # the kernel's most rows
+    assert not native.pays(q.expand(1, 2, 65, 64), k, v)                    # too many rows
+    assert not cpu._native_pays(q.expand(1, 2, cpu.NATIVE_ROWS + 1, 64), k, v)  # past where it pays
     assert not native.pays(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v)  # rows not contiguous
     assert not native.pays(q, k, v.float())                                 # mixed dtypes
     with pytest.raises(RuntimeError, match="rows 65"):
