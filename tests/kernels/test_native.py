@@ -249,3 +249,25 @@ def test_bfloat16_dot_products_are_built_where_the_cpu_has_them():
 def test_source_ships_with_the_package():
     assert native.SOURCE.is_file() and "kf_decode" in native.SOURCE.read_text()
     assert os.path.dirname(native.SOURCE) == os.path.dirname(native.__file__)
+
+
+@pytest.mark.parametrize("shape", ["decode", "tails"])
+def test_bfloat16_keys_widened_where_the_cpu_has_no_bf16_dot(shape, tmp_path, monkeypatch, fresh_build):
+    """CPUs with AVX-512 but without AVX-512-BF16 (Skylake, Ice Lake) widen bfloat16 keys like float16
+    ones: built here with -mno-avx512bf16, that path holds the rule and matches the vdpbf16ps path;
+    a float32 q over bfloat16 keys takes it on any build."""
+    B, H, R, N, D, Dv = SHAPES[shape]
+    q, k, v = _inputs(torch.bfloat16, B, H, R, N, D, Dv, seed=6)
+    ref = kf.attend(q.double(), k.double(), v.double(), q_offset=N, backend=kf.Backend.REFERENCE)
+    naive = naive_attention(q, k, v, q_offset=N)
+    dotted = native.attend(q, k, v, D ** -0.5)
+    mixed = native.attend(q.float(), k, v, D ** -0.5)  # q not bfloat16: keys widened
+    assert_close_by_rule(mixed[0], ref.out, naive, None)
+    native._reset()
+    monkeypatch.setenv("KEYFOLD_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "FLAGS", native.FLAGS + ("-mno-avx512bf16",))
+    assert native.available() and not native.bf16_dot()
+    widened = native.attend(q, k, v, D ** -0.5)
+    assert_close_by_rule(widened[0], ref.out, naive, None)
+    torch.testing.assert_close(widened[0], dotted[0], atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(widened[1], dotted[1], atol=2e-6, rtol=1e-6)
