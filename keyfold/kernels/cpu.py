@@ -129,11 +129,18 @@ NATIVE_ROWS = 4
 NATIVE_BF16_BYTES = 128 << 20
 
 
+def _native_may(dtype: torch.dtype, rows: int, n: int) -> bool:
+    """The routing rule from dtype and sizes alone: 16-bit, at most :data:`NATIVE_ROWS` query rows,
+    enough keys, a kernel built."""
+    return (dtype in (torch.float16, torch.bfloat16) and rows <= NATIVE_ROWS and n >= native.MIN_KEYS
+            and native.available())
+
+
 def _native_pays(q, k, v) -> bool:
-    """Whether a call without mask goes to the native decode kernel: 16-bit keys and values, at most
-    :data:`NATIVE_ROWS` query rows, bfloat16 only where the op is slow (no AMX) or the cache large;
-    :func:`native.pays` checks the rest (dtypes, strides, head sizes, a kernel built)."""
-    if k.dtype is torch.float32 or q.shape[2] > NATIVE_ROWS:
+    """Whether a call without mask goes to the native decode kernel: :func:`_native_may`, bfloat16
+    only where the op is slow (no AMX) or the cache large; :func:`native.pays` checks the rest
+    (dtypes, strides, head sizes)."""
+    if not _native_may(k.dtype, q.shape[2], k.shape[2]):
         return False
     if k.dtype is torch.bfloat16 and not BF16_BY_CHUNKS and k.nbytes + v.nbytes < NATIVE_BF16_BYTES:
         return False
@@ -148,7 +155,7 @@ def _op(q, k, v, causal: bool, mask, scale: float):
         return _FWD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
     if not causal and mask is None and q.dim() == 4:
         if _native_pays(q, k, v):
-            return native.attend(q, k, v, scale)
+            return native.run(q, k, v, scale)  # _native_pays has checked what attend would
         if _chunks_pay(q.dtype, q.shape[2], k.shape[2]):
             return _by_chunks(q, k, v, scale)
     q, k, v = _widen(q, k, v)
@@ -353,7 +360,7 @@ def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State
     # (a piece that goes neither way is, in _op)
     nrows = Nq * (Hq // k.shape[1])
     few = _chunks_pay(q.dtype, nrows, k.shape[2]) or (
-        q.dtype is torch.float16 and nrows <= NATIVE_ROWS and k.shape[2] >= native.MIN_KEYS and native.available())
+        q.dtype is torch.float16 and _native_may(q.dtype, nrows, k.shape[2]))
     inp = _Inputs(q, k, v) if few else _Inputs(*_widen(q, k, v))
     memo: dict = {}
     single = len(plan.pieces) == 1 and plan.pieces[0].q0 == 0 and plan.pieces[0].q1 == Nq

@@ -44,7 +44,7 @@ import torch
 
 from ._common import cpu_flags
 
-__all__ = ["available", "why", "bf16_dot", "pays", "attend", "MAX_ROWS", "MIN_KEYS"]
+__all__ = ["available", "why", "bf16_dot", "pays", "attend", "run", "MAX_ROWS", "MIN_KEYS"]
 
 SOURCE = Path(__file__).with_name("decode.c")
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast",
@@ -192,12 +192,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
     a NaN or infinite score makes its row NaN (out and lse), as in PyTorch's op.
 
     Raises RuntimeError when the kernel is not available or refuses the shapes."""
-    global calls
     if not available():
         raise RuntimeError(f"keyfold's native decode kernel is not available: {why()}")
     refused = _takes(q, k, v)
     if refused is not None:
         raise RuntimeError(f"native.attend: {refused}; use the fused op for these")
+    return run(q, k, v, scale)
+
+
+def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attend` without its checks, for a caller that has just asked :func:`pays` (the
+    decoding step's router: the checks would run twice per step)."""
+    global calls
     B, H, R, D = q.shape
     N, Dv = k.shape[2], v.shape[-1]
     qs = q.to(torch.float32).contiguous()  # (B, H, R, D)
