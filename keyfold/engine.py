@@ -125,6 +125,10 @@ class _Call:
         if self.backend is Backend.TRITON:
             from .kernels import triton as _triton
             return _triton.forward(q, k, v, self.plan, self.pb, fallback=self.auto)
+        if self.auto and q.is_cpu and q.shape[2] and k.shape[2]:  # a softcap in bfloat16 on AMX: the prefill kernel
+            st = _cpu.prefill(q, k, v, self.plan, self.pb, keep_dtype=in_dtype)
+            if st is not None:
+                return st
         return _tiles.forward(q, k, v, self.plan, self.pb, lse_exact=lse_exact)
 
     def backward(self, q, k, v, out, lse, dout, dlse, whole_rows: bool = True):

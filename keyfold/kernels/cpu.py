@@ -22,9 +22,10 @@ import torch
 from ..planner import Piece, PieceKind, Plan
 from ..state import State, empty_state, merge_all, merge_into, state_dtype
 from . import native
+from ..scores import ScoreKind
 from ._common import NEG_INF, Problem, cpu_flags, empty_rows, positions, visible
 
-__all__ = ["AVAILABLE", "dense", "forward", "backward"]
+__all__ = ["AVAILABLE", "dense", "forward", "prefill", "backward"]
 
 # The C++ bindings where torch exposes them: ``torch.ops.aten.X`` resolves its overload in
 # Python on every call, ~10-20 us that a 0.4 ms decode step notices.
@@ -344,6 +345,50 @@ def dense(q, k, v, scale: float, keep_dtype: bool = False) -> State:
     return State(out if out.dtype == sd or keep_dtype else out.to(sd), lse if lse.dtype == sd else lse.to(sd))
 
 
+def _softcap_of(pb: Problem) -> float | None:
+    """The cap when the call's score is exactly ``softcap(cap)``, else None."""
+    spec = pb.score.spec() if pb.score is not None else None
+    return spec[1]["cap"] if spec is not None and spec[0] is ScoreKind.SOFTCAP else None
+
+
+def _prefill_may(q, k, v, pb: Problem) -> bool:
+    """Whether a call runs on keyfold's prefill kernel (:func:`native.prefill`): bfloat16 on a CPU with
+    AMX, more query rows than a decoding step (:data:`NATIVE_ROWS`, every head of a GQA group counted),
+    a score that is additive (its tiles) or a softcap (computed in the kernel), no dropout."""
+    if q.dtype is not torch.bfloat16 or q.shape[2] * (q.shape[1] // max(k.shape[1], 1)) <= NATIVE_ROWS:
+        return False
+    if pb.dropout_p or not (pb.score is None or pb.score.additive or _softcap_of(pb) is not None):
+        return False
+    return native.prefill_available() and native.prefill_takes(q, k, v) is None
+
+
+def prefill(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State | None:
+    """Every piece of the plan in one call of the prefill kernel, or None where it does not run
+    (:func:`_prefill_may`). The pieces' mask tiles (and a separable bias's row terms) are the ones the
+    fused op would get; the kernel merges the pieces of a row inside its softmax, so nothing is merged
+    here, and out comes back in bfloat16 with ``keep_dtype`` (else float32)."""
+    if not _prefill_may(q, k, v, pb):
+        return None
+    memo: dict = {}
+    rows, tiles = [], []
+    g = q.shape[1] // k.shape[1]
+    for piece in plan.pieces:
+        tile = _tile(piece, pb, q, False, g, memo, plan.tiles)
+        k0, k1 = (piece.k0, piece.k1) if tile.cols is None else (piece.k0 + tile.cols[0], piece.k0 + tile.cols[1])
+        mask, shift = tile.mask, tile.row_shift
+        if mask is not None and mask.shape[-1] != k1 - k0:  # a bias broadcast over the keys: the kernel reads them all
+            mask = mask.expand(*mask.shape[:-1], k1 - k0)
+        if mask is not None and mask.stride(-1) != 1 and mask.shape[-1] > 1:
+            mask = mask.contiguous()
+        if shift is not None:
+            shift = shift.to(torch.float32).contiguous()
+        tiles += [mask, shift]  # alive until the kernel returns
+        rows.append(native.piece_row(piece.q0, piece.q1, k0, k1, piece.kind is PieceKind.CAUSAL, mask, shift))
+    out, lse = native.prefill(q, k, v, pb.scale, rows, cap=_softcap_of(pb) or 0.0,
+                              out_dtype=torch.bfloat16 if keep_dtype else torch.float32)
+    return State(out, lse)
+
+
 def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State:
     """Attention over the plan's pieces; returns the merged State (float32 / float64).
 
@@ -356,6 +401,9 @@ def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State
     Dv = v.shape[-1]
     if Nq == 0 or k.shape[2] == 0:  # nothing to attend (the fused op dies of SIGFPE on an empty sequence)
         return empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
+    st = prefill(q, k, v, plan, pb, keep_dtype)  # bfloat16 on AMX: the whole plan in one call
+    if st is not None:
+        return st
     # a call whose plain pieces go by float32 chunks or to the native kernel is not widened as a whole
     # (a piece that goes neither way is, in _op)
     nrows = Nq * (Hq // k.shape[1])

@@ -21,6 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd.h"
+
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__)
 #error "keyfold's decode kernel needs AVX-512 F, BW and VL"
 #endif
@@ -51,30 +53,6 @@ static inline __m512 load16(const char *p, int dtype, __mmask16 k) {
     __m256i h = _mm256_maskz_loadu_epi16(k, p);
     if (dtype == KF_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     return _mm512_cvtph_ps(h);
-}
-
-/* e^x for x <= 0 (a score minus its row's running max): x = n ln2 + r, |r| <= ln2/2, with ln2 in two
- * parts so r is exact; e^r by Cephes' degree-6 polynomial (about 1 ulp); 2^n in the exponent bits.
- * Below -87 (and at -inf) it gives 0: e^-87 is at the bottom of float32's normal range. NaN gives NaN
- * (a NaN or infinite input must reach the output, as in PyTorch's op, never vanish as 0). */
-static inline __m512 exp16(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.0f);
-    __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
-    __m512 xc = _mm512_max_ps(x, lo);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    const __m512 y = _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
-    return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);  /* NaN stays NaN */
 }
 
 /* lane j of the result = the sum of t[j]'s lanes: a transpose-and-add tree, 15 shuffle-add steps
@@ -109,8 +87,6 @@ static inline __m512 dot_bf16(const uint16_t *q, const char *k, int D) {
 static inline void prefetch_row(const char *p, size_t bytes) {
     for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
 }
-
-static inline __mmask16 first(int n) { return n >= 16 ? 0xFFFF : (__mmask16)(0xFFFFu >> (16 - n)); }
 
 /* lanes of 16-float slice i of a row of W slices whose last has lanes `last`: none past the row */
 static inline __mmask16 slice(int i, int W, __mmask16 last) { return i < W - 1 ? 0xFFFF : i == W - 1 ? last : 0; }
@@ -268,13 +244,17 @@ static void finish(const job_t *J) {
         }
 }
 
-/* What this build compiled in: bit 0, bfloat16 keys dotted by vdpbf16ps (AVX-512-BF16). */
+/* What this build compiled in: bit 0, bfloat16 keys dotted by vdpbf16ps (AVX-512-BF16); bit 1, the
+ * prefill kernel on AMX tiles (prefill.c, built under the same condition). */
 int kf_features(void) {
+    int f = 0;
 #ifdef __AVX512BF16__
-    return 1;
-#else
-    return 0;
+    f |= 1;
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    f |= 2;
+#endif
+    return f;
 }
 
 /* The entry point (keyfold/kernels/native.py). Returns 0, or -1 for arguments out of range, -2 when

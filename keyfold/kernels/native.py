@@ -1,4 +1,5 @@
-"""keyfold's own CPU decode kernel (``decode.c``), built on first use with the system C compiler.
+"""keyfold's own CPU kernels, built on first use with the system C compiler: ``decode.c`` (a few query
+rows over a long cache, any CPU with AVX-512) and ``prefill.c`` (a whole plan in bfloat16 on AMX tiles).
 
 Decoding reads every cached key and value once for a few query rows, so its limit is the memory
 bandwidth, not arithmetic. PyTorch's fused CPU op reaches that limit for a float32 cache but not
@@ -11,6 +12,12 @@ keys once (the fused op's GQA path through ``cpu.py`` folds them the same way).
 Used for pieces without mask or score whose few query rows (at most ``cpu.NATIVE_ROWS``, every head
 of a GQA group counted) read at least :data:`MIN_KEYS` keys: a decoding step over a cache, a split-KV
 chunk, a cascade's shared prefix. Everything else stays on the fused op.
+
+``prefill.c`` runs every piece of a plan in one call on CPUs with AMX-BF16 (:func:`prefill_available`):
+one online softmax per 32 query rows over the keys of all the pieces they are in, scores and ``P @ V``
+on AMX tiles, the softmax in float32 AVX-512, 32 x 32 sub-blocks a mask hides skipped, a softcap
+computed in the tile. ``cpu.py`` routes bfloat16 calls to it (:func:`prefill`); the pieces' mask tiles
+are the ones the fused op would get.
 
 Built once per source, compiler flags and CPU into ``$KEYFOLD_CACHE`` (else
 ``$XDG_CACHE_HOME/keyfold``, else ``~/.cache/keyfold``): the file's name carries their hash, so an
@@ -44,9 +51,12 @@ import torch
 
 from ._common import cpu_flags
 
-__all__ = ["available", "why", "bf16_dot", "pays", "attend", "run", "MAX_ROWS", "MIN_KEYS"]
+__all__ = ["available", "why", "bf16_dot", "pays", "attend", "run", "prefill_available", "prefill",
+           "MAX_ROWS", "MIN_KEYS"]
 
-SOURCE = Path(__file__).with_name("decode.c")
+#: The sources, compiled into one library, and the header they share (part of the build's hash).
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("decode.c", "prefill.c"))
+HEADER = Path(__file__).with_name("simd.h")
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast",
          "-fPIC", "-shared", "-fopenmp")
 
@@ -62,8 +72,11 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _why: str | None = None  # None: not tried yet
-#: Calls that ran on the kernel so far in this process (the decode bench reports which path ran).
+#: Calls that ran on the decode kernel so far in this process (the decode bench reports which path ran).
 calls = 0
+#: Calls that ran on the prefill kernel so far in this process.
+prefill_calls = 0
+_amx: bool | None = None  # the prefill kernel is built with AMX and the OS lets this process use it
 
 
 def _cache_dir() -> Path:
@@ -93,18 +106,19 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"the C compiler {cc} does not run: {e}"
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version,
+    key = hashlib.sha256("\0".join([*(f.read_text() for f in (*SOURCES, HEADER)), " ".join(FLAGS), version,
                                     " ".join(sorted(cpu_flags()))]).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"decode-{key}.so"
+    path = _cache_dir() / f"native-{key}.so"
     if not path.exists():
         tmp = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=path.parent)
             os.close(fd)
-            res = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
+            res = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
+                                 timeout=120)
             if res.returncode != 0:
-                return None, f"{cc} failed on {SOURCE.name}: {res.stderr.strip()[-500:]}"
+                return None, f"{cc} failed on {', '.join(f.name for f in SOURCES)}: {res.stderr.strip()[-500:]}"
             os.chmod(tmp, 0o755)  # mkstemp's 0600 would lock other users of a shared cache folder out
             os.replace(tmp, path)  # atomic: another process sees the whole file or none
             tmp = None
@@ -121,6 +135,10 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.kf_decode.restype = I
     lib.kf_features.restype = I
     lib.kf_decode.argtypes = [P, P, ctypes.c_float, P, P, I, LL, LL, LL, LL, LL, LL, I, I, I, I, I, LL, I, I, P, P]
+    lib.kf_prefill_init.restype = I
+    lib.kf_prefill.restype = I
+    lib.kf_prefill.argtypes = [P, P, P, *[LL] * 9, I, I, I, LL, LL, I, I, ctypes.c_float, ctypes.c_float, P, I, I, P,
+                               P, I]
     return lib, f"built at {path}"
 
 
@@ -146,11 +164,20 @@ def bf16_dot() -> bool:
     return available() and bool(_lib.kf_features() & 1)
 
 
+def prefill_available() -> bool:
+    """Whether the prefill kernel runs here: built with AMX-BF16 (``-march=native`` on a CPU that has
+    it) and the tile registers granted to this process by the OS."""
+    global _amx
+    if _amx is None:
+        _amx = available() and bool(_lib.kf_features() & 2) and _lib.kf_prefill_init() == 0
+    return _amx
+
+
 def _reset() -> None:
     """Forget the build, so the next :func:`available` tries again (tests change the environment)."""
-    global _lib, _why
+    global _lib, _why, _amx
     with _lock:
-        _lib, _why = None, None
+        _lib, _why, _amx = None, None, None
 
 
 def pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -220,4 +247,74 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tupl
     if rc != 0:
         raise RuntimeError(f"keyfold's native decode kernel refused q {tuple(q.shape)}, k {tuple(k.shape)}, "
                            f"v {tuple(v.shape)} (code {rc})")
+    return out, lse
+
+
+#: The most head size (q, k and v) the prefill kernel takes.
+PREFILL_MAX_HEAD = 256
+#: int64 columns of one piece in the array :func:`prefill` passes (``piece_t`` in prefill.c).
+PIECE_COLS = 12
+
+
+def prefill_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """None when :func:`prefill` can run these tensors, else what it cannot take."""
+    if not (q.dim() == k.dim() == v.dim() == 4):
+        return f"q, k, v must be 4-d (B, H, N, D); got {q.dim()}, {k.dim()}, {v.dim()} dims"
+    if not (q.device.type == k.device.type == v.device.type == "cpu"):
+        return f"CPU tensors only; got {q.device}, {k.device}, {v.device}"
+    if not (q.dtype == k.dtype == v.dtype == torch.bfloat16):
+        return f"bfloat16 q, k and v only; got {q.dtype}, {k.dtype}, {v.dtype}"
+    B, Hq, _, D = q.shape
+    if k.shape[0] != B or v.shape[:3] != k.shape[:3] or k.shape[-1] != D or Hq % k.shape[1]:
+        return f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match"
+    if D % 2 or max(D, v.shape[-1]) > PREFILL_MAX_HEAD:
+        return f"head sizes {D}/{v.shape[-1]}: q and k's even, both at most {PREFILL_MAX_HEAD}"
+    return None
+
+
+def piece_row(q0: int, q1: int, k0: int, k1: int, causal: bool, mask: torch.Tensor | None = None,
+              shift: torch.Tensor | None = None) -> list[int]:
+    """One piece as :func:`prefill` takes it: rows ``[q0, q1)`` see keys ``[k0, k1)``; ``causal``:
+    row ``q0 + t`` sees keys ``k0 .. k0 + t``; ``mask`` a float32 additive ``(B|1, H|1, L|1, k1 - k0)``
+    tile with contiguous keys (-inf hides a pair); ``shift`` a float32 ``(1, H|1, L)`` row term added
+    to every score of the row. The tensors must outlive the call."""
+    row = [q0, q1, k0, k1, int(causal)]
+    if mask is not None:
+        row += [mask.data_ptr(), *(mask.stride(i) if mask.shape[i] > 1 else 0 for i in range(3))]
+    else:
+        row += [0, 0, 0, 0]
+    if shift is not None:
+        row += [shift.data_ptr(), shift.stride(0) if shift.shape[0] > 1 else 0, shift.stride(1) if shift.shape[1] > 1 else 0]
+    else:
+        row += [0, 0, 0]
+    return row
+
+
+def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pieces: list[list[int]],
+            cap: float = 0.0, out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of rows ``q (B, Hq, L, D)`` over ``k (B, Hkv, S, D)``, ``v (B, Hkv, S, Dv)``
+    (bfloat16, ``Hq`` a multiple of ``Hkv``) through the pieces (rows of :func:`piece_row`), a softcap
+    ``cap`` (0: none) on every score. out is ``out_dtype`` (bfloat16 or float32), lse float32; rows
+    no piece shows a key are 0 and -inf.
+
+    Raises RuntimeError when the kernel is not available here or refuses the arguments."""
+    global prefill_calls
+    if not prefill_available():
+        raise RuntimeError(f"keyfold's prefill kernel needs a CPU with AMX-BF16 and a native build: {why()}")
+    refused = prefill_takes(q, k, v)
+    if refused is not None:
+        raise RuntimeError(f"native.prefill: {refused}; use the fused op for these")
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    B, Hq, L, D = q.shape
+    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    table = torch.tensor(pieces, dtype=torch.int64).reshape(-1, PIECE_COLS)
+    out = torch.empty(B, Hq, L, Dv, dtype=out_dtype)
+    lse = torch.empty(B, Hq, L, dtype=torch.float32)
+    rc = _lib.kf_prefill(q.data_ptr(), k.data_ptr(), v.data_ptr(), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                         B, Hq, Hkv, L, S, D, Dv, scale, cap, table.data_ptr(), len(table),
+                         int(out_dtype is torch.bfloat16), out.data_ptr(), lse.data_ptr(), torch.get_num_threads())
+    prefill_calls += 1
+    if rc != 0:
+        raise RuntimeError(f"keyfold's prefill kernel refused q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                           f"v {tuple(v.shape)}, {len(table)} pieces (code {rc})")
     return out, lse

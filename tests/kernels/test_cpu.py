@@ -152,7 +152,10 @@ def test_pieces_over_disjoint_rows_write_one_output_in_the_input_dtype(dtype, mo
     """A plan whose pieces never share a row (here packed sequences, the middle one with queries
     but no keys) has nothing to merge: `attention` gets every piece's out written straight into one
     output in the input dtype. It holds the rule, and the middle sequence's rows, which no piece
-    covers, are exactly 0 (checked by assert_forward_by_rule)."""
+    covers, are exactly 0 (checked by assert_forward_by_rule). This is the fused op's path: the
+    prefill kernel, which takes bfloat16 plans first where it runs (AMX), is set aside
+    (tests/kernels/test_prefill.py holds it to the rule)."""
+    monkeypatch.setattr(cpu, "_prefill_may", lambda *a: False)
     seen = []
     real = cpu._rows_disjoint
     monkeypatch.setattr(cpu, "_rows_disjoint", lambda pieces: seen.append(real(pieces)) or seen[-1])

@@ -201,7 +201,7 @@ def fresh_build(monkeypatch):
 def test_built_once_into_the_cache_folder(tmp_path, monkeypatch, fresh_build):
     monkeypatch.setenv("KEYFOLD_CACHE", str(tmp_path))
     assert native.available() and str(tmp_path) in native.why()
-    built = list(tmp_path.glob("decode-*.so"))
+    built = list(tmp_path.glob("native-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
     native._reset()
@@ -229,7 +229,7 @@ def test_without_the_kernel_decoding_stays_on_the_op(how, tmp_path, monkeypatch,
         fake.write_text("#!/bin/sh\necho 'not a compiler' >&2\nexit 1\n")
         fake.chmod(0o755)
         monkeypatch.setenv("CC", str(fake))
-        reason = "failed on decode.c"
+        reason = "failed on decode.c, prefill.c"
     assert not native.available() and reason in native.why()
     assert not cpu._native_pays(q, k, v)
     with pytest.raises(RuntimeError, match="not available"):
@@ -237,7 +237,7 @@ def test_without_the_kernel_decoding_stays_on_the_op(how, tmp_path, monkeypatch,
     without = kf.attend(q, k, v)
     torch.testing.assert_close(without.out, with_kernel.out, atol=2e-3, rtol=0)  # float16 op vs float32 sums
     torch.testing.assert_close(without.lse, with_kernel.lse, atol=1e-3, rtol=0)
-    assert not list(tmp_path.glob("decode-*.so"))
+    assert not list(tmp_path.glob("native-*.so"))
 
 
 def test_bfloat16_dot_products_are_built_where_the_cpu_has_them():
@@ -247,9 +247,11 @@ def test_bfloat16_dot_products_are_built_where_the_cpu_has_them():
     assert native.bf16_dot() == ("avx512_bf16" in cpu_flags())
 
 
-def test_source_ships_with_the_package():
-    assert native.SOURCE.is_file() and "kf_decode" in native.SOURCE.read_text()
-    assert os.path.dirname(native.SOURCE) == os.path.dirname(native.__file__)
+def test_sources_ship_with_the_package():
+    for source, entry in zip(native.SOURCES, ("kf_decode", "kf_prefill")):
+        assert source.is_file() and entry in source.read_text()
+        assert os.path.dirname(source) == os.path.dirname(native.__file__)
+    assert native.HEADER.is_file() and "exp16" in native.HEADER.read_text()
 
 
 @pytest.mark.parametrize("shape", ["decode", "tails"])
@@ -268,6 +270,7 @@ def test_bfloat16_keys_widened_where_the_cpu_has_no_bf16_dot(shape, tmp_path, mo
     monkeypatch.setenv("KEYFOLD_CACHE", str(tmp_path))
     monkeypatch.setattr(native, "FLAGS", native.FLAGS + ("-mno-avx512bf16",))
     assert native.available() and not native.bf16_dot()
+    assert not native.prefill_available()  # its AMX kernel needs AVX-512-BF16 too: built as a stub
     widened = native.attend(q, k, v, D ** -0.5)
     assert_close_by_rule(widened[0], ref.out, naive, None)
     torch.testing.assert_close(widened[0], dotted[0], atol=2e-6, rtol=1e-5)

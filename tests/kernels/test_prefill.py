@@ -1,0 +1,235 @@
+"""keyfold's bfloat16 prefill kernel on AMX tiles (keyfold/kernels/prefill.c, native.prefill): every
+variant held to the rule against float64 through ``attention``, the pieces of a row merged inside the
+kernel's softmax exactly as a whole, hidden and NaN rows right, and routed only where it runs."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import keyfold as kf
+from keyfold.kernels import cpu, native
+from tests.helpers import assert_backward_by_rule, assert_close_by_rule, assert_forward_by_rule, naive_attention
+
+pytestmark = pytest.mark.skipif(not native.prefill_available(),
+                                reason=f"prefill kernel needs AMX-BF16 and a native build ({native.why()})")
+
+BF16 = torch.bfloat16
+
+
+def _qkv(B=1, H=2, N=300, D=64, Hkv=None, Nk=None, Dv=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    Hkv, Nk, Dv = Hkv or H, Nk or N, Dv or D
+    return (torch.randn(B, H, N, D, generator=g).to(BF16), torch.randn(B, Hkv, Nk, D, generator=g).to(BF16),
+            torch.randn(B, Hkv, Nk, Dv, generator=g).to(BF16))
+
+
+def _ran(fn):
+    """Run fn; assert that it went through the prefill kernel."""
+    before = native.prefill_calls
+    got = fn()
+    assert native.prefill_calls > before, "the prefill kernel did not run"
+    return got
+
+
+def _doc_mask(b, h, q, k):
+    return (q // 100 == k // 100) & (k <= q)
+
+
+VARIANTS = {  # name: attention keywords
+    "full": dict(mask=kf.full()),  # (no mask at all is one call of the fused op: test_routing)
+    "causal": dict(mask=kf.causal()),
+    "window": dict(mask=kf.causal() & kf.window(40)),
+    "window+sinks": dict(mask=kf.causal() & (kf.window(40) | kf.sinks(4))),
+    "prefix-lm": dict(mask=kf.causal() | kf.prefix(70)),
+    "documents": dict(mask=kf.documents(torch.arange(300) // 90) & kf.causal()),
+    "alibi+causal": dict(mask=kf.causal(), score=kf.alibi(kf.alibi_slopes(2))),
+    "softcap": dict(mask=kf.causal(), score=kf.softcap(5.0)),
+    "callable": dict(mask=_doc_mask),
+}
+
+
+@pytest.mark.parametrize("block", [None, 48])
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_every_variant_holds_the_rule_on_the_prefill_kernel(name, block):
+    """Each variant of the tour in bfloat16 through ``attention``: the kernel ran, out holds the rule
+    against float64, rows that see no key are exactly 0 (assert_forward_by_rule). block 48: pieces
+    that do not fall on the kernel's 32-row and 32-key blocks."""
+    q, k, v = _qkv()
+    _ran(lambda: assert_forward_by_rule(q, k, v, block_size=block, **VARIANTS[name]))
+
+
+@pytest.mark.parametrize("name", ["full", "window+sinks", "documents", "alibi+causal", "softcap"])
+def test_gradients_hold_the_rule_after_the_prefill_forward(name):
+    """The backward (the fused op's, or the tile kernel's for a softcap) reads the kernel's out and lse."""
+    q, k, v = _qkv(N=160)
+    kw = dict(VARIANTS[name])
+    if name == "documents":
+        kw["mask"] = kf.documents(torch.arange(160) // 50) & kf.causal()
+    _ran(lambda: assert_backward_by_rule(q, k, v, **kw))
+
+
+SHAPES = {  # B, Hq, Hkv, Nq, Nk, D, Dv
+    "gqa": (2, 8, 2, 100, 100, 64, 64),
+    "mqa": (1, 4, 1, 70, 130, 32, 32),
+    "D 128": (1, 2, 2, 96, 96, 128, 128),
+    "D 256, Dv 200": (1, 2, 2, 40, 70, 256, 200),
+    "D 40, Dv 24": (1, 2, 2, 50, 90, 40, 24),
+    "5 rows": (1, 1, 1, 5, 300, 64, 64),
+    "more queries than keys": (1, 2, 2, 200, 50, 64, 64),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("mask", [None, "causal", "window"])
+def test_shapes_hold_the_rule(shape, mask):
+    B, Hq, Hkv, Nq, Nk, D, Dv = SHAPES[shape]
+    q, k, v = _qkv(B, Hq, Nq, D, Hkv=Hkv, Nk=Nk, Dv=Dv)
+    m = {None: kf.full(), "causal": kf.causal(), "window": kf.causal() & kf.window(17)}[mask]
+    _ran(lambda: assert_forward_by_rule(q, k, v, mask=m, q_offset=max(Nk - Nq, 0)))
+
+
+def test_views_with_strided_rows_hold_the_rule():
+    """q, k, v viewed from (B, N, H, D) tensors, as a model's projections come."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 150, 4, 64, generator=g).to(BF16).transpose(1, 2) for _ in range(3))
+    _ran(lambda: assert_forward_by_rule(q, k, v, mask=kf.causal()))
+
+
+@pytest.mark.parametrize("shape", [(300, 300), (1, 300), (300, 1), (1, 2, 300, 300), (2, 1, 1, 300)])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_tensor_masks_hold_the_rule(kind, shape):
+    """SDPA's attn_mask, bool or additive, in every broadcast shape: a mask over keys only, over rows
+    only (a bias broadcast over the keys reaches the kernel expanded), per head, per batch entry."""
+    q, k, v = _qkv(B=2)
+    g = torch.Generator().manual_seed(len(shape))
+    mask = torch.rand(shape, generator=g) < 0.3 if kind == "bool" else torch.randn(shape, generator=g)
+    out = _ran(lambda: kf.attention(q, k, v, mask=mask))
+    ref = kf.attention(q.double(), k.double(), v.double(), mask=mask if kind == "bool" else mask.double(),
+                       backend=kf.Backend.REFERENCE)
+    bias = mask.to(BF16) if kind == "float" else torch.zeros(shape, dtype=BF16).masked_fill(~mask, -math.inf)
+    naive = torch.softmax((q @ k.transpose(-1, -2) * 64 ** -0.5 + bias).float(), -1).to(BF16) @ v
+    seen = torch.isfinite(torch.broadcast_to(bias, (2, 2, 300, 300)).float()).any(-1)
+    assert bool((out[~seen] == 0).all())
+    assert_close_by_rule(out, ref, naive.nan_to_num(0.0), seen)
+
+
+def test_lse_is_the_natural_log_of_the_row_sum():
+    q, k, v = _qkv(N=200)
+    out, lse = _ran(lambda: kf.attention(q, k, v, mask=kf.causal() & kf.window(50), return_lse=True))
+    ref = kf.attend(q.double(), k.double(), v.double(), mask=kf.causal() & kf.window(50), backend=kf.Backend.REFERENCE)
+    torch.testing.assert_close(lse.double(), ref.lse, atol=2e-5, rtol=2e-6)
+
+
+def _run(q, k, v, pieces, cap=0.0):
+    rows = [native.piece_row(*p) for p in pieces]
+    return native.prefill(q, k, v, q.shape[-1] ** -0.5, rows, cap=cap)
+
+
+@settings(max_examples=25, deadline=None)
+@given(cuts=st.lists(st.integers(1, 299), max_size=6, unique=True), rows=st.integers(1, 120),
+       seed=st.integers(0, 2 ** 16))
+def test_any_partition_of_the_keys_is_the_whole(cuts, rows, seed):
+    """The pieces of a row are merged inside the kernel's softmax: any split of the keys into pieces,
+    in any order, gives the state of one piece over them all, to rounding (P is rounded to bfloat16
+    against a running max that depends on the order, so not bit for bit)."""
+    q, k, v = _qkv(N=rows, Nk=300, seed=seed)
+    whole = _run(q, k, v, [(0, rows, 0, 300, False)])
+    bounds = [0, *sorted(cuts), 300]
+    parts = [(0, rows, a, b, False) for a, b in zip(bounds, bounds[1:])][::-1]
+    split = _run(q, k, v, parts)
+    torch.testing.assert_close(split[0], whole[0], atol=1e-2, rtol=0)
+    torch.testing.assert_close(split[1], whole[1], atol=1e-5, rtol=1e-6)
+
+
+def test_pieces_of_rows_rows_outside_every_piece_and_a_separable_shift():
+    """Pieces cover some rows only; a row no piece covers is 0 with lse -inf; a piece's mask hides a
+    whole row of it; a row shift (a separable bias's row term) adds to every score of its row."""
+    q, k, v = _qkv(N=100, Nk=90)
+    g = torch.Generator().manual_seed(5)
+    mask = torch.where(torch.rand(1, 2, 50, 60, generator=g) < 0.5, torch.randn(1, 2, 50, 60, generator=g),
+                       torch.tensor(-math.inf))
+    mask[:, :, 7] = -math.inf
+    shift = torch.randn(1, 2, 50, generator=g) * 3
+    out, lse = _run(q, k, v, [(10, 60, 30, 90, False, mask, shift), (60, 80, 0, 20, True)])
+    bias = torch.full((1, 2, 100, 90), -math.inf, dtype=torch.float64)
+    bias[:, :, 10:60, 30:90] = mask.double() + shift.double()[..., None]
+    bias[:, :, 60:80, 0:20] = torch.zeros(20, 20).masked_fill(torch.ones(20, 20, dtype=torch.bool).triu(1), -math.inf)
+    s = q.double() @ k.double().transpose(-1, -2) * 64 ** -0.5 + bias
+    ref_lse = torch.logsumexp(s, -1)
+    ref = torch.softmax(s, -1).nan_to_num(0.0) @ v.double()
+    seen = torch.isfinite(ref_lse)
+    assert seen.sum() > 0 and (~seen).sum() > 0
+    assert bool((out[~seen] == 0).all()) and bool((lse[~seen] == -math.inf).all())
+    naive = (torch.softmax((q @ k.transpose(-1, -2) * 64 ** -0.5 + bias.to(BF16)).float(), -1).to(BF16) @ v).nan_to_num(0.0)
+    assert_close_by_rule(out, ref, naive, seen)
+    torch.testing.assert_close(lse[seen].double(), ref_lse[seen], atol=2e-5, rtol=2e-6)
+
+
+@pytest.mark.parametrize("bad", ["nan q", "inf k"])
+def test_a_nan_or_infinite_score_reaches_its_row(bad):
+    """As in PyTorch's op: the row whose score is NaN (or +inf) is NaN in out and lse; other rows
+    are untouched."""
+    q, k, v = _qkv(N=64)
+    clean = _run(q, k, v, [(0, 64, 0, 64, False)])
+    q, k = q.clone(), k.clone()
+    if bad == "nan q":
+        q[0, 1, 9, 3] = float("nan")
+        rows = [(1, 9)]
+    else:
+        k[0, 0, 40] = float("inf")  # +inf or -inf scores, depending on q's signs: NaN rows either way
+        rows = [(0, r) for r in range(64)]
+    out, lse = _run(q, k, v, [(0, 64, 0, 64, False)])
+    for h, r in rows:
+        assert torch.isnan(out[0, h, r]).all() and torch.isnan(lse[0, h, r])
+    other = 1 - rows[0][0]
+    if bad == "nan q":
+        assert torch.equal(out[0, other], clean[0][0, other])
+
+
+def test_a_softcap_is_computed_in_the_tile():
+    """softcap in bfloat16 runs on the kernel (Backend.AUTO) and holds the rule; with its cap large
+    it is the plain call."""
+    q, k, v = _qkv(N=200)
+    _ran(lambda: assert_forward_by_rule(q, k, v, mask=kf.causal() & kf.window(64), score=kf.softcap(2.0)))
+    plain = _run(q, k, v, [(0, 200, 0, 200, True)])
+    s = q.double() @ k.double().transpose(-1, -2) * 64 ** -0.5
+    hide = torch.ones(200, 200, dtype=torch.bool).triu(1)
+    for cap in (1e3, 1e6):  # tanh near 0 keeps its error relative to the score at any cap
+        capped = _run(q, k, v, [(0, 200, 0, 200, True)], cap=cap)
+        torch.testing.assert_close(capped[0], plain[0], atol=4e-3, rtol=0)
+        ref = torch.logsumexp((cap * torch.tanh(s / cap)).masked_fill(hide, -math.inf), -1)
+        torch.testing.assert_close(capped[1].double(), ref, atol=2e-5, rtol=2e-6)
+
+
+def test_routing():
+    """The kernel takes bfloat16 calls with more rows than a decoding step; float32, float16, a
+    decoding step, odd head sizes, score callables, dropout and Backend.TILES stay where they were."""
+    q, k, v = _qkv(N=64)
+    pb = kf.kernels._common.Problem(None, None, 0.125, 0, 0)
+    assert cpu._prefill_may(q, k, v, pb)
+    assert not cpu._prefill_may(q.float(), k.float(), v.float(), pb)
+    assert not cpu._prefill_may(q.half(), k.half(), v.half(), pb)
+    assert not cpu._prefill_may(q[:, :, :cpu.NATIVE_ROWS], k, v, pb)
+    assert not cpu._prefill_may(q[..., :63], k[..., :63], v, pb)
+    assert native.prefill_takes(q[..., :63], k[..., :63], v) is not None
+    fn = kf.scores.score_fn(lambda s, b, h, qp, kp: s * 0.5)
+    assert not cpu._prefill_may(q, k, v, kf.kernels._common.Problem(None, fn, 0.125, 0, 0))
+    assert not cpu._prefill_may(q, k, v, kf.kernels._common.Problem(None, None, 0.125, 0, 0, dropout_p=0.1))
+    before = native.prefill_calls
+    kf.attention(q, k, v)  # no mask, no score: one call of the fused op, SDPA's own path
+    kf.attention(q, k, v, score=kf.softcap(3.0), backend=kf.Backend.TILES)
+    kf.attention(q, k, v, score=lambda s, b, h, qp, kp: s * 0.5)
+    assert native.prefill_calls == before
+
+
+def test_refuses_what_it_cannot_take():
+    q, k, v = _qkv(N=32)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        native.prefill(q.float(), k.float(), v.float(), 0.1, [native.piece_row(0, 32, 0, 32, False)])
+    with pytest.raises(RuntimeError, match="head sizes"):
+        native.prefill(q[..., :63], k[..., :63], v, 0.1, [native.piece_row(0, 32, 0, 32, False)])
+    with pytest.raises(RuntimeError, match="refused"):  # a piece past the keys
+        native.prefill(q, k, v, 0.1, [native.piece_row(0, 32, 0, 33, False)])
