@@ -337,10 +337,15 @@ def _bias_needed(pb: Problem) -> bool:
 
 
 def dense(q, k, v, scale: float, keep_dtype: bool = False) -> State:
-    """One fused call over every key, no mask: the op's (out, lse) is the whole state.
+    """One fused call over every key, no mask: the op's (out, lse) is the whole state (the prefill
+    kernel's, for bfloat16 where it runs: 0.84-0.86x the op's time at 4k and 16k, Intel Xeon with AMX).
     keep_dtype: out stays in the op's dtype (the input's, float32 for widened float16), for a
     caller that casts it to the input dtype anyway."""
     sd = state_dtype(q.dtype)
+    if q.shape[2] and k.shape[2] and _prefill_may(q, k, v, Problem(None, None, scale, 0, 0)):
+        out, lse = native.prefill(q, k, v, scale, [native.piece_row(0, q.shape[2], 0, k.shape[2], False)],
+                                  out_dtype=q.dtype if keep_dtype else sd)
+        return State(out, lse)
     out, lse = _op(q, k, v, False, None, scale)
     return State(out if out.dtype == sd or keep_dtype else out.to(sd), lse if lse.dtype == sd else lse.to(sd))
 

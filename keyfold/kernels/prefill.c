@@ -40,7 +40,8 @@
 #define QB 32          /* query rows per work item */
 #define SB 32          /* keys per sub-block: one tile step, the unit packed and skipped */
 #define NS 8           /* sub-blocks per block of the online softmax */
-#define KB (SB * NS)   /* keys per block */
+#define KB (SB * NS)   /* keys per step of the online softmax */
+#define G 4            /* blocks of QB rows per work item */
 #define MAXD 256       /* largest head size (q, k and v) */
 #define TILE 512       /* bfloat16 elements in one 16 x 64-byte tile */
 
@@ -153,22 +154,21 @@ static inline __m512 softcap16(__m512 s, float cap) {
     return _mm512_mul_ps(th, _mm512_set1_ps(cap));
 }
 
-/* 2^x for x <= 0 on the lanes of `keep` (0 elsewhere): x = n + f, |f| <= 1/2, 2^f by its Taylor
- * polynomial of degree 5 (relative error below 3e-6, under a bfloat16 P's rounding of 2^-9), 2^n by
- * vscalefps. Below -126 it gives 2^-126 (a pair that far below its row's largest adds nothing a float
- * can hold to the row's sum). The scores are kept in base 2 (scaled by log2 e) so that no multiply by
- * log2 e and no split of ln 2 are needed here. */
+/* 2^x for x <= 0 on the lanes of `keep` (0 elsewhere): x = n + f with n = floor(x), f in [0, 1) by
+ * vreduceps, 2^f by a degree-5 polynomial fitted to it with p(0) = 1 exactly (relative error below 1e-7;
+ * a row's largest score gets P = 1, so a row with one key gives that key's value exactly), and 2^n by vscalefps
+ * of x itself (it scales by 2^floor). The scores are kept in base 2 (scaled by log2 e) so that no
+ * multiply by log2 e and no split of ln 2 are needed here. A result below float32's normal range is
+ * flushed to 0 (the kernel runs with MXCSR's flush-to-zero); NaN gives NaN. */
 static inline __m512 exp2_16(__mmask16 keep, __m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.3333558146e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
+    const __m512 f = _mm512_reduce_ps(x, 0x09);  /* x - floor(x): round down, no precision exception */
+    __m512 p = _mm512_set1_ps(1.8671966390684247e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.016658179461956e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.580046772956848e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.401641458272934e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931513547897339e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(keep, p, n);
+    return _mm512_maskz_scalef_ps(keep, p, x);
 }
 
 /* lanes [lo, hi) of 16 (clipped) */
@@ -195,182 +195,235 @@ static int block_seen(const float *m, long long ml, long long r0, long long r1, 
     return 0;
 }
 
-/* One work item: 32 rows of (b, h) over the keys of every piece they are in, KB keys (NS sub-blocks
- * of SB) a step of one online softmax. */
-static void item(const job_t *J, long long w) {
-    const long long qb = w % J->nqb, bh = w / J->nqb;
-    const int b = (int)(bh / J->Hq), h = (int)(bh % J->Hq), hk = h / (J->Hq / J->Hkv);
-    const long long i0 = qb * QB;
-    const int nr = (int)(J->L - i0 < QB ? J->L - i0 : QB);
-    const int Dp = J->Dp, Dvp = J->Dvp, nc = J->nc, nj = J->nj;
-    uint16_t qbuf[QB * MAXD] __attribute__((aligned(64)));
+/* The state of 32 query rows [i0, i0 + nr) in a work item: their q (zero past D and past nr), running
+ * max m and sum l (base 2), the last step's rescale alpha, and O (float32, Dvp columns). */
+typedef struct {
+    long long i0;
+    int nr;
+    uint16_t *qbuf;
+    float *acc;
+    float m[QB], l[QB], alpha[QB];
+} rows_t;
+
+/* A thread's scratch for one step: S (float32), P (bfloat16), P V (float32). */
+typedef struct {
     float sbuf[QB * KB] __attribute__((aligned(64)));
     uint16_t pbuf[QB * KB] __attribute__((aligned(64)));
     float obuf[QB * MAXD] __attribute__((aligned(64)));
-    float acc[QB * MAXD] __attribute__((aligned(64)));
-    float m[QB], l[QB], alpha[QB];
-    const uint16_t *q = J->q + b * J->sqb + h * J->sqh + i0 * J->sqn;
-    for (int r = 0; r < QB; r++) {
-        memset(qbuf + r * Dp, 0, sizeof(uint16_t) * Dp);
-        if (r < nr) memcpy(qbuf + r * Dp, q + r * J->sqn, sizeof(uint16_t) * J->D);
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
-    }
-    memset(pbuf, 0, sizeof(pbuf));
-    memset(acc, 0, sizeof(float) * QB * Dvp);
+} scratch_t;
+
+/* One step of the online softmax of rows B over the keys [u0 SB, u0 SB + KB) of piece P: Q K^T on the
+ * sub-blocks a row may see, the softmax, O = O alpha + P V. kp, vp: this head's packed keys, values;
+ * pm, ps: the piece's mask and row shift at (b, h), or NULL. */
+static void step(const job_t *J, const piece_t *P, rows_t *B, scratch_t *X, long long u0, const uint16_t *kp,
+                 const uint16_t *vp, const float *pm, const float *ps) {
+    const long long ra = P->q0 > B->i0 ? P->q0 : B->i0, rb = P->q1 < B->i0 + B->nr ? P->q1 : B->i0 + B->nr;
+    if (ra >= rb) return;
+    const long long ka = P->k0;
+    long long kz = P->k1;  /* past the last key any of these rows sees in the piece */
+    if (P->causal && P->k0 + (rb - P->q0) < kz) kz = P->k0 + (rb - P->q0);
+    const long long uend = (kz + SB - 1) / SB, j0 = u0 * SB;
+    if (u0 >= uend || j0 + KB <= ka) return;
+    const int ns = (int)(uend - u0 < NS ? uend - u0 : NS);
+    const int Dp = J->Dp, Dvp = J->Dvp, nc = J->nc, nj = J->nj;
     const size_t kstride = kpack_size(J), vstride = vpack_size(J);
-    const uint16_t *kp = J->kp + (size_t)(b * J->Hkv + hk) * J->nkb * kstride;
-    const uint16_t *vp = J->vp + (size_t)(b * J->Hkv + hk) * J->nkb * vstride;
     const __m512 ninf = _mm512_set1_ps(-INFINITY), log2e = _mm512_set1_ps(1.44269504088896341f);
     const __m512 scale = _mm512_set1_ps(J->scale), scale2 = _mm512_set1_ps(J->scale * 1.44269504088896341f);
+    int seen[NS], nseen = 0;
+    /* S = Q K^T for each sub-block a row may see: tiles 0-3 the 2 x 2 blocks of 16 rows x 16 keys,
+     * 4-5 Q, 6-7 K */
+    for (int u = 0; u < NS; u++) {
+        const long long js = j0 + u * SB;
+        seen[u] = u < ns && (!pm || block_seen(pm, P->ml, ra - P->q0, rb - P->q0, js - P->k0, ka - js, kz - js));
+        if (!seen[u]) continue;
+        nseen++;
+        const uint16_t *kt = kp + (size_t)(u0 + u) * kstride;
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int c = 0; c < nc; c++) {
+            _tile_loadd(4, B->qbuf + 32 * c, Dp * 2);
+            _tile_loadd(5, B->qbuf + 16 * Dp + 32 * c, Dp * 2);
+            _tile_loadd(6, kt + (size_t)(2 * c) * TILE, 64);
+            _tile_loadd(7, kt + (size_t)(2 * c + 1) * TILE, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, X->sbuf + SB * u, KB * 4);
+        _tile_stored(1, X->sbuf + SB * u + 16, KB * 4);
+        _tile_stored(2, X->sbuf + 16 * KB + SB * u, KB * 4);
+        _tile_stored(3, X->sbuf + 16 * KB + SB * u + 16, KB * 4);
+    }
+    if (!nseen) return;
+    /* the online softmax, row by row, over the step's seen sub-blocks (16 keys a vector), in base
+     * 2: y = s log2 e, m the running max of y, l = sum 2^(y - m). A NaN score reaches the max or the
+     * sum, and +inf the max: either makes the row NaN */
+    /* per row: dm = m_old - m_new and the step's sum of P; alpha = 2^dm and l = l alpha + sum are
+     * taken for all rows at once after the loop (a row that takes no part: dm = 0, sum = 0) */
+    float dm[QB] __attribute__((aligned(64))), rs[QB] __attribute__((aligned(64)));
+    for (int r = 0; r < QB; r++) dm[r] = rs[r] = 0.0f;
+    int any = 0;
+    for (int r = 0; r < B->nr; r++) {
+        const long long i = B->i0 + r;
+        if (i < ra || i >= rb) {  /* not a row of this piece: no P, nothing to rescale */
+            for (int u = 0; u < ns; u++)
+                if (seen[u]) _mm512_store_si512(X->pbuf + r * KB + SB * u, _mm512_setzero_si512());
+            continue;
+        }
+        long long kr = kz;  /* past the row's last key */
+        if (P->causal && P->k0 + (i - P->q0) + 1 < kr) kr = P->k0 + (i - P->q0) + 1;
+        const float *mr = pm ? pm + (i - P->q0) * P->ml - P->k0 : NULL;  /* at key j: mr[j] */
+        const __m512 shift = ps ? _mm512_set1_ps(ps[i - P->q0] * 1.44269504088896341f) : _mm512_setzero_ps();
+        const int full = ka <= j0 && kr >= j0 + (long long)ns * SB;  /* the row sees every key of the step */
+        __m512 y[2 * NS];
+        __mmask16 vis[2 * NS];
+        __m512 mx[4] = {ninf, ninf, ninf, ninf};  /* four chains: a row's latency, not its length, bounds it */
+        for (int x = 0; x < 2 * ns; x++) {
+            vis[x] = 0;
+            if (!seen[x / 2]) continue;
+            const long long jx = j0 + 16 * x;
+            vis[x] = full ? 0xFFFF : lanes(ka - jx, kr - jx);
+            __m512 t = _mm512_load_ps(X->sbuf + r * KB + 16 * x);
+            /* y rounded once here and kept: the row's largest y minus the max is exactly 0 (a product
+             * fused into the later subtraction would not be) */
+            t = J->cap > 0.0f ? _mm512_mul_ps(softcap16(_mm512_mul_ps(t, scale), J->cap), log2e)
+                              : _mm512_mul_round_ps(t, scale2, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            if (mr) {  /* a pair the mask hides (-inf) is out of vis: its P is exactly 0 */
+                const __m512 add = _mm512_maskz_loadu_ps(vis[x], mr + jx);
+                vis[x] &= _mm512_cmp_ps_mask(add, ninf, _CMP_NEQ_UQ);
+                t = _mm512_fmadd_ps(add, log2e, t);
+            }
+            if (ps) t = _mm512_add_ps(t, shift);
+            y[x] = t;
+            mx[x & 3] = _mm512_mask_max_ps(mx[x & 3], vis[x], mx[x & 3], t);
+        }
+        const float bm = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3])));
+        if (isnan(bm) || bm == INFINITY || isnan(B->m[r])) {  /* the row is NaN from here on (out and lse) */
+            B->m[r] = dm[r] = NAN;
+            any = 1;
+            continue;
+        }
+        const float mn = bm > B->m[r] ? bm : B->m[r];
+        if (mn == -INFINITY) {  /* nothing seen yet: no P, nothing to rescale */
+            for (int u = 0; u < ns; u++)
+                if (seen[u]) _mm512_store_si512(X->pbuf + r * KB + SB * u, _mm512_setzero_si512());
+            continue;
+        }
+        any = 1;
+        dm[r] = B->m[r] - mn;  /* -inf on the row's first keys: alpha 2^-126 scales an O and l of 0 */
+        const __m512 mv = _mm512_set1_ps(mn);
+        __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int u = 0; u < ns; u++) {
+            if (!seen[u]) continue;
+            const __m512 p0 = exp2_16(vis[2 * u], _mm512_sub_ps(y[2 * u], mv));
+            const __m512 p1 = exp2_16(vis[2 * u + 1], _mm512_sub_ps(y[2 * u + 1], mv));
+            sum[u & 1] = _mm512_add_ps(sum[u & 1], _mm512_add_ps(p0, p1));
+            _mm512_store_si512(X->pbuf + r * KB + SB * u, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        }
+        rs[r] = _mm512_reduce_add_ps(_mm512_add_ps(sum[0], sum[1]));  /* NaN when a score was NaN */
+        B->m[r] = mn;
+    }
+    if (!any) return;
+    for (int r = 0; r < QB; r += 16) {  /* a NaN sum makes the row NaN (m too: it stays NaN) */
+        const __m512 a = exp2_16(0xFFFF, _mm512_max_ps(_mm512_set1_ps(-126.0f), _mm512_load_ps(dm + r)));
+        const __m512 l = _mm512_fmadd_ps(_mm512_loadu_ps(B->l + r), a, _mm512_load_ps(rs + r));
+        _mm512_storeu_ps(B->l + r, l);
+        _mm512_storeu_ps(B->alpha + r, a);
+        const __m512 m = _mm512_loadu_ps(B->m + r);
+        _mm512_storeu_ps(B->m + r, _mm512_mask_mov_ps(m, _mm512_cmp_ps_mask(l, l, _CMP_UNORD_Q), l));
+    }
+    /* O = O alpha + P V: tiles 4-5 P, 6-7 V, 0-3 two 16-column slices of the 32 rows, summed over
+     * the seen sub-blocks inside the tiles */
+    for (int jc = 0; jc < nj; jc += 2) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int u = 0; u < ns; u++) {
+            if (!seen[u]) continue;
+            const uint16_t *vt = vp + (size_t)(u0 + u) * vstride;
+            _tile_loadd(4, X->pbuf + SB * u, KB * 2);
+            _tile_loadd(5, X->pbuf + 16 * KB + SB * u, KB * 2);
+            _tile_loadd(6, vt + (size_t)jc * TILE, 64);
+            _tile_loadd(7, vt + (size_t)(jc + 1) * TILE, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, X->obuf + 16 * jc, Dvp * 4);
+        _tile_stored(1, X->obuf + 16 * jc + 16, Dvp * 4);
+        _tile_stored(2, X->obuf + 16 * Dvp + 16 * jc, Dvp * 4);
+        _tile_stored(3, X->obuf + 16 * Dvp + 16 * jc + 16, Dvp * 4);
+    }
+    for (int r = 0; r < B->nr; r++) {
+        const __m512 a = _mm512_set1_ps(B->alpha[r]);
+        float *o = B->acc + r * Dvp;
+        const float *x = X->obuf + r * Dvp;
+        for (int d = 0; d < Dvp; d += 16)
+            _mm512_store_ps(o + d, _mm512_fmadd_ps(_mm512_load_ps(o + d), a, _mm512_load_ps(x + d)));
+    }
+}
+
+/* One work item: G blocks of 32 rows of (b, h) over the keys of every piece they are in. The blocks take
+ * each step of KB keys in turn, so the step's packed keys and values are read from memory once for
+ * G x 32 rows (at 16k keys a head's packed keys and values, 4 MiB, outgrow a core's L2). */
+static void item(const job_t *J, long long w) {
+    const long long nqg = (J->nqb + G - 1) / G, qg = w % nqg, bh = w / nqg;
+    const int b = (int)(bh / J->Hq), h = (int)(bh % J->Hq), hk = h / (J->Hq / J->Hkv);
+    const int Dp = J->Dp, Dvp = J->Dvp;
+    uint16_t qbuf[G][QB * Dp] __attribute__((aligned(64)));
+    float acc[G][QB * Dvp] __attribute__((aligned(64)));
+    scratch_t X;  /* 80 KB */
+    rows_t blocks[G];
+    int nb = 0;
+    for (int g = 0; g < G; g++) {
+        const long long i0 = (qg * G + g) * QB;
+        if (i0 >= J->L) break;
+        rows_t *B = &blocks[nb++];
+        B->i0 = i0;
+        B->nr = (int)(J->L - i0 < QB ? J->L - i0 : QB);
+        B->qbuf = qbuf[g];
+        B->acc = acc[g];
+        const uint16_t *q = J->q + b * J->sqb + h * J->sqh + i0 * J->sqn;
+        for (int r = 0; r < QB; r++) {
+            memset(B->qbuf + r * Dp, 0, sizeof(uint16_t) * Dp);
+            if (r < B->nr) memcpy(B->qbuf + r * Dp, q + r * J->sqn, sizeof(uint16_t) * J->D);
+            B->m[r] = -INFINITY;
+            B->l[r] = 0.0f;
+        }
+        memset(B->acc, 0, sizeof(float) * QB * Dvp);
+    }
+    memset(X.pbuf, 0, sizeof(X.pbuf));
+    const long long i0 = blocks[0].i0, i1 = blocks[nb - 1].i0 + blocks[nb - 1].nr;
+    const uint16_t *kp = J->kp + (size_t)(b * J->Hkv + hk) * J->nkb * kpack_size(J);
+    const uint16_t *vp = J->vp + (size_t)(b * J->Hkv + hk) * J->nkb * vpack_size(J);
     for (int pi = 0; pi < J->np; pi++) {
         const piece_t *P = J->pieces + pi;
-        const long long ra = P->q0 > i0 ? P->q0 : i0, rb = P->q1 < i0 + nr ? P->q1 : i0 + nr;
+        const long long ra = P->q0 > i0 ? P->q0 : i0, rb = P->q1 < i1 ? P->q1 : i1;
         if (ra >= rb) continue;
-        const long long ka = P->k0;
-        long long kz = P->k1;  /* past the last key any row of this item sees in the piece */
+        long long kz = P->k1;
         if (P->causal && P->k0 + (rb - P->q0) < kz) kz = P->k0 + (rb - P->q0);
-        if (ka >= kz) continue;
+        if (P->k0 >= kz) continue;
         const float *pm = P->mask ? (const float *)(intptr_t)P->mask + b * P->mb + h * P->mh : NULL;
         const float *ps = P->shift ? (const float *)(intptr_t)P->shift + b * P->sb + h * P->sh : NULL;
-        const long long uend = (kz + SB - 1) / SB;
-        for (long long u0 = ka / SB; u0 < uend; u0 += NS) {
-            const int ns = (int)(uend - u0 < NS ? uend - u0 : NS);
-            const long long j0 = u0 * SB;
-            int seen[NS], nseen = 0;
-            /* S = Q K^T for each sub-block a row may see: tiles 0-3 the 2 x 2 blocks of 16 rows x 16 keys,
-             * 4-5 Q, 6-7 K */
-            for (int u = 0; u < NS; u++) {
-                const long long js = j0 + u * SB;
-                seen[u] = u < ns && (!pm || block_seen(pm, P->ml, ra - P->q0, rb - P->q0, js - P->k0, ka - js, kz - js));
-                if (!seen[u]) continue;
-                nseen++;
-                const uint16_t *kt = kp + (size_t)(u0 + u) * kstride;
-                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                for (int c = 0; c < nc; c++) {
-                    _tile_loadd(4, qbuf + 32 * c, Dp * 2);
-                    _tile_loadd(5, qbuf + 16 * Dp + 32 * c, Dp * 2);
-                    _tile_loadd(6, kt + (size_t)(2 * c) * TILE, 64);
-                    _tile_loadd(7, kt + (size_t)(2 * c + 1) * TILE, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
-                _tile_stored(0, sbuf + SB * u, KB * 4);
-                _tile_stored(1, sbuf + SB * u + 16, KB * 4);
-                _tile_stored(2, sbuf + 16 * KB + SB * u, KB * 4);
-                _tile_stored(3, sbuf + 16 * KB + SB * u + 16, KB * 4);
-            }
-            if (!nseen) continue;
-            /* the online softmax, row by row, over the step's seen sub-blocks (16 keys a vector), in base
-             * 2: y = s log2 e, m the running max of y, l = sum 2^(y - m); a NaN score (or +inf) makes the
-             * row NaN */
-            int any = 0;
-            for (int r = 0; r < nr; r++) {
-                const long long i = i0 + r;
-                if (i < ra || i >= rb) {  /* not a row of this piece: no P, nothing to rescale */
-                    alpha[r] = 1.0f;
-                    for (int u = 0; u < ns; u++)
-                        if (seen[u]) _mm512_store_si512(pbuf + r * KB + SB * u, _mm512_setzero_si512());
-                    continue;
-                }
-                long long kr = kz;  /* past the row's last key */
-                if (P->causal && P->k0 + (i - P->q0) + 1 < kr) kr = P->k0 + (i - P->q0) + 1;
-                const float *mr = pm ? pm + (i - P->q0) * P->ml - P->k0 : NULL;  /* at key j: mr[j] */
-                const __m512 shift = ps ? _mm512_set1_ps(ps[i - P->q0] * 1.44269504088896341f) : _mm512_setzero_ps();
-                __m512 y[2 * NS];
-                __mmask16 vis[2 * NS], bad = 0;
-                __m512 mx = ninf;
-                for (int x = 0; x < 2 * ns; x++) {
-                    vis[x] = 0;
-                    if (!seen[x / 2]) continue;
-                    const long long jx = j0 + 16 * x;
-                    vis[x] = lanes(ka - jx, kr - jx);
-                    __m512 t = _mm512_load_ps(sbuf + r * KB + 16 * x);
-                    t = J->cap > 0.0f ? _mm512_mul_ps(softcap16(_mm512_mul_ps(t, scale), J->cap), log2e)
-                                      : _mm512_mul_ps(t, scale2);
-                    if (mr) t = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(vis[x], mr + jx), log2e, t);
-                    if (ps) t = _mm512_add_ps(t, shift);
-                    bad |= _mm512_mask_cmp_ps_mask(vis[x], t, t, _CMP_UNORD_Q);
-                    y[x] = _mm512_mask_blend_ps(vis[x], ninf, t);
-                    mx = _mm512_max_ps(mx, y[x]);
-                }
-                const float bm = _mm512_reduce_max_ps(mx);
-                if (bad || bm == INFINITY || isnan(m[r])) {  /* the row is NaN from here on (out and lse) */
-                    m[r] = l[r] = alpha[r] = NAN;
-                    any = 1;
-                    for (int u = 0; u < ns; u++)
-                        if (seen[u]) _mm512_store_si512(pbuf + r * KB + SB * u, _mm512_setzero_si512());
-                    continue;
-                }
-                const float mn = bm > m[r] ? bm : m[r];
-                if (mn == -INFINITY) {  /* nothing seen yet: no P, nothing to rescale */
-                    alpha[r] = 1.0f;
-                    for (int u = 0; u < ns; u++)
-                        if (seen[u]) _mm512_store_si512(pbuf + r * KB + SB * u, _mm512_setzero_si512());
-                    continue;
-                }
-                any = 1;
-                const float a = m[r] == -INFINITY ? 0.0f : exp2f(m[r] - mn);
-                const __m512 mv = _mm512_set1_ps(mn);
-                __m512 sum = _mm512_setzero_ps();
-                for (int u = 0; u < ns; u++) {
-                    if (!seen[u]) continue;
-                    const __m512 p0 = exp2_16(vis[2 * u], _mm512_sub_ps(y[2 * u], mv));
-                    const __m512 p1 = exp2_16(vis[2 * u + 1], _mm512_sub_ps(y[2 * u + 1], mv));
-                    sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-                    _mm512_store_si512(pbuf + r * KB + SB * u, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-                }
-                l[r] = l[r] * a + _mm512_reduce_add_ps(sum);
-                m[r] = mn;
-                alpha[r] = a;
-            }
-            if (!any) continue;
-            /* O = O alpha + P V: tiles 4-5 P, 6-7 V, 0-3 two 16-column slices of the 32 rows, summed over
-             * the seen sub-blocks inside the tiles */
-            for (int jc = 0; jc < nj; jc += 2) {
-                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                for (int u = 0; u < ns; u++) {
-                    if (!seen[u]) continue;
-                    const uint16_t *vt = vp + (size_t)(u0 + u) * vstride;
-                    _tile_loadd(4, pbuf + SB * u, KB * 2);
-                    _tile_loadd(5, pbuf + 16 * KB + SB * u, KB * 2);
-                    _tile_loadd(6, vt + (size_t)jc * TILE, 64);
-                    _tile_loadd(7, vt + (size_t)(jc + 1) * TILE, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
-                _tile_stored(0, obuf + 16 * jc, Dvp * 4);
-                _tile_stored(1, obuf + 16 * jc + 16, Dvp * 4);
-                _tile_stored(2, obuf + 16 * Dvp + 16 * jc, Dvp * 4);
-                _tile_stored(3, obuf + 16 * Dvp + 16 * jc + 16, Dvp * 4);
-            }
-            for (int r = 0; r < nr; r++) {
-                const __m512 a = _mm512_set1_ps(alpha[r]);
-                float *o = acc + r * Dvp;
-                const float *x = obuf + r * Dvp;
-                for (int d = 0; d < Dvp; d += 16)
-                    _mm512_store_ps(o + d, _mm512_fmadd_ps(_mm512_load_ps(o + d), a, _mm512_load_ps(x + d)));
-            }
-        }
+        for (long long u0 = P->k0 / SB; u0 * SB < kz; u0 += NS)
+            for (int g = 0; g < nb; g++) step(J, P, &blocks[g], &X, u0, kp, vp, pm, ps);
     }
     /* out = O / l, lse = m + log l; a row that saw no key: 0 and -inf */
     const int Dv = J->Dv;
-    for (int r = 0; r < nr; r++) {
-        const size_t row = (size_t)(bh * J->L + i0 + r);
-        const int empty = m[r] == -INFINITY && l[r] == 0.0f;
-        const __m512 inv = _mm512_set1_ps(empty ? 0.0f : 1.0f / l[r]);
-        J->lse[row] = empty ? -INFINITY : (m[r] + log2f(l[r])) * 0.69314718055994531f;
-        for (int d = 0; d < Dv; d += 16) {
-            const __mmask16 k = first(Dv - d);
-            const __m512 y = _mm512_mul_ps(_mm512_load_ps(acc + r * Dvp + d), inv);
-            if (J->out_bf16)
-                _mm256_mask_storeu_epi16((uint16_t *)J->out + row * Dv + d, k, (__m256i)_mm512_cvtneps_pbh(y));
-            else
-                _mm512_mask_storeu_ps((float *)J->out + row * Dv + d, k, y);
+    for (int g = 0; g < nb; g++) {
+        const rows_t *B = &blocks[g];
+        for (int r = 0; r < B->nr; r++) {
+            const size_t row = (size_t)(bh * J->L + B->i0 + r);
+            const int empty = B->m[r] == -INFINITY && B->l[r] == 0.0f;
+            const __m512 inv = _mm512_set1_ps(empty ? 0.0f : 1.0f / B->l[r]);
+            J->lse[row] = empty ? -INFINITY : (B->m[r] + log2f(B->l[r])) * 0.69314718055994531f;
+            for (int d = 0; d < Dv; d += 16) {
+                const __mmask16 k = first(Dv - d);
+                const __m512 y = _mm512_mul_ps(_mm512_load_ps(B->acc + r * Dvp + d), inv);
+                if (J->out_bf16)
+                    _mm256_mask_storeu_epi16((uint16_t *)J->out + row * Dv + d, k, (__m256i)_mm512_cvtneps_pbh(y));
+                else
+                    _mm512_mask_storeu_ps((float *)J->out + row * Dv + d, k, y);
+            }
         }
     }
 }
@@ -403,7 +456,7 @@ int kf_prefill(const uint16_t *q, const uint16_t *k, const uint16_t *v,
     J.kp = aligned_alloc(64, sizeof(uint16_t) * (size_t)blocks * kpack_size(&J));
     J.vp = aligned_alloc(64, sizeof(uint16_t) * (size_t)blocks * vpack_size(&J));
     if (!J.kp || !J.vp) { free(J.kp); free(J.vp); return -2; }
-    const long long items = (long long)B * Hq * J.nqb;
+    const long long items = (long long)B * Hq * ((J.nqb + G - 1) / G);
     if (threads < 1) threads = 1;
     tilecfg_t cfg;
     memset(&cfg, 0, sizeof(cfg));
@@ -411,12 +464,15 @@ int kf_prefill(const uint16_t *q, const uint16_t *k, const uint16_t *v,
     for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
     #pragma omp parallel num_threads(threads)
     {
+        const unsigned csr = _mm_getcsr();
+        _mm_setcsr(csr | 0x8000);  /* flush to zero: P underflowing costs no microcode assist */
         #pragma omp for schedule(static)
         for (long long t = 0; t < blocks; t++) pack(&J, t);
         _tile_loadconfig(&cfg);
         #pragma omp for schedule(dynamic, 1)
         for (long long w = 0; w < items; w++) item(&J, w);
         _tile_release();
+        _mm_setcsr(csr);
     }
     free(J.kp);
     free(J.vp);

@@ -45,10 +45,12 @@ def test_bfloat16_is_not_widened(monkeypatch):
 def _spy_chunks(monkeypatch):
     """Count the calls that went by float32 chunks; chunks of 256 keys (the floor) from here on. The
     native decode kernel, which takes such calls first where it is built, is set aside: this is the
-    path of machines without it (tests/kernels/test_native.py holds the kernel to the rule)."""
+    path of machines without it (tests/kernels/test_native.py holds the kernel to the rule), and so is
+    the prefill kernel."""
     calls = []
     real = cpu._by_chunks
     monkeypatch.setattr(cpu, "NATIVE_ROWS", 0)
+    monkeypatch.setattr(cpu, "_prefill_may", lambda *a: False)
     monkeypatch.setattr(cpu, "CHUNK_BYTES", 1)
     monkeypatch.setattr(cpu, "_by_chunks", lambda *a: calls.append(a[1].shape[2]) or real(*a))
     return calls

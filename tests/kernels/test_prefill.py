@@ -39,7 +39,8 @@ def _doc_mask(b, h, q, k):
 
 
 VARIANTS = {  # name: attention keywords
-    "full": dict(mask=kf.full()),  # (no mask at all is one call of the fused op: test_routing)
+    "dense": {},
+    "full": dict(mask=kf.full()),
     "causal": dict(mask=kf.causal()),
     "window": dict(mask=kf.causal() & kf.window(40)),
     "window+sinks": dict(mask=kf.causal() & (kf.window(40) | kf.sinks(4))),
@@ -61,7 +62,7 @@ def test_every_variant_holds_the_rule_on_the_prefill_kernel(name, block):
     _ran(lambda: assert_forward_by_rule(q, k, v, block_size=block, **VARIANTS[name]))
 
 
-@pytest.mark.parametrize("name", ["full", "window+sinks", "documents", "alibi+causal", "softcap"])
+@pytest.mark.parametrize("name", ["dense", "full", "window+sinks", "documents", "alibi+causal", "softcap"])
 def test_gradients_hold_the_rule_after_the_prefill_forward(name):
     """The backward (the fused op's, or the tile kernel's for a softcap) reads the kernel's out and lse."""
     q, k, v = _qkv(N=160)
@@ -87,7 +88,7 @@ SHAPES = {  # B, Hq, Hkv, Nq, Nk, D, Dv
 def test_shapes_hold_the_rule(shape, mask):
     B, Hq, Hkv, Nq, Nk, D, Dv = SHAPES[shape]
     q, k, v = _qkv(B, Hq, Nq, D, Hkv=Hkv, Nk=Nk, Dv=Dv)
-    m = {None: kf.full(), "causal": kf.causal(), "window": kf.causal() & kf.window(17)}[mask]
+    m = {None: None, "causal": kf.causal(), "window": kf.causal() & kf.window(17)}[mask]
     _ran(lambda: assert_forward_by_rule(q, k, v, mask=m, q_offset=max(Nk - Nq, 0)))
 
 
@@ -189,6 +190,17 @@ def test_a_nan_or_infinite_score_reaches_its_row(bad):
         assert torch.equal(out[0, other], clean[0][0, other])
 
 
+@pytest.mark.parametrize("score", [None, "softcap", "alibi"])
+def test_a_row_with_one_key_gets_its_value_exactly(score):
+    """Its P is 1 exactly (the row's largest score minus the max is exactly 0, and 2^0 = 1 in the
+    kernel's polynomial), so out is the key's value, as a convex combination of one value must be. A
+    first version fused the scaling into the subtraction and gave v (1 + 2e-7)."""
+    q, k, v = _qkv(N=5, Nk=1)
+    sc = {None: None, "softcap": kf.softcap(3.0), "alibi": kf.alibi(kf.alibi_slopes(2))}[score]
+    st = _ran(lambda: kf.attend(q, k, v, mask=kf.causal(), q_offset=0, score=sc))
+    assert torch.equal(st.out, v.float().expand_as(st.out))
+
+
 def test_a_softcap_is_computed_in_the_tile():
     """softcap in bfloat16 runs on the kernel (Backend.AUTO) and holds the rule; with its cap large
     it is the plain call."""
@@ -219,7 +231,6 @@ def test_routing():
     assert not cpu._prefill_may(q, k, v, kf.kernels._common.Problem(None, fn, 0.125, 0, 0))
     assert not cpu._prefill_may(q, k, v, kf.kernels._common.Problem(None, None, 0.125, 0, 0, dropout_p=0.1))
     before = native.prefill_calls
-    kf.attention(q, k, v)  # no mask, no score: one call of the fused op, SDPA's own path
     kf.attention(q, k, v, score=kf.softcap(3.0), backend=kf.Backend.TILES)
     kf.attention(q, k, v, score=lambda s, b, h, qp, kp: s * 0.5)
     assert native.prefill_calls == before
