@@ -1,4 +1,6 @@
-"""Pieces through PyTorch's fused CPU flash kernel, merged in float32.
+"""Pieces through PyTorch's fused CPU flash kernel, merged in float32; bfloat16 plans on CPUs with
+AMX through keyfold's prefill kernel instead (:func:`prefill`, ``native.prefill``), and decoding steps
+over 16-bit caches through its decode kernel (``native.run``).
 
 ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` returns ``(out, logsumexp)``,
 which is exactly a partial State. It is a private op, so we check for it at import; if a torch

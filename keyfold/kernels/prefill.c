@@ -4,8 +4,9 @@
  * tile (-inf hides a pair), with an optional per-row shift (a separable bias's row term); a softcap may
  * apply to every score. Pieces never share a (row, key) pair.
  *
- * It is FlashAttention's forward on AMX tiles. A work item is 32 query rows of one (batch, head); it
- * runs one online softmax over the keys of every piece its rows are in, KB keys a step:
+ * It is FlashAttention's forward on AMX tiles. A work item is G blocks of 32 query rows of one (batch,
+ * head); each block runs one online softmax over the keys of every piece its rows are in, KB keys a
+ * step, the G blocks one after another on each step (so the step's keys are read once for G x 32 rows):
  *   S = Q K^T     AMX (tdpbf16ps), bfloat16 products summed in float32, K packed to the tile's pairs;
  *   softmax       AVX-512 in float32: scale, softcap, mask, running max m, sum l, P = 2^(y - m) in
  *                 base 2 (y = s log2 e);
@@ -37,7 +38,7 @@
 #define KF_AMX 1
 #endif
 
-#define QB 32          /* query rows per work item */
+#define QB 32          /* query rows per block (two 16-row tiles) */
 #define SB 32          /* keys per sub-block: one tile step, the unit packed and skipped */
 #define NS 8           /* sub-blocks per block of the online softmax */
 #define KB (SB * NS)   /* keys per step of the online softmax */
@@ -134,7 +135,7 @@ static void pack(const job_t *J, long long t) {
 
 /* cap * tanh(s / cap). For |y| = |s / cap| >= 1/4, tanh |y| = (1 - e^-2|y|) / (1 + e^-2|y|), where 1 - e^-2|y|
  * >= 0.39 loses no more than a few ulp; below 1/4 its odd Taylor polynomial to y^9 (the next term is
- * under 1e-8 relative there), so the error stays relative to the score for any cap (the quotient alone
+ * about 1.5e-8 relative at 1/4), so the error stays relative to the score for any cap (the quotient alone
  * would leave an absolute error of about cap * 2^-24: 0.06 for a cap of 1e6). */
 static inline __m512 softcap16(__m512 s, float cap) {
     const __m512 y = _mm512_mul_ps(s, _mm512_set1_ps(1.0f / cap));
