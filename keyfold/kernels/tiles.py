@@ -79,21 +79,31 @@ def _bounds_cached(q, piece, pb: Problem, plan: Plan, dtype):
     return bounds
 
 
+#: The largest cap that takes the sigmoid form of :func:`_softcap_`. Its absolute score error,
+#: ~cap * 2^-24, must stay far below the rounding of a 16-bit score of size 1 (2^-11 for float16):
+#: at cap 1e6 it was 0.06, and float16 softcap broke the correctness rule 90-fold (0.106 against the
+#: plain implementation's 0.0012), with no error raised. Larger caps take torch.tanh.
+SIGMOID_CAP_MAX = 256.0
+
+
 def _sigmoid_softcap(q, pb: Problem) -> float | None:
-    """The cap when the score is exactly ``softcap(cap)`` on 16-bit CPU inputs: there the scores take
-    the sigmoid form of :func:`_softcap_`; None otherwise (``score.apply_``, with torch.tanh)."""
+    """The cap when the score is exactly ``softcap(cap)`` with ``cap <= SIGMOID_CAP_MAX`` on 16-bit CPU
+    inputs: there the scores take the sigmoid form of :func:`_softcap_`; None otherwise
+    (``score.apply_``, with torch.tanh)."""
     if pb.score is None or not q.is_cpu or q.dtype not in (torch.bfloat16, torch.float16):
         return None
     spec = pb.score.spec()
-    return spec[1]["cap"] if spec is not None and spec[0] is ScoreKind.SOFTCAP else None
+    if spec is None or spec[0] is not ScoreKind.SOFTCAP or spec[1]["cap"] > SIGMOID_CAP_MAX:
+        return None
+    return spec[1]["cap"]
 
 
 def _softcap_(raw, cap: float):
     """``cap * tanh(raw / cap)`` as ``cap * (2 sigmoid(2 raw / cap) - 1)``, in place: a CPU's vector
     sigmoid runs ~5x faster than its tanh (measured: 0.52 ms against 2.65 ms on 1M float32). Near 0 the
     subtraction leaves an absolute error of ~cap * 2^-24 in the score, far below the rounding of
-    16-bit scores (2^-9 relative for bfloat16) that the correctness rule's naive implementation has,
-    so only 16-bit inputs take this form. Forward and backward both compute P from it, so a row with
+    16-bit scores (2^-9 relative for bfloat16) that the correctness rule's naive implementation has
+    for caps up to :data:`SIGMOID_CAP_MAX`, so only 16-bit inputs with such caps take this form. Forward and backward both compute P from it, so a row with
     one key gets P = 1 exactly."""
     return raw.mul_(2.0 / cap).sigmoid_().mul_(2.0 * cap).sub_(cap)
 
