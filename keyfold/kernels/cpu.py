@@ -358,13 +358,24 @@ def _softcap_of(pb: Problem) -> float | None:
     return spec[1]["cap"] if spec is not None and spec[0] is ScoreKind.SOFTCAP else None
 
 
+#: Softcaps the prefill kernel takes: it gets the cap as a float32 and computes s / cap under
+#: flush-to-zero, so a cap below ~1e-38 would arrive as 0 (no softcap) and one above ~1e37 would
+#: flush s / cap to 0; caps outside this range run on the tile kernel.
+PREFILL_CAPS = (1e-20, 1e20)
+
+
 def _prefill_may(q, k, v, pb: Problem) -> bool:
     """Whether a call runs on keyfold's prefill kernel (:func:`native.prefill`): bfloat16 on a CPU with
     AMX, more query rows than a decoding step (:data:`NATIVE_ROWS`, every head of a GQA group counted),
     a score that is additive (its tiles) or a softcap (computed in the kernel), no dropout."""
     if q.dtype is not torch.bfloat16 or q.shape[2] * (q.shape[1] // max(k.shape[1], 1)) <= NATIVE_ROWS:
         return False
-    if pb.dropout_p or not (pb.score is None or pb.score.additive or _softcap_of(pb) is not None):
+    if q.numel() == 0 or k.numel() == 0:  # an empty batch or no heads: nothing for the kernel to do
+        return False
+    cap = _softcap_of(pb)
+    if pb.dropout_p or not (pb.score is None or pb.score.additive or cap is not None):
+        return False
+    if cap is not None and not PREFILL_CAPS[0] <= cap <= PREFILL_CAPS[1]:
         return False
     return native.prefill_available() and native.prefill_takes(q, k, v) is None
 
@@ -383,12 +394,15 @@ def prefill(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State
         tile = _tile(piece, pb, q, False, g, memo, plan.tiles)
         k0, k1 = (piece.k0, piece.k1) if tile.cols is None else (piece.k0 + tile.cols[0], piece.k0 + tile.cols[1])
         mask, shift = tile.mask, tile.row_shift
-        if mask is not None and mask.shape[-1] != k1 - k0:  # a bias broadcast over the keys: the kernel reads them all
-            mask = mask.expand(*mask.shape[:-1], k1 - k0)
-        if mask is not None and mask.stride(-1) != 1 and mask.shape[-1] > 1:
+        if mask is not None and mask.shape[-1] == 1:  # the same for every key (a row-only mask or bias):
+            # a row shift, not a tile expanded to L x S (-inf hides the row, as in a tile)
+            shift = mask[..., 0] if shift is None else mask[..., 0] + shift
+            mask = None
+        if mask is not None and mask.stride(-1) != 1:
             mask = mask.contiguous()
         if shift is not None:
-            shift = shift.to(torch.float32).contiguous()
+            L = piece.q1 - piece.q0
+            shift = shift.to(torch.float32).expand(*shift.shape[:-1], L).contiguous()  # (B|1, H|1, L)
         tiles += [mask, shift]  # alive until the kernel returns
         rows.append(native.piece_row(piece.q0, piece.q1, k0, k1, piece.kind is PieceKind.CAUSAL, mask, shift))
     out, lse = native.prefill(q, k, v, pb.scale, rows, cap=_softcap_of(pb) or 0.0,

@@ -276,8 +276,8 @@ def piece_row(q0: int, q1: int, k0: int, k1: int, causal: bool, mask: torch.Tens
               shift: torch.Tensor | None = None) -> list[int]:
     """One piece as :func:`prefill` takes it: rows ``[q0, q1)`` see keys ``[k0, k1)``; ``causal``:
     row ``q0 + t`` sees keys ``k0 .. k0 + t``; ``mask`` a float32 additive ``(B|1, H|1, L|1, k1 - k0)``
-    tile with contiguous keys (-inf hides a pair); ``shift`` a float32 ``(1, H|1, L)`` row term added
-    to every score of the row. The tensors must outlive the call."""
+    tile with contiguous keys (-inf hides a pair); ``shift`` a float32 ``(B|1, H|1, L)`` contiguous row
+    term added to every score of the row. The tensors must outlive the call."""
     row = [q0, q1, k0, k1, int(causal)]
     if mask is not None:
         row += [mask.data_ptr(), *(mask.stride(i) if mask.shape[i] > 1 else 0 for i in range(3))]

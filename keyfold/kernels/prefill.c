@@ -8,8 +8,9 @@
  * head); each block runs one online softmax over the keys of every piece its rows are in, KB keys a
  * step, the G blocks one after another on each step (so the step's keys are read once for G x 32 rows):
  *   S = Q K^T     AMX (tdpbf16ps), bfloat16 products summed in float32, K packed to the tile's pairs;
- *   softmax       AVX-512 in float32: scale, softcap, mask, running max m, sum l, P = 2^(y - m) in
- *                 base 2 (y = s log2 e);
+ *   softmax       AVX-512 in float32: scale, softcap, mask, running max m, sum l, P = e^(y - m) as
+ *                 2^((y - m) log2 e) (scores stay in base e: a mask of -3e38, HF's finfo.min,
+ *                 would overflow to -inf in base 2);
  *   O += P V      AMX, P rounded to bfloat16 (as PyTorch's and oneDNN's CPU kernels do), V packed;
  * with O rescaled by 2^(m_old - m_new) in float32 between steps. So the pieces of one row are merged
  * inside the softmax, with no partial state in memory: a sliding window's sink keys and its band are
@@ -26,6 +27,7 @@
  * (kf_prefill_init). */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -158,8 +160,7 @@ static inline __m512 softcap16(__m512 s, float cap) {
 /* 2^x for x <= 0 on the lanes of `keep` (0 elsewhere): x = n + f with n = floor(x), f in [0, 1) by
  * vreduceps, 2^f by a degree-5 polynomial fitted to it with p(0) = 1 exactly (relative error below 1e-7;
  * a row's largest score gets P = 1, so a row with one key gives that key's value exactly), and 2^n by vscalefps
- * of x itself (it scales by 2^floor). The scores are kept in base 2 (scaled by log2 e) so that no
- * multiply by log2 e and no split of ln 2 are needed here. A result below float32's normal range is
+ * of x itself (it scales by 2^floor). A result below float32's normal range is
  * flushed to 0 (the kernel runs with MXCSR's flush-to-zero); NaN gives NaN. */
 static inline __m512 exp2_16(__mmask16 keep, __m512 x) {
     const __m512 f = _mm512_reduce_ps(x, 0x09);  /* x - floor(x): round down, no precision exception */
@@ -197,7 +198,7 @@ static int block_seen(const float *m, long long ml, long long r0, long long r1, 
 }
 
 /* The state of 32 query rows [i0, i0 + nr) in a work item: their q (zero past D and past nr), running
- * max m and sum l (base 2), the last step's rescale alpha, and O (float32, Dvp columns). */
+ * max m and sum l, the last step's rescale alpha, and O (float32, Dvp columns). */
 typedef struct {
     long long i0;
     int nr;
@@ -229,7 +230,7 @@ static void step(const job_t *J, const piece_t *P, rows_t *B, scratch_t *X, long
     const int Dp = J->Dp, Dvp = J->Dvp, nc = J->nc, nj = J->nj;
     const size_t kstride = kpack_size(J), vstride = vpack_size(J);
     const __m512 ninf = _mm512_set1_ps(-INFINITY), log2e = _mm512_set1_ps(1.44269504088896341f);
-    const __m512 scale = _mm512_set1_ps(J->scale), scale2 = _mm512_set1_ps(J->scale * 1.44269504088896341f);
+    const __m512 scale = _mm512_set1_ps(J->scale), floor2 = _mm512_set1_ps(-200.0f);
     int seen[NS], nseen = 0;
     /* S = Q K^T for each sub-block a row may see: tiles 0-3 the 2 x 2 blocks of 16 rows x 16 keys,
      * 4-5 Q, 6-7 K */
@@ -257,9 +258,9 @@ static void step(const job_t *J, const piece_t *P, rows_t *B, scratch_t *X, long
     }
     if (!nseen) return;
     /* the online softmax, row by row, over the step's seen sub-blocks (16 keys a vector), in base
-     * 2: y = s log2 e, m the running max of y, l = sum 2^(y - m). A NaN score reaches the max or the
+     * e: y the score, m the running max of y, l = sum e^(y - m). A NaN score reaches the max or the
      * sum, and +inf the max: either makes the row NaN */
-    /* per row: dm = m_old - m_new and the step's sum of P; alpha = 2^dm and l = l alpha + sum are
+    /* per row: dm = m_old - m_new and the step's sum of P; alpha = e^dm and l = l alpha + sum are
      * taken for all rows at once after the loop (a row that takes no part: dm = 0, sum = 0) */
     float dm[QB] __attribute__((aligned(64))), rs[QB] __attribute__((aligned(64)));
     for (int r = 0; r < QB; r++) dm[r] = rs[r] = 0.0f;
@@ -274,7 +275,7 @@ static void step(const job_t *J, const piece_t *P, rows_t *B, scratch_t *X, long
         long long kr = kz;  /* past the row's last key */
         if (P->causal && P->k0 + (i - P->q0) + 1 < kr) kr = P->k0 + (i - P->q0) + 1;
         const float *mr = pm ? pm + (i - P->q0) * P->ml - P->k0 : NULL;  /* at key j: mr[j] */
-        const __m512 shift = ps ? _mm512_set1_ps(ps[i - P->q0] * 1.44269504088896341f) : _mm512_setzero_ps();
+        const __m512 shift = ps ? _mm512_set1_ps(ps[i - P->q0]) : _mm512_setzero_ps();
         const int full = ka <= j0 && kr >= j0 + (long long)ns * SB;  /* the row sees every key of the step */
         __m512 y[2 * NS];
         __mmask16 vis[2 * NS];
@@ -287,12 +288,12 @@ static void step(const job_t *J, const piece_t *P, rows_t *B, scratch_t *X, long
             __m512 t = _mm512_load_ps(X->sbuf + r * KB + 16 * x);
             /* y rounded once here and kept: the row's largest y minus the max is exactly 0 (a product
              * fused into the later subtraction would not be) */
-            t = J->cap > 0.0f ? _mm512_mul_ps(softcap16(_mm512_mul_ps(t, scale), J->cap), log2e)
-                              : _mm512_mul_round_ps(t, scale2, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            t = J->cap > 0.0f ? softcap16(_mm512_mul_ps(t, scale), J->cap)
+                              : _mm512_mul_round_ps(t, scale, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             if (mr) {  /* a pair the mask hides (-inf) is out of vis: its P is exactly 0 */
                 const __m512 add = _mm512_maskz_loadu_ps(vis[x], mr + jx);
                 vis[x] &= _mm512_cmp_ps_mask(add, ninf, _CMP_NEQ_UQ);
-                t = _mm512_fmadd_ps(add, log2e, t);
+                t = _mm512_add_ps(t, add);
             }
             if (ps) t = _mm512_add_ps(t, shift);
             y[x] = t;
@@ -316,8 +317,10 @@ static void step(const job_t *J, const piece_t *P, rows_t *B, scratch_t *X, long
         __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
         for (int u = 0; u < ns; u++) {
             if (!seen[u]) continue;
-            const __m512 p0 = exp2_16(vis[2 * u], _mm512_sub_ps(y[2 * u], mv));
-            const __m512 p1 = exp2_16(vis[2 * u + 1], _mm512_sub_ps(y[2 * u + 1], mv));
+            /* e^(y - m) = 2^((y - m) log2 e), floored where the product overflows (a mask of -3e38) */
+            const __m512 x0 = _mm512_max_ps(floor2, _mm512_mul_ps(_mm512_sub_ps(y[2 * u], mv), log2e));
+            const __m512 x1 = _mm512_max_ps(floor2, _mm512_mul_ps(_mm512_sub_ps(y[2 * u + 1], mv), log2e));
+            const __m512 p0 = exp2_16(vis[2 * u], x0), p1 = exp2_16(vis[2 * u + 1], x1);
             sum[u & 1] = _mm512_add_ps(sum[u & 1], _mm512_add_ps(p0, p1));
             _mm512_store_si512(X->pbuf + r * KB + SB * u, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
         }
@@ -326,7 +329,7 @@ static void step(const job_t *J, const piece_t *P, rows_t *B, scratch_t *X, long
     }
     if (!any) return;
     for (int r = 0; r < QB; r += 16) {  /* a NaN sum makes the row NaN (m too: it stays NaN) */
-        const __m512 a = exp2_16(0xFFFF, _mm512_max_ps(_mm512_set1_ps(-126.0f), _mm512_load_ps(dm + r)));
+        const __m512 a = exp2_16(0xFFFF, _mm512_max_ps(floor2, _mm512_mul_ps(_mm512_load_ps(dm + r), log2e)));
         const __m512 l = _mm512_fmadd_ps(_mm512_loadu_ps(B->l + r), a, _mm512_load_ps(rs + r));
         _mm512_storeu_ps(B->l + r, l);
         _mm512_storeu_ps(B->alpha + r, a);
@@ -363,16 +366,23 @@ static void step(const job_t *J, const piece_t *P, rows_t *B, scratch_t *X, long
     }
 }
 
+/* A thread's scratch, from the heap (about 130 KiB at head size 64, 270 KiB at 256: more than a small
+ * thread stack holds): the step's buffers, then each block's q and O. */
+static size_t scratch_bytes(const job_t *J) {
+    return sizeof(scratch_t) + (size_t)G * QB * (J->Dp * sizeof(uint16_t) + J->Dvp * sizeof(float));
+}
+
 /* One work item: G blocks of 32 rows of (b, h) over the keys of every piece they are in. The blocks take
  * each step of KB keys in turn, so the step's packed keys and values are read from memory once for
- * G x 32 rows (at 16k keys a head's packed keys and values, 4 MiB, outgrow a core's L2). */
-static void item(const job_t *J, long long w) {
+ * G x 32 rows (at 16k keys a head's packed keys and values, 4 MiB, outgrow a core's L2). `mem`: the
+ * thread's scratch_bytes(J), 64-byte aligned. */
+static void item(const job_t *J, long long w, char *mem) {
     const long long nqg = (J->nqb + G - 1) / G, qg = w % nqg, bh = w / nqg;
     const int b = (int)(bh / J->Hq), h = (int)(bh % J->Hq), hk = h / (J->Hq / J->Hkv);
     const int Dp = J->Dp, Dvp = J->Dvp;
-    uint16_t qbuf[G][QB * Dp] __attribute__((aligned(64)));
-    float acc[G][QB * Dvp] __attribute__((aligned(64)));
-    scratch_t X;  /* 80 KB */
+    scratch_t *X = (scratch_t *)mem;
+    uint16_t *qbuf = (uint16_t *)(mem + sizeof(scratch_t));          /* G blocks of QB x Dp */
+    float *acc = (float *)(qbuf + (size_t)G * QB * Dp);               /* G blocks of QB x Dvp */
     rows_t blocks[G];
     int nb = 0;
     for (int g = 0; g < G; g++) {
@@ -381,8 +391,8 @@ static void item(const job_t *J, long long w) {
         rows_t *B = &blocks[nb++];
         B->i0 = i0;
         B->nr = (int)(J->L - i0 < QB ? J->L - i0 : QB);
-        B->qbuf = qbuf[g];
-        B->acc = acc[g];
+        B->qbuf = qbuf + (size_t)g * QB * Dp;
+        B->acc = acc + (size_t)g * QB * Dvp;
         const uint16_t *q = J->q + b * J->sqb + h * J->sqh + i0 * J->sqn;
         for (int r = 0; r < QB; r++) {
             memset(B->qbuf + r * Dp, 0, sizeof(uint16_t) * Dp);
@@ -392,7 +402,7 @@ static void item(const job_t *J, long long w) {
         }
         memset(B->acc, 0, sizeof(float) * QB * Dvp);
     }
-    memset(X.pbuf, 0, sizeof(X.pbuf));
+    memset(X->pbuf, 0, sizeof(X->pbuf));
     const long long i0 = blocks[0].i0, i1 = blocks[nb - 1].i0 + blocks[nb - 1].nr;
     const uint16_t *kp = J->kp + (size_t)(b * J->Hkv + hk) * J->nkb * kpack_size(J);
     const uint16_t *vp = J->vp + (size_t)(b * J->Hkv + hk) * J->nkb * vpack_size(J);
@@ -406,7 +416,7 @@ static void item(const job_t *J, long long w) {
         const float *pm = P->mask ? (const float *)(intptr_t)P->mask + b * P->mb + h * P->mh : NULL;
         const float *ps = P->shift ? (const float *)(intptr_t)P->shift + b * P->sb + h * P->sh : NULL;
         for (long long u0 = P->k0 / SB; u0 * SB < kz; u0 += NS)
-            for (int g = 0; g < nb; g++) step(J, P, &blocks[g], &X, u0, kp, vp, pm, ps);
+            for (int g = 0; g < nb; g++) step(J, P, &blocks[g], X, u0, kp, vp, pm, ps);
     }
     /* out = O / l, lse = m + log l; a row that saw no key: 0 and -inf */
     const int Dv = J->Dv;
@@ -416,10 +426,11 @@ static void item(const job_t *J, long long w) {
             const size_t row = (size_t)(bh * J->L + B->i0 + r);
             const int empty = B->m[r] == -INFINITY && B->l[r] == 0.0f;
             const __m512 inv = _mm512_set1_ps(empty ? 0.0f : 1.0f / B->l[r]);
-            J->lse[row] = empty ? -INFINITY : (B->m[r] + log2f(B->l[r])) * 0.69314718055994531f;
+            J->lse[row] = empty ? -INFINITY : B->m[r] + logf(B->l[r]);
             for (int d = 0; d < Dv; d += 16) {
                 const __mmask16 k = first(Dv - d);
-                const __m512 y = _mm512_mul_ps(_mm512_load_ps(B->acc + r * Dvp + d), inv);
+                /* an empty row is 0 even where a hidden key's NaN value reached O through a 0 in P */
+                const __m512 y = empty ? _mm512_setzero_ps() : _mm512_mul_ps(_mm512_load_ps(B->acc + r * Dvp + d), inv);
                 if (J->out_bf16)
                     _mm256_mask_storeu_epi16((uint16_t *)J->out + row * Dv + d, k, (__m256i)_mm512_cvtneps_pbh(y));
                 else
@@ -459,6 +470,9 @@ int kf_prefill(const uint16_t *q, const uint16_t *k, const uint16_t *v,
     if (!J.kp || !J.vp) { free(J.kp); free(J.vp); return -2; }
     const long long items = (long long)B * Hq * ((J.nqb + G - 1) / G);
     if (threads < 1) threads = 1;
+    const size_t per = (scratch_bytes(&J) + 63) / 64 * 64;
+    char *scratch = aligned_alloc(64, per * (size_t)threads);
+    if (!scratch) { free(J.kp); free(J.vp); return -2; }
     tilecfg_t cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette = 1;
@@ -470,13 +484,15 @@ int kf_prefill(const uint16_t *q, const uint16_t *k, const uint16_t *v,
         #pragma omp for schedule(static)
         for (long long t = 0; t < blocks; t++) pack(&J, t);
         _tile_loadconfig(&cfg);
+        char *mem = scratch + per * (size_t)omp_get_thread_num();
         #pragma omp for schedule(dynamic, 1)
-        for (long long w = 0; w < items; w++) item(&J, w);
+        for (long long w = 0; w < items; w++) item(&J, w, mem);
         _tile_release();
         _mm_setcsr(csr);
     }
     free(J.kp);
     free(J.vp);
+    free(scratch);
     return 0;
 #endif
 }

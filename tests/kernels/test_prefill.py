@@ -3,6 +3,8 @@ variant held to the rule against float64 through ``attention``, the pieces of a 
 kernel's softmax exactly as a whole, hidden and NaN rows right, and routed only where it runs."""
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -244,3 +246,87 @@ def test_refuses_what_it_cannot_take():
         native.prefill(q[..., :63], k[..., :63], v, 0.1, [native.piece_row(0, 32, 0, 32, False)])
     with pytest.raises(RuntimeError, match="refused"):  # a piece past the keys
         native.prefill(q, k, v, 0.1, [native.piece_row(0, 32, 0, 33, False)])
+
+
+def test_a_mask_of_finfo_min_is_a_bias_not_an_overflow():
+    """Hugging Face fills masks with torch.finfo(dtype).min (-3.4e38), a finite bias: a row masked so
+    everywhere sees its keys with lse near -3.4e38. Scaled to base 2 such a score overflowed to -inf in
+    a first version, which gave that row 0 and lse -inf, silently (found in review)."""
+    q, k, v = _qkv(N=64, Nk=100)
+    m = torch.zeros(1, 1, 64, 100, dtype=BF16)
+    m[:, :, 5, :] = torch.finfo(BF16).min  # every key of row 5
+    m[:, :, 9, 40:] = torch.finfo(BF16).min  # most keys of row 9
+    out, lse = _ran(lambda: kf.attention(q, k, v, mask=m, return_lse=True))
+    ref, ref_lse = kf.attention(q.double(), k.double(), v.double(), mask=m.double(), return_lse=True,
+                                backend=kf.Backend.REFERENCE)
+    naive = torch.softmax((q @ k.transpose(-1, -2) * 64 ** -0.5 + m).float(), -1).to(BF16) @ v
+    assert_close_by_rule(out, ref, naive, None)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=2e-6)
+
+
+def test_a_row_only_mask_is_a_row_shift_not_an_expanded_tile():
+    """A mask the same for every key ((B, H, L, 1): a bias or bool per row) reaches the kernel as a row
+    shift: nothing of size L x S is built (a first version expanded it, 4 bytes per pair), out is the
+    unmasked out where the row is visible, lse moves by the bias, and a hidden row is 0 / -inf."""
+    q, k, v = _qkv(N=100, Nk=120)
+    seen = []
+    real = native.prefill
+    def spy(*a, **kw):
+        seen.extend(a[4])
+        return real(*a, **kw)
+    g = torch.Generator().manual_seed(7)
+    bias = torch.randn(1, 2, 100, 1, generator=g)
+    bias[:, :, 3] = -math.inf
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(native, "prefill", spy)
+        out, lse = _ran(lambda: kf.attention(q, k, v, mask=bias, return_lse=True))
+    assert seen and all(row[5] == 0 and row[9] != 0 for row in seen)  # no mask tile; a row shift
+    plain, plain_lse = kf.attention(q, k, v, mask=kf.full(), return_lse=True)
+    rows = torch.ones(100, dtype=torch.bool)
+    rows[3] = False
+    assert torch.equal(out[:, :, rows], plain[:, :, rows])
+    torch.testing.assert_close(lse[:, :, rows], (plain_lse + bias[..., 0])[:, :, rows], atol=1e-5, rtol=1e-6)
+    assert bool((out[:, :, 3] == 0).all()) and bool((lse[:, :, 3] == -math.inf).all())
+
+
+def test_an_empty_row_is_zero_even_beside_a_nan_value():
+    """A NaN in v reaches O through a 0 in P (0 x NaN in the tile product); a row that sees no key is
+    still exactly 0 with lse -inf (found in review: it was NaN with lse -inf)."""
+    q, k, v = _qkv(N=64)
+    v = v.clone()
+    v[0, 0, 10] = float("nan")
+    m = torch.ones(64, 64, dtype=torch.bool)
+    m[7] = False
+    out, lse = _ran(lambda: kf.attention(q, k, v, mask=m, return_lse=True))
+    assert bool((out[0, 0, 7] == 0).all()) and lse[0, 0, 7] == -math.inf
+    assert bool(torch.isnan(out[0, 0, 0]).any())  # a row that sees the NaN value is NaN
+
+
+@pytest.mark.parametrize("cap", [1e-30, 1e30])
+def test_caps_beyond_float32_reach_stay_on_the_tile_kernel(cap):
+    """The kernel takes the cap as a float32 and divides by it under flush-to-zero: a cap of 1e-50
+    arrived as 0 (no softcap) and one of 1e38 flushed s / cap to 0 (found in review). Such caps run on
+    the tile kernel and hold the rule."""
+    q, k, v = _qkv(N=64)
+    assert not cpu._prefill_may(q, k, v, kf.kernels._common.Problem(None, kf.softcap(cap), 0.125, 0, 0))
+    before = native.prefill_calls
+    assert_forward_by_rule(q, k, v, mask=kf.causal(), score=kf.softcap(cap))
+    assert native.prefill_calls == before
+
+
+@pytest.mark.parametrize("kw", [{}, dict(mask=kf.causal()), dict(score=kf.softcap(5.0))])
+def test_an_empty_batch_gives_an_empty_output(kw):
+    q, k, v = (t[:0] for t in _qkv(N=64))
+    assert kf.attention(q, k, v, **kw).shape == (0, 2, 64, 64)
+
+
+def test_runs_on_a_thread_with_a_small_stack():
+    """Each thread's scratch (130-270 KiB) comes from the heap: a first version kept it on the stack
+    and crashed on a 128 KiB thread stack (musl's default; found in review)."""
+    code = ("import threading, torch, keyfold as kf\n"
+            "threading.stack_size(131072)\n"
+            "q = k = v = torch.randn(1, 2, 256, 256).bfloat16()\n"
+            "t = threading.Thread(target=lambda: kf.attention(q, k, v, mask=kf.causal()))\n"
+            "t.start(); t.join()\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
