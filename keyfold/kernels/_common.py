@@ -9,7 +9,7 @@ import torch
 
 from ..masks import Mask, grid_positions
 from ..planner import Piece, PieceKind
-from ..scores import ScoreMod
+from ..scores import ScoreKind, ScoreMod
 
 NEG_INF = float("-inf")
 
@@ -25,6 +25,12 @@ class Problem:
     kv_offset: int
     dropout_p: float = 0.0  # SDPA's attention dropout (TILES and REFERENCE paths)
     dropout_seed: int = 0   # the keep mask is a pure function of (seed, b, h, qp, kp): see dropout_keep
+
+
+def softcap_cap(pb: "Problem") -> float | None:
+    """The cap when the call's score is exactly ``softcap(cap)`` (nothing chained to it), else None."""
+    spec = pb.score.spec() if pb.score is not None else None
+    return spec[1]["cap"] if spec is not None and spec[0] is ScoreKind.SOFTCAP else None
 
 
 def positions(q: torch.Tensor, piece: Piece, pb: Problem):

@@ -22,10 +22,9 @@ from typing import NamedTuple
 import torch
 
 from ..planner import Piece, PieceKind, Plan
-from ..scores import ScoreKind
 from ..state import State, empty_state, merge_all, merge_into, state_dtype
 from . import native
-from ._common import NEG_INF, Problem, cpu_flags, empty_rows, positions, visible
+from ._common import NEG_INF, Problem, cpu_flags, empty_rows, positions, softcap_cap, visible
 
 __all__ = ["AVAILABLE", "dense", "forward", "prefill", "backward"]
 
@@ -345,18 +344,12 @@ def dense(q, k, v, scale: float, keep_dtype: bool = False) -> State:
     keep_dtype: out stays in the op's dtype (the input's, float32 for widened float16), for a
     caller that casts it to the input dtype anyway."""
     sd = state_dtype(q.dtype)
-    if q.shape[2] and k.shape[2] and _prefill_may(q, k, v, Problem(None, None, scale, 0, 0)):
+    if _prefill_may(q, k, v, Problem(None, None, scale, 0, 0)):
         out, lse = native.prefill(q, k, v, scale, [native.piece_row(0, q.shape[2], 0, k.shape[2], False)],
                                   out_dtype=q.dtype if keep_dtype else sd)
         return State(out, lse)
     out, lse = _op(q, k, v, False, None, scale)
     return State(out if out.dtype == sd or keep_dtype else out.to(sd), lse if lse.dtype == sd else lse.to(sd))
-
-
-def _softcap_of(pb: Problem) -> float | None:
-    """The cap when the call's score is exactly ``softcap(cap)``, else None."""
-    spec = pb.score.spec() if pb.score is not None else None
-    return spec[1]["cap"] if spec is not None and spec[0] is ScoreKind.SOFTCAP else None
 
 
 #: Softcaps the prefill kernel takes: it gets the cap as a float32 and computes s / cap under
@@ -373,7 +366,7 @@ def _prefill_may(q, k, v, pb: Problem) -> bool:
         return False
     if q.numel() == 0 or k.numel() == 0:  # an empty batch or no heads: nothing for the kernel to do
         return False
-    cap = _softcap_of(pb)
+    cap = softcap_cap(pb)
     if pb.dropout_p or not (pb.score is None or pb.score.additive or cap is not None):
         return False
     if cap is not None and not PREFILL_CAPS[0] <= cap <= PREFILL_CAPS[1]:
@@ -406,7 +399,7 @@ def prefill(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State
             shift = shift.to(torch.float32).expand(*shift.shape[:-1], L).contiguous()  # (B|1, H|1, L)
         alive += [mask, shift]  # the kernel reads them by address until it returns
         rows.append(native.piece_row(piece.q0, piece.q1, k0, k1, piece.kind is PieceKind.CAUSAL, mask, shift))
-    out, lse = native.prefill(q, k, v, pb.scale, rows, cap=_softcap_of(pb) or 0.0,
+    out, lse = native.prefill(q, k, v, pb.scale, rows, cap=softcap_cap(pb) or 0.0,
                               out_dtype=torch.bfloat16 if keep_dtype else torch.float32)
     return State(out, lse)
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 import torch
 
 from ..planner import Plan
-from ..scores import ScoreKind
 from ..state import State, empty_state, merge_into, state_dtype
-from ._common import NEG_INF, Problem, dropout_keep, positions, visible
+from ._common import NEG_INF, Problem, dropout_keep, positions, softcap_cap, visible
 
 __all__ = ["forward", "backward", "backward_with_score"]
 
@@ -90,12 +89,10 @@ def _sigmoid_softcap(q, pb: Problem) -> float | None:
     """The cap when the score is exactly ``softcap(cap)`` with ``cap <= SIGMOID_CAP_MAX`` on 16-bit CPU
     inputs: there the scores take the sigmoid form of :func:`_softcap_`; None otherwise
     (``score.apply_``, with torch.tanh)."""
-    if pb.score is None or not q.is_cpu or q.dtype not in (torch.bfloat16, torch.float16):
+    if not q.is_cpu or q.dtype not in (torch.bfloat16, torch.float16):
         return None
-    spec = pb.score.spec()
-    if spec is None or spec[0] is not ScoreKind.SOFTCAP or spec[1]["cap"] > SIGMOID_CAP_MAX:
-        return None
-    return spec[1]["cap"]
+    cap = softcap_cap(pb)
+    return cap if cap is not None and cap <= SIGMOID_CAP_MAX else None
 
 
 def _softcap_(raw, cap: float):
