@@ -102,17 +102,20 @@ class _Alibi(ScoreMod):
     def _per_batch(self) -> bool:
         return self.slopes.t.dim() == 2
 
-    def bias(self, b, h, qp, kp):
+    def bias(self, b, h, qp, kp, dtype: torch.dtype = torch.float32):
         # the distance in exact int64 arithmetic, then cast: float32 positions are exact only below 2^24
-        dist = (qp.long() - kp.long()).abs().float()
-        t = self.slopes.on(qp.device)
+        dist = (qp.long() - kp.long()).abs().to(dtype)
+        t = self.slopes.on(qp.device).to(dtype)
         # slopes broadcast over the head axis (a head slice holds its heads' slopes, see
         # keyfold.views.heads_slice); per-batch slopes are picked by b: (B|1, H, 1|L, 1)
         slopes = t[b.long()].movedim(-1, 1).squeeze(2) if self._per_batch() else t.view(1, -1, 1, 1)
         return -slopes * dist
 
     def apply(self, s, b, h, qp, kp):
-        return s + self.bias(b, h, qp, kp)
+        # float64 scores (the reference) get the bias in float64: in float32 a distance past 2^24 rounds,
+        # and a bias of -slope x 2^31 has an ulp of 32 (found in review: the reference was off by 1.9
+        # with every key 2^31 behind)
+        return s + self.bias(b, h, qp, kp, torch.float64 if s.dtype is torch.float64 else torch.float32)
 
     def separable(self, q0, q1, k0, k1, device):
         # Anchored at the tile's key r: -s|qp - kp| = -s|qp - r| + (-s|r - kp|) when every key is on one

@@ -510,3 +510,16 @@ def test_single_key_rows_with_an_lse_gradient_on_cpu():
         else:
             torch.testing.assert_close(got[0], a.grad), torch.testing.assert_close(got[1], b.grad)
             torch.testing.assert_close(got[2], c.grad)
+
+
+def test_the_float64_reference_takes_alibi_distances_past_2_to_the_24_exactly():
+    """The float64 reference took ALiBi's bias in float32: a distance past 2^24 rounded, and at -slope x
+    2^31 the bias's ulp is 32, so the 'reference' was off by 0.4 (2^25) to 1.9 (2^31) with every key that
+    far behind (found in review). Float64 scores now get the bias in float64."""
+    H = 4
+    slopes = kf.alibi_slopes(H)
+    q, k, v = (t.double() for t in _qkv(1, H, 300, 300, 16, seed=7))
+    for base in (2 ** 25, 2 ** 31 + 7):
+        out = kf.attention(q, k, v, score=kf.alibi(slopes), mask=kf.sinks(250), q_offset=base, kv_offset=0,
+                           backend=kf.Backend.REFERENCE)
+        assert max_err(out, _alibi_ref(q, k, v, slopes, base, 0, False, n_sinks=250)) < 1e-12
