@@ -125,7 +125,7 @@ class _Call:
         if self.backend is Backend.TRITON:
             from .kernels import triton as _triton
             return _triton.forward(q, k, v, self.plan, self.pb, fallback=self.auto)
-        if self.auto and q.is_cpu:  # a softcap in bfloat16 on AMX: the prefill kernel (None where it does not run)
+        if self.auto and q.is_cpu:  # a softcap: the prefill kernel (None where it does not run)
             st = _cpu.prefill(q, k, v, self.plan, self.pb, keep_dtype=in_dtype)
             if st is not None:
                 return st

@@ -1,6 +1,6 @@
-"""Pieces through PyTorch's fused CPU flash kernel, merged in float32; bfloat16 plans on CPUs with
-AMX through keyfold's prefill kernel instead (:func:`prefill`, ``native.prefill``), and decoding steps
-over 16-bit caches through its decode kernel (``native.run``).
+"""Pieces through PyTorch's fused CPU flash kernel, merged in float32; float32 plans (on CPUs with
+AVX-512) and bfloat16 ones (with AMX) through keyfold's prefill kernel instead (:func:`prefill`,
+``native.prefill``), and decoding steps over 16-bit caches through its decode kernel (``native.run``).
 
 ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` returns ``(out, logsumexp)``,
 which is exactly a partial State. It is a private op, so we check for it at import; if a torch
@@ -15,6 +15,7 @@ Facts about it that this module works around (measured, DESIGN.md section 7):
 
 from __future__ import annotations
 
+import math
 import platform
 import warnings
 from typing import NamedTuple
@@ -339,12 +340,13 @@ def _bias_needed(pb: Problem) -> bool:
 
 def dense(q, k, v, scale: float, keep_dtype: bool = False) -> State:
     """One fused call over every key, no mask: the op's (out, lse) is the whole state (the prefill
-    kernel's, for bfloat16 where it runs: 0.84-0.95x the op's time at 4k and 16k in a microbenchmark,
-    0.97-1.06x SDPA's in the standard bench, Intel Xeon with AMX).
+    kernel's where it runs: bfloat16 with AMX, float32 at head sizes up to
+    :data:`PREFILL_F32_DENSE_MAX_HEAD`).
     keep_dtype: out stays in the op's dtype (the input's, float32 for widened float16), for a
     caller that casts it to the input dtype anyway."""
     sd = state_dtype(q.dtype)
-    if _prefill_may(q, k, v, Problem(None, None, scale, 0, 0)):
+    if _prefill_may(q, k, v, Problem(None, None, scale, 0, 0), True):
+        q, k, v = _widen(q, k, v)
         out, lse = native.prefill(q, k, v, scale, [native.piece_row(0, q.shape[2], 0, k.shape[2], False)],
                                   out_dtype=q.dtype if keep_dtype else sd)
         return State(out, lse)
@@ -358,34 +360,48 @@ def dense(q, k, v, scale: float, keep_dtype: bool = False) -> State:
 PREFILL_CAPS = (1e-20, 1e20)
 
 
-def _prefill_may(q, k, v, pb: Problem) -> bool:
+#: float32 calls with no mask and no score (one piece of every pair) at head sizes above this stay on
+#: the fused op: it runs them at 0.94-0.98x the prefill kernel's time at D = 128 (4k keys, Intel Xeon
+#: with AMX), where every masked or causal plan is faster on the kernel (0.90-0.96x the op's).
+PREFILL_F32_DENSE_MAX_HEAD = 64
+
+
+def _prefill_may(q, k, v, pb: Problem, dense: bool = False) -> bool:
     """Whether a call runs on keyfold's prefill kernel (:func:`native.prefill`): bfloat16 on a CPU with
-    AMX, more query rows than a decoding step (:data:`NATIVE_ROWS`, every head of a GQA group counted),
-    a score that is additive (its tiles) or a softcap (computed in the kernel), no dropout."""
-    if q.dtype is not torch.bfloat16 or q.shape[2] * (q.shape[1] // max(k.shape[1], 1)) <= NATIVE_ROWS:
+    AMX, or float32 (float16 too, widened, where :data:`FP16_AS_FP32`) on one with AVX-512; more query
+    rows than a decoding step (:data:`NATIVE_ROWS`, every head of a GQA group counted), a score that is
+    additive (its tiles) or a softcap (computed in the kernel), no dropout. ``dense``: one piece of
+    every pair, no score (see :data:`PREFILL_F32_DENSE_MAX_HEAD`)."""
+    dt = torch.float32 if q.dtype is torch.float16 and FP16_AS_FP32 else q.dtype
+    if dt not in (torch.bfloat16, torch.float32) or q.shape[2] * (q.shape[1] // max(k.shape[1], 1)) <= NATIVE_ROWS:
         return False
     if q.numel() == 0 or k.numel() == 0:  # an empty batch or no heads: nothing for the kernel to do
+        return False
+    if dense and dt is torch.float32 and max(q.shape[-1], v.shape[-1]) > PREFILL_F32_DENSE_MAX_HEAD:
         return False
     cap = softcap_cap(pb)
     if pb.dropout_p or not (pb.score is None or pb.score.additive or cap is not None):
         return False
     if cap is not None and not PREFILL_CAPS[0] <= cap <= PREFILL_CAPS[1]:
         return False
-    return native.prefill_available() and native.prefill_takes(q, k, v) is None
+    return native.prefill_available(dt) and native.prefill_takes(q, k, v, dt) is None
 
 
 def prefill(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State | None:
     """Every piece of the plan in one call of the prefill kernel, or None where it does not run
     (:func:`_prefill_may`). The pieces' mask tiles (and a separable bias's row terms) are the ones the
     fused op would get; the kernel merges the pieces of a row inside its softmax, so nothing is merged
-    here, and out comes back in bfloat16 with ``keep_dtype`` (else float32)."""
-    if not _prefill_may(q, k, v, pb):
+    here, and out comes back in bfloat16 for bfloat16 inputs with ``keep_dtype`` (else float32)."""
+    dense = pb.score is None and len(plan.pieces) == 1 and plan.pieces[0].kind is PieceKind.FULL
+    if not _prefill_may(q, k, v, pb, dense):
         return None
+    q_orig = q
+    q, k, v = _widen(q, k, v)  # float16 on a CPU without its units: the float32 kernel
     memo: dict = {}
-    rows, alive = [], []
+    parts = []  # (piece, k0, k1, mask, shift)
     g = q.shape[1] // k.shape[1]
     for piece in plan.pieces:
-        tile = _tile(piece, pb, q, False, g, memo, plan.tiles)
+        tile = _tile(piece, pb, q_orig, False, g, memo, plan.tiles)
         k0, k1 = (piece.k0, piece.k1) if tile.cols is None else (piece.k0 + tile.cols[0], piece.k0 + tile.cols[1])
         mask, shift = tile.mask, tile.row_shift
         if mask is not None and mask.shape[-1] == 1:  # the same for every key (a row-only mask or bias):
@@ -394,14 +410,45 @@ def prefill(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State
             mask = None
         if mask is not None and mask.stride(-1) != 1:
             mask = mask.contiguous()
+        parts.append((piece, k0, k1, mask, shift))
+    base = _shift_base(parts, q.shape)
+    rows, alive = [], []
+    for piece, k0, k1, mask, shift in parts:
+        if base is not None:  # the row's base out of its shift: what enters the scores is small
+            shift = (0.0 if shift is None else shift.double()) - base[..., piece.q0:piece.q1]
         if shift is not None:
             L = piece.q1 - piece.q0
             shift = shift.to(torch.float32).expand(*shift.shape[:-1], L).contiguous()  # (B|1, H|1, L)
         alive += [mask, shift]  # the kernel reads them by address until it returns
         rows.append(native.piece_row(piece.q0, piece.q1, k0, k1, piece.kind is PieceKind.CAUSAL, mask, shift))
     out, lse = native.prefill(q, k, v, pb.scale, rows, cap=softcap_cap(pb) or 0.0,
-                              out_dtype=torch.bfloat16 if keep_dtype else torch.float32)
+                              out_dtype=torch.bfloat16 if keep_dtype and q.dtype is torch.bfloat16 else torch.float32)
+    if base is not None:
+        lse = (lse.double() + base).to(torch.float32)
     return State(out, lse)
+
+
+def _shift_base(parts, shape) -> torch.Tensor | None:
+    """The kernel adds a piece's row shift to every score of the row, inside one softmax over all
+    the row's pieces; a shift of -slope x 2^31 (ALiBi with every key far behind) added so would swamp
+    the scores in float32 (found in review: an error of 1.5 at 2^31). So each row's largest finite
+    shift (0 for a piece without one) is taken out of every piece's shift and added back to lse, as
+    the fused op's path adds a row term to lse only: ``(B|1, H|1, L)`` float64, or None where no piece
+    has a shift."""
+    shifts = [(piece, sh) for piece, _, _, _, sh in parts if sh is not None]
+    if not shifts:
+        return None
+    B = max(sh.shape[0] for _, sh in shifts)
+    H = max(sh.shape[1] for _, sh in shifts)
+    base = torch.full((B, H, shape[2]), -math.inf, dtype=torch.float64)
+    for piece, _, _, _, sh in parts:
+        rows = base[..., piece.q0:piece.q1]
+        if sh is None:
+            rows.clamp_(min=0.0)
+        else:
+            sh = sh.double()
+            torch.maximum(rows, sh.masked_fill(~torch.isfinite(sh), -math.inf), out=rows)
+    return base.masked_fill_(~torch.isfinite(base), 0.0)
 
 
 def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State:
@@ -416,7 +463,7 @@ def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State
     Dv = v.shape[-1]
     if Nq == 0 or k.shape[2] == 0:  # nothing to attend (the fused op dies of SIGFPE on an empty sequence)
         return empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
-    st = prefill(q, k, v, plan, pb, keep_dtype)  # bfloat16 on AMX: the whole plan in one call
+    st = prefill(q, k, v, plan, pb, keep_dtype)  # the prefill kernel: the whole plan in one call
     if st is not None:
         return st
     # a call whose plain pieces go by float32 chunks or to the native kernel is not widened as a whole

@@ -245,7 +245,8 @@ static void finish(const job_t *J) {
 }
 
 /* What this build compiled in: bit 0, bfloat16 keys dotted by vdpbf16ps (AVX-512-BF16); bit 1, the
- * prefill kernel on AMX tiles (prefill.c, built under the same condition). */
+ * prefill kernel's bfloat16 path on AMX tiles, bit 2 its float32 path on AVX-512 FMAs (prefill.c,
+ * built under the same conditions). */
 int kf_features(void) {
     int f = 0;
 #ifdef __AVX512BF16__
@@ -253,6 +254,9 @@ int kf_features(void) {
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
     f |= 2;
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+    f |= 4;  /* prefill.c's float32 path */
 #endif
     return f;
 }

@@ -1,5 +1,6 @@
 """keyfold's own CPU kernels, built on first use with the system C compiler: ``decode.c`` (a few query
-rows over a long cache, any CPU with AVX-512) and ``prefill.c`` (a whole plan in bfloat16 on AMX tiles).
+rows over a long cache, any CPU with AVX-512) and ``prefill.c`` (a whole plan: bfloat16 on AMX tiles,
+float32 on AVX-512 FMAs).
 
 Decoding reads every cached key and value once for a few query rows, so its limit is the memory
 bandwidth, not arithmetic. PyTorch's fused CPU op reaches that limit for a float32 cache but not
@@ -13,11 +14,12 @@ Used for pieces without mask or score whose few query rows (at most ``cpu.NATIVE
 of a GQA group counted) read at least :data:`MIN_KEYS` keys: a decoding step over a cache, a split-KV
 chunk, a cascade's shared prefix. Everything else stays on the fused op.
 
-``prefill.c`` runs every piece of a plan in one call on CPUs with AMX-BF16 (:func:`prefill_available`):
+``prefill.c`` runs every piece of a plan in one call (:func:`prefill_available` says for which dtype):
 one online softmax per 32 query rows over the keys of all the pieces they are in, scores and ``P @ V``
-on AMX tiles, the softmax in float32 AVX-512, 32 x 32 sub-blocks a mask hides skipped, a softcap
-computed in the tile. ``cpu.py`` routes bfloat16 calls to it (:func:`prefill`); the pieces' mask tiles
-are the ones the fused op would get.
+on AMX tiles in bfloat16 (CPUs with AMX-BF16) or on AVX-512 FMAs in float32, the softmax in float32
+AVX-512, 32 x 32 sub-blocks a mask hides skipped, a softcap computed in the tile. ``cpu.py`` routes
+bfloat16 and float32 calls to it (:func:`prefill`); the pieces' mask tiles are the ones the fused op
+would get.
 
 Built once per source, compiler flags and CPU into ``$KEYFOLD_CACHE`` (else
 ``$XDG_CACHE_HOME/keyfold``, else ``~/.cache/keyfold``): the file's name carries their hash, so an
@@ -137,7 +139,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.kf_decode.argtypes = [P, P, ctypes.c_float, P, P, I, LL, LL, LL, LL, LL, LL, I, I, I, I, I, LL, I, I, P, P]
     lib.kf_prefill_init.restype = I
     lib.kf_prefill.restype = I
-    lib.kf_prefill.argtypes = [P, P, P, *[LL] * 9, I, I, I, LL, LL, I, I, ctypes.c_float, ctypes.c_float, P, I, I, P,
+    lib.kf_prefill.argtypes = [P, P, P, I, *[LL] * 9, I, I, I, LL, LL, I, I, ctypes.c_float, ctypes.c_float, P, I, I, P,
                                P, I]
     return lib, f"built at {path}"
 
@@ -164,10 +166,15 @@ def bf16_dot() -> bool:
     return available() and bool(_lib.kf_features() & 1)
 
 
-def prefill_available() -> bool:
-    """Whether the prefill kernel runs here: built with AMX-BF16 (``-march=native`` on a CPU that has
-    it) and the tile registers granted to this process by the OS."""
+def prefill_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the prefill kernel runs ``dtype`` here: bfloat16 needs a build with AMX-BF16
+    (``-march=native`` on a CPU that has it) and the tile registers granted to this process by the
+    OS; float32 needs AVX-512 (F, BW, DQ). Other dtypes: False."""
     global _amx
+    if dtype is torch.float32:
+        return available() and bool(_lib.kf_features() & 4)
+    if dtype is not torch.bfloat16:
+        return False
     if _amx is None:
         _amx = available() and bool(_lib.kf_features() & 2) and _lib.kf_prefill_init() == 0
     return _amx
@@ -256,19 +263,20 @@ PREFILL_MAX_HEAD = 256
 PIECE_COLS = 12
 
 
-def prefill_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """None when :func:`prefill` can run these tensors, else what it cannot take."""
+def prefill_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype | None = None) -> str | None:
+    """None when :func:`prefill` can run these tensors (cast to ``dtype`` first, when given), else what
+    it cannot take."""
     if not (q.dim() == k.dim() == v.dim() == 4):
         return f"q, k, v must be 4-d (B, H, N, D); got {q.dim()}, {k.dim()}, {v.dim()} dims"
     if not (q.device.type == k.device.type == v.device.type == "cpu"):
         return f"CPU tensors only; got {q.device}, {k.device}, {v.device}"
-    if not (q.dtype == k.dtype == v.dtype == torch.bfloat16):
-        return f"bfloat16 q, k and v only; got {q.dtype}, {k.dtype}, {v.dtype}"
+    if not (q.dtype == k.dtype == v.dtype and (dtype or q.dtype) in (torch.bfloat16, torch.float32)):
+        return f"q, k and v all bfloat16 or all float32; got {q.dtype}, {k.dtype}, {v.dtype}"
     B, Hq, _, D = q.shape
     if k.shape[0] != B or v.shape[:3] != k.shape[:3] or k.shape[-1] != D or Hq % k.shape[1]:
         return f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match"
-    if D % 2 or max(D, v.shape[-1]) > PREFILL_MAX_HEAD:
-        return f"head sizes {D}/{v.shape[-1]}: q and k's even, both at most {PREFILL_MAX_HEAD}"
+    if (D % 2 and (dtype or q.dtype) is torch.bfloat16) or max(D, v.shape[-1]) > PREFILL_MAX_HEAD:
+        return f"head sizes {D}/{v.shape[-1]}: both at most {PREFILL_MAX_HEAD}, q and k's even in bfloat16"
     return None
 
 
@@ -293,24 +301,27 @@ def piece_row(q0: int, q1: int, k0: int, k1: int, causal: bool, mask: torch.Tens
 def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pieces: list[list[int]],
             cap: float = 0.0, out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of rows ``q (B, Hq, L, D)`` over ``k (B, Hkv, S, D)``, ``v (B, Hkv, S, Dv)``
-    (bfloat16, ``Hq`` a multiple of ``Hkv``) through the pieces (rows of :func:`piece_row`), a softcap
-    ``cap`` (0: none) on every score. out is ``out_dtype`` (bfloat16 or float32), lse float32; rows
-    no piece shows a key are 0 and -inf.
+    (all bfloat16 or all float32, ``Hq`` a multiple of ``Hkv``) through the pieces (rows of
+    :func:`piece_row`), a softcap ``cap`` (0: none) on every score. out is ``out_dtype`` (bfloat16 for
+    bfloat16 inputs, or float32), lse float32; rows no piece shows a key are 0 and -inf.
 
     Raises RuntimeError when the kernel is not available here or refuses the arguments."""
     global prefill_calls
-    if not prefill_available():
-        raise RuntimeError(f"keyfold's prefill kernel needs a CPU with AMX-BF16 and a native build: {why()}")
     refused = prefill_takes(q, k, v)
     if refused is not None:
         raise RuntimeError(f"native.prefill: {refused}; use the fused op for these")
+    if not prefill_available(q.dtype):
+        raise RuntimeError(f"keyfold's prefill kernel runs bfloat16 on a CPU with AMX-BF16 and float32 on one with "
+                           f"AVX-512, in a native build; not {q.dtype} here: {why()}")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     B, Hq, L, D = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
     table = torch.tensor(pieces, dtype=torch.int64).reshape(-1, PIECE_COLS)
     out = torch.empty(B, Hq, L, Dv, dtype=out_dtype)
     lse = torch.empty(B, Hq, L, dtype=torch.float32)
-    rc = _lib.kf_prefill(q.data_ptr(), k.data_ptr(), v.data_ptr(), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+    if out_dtype is torch.bfloat16 and q.dtype is not torch.bfloat16:
+        raise ValueError(f"native.prefill: out_dtype bfloat16 needs bfloat16 inputs (got {q.dtype}); pass float32")
+    rc = _lib.kf_prefill(q.data_ptr(), k.data_ptr(), v.data_ptr(), int(q.dtype is torch.bfloat16), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                          B, Hq, Hkv, L, S, D, Dv, scale, cap, table.data_ptr(), len(table),
                          int(out_dtype is torch.bfloat16), out.data_ptr(), lse.data_ptr(), torch.get_num_threads())
     prefill_calls += 1

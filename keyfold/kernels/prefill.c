@@ -1,30 +1,34 @@
-/* keyfold's bfloat16 prefill kernel for CPUs with AMX: the partial state (out, lse) of docs/math.md of a
- * whole plan at once. A plan is a list of pieces (planner.py): rows [q0, q1) see keys [k0, k1), every
- * pair, or under the causal flag (row q0 + t sees keys k0 .. k0 + t), or under an additive float mask
- * tile (-inf hides a pair), with an optional per-row shift (a separable bias's row term); a softcap may
- * apply to every score. Pieces never share a (row, key) pair.
+/* keyfold's prefill kernel: the partial state (out, lse) of docs/math.md of a whole plan at once, in
+ * bfloat16 on CPUs with AMX or in float32 on any CPU with AVX-512. A plan is a list of pieces
+ * (planner.py): rows [q0, q1) see keys [k0, k1), every pair, or under the causal flag (row q0 + t sees
+ * keys k0 .. k0 + t), or under an additive float mask tile (-inf hides a pair), with an optional
+ * per-row shift (a separable bias's row term); a softcap may apply to every score. Pieces never share
+ * a (row, key) pair.
  *
- * It is FlashAttention's forward on AMX tiles. A work item is G blocks of 32 query rows of one (batch,
- * head); each block runs one online softmax over the keys of every piece its rows are in, KB keys a
- * step, the G blocks one after another on each step (so the step's keys are read once for G x 32 rows):
- *   S = Q K^T     AMX (tdpbf16ps), bfloat16 products summed in float32, K packed to the tile's pairs;
+ * It is FlashAttention's forward. A work item is G blocks of 32 query rows of one (batch, head); each
+ * block runs one online softmax over the keys of every piece its rows are in, KB keys a step, the G
+ * blocks one after another on each step (so the step's keys are read once for G x 32 rows):
+ *   S = Q K^T     bfloat16: AMX (tdpbf16ps), products summed in float32, K packed to the tile's pairs;
+ *                 float32: AVX-512 FMAs on 8 x 32 register tiles, q pre-scaled, K packed transposed;
  *   softmax       AVX-512 in float32: scale, softcap, mask, running max m, sum l, P = e^(y - m) as
  *                 2^((y - m) log2 e) (scores stay in base e: a mask of -3e38, HF's finfo.min,
  *                 would overflow to -inf in base 2);
- *   O += P V      AMX, P rounded to bfloat16 (as PyTorch's and oneDNN's CPU kernels do), V packed;
- * with O rescaled by 2^(m_old - m_new) in float32 between steps. So the pieces of one row are merged
+ *   O += P V      bfloat16: AMX, P rounded to bfloat16 (as PyTorch's and oneDNN's CPU kernels do), V
+ *                 packed; float32: FMAs on 4 x 64 register tiles of O, P in float32;
+ * with O rescaled by e^(m_old - m_new) in float32 between steps. So the pieces of one row are merged
  * inside the softmax, with no partial state in memory: a sliding window's sink keys and its band are
  * one softmax. A 32 x 32 sub-block that the mask hides, or that lies past a causal piece's diagonal,
- * runs no tile instruction. Rows that see no key get out = 0, lse = -inf; a NaN or infinite score makes
- * its row NaN (out and lse), as in PyTorch's op.
+ * is not computed. Rows that see no key get out = 0, lse = -inf; a NaN or infinite score makes its
+ * row NaN (out and lse), as in PyTorch's op.
  *
- * Keys and values are packed once per call: K^T into the layout of the tile B operand (pairs of head
- * dimensions of 16 keys per 64-byte row), V into pairs of keys per row. The packing runs on the same
- * OpenMP threads (torch's libgomp pool, as in decode.c) before the work items.
+ * Keys and values are packed once per call (bfloat16: K^T into the layout of the tile B operand, pairs
+ * of head dimensions of 16 keys per 64-byte row, V into pairs of keys per row; float32: K^T as 32-key
+ * rows per head dimension, V padded to 16 columns). The packing runs on the same OpenMP threads
+ * (torch's libgomp pool, as in decode.c) before the work items.
  *
- * Without AMX-BF16 in the build (-march=native on a CPU without it), kf_prefill returns -3 and keyfold
- * keeps PyTorch's fused op. Linux lets a process use the tile registers once it has asked
- * (kf_prefill_init). */
+ * bfloat16 needs AMX-BF16 in the build (-march=native on a CPU with it; else kf_prefill returns -3 for
+ * it and keyfold keeps PyTorch's fused op). Linux lets a process use the tile registers once it has
+ * asked (kf_prefill_init). */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -36,8 +40,11 @@
 
 #include "simd.h"
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define KF_F32 1
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define KF_AMX 1
+#endif
 #endif
 
 #define QB 32          /* query rows per block (two 16-row tiles) */
@@ -47,6 +54,8 @@
 #define G 4            /* blocks of QB rows per work item */
 #define MAXD 256       /* largest head size (q, k and v) */
 #define TILE 512       /* bfloat16 elements in one 16 x 64-byte tile */
+#define QR 8           /* float32: query rows of one Q K^T register tile (8 x 32 scores) */
+#define PR 4           /* float32: query rows of one P V register tile (4 x 64 columns) */
 
 int kf_prefill_init(void) {
 #ifdef KF_AMX
@@ -65,18 +74,18 @@ typedef struct {
     long long shift, sb, sh;        /* address of the float32 row shift, or 0 */
 } piece_t;
 
-#ifdef KF_AMX
+#ifdef KF_F32
 typedef struct {
-    const uint16_t *q, *k, *v;
+    const void *q, *k, *v;                                  /* bfloat16 (f32 = 0) or float32 (f32 = 1) */
     long long sqb, sqh, sqn, skb, skh, skn, svb, svh, svn;  /* strides in elements; rows contiguous */
-    int B, Hq, Hkv, D, Dv, Dp, Dvp, nc, nj;                 /* Dp, Dvp: D, Dv rounded up to 32 */
+    int B, Hq, Hkv, D, Dv, Dp, Dvp, nc, nj;                 /* Dp, Dvp: q's and O's row lengths */
     long long L, S, nqb, nkb;
     float scale, cap;                                       /* cap 0: no softcap */
     const piece_t *pieces;
-    int np, out_bf16;
+    int np, out_bf16, f32;
     void *out;                                              /* (B, Hq, L, Dv) bfloat16 or float32 */
     float *lse;                                             /* (B, Hq, L) */
-    uint16_t *kp, *vp;                                      /* packed keys and values */
+    char *kp, *vp;                                          /* packed keys and values */
 } job_t;
 
 typedef struct {
@@ -85,20 +94,45 @@ typedef struct {
     uint8_t rows[16];
 } tilecfg_t;
 
-static size_t kpack_size(const job_t *J) { return (size_t)J->nc * 2 * TILE; }  /* per key block */
-static size_t vpack_size(const job_t *J) { return (size_t)J->nj * TILE; }
+/* bytes of one packed block of SB keys */
+static size_t kpack_size(const job_t *J) {
+    return J->f32 ? (size_t)J->D * SB * sizeof(float) : (size_t)J->nc * 2 * TILE * sizeof(uint16_t);
+}
+static size_t vpack_size(const job_t *J) {
+    return J->f32 ? (size_t)SB * J->Dvp * sizeof(float) : (size_t)J->nj * TILE * sizeof(uint16_t);
+}
+
+/* Key block t = ((b * Hkv + h) * nkb + kb) in float32: K^T, row d = dim d of the block's 32 keys (the
+ * vector operand of Q K^T), and V, row j = key j's values, Dvp long. Past S or Dv: zeros. */
+static void pack_f32(const job_t *J, long long t) {
+    const long long kb = t % J->nkb, bh = t / J->nkb;
+    const int b = (int)(bh / J->Hkv), h = (int)(bh % J->Hkv);
+    const long long j0 = kb * SB, nk = J->S - j0 < SB ? J->S - j0 : SB;
+    const float *k = (const float *)J->k + b * J->skb + h * J->skh + j0 * J->skn;
+    const float *v = (const float *)J->v + b * J->svb + h * J->svh + j0 * J->svn;
+    float *kp = (float *)(J->kp + (size_t)t * kpack_size(J)), *vp = (float *)(J->vp + (size_t)t * vpack_size(J));
+    for (int j = 0; j < SB; j++)
+        for (int d = 0; d < J->D; d++) kp[d * SB + j] = j < nk ? k[j * J->skn + d] : 0.0f;
+    for (int j = 0; j < SB; j++)
+        for (int d = 0; d < J->Dvp; d += 16) {
+            const __mmask16 m = j < nk && d < J->Dv ? first(J->Dv - d) : 0;
+            _mm512_store_ps(vp + j * J->Dvp + d, _mm512_maskz_loadu_ps(m, v + j * J->svn + d));
+        }
+}
 
 /* Key block t = ((b * Hkv + h) * nkb + kb), packed. K: tile (c, n) holds head dims [32c, 32c + 32) of
  * keys [16n, 16n + 16) of the block, row r = the pair of dims (32c + 2r, 32c + 2r + 1) of each key: a
  * 16 x 16 transpose of 32-bit pairs, one gather per row. V: tile jc holds value dims [16 jc, 16 jc + 16),
  * row r = keys 2r and 2r + 1 interleaved. Past S, D or Dv: zeros. */
-static void pack(const job_t *J, long long t) {
+#ifdef KF_AMX
+static void pack_bf16(const job_t *J, long long t) {
     const long long kb = t % J->nkb, bh = t / J->nkb;
     const int b = (int)(bh / J->Hkv), h = (int)(bh % J->Hkv);
     const long long j0 = kb * SB, nk = J->S - j0 < SB ? J->S - j0 : SB;
-    const uint16_t *k = J->k + b * J->skb + h * J->skh + j0 * J->skn;
-    const uint16_t *v = J->v + b * J->svb + h * J->svh + j0 * J->svn;
-    uint16_t *kp = J->kp + (size_t)t * kpack_size(J), *vp = J->vp + (size_t)t * vpack_size(J);
+    const uint16_t *k = (const uint16_t *)J->k + b * J->skb + h * J->skh + j0 * J->skn;
+    const uint16_t *v = (const uint16_t *)J->v + b * J->svb + h * J->svh + j0 * J->svn;
+    uint16_t *kp = (uint16_t *)(J->kp + (size_t)t * kpack_size(J));
+    uint16_t *vp = (uint16_t *)(J->vp + (size_t)t * vpack_size(J));
     const int pairs = J->D / 2;  /* D is even */
     const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                            _mm512_set1_epi32((int)(J->skn * 2)));
@@ -135,6 +169,8 @@ static void pack(const job_t *J, long long t) {
     }
 }
 
+#endif
+
 /* cap * tanh(s / cap). For |y| = |s / cap| >= 1/4, tanh |y| = (1 - e^-2|y|) / (1 + e^-2|y|), where 1 - e^-2|y|
  * >= 0.39 loses no more than a few ulp; below 1/4 its odd Taylor polynomial to y^9 (the next term is
  * about 1.5e-8 relative at 1/4), so the error stays relative to the score for any cap (the quotient alone
@@ -157,11 +193,11 @@ static inline __m512 softcap16(__m512 s, float cap) {
     return _mm512_mul_ps(th, _mm512_set1_ps(cap));
 }
 
-/* 2^x for x <= 0 on the lanes of `keep` (0 elsewhere): x = n + f with n = floor(x), f in [0, 1) by
+/* 2^x for x <= 0 on the lanes of `keep` (0 elsewhere): x = n + f with n = floor(x), f in [0, 1] by
  * vreduceps, 2^f by a degree-5 polynomial fitted to it with p(0) = 1 exactly (relative error below 1e-7;
  * a row's largest score gets P = 1, so a row with one key gives that key's value exactly), and 2^n by vscalefps
- * of x itself (it scales by 2^floor). A result below float32's normal range is
- * flushed to 0 (the kernel runs with MXCSR's flush-to-zero); NaN gives NaN. */
+ * of x itself (it scales by 2^floor). x = -inf gives 0 (vreduceps gives f = 0, vscalefps scales by
+ * 2^-inf), as does any x below -150; NaN gives NaN. */
 static inline __m512 exp2_16(__mmask16 keep, __m512 x) {
     const __m512 f = _mm512_reduce_ps(x, 0x09);  /* x - floor(x): round down, no precision exception */
     __m512 p = _mm512_set1_ps(1.8671966390684247e-3f);
@@ -202,147 +238,51 @@ static int block_seen(const float *m, long long ml, long long r0, long long r1, 
 typedef struct {
     long long i0;
     int nr;
-    uint16_t *qbuf;
+    void *qbuf;
     float *acc;
     float m[QB], l[QB], alpha[QB];
 } rows_t;
 
-/* A thread's scratch for one step: S (float32), P (bfloat16), P V (float32). */
+/* A thread's scratch for one step: S (float32; P in place of it, in float32), P (bfloat16), P V
+ * (float32). */
 typedef struct {
     float sbuf[QB * KB] __attribute__((aligned(64)));
     uint16_t pbuf[QB * KB] __attribute__((aligned(64)));
     float obuf[QB * MAXD] __attribute__((aligned(64)));
 } scratch_t;
 
-/* One step of the online softmax of rows B over the keys [u0 SB, u0 SB + KB) of piece P: Q K^T on the
- * sub-blocks a row may see, the softmax, O = O alpha + P V. kp, vp: this head's packed keys, values;
- * pm, ps: the piece's mask and row shift at (b, h), or NULL. */
-static void step(const job_t *J, const piece_t *P, rows_t *B, scratch_t *X, long long u0, const uint16_t *kp,
-                 const uint16_t *vp, const float *pm, const float *ps) {
-    const long long ra = P->q0 > B->i0 ? P->q0 : B->i0, rb = P->q1 < B->i0 + B->nr ? P->q1 : B->i0 + B->nr;
-    if (ra >= rb) return;
-    const long long ka = P->k0;
-    long long kz = P->k1;  /* past the last key any of these rows sees in the piece */
-    if (P->causal && P->k0 + (rb - P->q0) < kz) kz = P->k0 + (rb - P->q0);
-    const long long uend = (kz + SB - 1) / SB, j0 = u0 * SB;
-    if (u0 >= uend || j0 + KB <= ka) return;
-    const int ns = (int)(uend - u0 < NS ? uend - u0 : NS);
-    const int Dp = J->Dp, Dvp = J->Dvp, nc = J->nc, nj = J->nj;
-    const size_t kstride = kpack_size(J), vstride = vpack_size(J);
-    const __m512 ninf = _mm512_set1_ps(-INFINITY), log2e = _mm512_set1_ps(1.44269504088896341f);
-    const __m512 scale = _mm512_set1_ps(J->scale), floor2 = _mm512_set1_ps(-200.0f);
-    int seen[NS], nseen = 0;
-    /* S = Q K^T for each sub-block a row may see: tiles 0-3 the 2 x 2 blocks of 16 rows x 16 keys,
-     * 4-5 Q, 6-7 K */
-    for (int u = 0; u < NS; u++) {
-        const long long js = j0 + u * SB;
-        seen[u] = u < ns && (!pm || block_seen(pm, P->ml, ra - P->q0, rb - P->q0, js - P->k0, ka - js, kz - js));
-        if (!seen[u]) continue;
-        nseen++;
-        const uint16_t *kt = kp + (size_t)(u0 + u) * kstride;
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        for (int c = 0; c < nc; c++) {
-            _tile_loadd(4, B->qbuf + 32 * c, Dp * 2);
-            _tile_loadd(5, B->qbuf + 16 * Dp + 32 * c, Dp * 2);
-            _tile_loadd(6, kt + (size_t)(2 * c) * TILE, 64);
-            _tile_loadd(7, kt + (size_t)(2 * c + 1) * TILE, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-        _tile_stored(0, X->sbuf + SB * u, KB * 4);
-        _tile_stored(1, X->sbuf + SB * u + 16, KB * 4);
-        _tile_stored(2, X->sbuf + 16 * KB + SB * u, KB * 4);
-        _tile_stored(3, X->sbuf + 16 * KB + SB * u + 16, KB * 4);
+#ifdef KF_AMX
+/* S = Q K^T on the tiles for sub-block u: tiles 0-3 the 2 x 2 blocks of 16 rows x 16 keys, 4-5 Q, 6-7 K */
+static void scores_amx(const job_t *J, const rows_t *B, scratch_t *X, int u, const char *kt) {
+    const uint16_t *q = (const uint16_t *)B->qbuf, *k = (const uint16_t *)kt;
+    const int Dp = J->Dp;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int c = 0; c < J->nc; c++) {
+        _tile_loadd(4, q + 32 * c, Dp * 2);
+        _tile_loadd(5, q + 16 * Dp + 32 * c, Dp * 2);
+        _tile_loadd(6, k + (size_t)(2 * c) * TILE, 64);
+        _tile_loadd(7, k + (size_t)(2 * c + 1) * TILE, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
     }
-    if (!nseen) return;
-    /* the online softmax, row by row, over the step's seen sub-blocks (16 keys a vector), in base
-     * e: y the score, m the running max of y, l = sum e^(y - m). A NaN score reaches the max or the
-     * sum, and +inf the max: either makes the row NaN */
-    /* per row: dm = m_old - m_new and the step's sum of P; alpha = e^dm and l = l alpha + sum are
-     * taken for all rows at once after the loop (a row that takes no part: dm = 0, sum = 0) */
-    float dm[QB] __attribute__((aligned(64))), rs[QB] __attribute__((aligned(64)));
-    for (int r = 0; r < QB; r++) dm[r] = rs[r] = 0.0f;
-    int any = 0;
-    for (int r = 0; r < B->nr; r++) {
-        const long long i = B->i0 + r;
-        if (i < ra || i >= rb) {  /* not a row of this piece: no P, nothing to rescale */
-            for (int u = 0; u < ns; u++)
-                if (seen[u]) _mm512_store_si512(X->pbuf + r * KB + SB * u, _mm512_setzero_si512());
-            continue;
-        }
-        long long kr = kz;  /* past the row's last key */
-        if (P->causal && P->k0 + (i - P->q0) + 1 < kr) kr = P->k0 + (i - P->q0) + 1;
-        const float *mr = pm ? pm + (i - P->q0) * P->ml - P->k0 : NULL;  /* at key j: mr[j] */
-        const __m512 shift = ps ? _mm512_set1_ps(ps[i - P->q0]) : _mm512_setzero_ps();
-        const int full = ka <= j0 && kr >= j0 + (long long)ns * SB;  /* the row sees every key of the step */
-        __m512 y[2 * NS];
-        __mmask16 vis[2 * NS];
-        __m512 mx[4] = {ninf, ninf, ninf, ninf};  /* four chains: a row's latency, not its length, bounds it */
-        for (int x = 0; x < 2 * ns; x++) {
-            vis[x] = 0;
-            if (!seen[x / 2]) continue;
-            const long long jx = j0 + 16 * x;
-            vis[x] = full ? 0xFFFF : lanes(ka - jx, kr - jx);
-            __m512 t = _mm512_load_ps(X->sbuf + r * KB + 16 * x);
-            /* y rounded once here and kept: the row's largest y minus the max is exactly 0 (a product
-             * fused into the later subtraction would not be) */
-            t = J->cap > 0.0f ? softcap16(_mm512_mul_ps(t, scale), J->cap)
-                              : _mm512_mul_round_ps(t, scale, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            if (mr) {  /* a pair the mask hides (-inf) is out of vis: its P is exactly 0 */
-                const __m512 add = _mm512_maskz_loadu_ps(vis[x], mr + jx);
-                vis[x] &= _mm512_cmp_ps_mask(add, ninf, _CMP_NEQ_UQ);
-                t = _mm512_add_ps(t, add);
-            }
-            if (ps) t = _mm512_add_ps(t, shift);
-            y[x] = t;
-            mx[x & 3] = _mm512_mask_max_ps(mx[x & 3], vis[x], mx[x & 3], t);
-        }
-        const float bm = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3])));
-        if (isnan(bm) || bm == INFINITY || isnan(B->m[r])) {  /* the row is NaN from here on (out and lse) */
-            B->m[r] = dm[r] = NAN;
-            any = 1;
-            continue;
-        }
-        const float mn = bm > B->m[r] ? bm : B->m[r];
-        if (mn == -INFINITY) {  /* nothing seen yet: no P, nothing to rescale */
-            for (int u = 0; u < ns; u++)
-                if (seen[u]) _mm512_store_si512(X->pbuf + r * KB + SB * u, _mm512_setzero_si512());
-            continue;
-        }
-        any = 1;
-        dm[r] = B->m[r] - mn;  /* -inf on the row's first keys: alpha 2^-126 scales an O and l of 0 */
-        const __m512 mv = _mm512_set1_ps(mn);
-        __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (int u = 0; u < ns; u++) {
-            if (!seen[u]) continue;
-            /* e^(y - m) = 2^((y - m) log2 e), floored where the product overflows (a mask of -3e38) */
-            const __m512 x0 = _mm512_max_ps(floor2, _mm512_mul_ps(_mm512_sub_ps(y[2 * u], mv), log2e));
-            const __m512 x1 = _mm512_max_ps(floor2, _mm512_mul_ps(_mm512_sub_ps(y[2 * u + 1], mv), log2e));
-            const __m512 p0 = exp2_16(vis[2 * u], x0), p1 = exp2_16(vis[2 * u + 1], x1);
-            sum[u & 1] = _mm512_add_ps(sum[u & 1], _mm512_add_ps(p0, p1));
-            _mm512_store_si512(X->pbuf + r * KB + SB * u, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-        }
-        rs[r] = _mm512_reduce_add_ps(_mm512_add_ps(sum[0], sum[1]));  /* NaN when a score was NaN */
-        B->m[r] = mn;
-    }
-    if (!any) return;
-    for (int r = 0; r < QB; r += 16) {  /* a NaN sum makes the row NaN (m too: it stays NaN) */
-        const __m512 a = exp2_16(0xFFFF, _mm512_max_ps(floor2, _mm512_mul_ps(_mm512_load_ps(dm + r), log2e)));
-        const __m512 l = _mm512_fmadd_ps(_mm512_loadu_ps(B->l + r), a, _mm512_load_ps(rs + r));
-        _mm512_storeu_ps(B->l + r, l);
-        _mm512_storeu_ps(B->alpha + r, a);
-        const __m512 m = _mm512_loadu_ps(B->m + r);
-        _mm512_storeu_ps(B->m + r, _mm512_mask_mov_ps(m, _mm512_cmp_ps_mask(l, l, _CMP_UNORD_Q), l));
-    }
-    /* O = O alpha + P V: tiles 4-5 P, 6-7 V, 0-3 two 16-column slices of the 32 rows, summed over
-     * the seen sub-blocks inside the tiles */
-    for (int jc = 0; jc < nj; jc += 2) {
+    _tile_stored(0, X->sbuf + SB * u, KB * 4);
+    _tile_stored(1, X->sbuf + SB * u + 16, KB * 4);
+    _tile_stored(2, X->sbuf + 16 * KB + SB * u, KB * 4);
+    _tile_stored(3, X->sbuf + 16 * KB + SB * u + 16, KB * 4);
+}
+
+/* O = O alpha + P V: tiles 4-5 P, 6-7 V, 0-3 two 16-column slices of the 32 rows, summed over the
+ * seen sub-blocks inside the tiles */
+static void values_amx(const job_t *J, const rows_t *B, scratch_t *X, long long u0, int ns, const int *seen,
+                       const char *vp) {
+    const int Dvp = J->Dvp;
+    for (int jc = 0; jc < J->nj; jc += 2) {
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
         for (int u = 0; u < ns; u++) {
             if (!seen[u]) continue;
-            const uint16_t *vt = vp + (size_t)(u0 + u) * vstride;
+            const uint16_t *vt = (const uint16_t *)(vp + (size_t)(u0 + u) * vpack_size(J));
             _tile_loadd(4, X->pbuf + SB * u, KB * 2);
             _tile_loadd(5, X->pbuf + 16 * KB + SB * u, KB * 2);
             _tile_loadd(6, vt + (size_t)jc * TILE, 64);
@@ -365,24 +305,261 @@ static void step(const job_t *J, const piece_t *P, rows_t *B, scratch_t *X, long
             _mm512_store_ps(o + d, _mm512_fmadd_ps(_mm512_load_ps(o + d), a, _mm512_load_ps(x + d)));
     }
 }
+#endif
+
+/* S = Q K^T in float32 for sub-block u and the row groups [g0, g1) of QR rows: an 8 x 32 tile of
+ * scores in 16 registers, a broadcast of q times a vector of K^T (32 keys of one dim) per FMA */
+static void scores_f32(const job_t *J, const rows_t *B, scratch_t *X, int u, const char *kt, int g0, int g1) {
+    const int D = J->D, Dp = J->Dp;
+    const float *k = (const float *)kt;
+    for (int g = g0; g < g1; g++) {
+        const float *q = (const float *)B->qbuf + g * QR * Dp;
+        __m512 a[QR][2];
+        for (int r = 0; r < QR; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
+        for (int d = 0; d < D; d++) {
+            const __m512 k0 = _mm512_load_ps(k + d * SB), k1 = _mm512_load_ps(k + d * SB + 16);
+            for (int r = 0; r < QR; r++) {
+                const __m512 x = _mm512_set1_ps(q[r * Dp + d]);
+                a[r][0] = _mm512_fmadd_ps(x, k0, a[r][0]);
+                a[r][1] = _mm512_fmadd_ps(x, k1, a[r][1]);
+            }
+        }
+        float *s = X->sbuf + g * QR * KB + SB * u;
+        for (int r = 0; r < QR; r++) {
+            _mm512_store_ps(s + r * KB, a[r][0]);
+            _mm512_store_ps(s + r * KB + 16, a[r][1]);
+        }
+    }
+}
+
+/* O[rows] += P[rows, keys of one sub-block] V for PR rows and nv vectors of 16 columns from c: a PR x
+ * 16 nv tile of O in registers, a broadcast of P times a vector of V per FMA */
+static inline __attribute__((always_inline)) void pv_tile(float *o, int Dvp, const float *p, const float *vt,
+                                                          int c, const int nv) {
+    __m512 a[PR][4];
+    for (int r = 0; r < PR; r++)
+        for (int x = 0; x < nv; x++) a[r][x] = _mm512_load_ps(o + r * Dvp + c + 16 * x);
+    for (int j = 0; j < SB; j++) {
+        __m512 w[4];
+        for (int x = 0; x < nv; x++) w[x] = _mm512_load_ps(vt + j * Dvp + c + 16 * x);
+        for (int r = 0; r < PR; r++) {
+            const __m512 y = _mm512_set1_ps(p[r * KB + j]);
+            for (int x = 0; x < nv; x++) a[r][x] = _mm512_fmadd_ps(y, w[x], a[r][x]);
+        }
+    }
+    for (int r = 0; r < PR; r++)
+        for (int x = 0; x < nv; x++) _mm512_store_ps(o + r * Dvp + c + 16 * x, a[r][x]);
+}
+
+/* O = O alpha + P V in float32 for the row groups [g0, g1) of PR rows, sub-block by sub-block (its V,
+ * 32 x Dvp, stays in L1 for every row group) */
+static void values_f32(const job_t *J, const rows_t *B, scratch_t *X, long long u0, int ns, const int *seen,
+                       const char *vp, int g0, int g1) {
+    const int Dvp = J->Dvp;
+    for (int r = 0; r < B->nr; r++) {
+        const __m512 a = _mm512_set1_ps(B->alpha[r]);
+        float *o = B->acc + r * Dvp;
+        for (int d = 0; d < Dvp; d += 16) _mm512_store_ps(o + d, _mm512_mul_ps(_mm512_load_ps(o + d), a));
+    }
+    for (int u = 0; u < ns; u++) {
+        if (!seen[u]) continue;
+        const float *vt = (const float *)(vp + (size_t)(u0 + u) * vpack_size(J));
+        for (int g = g0; g < g1; g++) {
+            float *o = B->acc + g * PR * Dvp;
+            const float *p = X->sbuf + g * PR * KB + SB * u;
+            int c = 0;
+            for (; c + 64 <= Dvp; c += 64) pv_tile(o, Dvp, p, vt, c, 4);
+            switch ((Dvp - c) / 16) {
+                case 3: pv_tile(o, Dvp, p, vt, c, 3); break;
+                case 2: pv_tile(o, Dvp, p, vt, c, 2); break;
+                case 1: pv_tile(o, Dvp, p, vt, c, 1); break;
+                default: break;
+            }
+        }
+    }
+}
+
+/* P of row r, sub-block u (keys 0-15 in p0, 16-31 in p1): float32 in place of S, or bfloat16 for the
+ * tiles */
+static inline __attribute__((always_inline)) void store_p(scratch_t *X, int r, int u, __m512 p0, __m512 p1,
+                                                          const int f32) {
+    if (f32) {
+        _mm512_store_ps(X->sbuf + r * KB + SB * u, p0);
+        _mm512_store_ps(X->sbuf + r * KB + SB * u + 16, p1);
+    } else {
+#ifdef KF_AMX
+        _mm512_store_si512(X->pbuf + r * KB + SB * u, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+#endif
+    }
+}
+
+/* One step of the online softmax of rows B over the keys [u0 SB, u0 SB + KB) of piece P: Q K^T on the
+ * sub-blocks a row may see, the softmax, O = O alpha + P V. kp, vp: this head's packed keys, values;
+ * pm, ps: the piece's mask and row shift at (b, h), or NULL. f32: float32 products on AVX-512 FMAs
+ * (P in float32, in place of S), else bfloat16 products on AMX tiles (P rounded to bfloat16). */
+static inline __attribute__((always_inline)) void step(const job_t *J, const piece_t *P, rows_t *B, scratch_t *X,
+                                                       long long u0, const char *kp, const char *vp,
+                                                       const float *pm, const float *ps, const int f32) {
+    const long long ra = P->q0 > B->i0 ? P->q0 : B->i0, rb = P->q1 < B->i0 + B->nr ? P->q1 : B->i0 + B->nr;
+    if (ra >= rb) return;
+    const long long ka = P->k0;
+    long long kz = P->k1;  /* past the last key any of these rows sees in the piece */
+    if (P->causal && P->k0 + (rb - P->q0) < kz) kz = P->k0 + (rb - P->q0);
+    const long long uend = (kz + SB - 1) / SB, j0 = u0 * SB;
+    if (u0 >= uend || j0 + KB <= ka) return;
+    const int ns = (int)(uend - u0 < NS ? uend - u0 : NS);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), log2e = _mm512_set1_ps(1.44269504088896341f);
+    const __m512 scale = _mm512_set1_ps(J->scale);
+    /* float32: only the register tiles that hold rows of the piece */
+    const int qa = (int)(ra - B->i0) / QR, qz = (int)(rb - B->i0 + QR - 1) / QR;
+    const int plain = !pm && !ps && J->cap == 0.0f;  /* scores as they come (float32: y = S) */
+    int seen[NS], nseen = 0;
+    for (int u = 0; u < NS; u++) {
+        const long long js = j0 + u * SB;
+        seen[u] = u < ns && (!pm || block_seen(pm, P->ml, ra - P->q0, rb - P->q0, js - P->k0, ka - js, kz - js));
+        if (!seen[u]) continue;
+        nseen++;
+        const char *kt = kp + (size_t)(u0 + u) * kpack_size(J);
+        if (f32)
+            scores_f32(J, B, X, u, kt, qa, qz);
+#ifdef KF_AMX
+        else
+            scores_amx(J, B, X, u, kt);
+#endif
+    }
+    if (!nseen) return;
+    /* the online softmax, row by row, over the step's seen sub-blocks (16 keys a vector), in base
+     * e: y the score, m the running max of y, l = sum e^(y - m). A NaN score reaches the max or the
+     * sum, and +inf the max: either makes the row NaN */
+    /* per row: dm = m_old - m_new and the step's sum of P; alpha = e^dm and l = l alpha + sum are
+     * taken for all rows at once after the loop (a row that takes no part: dm = 0, sum = 0) */
+    float dm[QB] __attribute__((aligned(64))), rs[QB] __attribute__((aligned(64)));
+    for (int r = 0; r < QB; r++) dm[r] = rs[r] = 0.0f;
+    int any = 0;
+    for (int r = 0; r < B->nr; r++) {
+        const long long i = B->i0 + r;
+        float *pr = X->sbuf + r * KB;  /* float32: P in place of S */
+        if (i < ra || i >= rb) {  /* not a row of this piece: no P, nothing to rescale */
+            for (int u = 0; u < ns; u++)
+                if (seen[u]) store_p(X, r, u, _mm512_setzero_ps(), _mm512_setzero_ps(), f32);
+            continue;
+        }
+        long long kr = kz;  /* past the row's last key */
+        if (P->causal && P->k0 + (i - P->q0) + 1 < kr) kr = P->k0 + (i - P->q0) + 1;
+        const float *mr = pm ? pm + (i - P->q0) * P->ml - P->k0 : NULL;  /* at key j: mr[j] */
+        const int full = ka <= j0 && kr >= j0 + (long long)ns * SB;  /* the row sees every key of the step */
+        __mmask16 vis[2 * NS];
+        __m512 mx[4] = {ninf, ninf, ninf, ninf};  /* four chains: a row's latency, not its length, bounds it */
+        /* pass 1: y in place of S, its max. float32 keeps q pre-scaled (S is y unless a softcap, mask or
+         * shift applies) */
+        if (f32 && full && plain) {  /* no mask: every sub-block up to ns is seen */
+            for (int x = 0; x < 2 * ns; x++) {
+                vis[x] = 0xFFFF;
+                mx[x & 3] = _mm512_max_ps(mx[x & 3], _mm512_load_ps(pr + 16 * x));
+            }
+        } else {
+            const __m512 shift = ps ? _mm512_set1_ps(ps[i - P->q0]) : _mm512_setzero_ps();
+            for (int x = 0; x < 2 * ns; x++) {
+                vis[x] = 0;
+                if (!seen[x / 2]) continue;
+                const long long jx = j0 + 16 * x;
+                vis[x] = full ? 0xFFFF : lanes(ka - jx, kr - jx);
+                __m512 t = _mm512_load_ps(pr + 16 * x);
+                /* y rounded once here and kept: the row's largest y minus the max is exactly 0 (a
+                 * product fused into the later subtraction would not be) */
+                if (J->cap > 0.0f)
+                    t = softcap16(f32 ? t : _mm512_mul_ps(t, scale), J->cap);
+                else if (!f32)
+                    t = _mm512_mul_round_ps(t, scale, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                if (mr) {  /* a pair the mask hides (-inf) is out of vis: its P is exactly 0 */
+                    const __m512 add = _mm512_maskz_loadu_ps(vis[x], mr + jx);
+                    vis[x] &= _mm512_cmp_ps_mask(add, ninf, _CMP_NEQ_UQ);
+                    t = _mm512_add_ps(t, add);
+                }
+                if (ps) t = _mm512_add_ps(t, shift);
+                _mm512_store_ps(pr + 16 * x, t);
+                mx[x & 3] = _mm512_mask_max_ps(mx[x & 3], vis[x], mx[x & 3], t);
+            }
+        }
+        const float bm = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3])));
+        if (isnan(bm) || bm == INFINITY || isnan(B->m[r])) {  /* the row is NaN from here on (out and lse) */
+            B->m[r] = dm[r] = NAN;
+            any = 1;
+            continue;
+        }
+        const float mn = bm > B->m[r] ? bm : B->m[r];
+        if (mn == -INFINITY) {  /* nothing seen yet: no P, nothing to rescale */
+            for (int u = 0; u < ns; u++)
+                if (seen[u]) store_p(X, r, u, _mm512_setzero_ps(), _mm512_setzero_ps(), f32);
+            continue;
+        }
+        any = 1;
+        dm[r] = B->m[r] - mn;  /* -inf on the row's first keys: alpha 0 scales an O and l of 0 */
+        const __m512 mv = _mm512_set1_ps(mn);
+        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+        /* pass 2: P = e^(y - m) = 2^((y - m) log2 e). Where the product overflows to -inf (a mask of
+         * -3e38), vreduceps gives 0 and vscalefps scales by 2^-inf: P = 0, no clamp needed */
+        if (full && !pm) {  /* every lane of every sub-block up to ns: no lane masks */
+            for (int u = 0; u < ns; u++) {
+                const __m512 x0 = _mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(pr + SB * u), mv), log2e);
+                const __m512 x1 = _mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(pr + SB * u + 16), mv), log2e);
+                const __m512 p0 = exp2_16(0xFFFF, x0), p1 = exp2_16(0xFFFF, x1);
+                s0 = _mm512_add_ps(s0, p0);
+                s1 = _mm512_add_ps(s1, p1);
+                store_p(X, r, u, p0, p1, f32);
+            }
+        } else {
+            for (int u = 0; u < ns; u++) {
+                if (!seen[u]) continue;
+                const __m512 x0 = _mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(pr + SB * u), mv), log2e);
+                const __m512 x1 = _mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(pr + SB * u + 16), mv), log2e);
+                const __m512 p0 = exp2_16(vis[2 * u], x0), p1 = exp2_16(vis[2 * u + 1], x1);
+                s0 = _mm512_add_ps(s0, p0);
+                s1 = _mm512_add_ps(s1, p1);
+                store_p(X, r, u, p0, p1, f32);
+            }
+        }
+        rs[r] = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));  /* NaN when a score was NaN */
+        B->m[r] = mn;
+    }
+    if (!any) return;
+    for (int r = 0; r < QB; r += 16) {  /* a NaN sum makes the row NaN (m too: it stays NaN) */
+        const __m512 a = exp2_16(0xFFFF, _mm512_mul_ps(_mm512_load_ps(dm + r), log2e));
+        const __m512 l = _mm512_fmadd_ps(_mm512_loadu_ps(B->l + r), a, _mm512_load_ps(rs + r));
+        _mm512_storeu_ps(B->l + r, l);
+        _mm512_storeu_ps(B->alpha + r, a);
+        const __m512 m = _mm512_loadu_ps(B->m + r);
+        _mm512_storeu_ps(B->m + r, _mm512_mask_mov_ps(m, _mm512_cmp_ps_mask(l, l, _CMP_UNORD_Q), l));
+    }
+    if (f32) {
+        const int pz = (int)(rb - B->i0 + PR - 1) / PR;
+        values_f32(J, B, X, u0, ns, seen, vp, (int)(ra - B->i0) / PR, pz);
+    } else {
+#ifdef KF_AMX
+        values_amx(J, B, X, u0, ns, seen, vp);
+#endif
+    }
+}
 
 /* A thread's scratch, from the heap (about 130 KiB at head size 64, 270 KiB at 256: more than a small
  * thread stack holds): the step's buffers, then each block's q and O. */
 static size_t scratch_bytes(const job_t *J) {
-    return sizeof(scratch_t) + (size_t)G * QB * (J->Dp * sizeof(uint16_t) + J->Dvp * sizeof(float));
+    return sizeof(scratch_t) + (size_t)G * QB * (J->Dp * (J->f32 ? sizeof(float) : sizeof(uint16_t))
+                                                 + J->Dvp * sizeof(float));
 }
 
 /* One work item: G blocks of 32 rows of (b, h) over the keys of every piece they are in. The blocks take
  * each step of KB keys in turn, so the step's packed keys and values are read from memory once for
  * G x 32 rows (at 16k keys a head's packed keys and values, 4 MiB, outgrow a core's L2). `mem`: the
  * thread's scratch_bytes(J), 64-byte aligned. */
-static void item(const job_t *J, long long w, char *mem) {
+static inline __attribute__((always_inline)) void item(const job_t *J, long long w, char *mem, const int f32) {
     const long long nqg = (J->nqb + G - 1) / G, qg = w % nqg, bh = w / nqg;
     const int b = (int)(bh / J->Hq), h = (int)(bh % J->Hq), hk = h / (J->Hq / J->Hkv);
     const int Dp = J->Dp, Dvp = J->Dvp;
+    const size_t qsize = f32 ? sizeof(float) : sizeof(uint16_t);
     scratch_t *X = (scratch_t *)mem;
-    uint16_t *qbuf = (uint16_t *)(mem + sizeof(scratch_t));          /* G blocks of QB x Dp */
-    float *acc = (float *)(qbuf + (size_t)G * QB * Dp);               /* G blocks of QB x Dvp */
+    char *qbuf = mem + sizeof(scratch_t);                             /* G blocks of QB x Dp */
+    float *acc = (float *)(qbuf + (size_t)G * QB * Dp * qsize);      /* G blocks of QB x Dvp */
     rows_t blocks[G];
     int nb = 0;
     for (int g = 0; g < G; g++) {
@@ -391,21 +568,27 @@ static void item(const job_t *J, long long w, char *mem) {
         rows_t *B = &blocks[nb++];
         B->i0 = i0;
         B->nr = (int)(J->L - i0 < QB ? J->L - i0 : QB);
-        B->qbuf = qbuf + (size_t)g * QB * Dp;
+        B->qbuf = qbuf + (size_t)g * QB * Dp * qsize;
         B->acc = acc + (size_t)g * QB * Dvp;
-        const uint16_t *q = J->q + b * J->sqb + h * J->sqh + i0 * J->sqn;
+        const char *q = (const char *)J->q + (b * J->sqb + h * J->sqh + i0 * J->sqn) * qsize;
         for (int r = 0; r < QB; r++) {
-            memset(B->qbuf + r * Dp, 0, sizeof(uint16_t) * Dp);
-            if (r < B->nr) memcpy(B->qbuf + r * Dp, q + r * J->sqn, sizeof(uint16_t) * J->D);
+            memset((char *)B->qbuf + r * Dp * qsize, 0, qsize * Dp);
+            if (r < B->nr && f32) {  /* float32 q times the scale: S is y (one rounding, as in q's product) */
+                float *dst = (float *)B->qbuf + r * Dp;
+                const float *src = (const float *)q + r * J->sqn;
+                for (int d = 0; d < J->D; d++) dst[d] = src[d] * J->scale;
+            } else if (r < B->nr) {
+                memcpy((char *)B->qbuf + r * Dp * qsize, q + r * J->sqn * qsize, qsize * J->D);
+            }
             B->m[r] = -INFINITY;
             B->l[r] = 0.0f;
         }
         memset(B->acc, 0, sizeof(float) * QB * Dvp);
     }
-    memset(X->pbuf, 0, sizeof(X->pbuf));
+    if (!f32) memset(X->pbuf, 0, sizeof(X->pbuf));
     const long long i0 = blocks[0].i0, i1 = blocks[nb - 1].i0 + blocks[nb - 1].nr;
-    const uint16_t *kp = J->kp + (size_t)(b * J->Hkv + hk) * J->nkb * kpack_size(J);
-    const uint16_t *vp = J->vp + (size_t)(b * J->Hkv + hk) * J->nkb * vpack_size(J);
+    const char *kp = J->kp + (size_t)(b * J->Hkv + hk) * J->nkb * kpack_size(J);
+    const char *vp = J->vp + (size_t)(b * J->Hkv + hk) * J->nkb * vpack_size(J);
     for (int pi = 0; pi < J->np; pi++) {
         const piece_t *P = J->pieces + pi;
         const long long ra = P->q0 > i0 ? P->q0 : i0, rb = P->q1 < i1 ? P->q1 : i1;
@@ -416,7 +599,7 @@ static void item(const job_t *J, long long w, char *mem) {
         const float *pm = P->mask ? (const float *)(intptr_t)P->mask + b * P->mb + h * P->mh : NULL;
         const float *ps = P->shift ? (const float *)(intptr_t)P->shift + b * P->sb + h * P->sh : NULL;
         for (long long u0 = P->k0 / SB; u0 * SB < kz; u0 += NS)
-            for (int g = 0; g < nb; g++) step(J, P, &blocks[g], X, u0, kp, vp, pm, ps);
+            for (int g = 0; g < nb; g++) step(J, P, &blocks[g], X, u0, kp, vp, pm, ps, f32);
     }
     /* out = O / l, lse = m + log l; a row that saw no key: 0 and -inf */
     const int Dv = J->Dv;
@@ -431,63 +614,90 @@ static void item(const job_t *J, long long w, char *mem) {
                 const __mmask16 k = first(Dv - d);
                 /* an empty row is 0 even where a hidden key's NaN value reached O through a 0 in P */
                 const __m512 y = empty ? _mm512_setzero_ps() : _mm512_mul_ps(_mm512_load_ps(B->acc + r * Dvp + d), inv);
-                if (J->out_bf16)
+#ifdef KF_AMX
+                if (J->out_bf16) {
                     _mm256_mask_storeu_epi16((uint16_t *)J->out + row * Dv + d, k, (__m256i)_mm512_cvtneps_pbh(y));
-                else
-                    _mm512_mask_storeu_ps((float *)J->out + row * Dv + d, k, y);
+                    continue;
+                }
+#endif
+                _mm512_mask_storeu_ps((float *)J->out + row * Dv + d, k, y);
             }
         }
     }
 }
+
+static void item_f32(const job_t *J, long long w, char *mem) { item(J, w, mem, 1); }
+#ifdef KF_AMX
+static void item_bf16(const job_t *J, long long w, char *mem) { item(J, w, mem, 0); }
+#endif
 #endif
 
 /* The entry point (keyfold/kernels/native.py). q (B, Hq, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv)
- * bfloat16 with contiguous rows, D even; `pieces` the plan's np pieces. out (B, Hq, L, Dv) bfloat16
- * (out_bf16) or float32, lse (B, Hq, L), both contiguous. Returns 0; -1 for arguments out of range;
- * -2 when scratch memory cannot be had; -3 without AMX. */
-int kf_prefill(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+ * bfloat16 (dtype 1: on AMX, D even) or float32 (dtype 0: on AVX-512 FMAs), rows contiguous; `pieces`
+ * the plan's np pieces. out (B, Hq, L, Dv) bfloat16 (out_bf16, bfloat16 inputs only) or float32, lse
+ * (B, Hq, L), both contiguous. Returns 0; -1 for arguments out of range; -2 when scratch memory cannot
+ * be had; -3 when this build cannot run the dtype (bfloat16 without AMX). */
+int kf_prefill(const void *q, const void *k, const void *v, int dtype,
                long long sqb, long long sqh, long long sqn, long long skb, long long skh, long long skn,
                long long svb, long long svh, long long svn, int B, int Hq, int Hkv, long long L, long long S,
                int D, int Dv, float scale, float cap, const piece_t *pieces, int np, int out_bf16, void *out,
                float *lse, int threads) {
-#ifndef KF_AMX
-    (void)q; (void)k; (void)v; (void)sqb; (void)sqh; (void)sqn; (void)skb; (void)skh; (void)skn; (void)svb;
-    (void)svh; (void)svn; (void)B; (void)Hq; (void)Hkv; (void)L; (void)S; (void)D; (void)Dv; (void)scale;
-    (void)cap; (void)pieces; (void)np; (void)out_bf16; (void)out; (void)lse; (void)threads;
+#ifndef KF_F32
+    (void)q; (void)k; (void)v; (void)dtype; (void)sqb; (void)sqh; (void)sqn; (void)skb; (void)skh; (void)skn;
+    (void)svb; (void)svh; (void)svn; (void)B; (void)Hq; (void)Hkv; (void)L; (void)S; (void)D; (void)Dv;
+    (void)scale; (void)cap; (void)pieces; (void)np; (void)out_bf16; (void)out; (void)lse; (void)threads;
     return -3;
 #else
-    if (B < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv || L < 1 || S < 1 || D < 2 || D % 2 || D > MAXD || Dv < 1
-        || Dv > MAXD || skn < 1 || skn > (1LL << 26) || !(cap >= 0.0f) || np < 0)
+    const int f32 = dtype == 0;
+#ifndef KF_AMX
+    if (!f32) return -3;
+#endif
+    if (B < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv || L < 1 || S < 1 || D < 1 || D > MAXD || Dv < 1 || Dv > MAXD
+        || (dtype != 0 && dtype != 1) || (!f32 && D % 2) || (f32 && out_bf16) || skn < 1 || skn > (1LL << 26)
+        || !(cap >= 0.0f) || np < 0)
         return -1;
     for (int i = 0; i < np; i++)
         if (pieces[i].q0 < 0 || pieces[i].q1 > L || pieces[i].k0 < 0 || pieces[i].k1 > S) return -1;
     job_t J = {q, k, v, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, B, Hq, Hkv, D, Dv,
-               (D + 31) / 32 * 32, (Dv + 31) / 32 * 32, (D + 31) / 32, (Dv + 31) / 32 * 2,
-               L, S, (L + QB - 1) / QB, (S + SB - 1) / SB, scale, cap, pieces, np, out_bf16, out, lse, NULL, NULL};
+               f32 ? D : (D + 31) / 32 * 32, f32 ? (Dv + 15) / 16 * 16 : (Dv + 31) / 32 * 32,
+               (D + 31) / 32, (Dv + 31) / 32 * 2, L, S, (L + QB - 1) / QB, (S + SB - 1) / SB, scale, cap, pieces,
+               np, out_bf16, f32, out, lse, NULL, NULL};
     const long long blocks = (long long)B * Hkv * J.nkb;
-    J.kp = aligned_alloc(64, sizeof(uint16_t) * (size_t)blocks * kpack_size(&J));
-    J.vp = aligned_alloc(64, sizeof(uint16_t) * (size_t)blocks * vpack_size(&J));
+    J.kp = aligned_alloc(64, (size_t)blocks * kpack_size(&J));
+    J.vp = aligned_alloc(64, (size_t)blocks * vpack_size(&J));
     if (!J.kp || !J.vp) { free(J.kp); free(J.vp); return -2; }
     const long long items = (long long)B * Hq * ((J.nqb + G - 1) / G);
     if (threads < 1) threads = 1;
     const size_t per = (scratch_bytes(&J) + 63) / 64 * 64;
     char *scratch = aligned_alloc(64, per * (size_t)threads);
     if (!scratch) { free(J.kp); free(J.vp); return -2; }
+#ifdef KF_AMX
     tilecfg_t cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+#endif
     #pragma omp parallel num_threads(threads)
     {
         const unsigned csr = _mm_getcsr();
         _mm_setcsr(csr | 0x8000);  /* flush to zero: P underflowing costs no microcode assist */
-        #pragma omp for schedule(static)
-        for (long long t = 0; t < blocks; t++) pack(&J, t);
-        _tile_loadconfig(&cfg);
         char *mem = scratch + per * (size_t)omp_get_thread_num();
-        #pragma omp for schedule(dynamic, 1)
-        for (long long w = 0; w < items; w++) item(&J, w, mem);
-        _tile_release();
+        if (f32) {
+            #pragma omp for schedule(static)
+            for (long long t = 0; t < blocks; t++) pack_f32(&J, t);
+            #pragma omp for schedule(dynamic, 1)
+            for (long long w = 0; w < items; w++) item_f32(&J, w, mem);
+        }
+#ifdef KF_AMX
+        else {
+            #pragma omp for schedule(static)
+            for (long long t = 0; t < blocks; t++) pack_bf16(&J, t);
+            _tile_loadconfig(&cfg);
+            #pragma omp for schedule(dynamic, 1)
+            for (long long w = 0; w < items; w++) item_bf16(&J, w, mem);
+            _tile_release();
+        }
+#endif
         _mm_setcsr(csr);
     }
     free(J.kp);

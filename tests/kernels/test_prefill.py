@@ -1,6 +1,7 @@
-"""keyfold's bfloat16 prefill kernel on AMX tiles (keyfold/kernels/prefill.c, native.prefill): every
-variant held to the rule against float64 through ``attention``, the pieces of a row merged inside the
-kernel's softmax exactly as a whole, hidden and NaN rows right, and routed only where it runs."""
+"""keyfold's prefill kernel (keyfold/kernels/prefill.c, native.prefill), bfloat16 on AMX tiles and
+float32 on AVX-512 FMAs: every variant held to the rule against float64 through ``attention``, the
+pieces of a row merged inside the kernel's softmax exactly as a whole, hidden and NaN rows right, and
+routed only where it runs. Every test runs once per dtype (skipped where the build lacks it)."""
 
 import math
 import subprocess
@@ -15,17 +16,20 @@ import keyfold as kf
 from keyfold.kernels import cpu, native
 from tests.helpers import assert_backward_by_rule, assert_close_by_rule, assert_forward_by_rule, naive_attention
 
-pytestmark = pytest.mark.skipif(not native.prefill_available(),
-                                reason=f"prefill kernel needs AMX-BF16 and a native build ({native.why()})")
+BF16, F32 = torch.bfloat16, torch.float32
+pytestmark = pytest.mark.parametrize("dt", [
+    pytest.param(BF16, id="bf16", marks=pytest.mark.skipif(
+        not native.prefill_available(BF16), reason=f"bfloat16 prefill needs AMX-BF16 and a native build ({native.why()})")),
+    pytest.param(F32, id="f32", marks=pytest.mark.skipif(
+        not native.prefill_available(F32), reason=f"float32 prefill needs AVX-512 and a native build ({native.why()})")),
+])
 
-BF16 = torch.bfloat16
 
-
-def _qkv(B=1, H=2, N=300, D=64, Hkv=None, Nk=None, Dv=None, seed=0):
+def _qkv(B=1, H=2, N=300, D=64, Hkv=None, Nk=None, Dv=None, seed=0, dt=BF16):
     g = torch.Generator().manual_seed(seed)
     Hkv, Nk, Dv = Hkv or H, Nk or N, Dv or D
-    return (torch.randn(B, H, N, D, generator=g).to(BF16), torch.randn(B, Hkv, Nk, D, generator=g).to(BF16),
-            torch.randn(B, Hkv, Nk, Dv, generator=g).to(BF16))
+    return (torch.randn(B, H, N, D, generator=g).to(dt), torch.randn(B, Hkv, Nk, D, generator=g).to(dt),
+            torch.randn(B, Hkv, Nk, Dv, generator=g).to(dt))
 
 
 def _ran(fn):
@@ -56,18 +60,18 @@ VARIANTS = {  # name: attention keywords
 
 @pytest.mark.parametrize("block", [None, 48])
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_every_variant_holds_the_rule_on_the_prefill_kernel(name, block):
+def test_every_variant_holds_the_rule_on_the_prefill_kernel(name, block, dt):
     """Each variant of the tour in bfloat16 through ``attention``: the kernel ran, out holds the rule
     against float64, rows that see no key are exactly 0 (assert_forward_by_rule). block 48: pieces
     that do not fall on the kernel's 32-row and 32-key blocks."""
-    q, k, v = _qkv()
+    q, k, v = _qkv(dt=dt)
     _ran(lambda: assert_forward_by_rule(q, k, v, block_size=block, **VARIANTS[name]))
 
 
 @pytest.mark.parametrize("name", ["dense", "full", "window+sinks", "documents", "alibi+causal", "softcap"])
-def test_gradients_hold_the_rule_after_the_prefill_forward(name):
+def test_gradients_hold_the_rule_after_the_prefill_forward(name, dt):
     """The backward (the fused op's, or the tile kernel's for a softcap) reads the kernel's out and lse."""
-    q, k, v = _qkv(N=160)
+    q, k, v = _qkv(N=160, dt=dt)
     kw = dict(VARIANTS[name])
     if name == "documents":
         kw["mask"] = kf.documents(torch.arange(160) // 50) & kf.causal()
@@ -87,40 +91,43 @@ SHAPES = {  # B, Hq, Hkv, Nq, Nk, D, Dv
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("mask", [None, "causal", "window"])
-def test_shapes_hold_the_rule(shape, mask):
+def test_shapes_hold_the_rule(shape, mask, dt, monkeypatch):
+    """float32 calls with no mask at head sizes over 64 go to the fused op by default (faster there);
+    here they run on the kernel too."""
+    monkeypatch.setattr(cpu, "PREFILL_F32_DENSE_MAX_HEAD", native.PREFILL_MAX_HEAD)
     B, Hq, Hkv, Nq, Nk, D, Dv = SHAPES[shape]
-    q, k, v = _qkv(B, Hq, Nq, D, Hkv=Hkv, Nk=Nk, Dv=Dv)
+    q, k, v = _qkv(B, Hq, Nq, D, Hkv=Hkv, Nk=Nk, Dv=Dv, dt=dt)
     m = {None: None, "causal": kf.causal(), "window": kf.causal() & kf.window(17)}[mask]
     _ran(lambda: assert_forward_by_rule(q, k, v, mask=m, q_offset=max(Nk - Nq, 0)))
 
 
-def test_views_with_strided_rows_hold_the_rule():
+def test_views_with_strided_rows_hold_the_rule(dt):
     """q, k, v viewed from (B, N, H, D) tensors, as a model's projections come."""
     g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, 150, 4, 64, generator=g).to(BF16).transpose(1, 2) for _ in range(3))
+    q, k, v = (torch.randn(1, 150, 4, 64, generator=g).to(dt).transpose(1, 2) for _ in range(3))
     _ran(lambda: assert_forward_by_rule(q, k, v, mask=kf.causal()))
 
 
 @pytest.mark.parametrize("shape", [(300, 300), (1, 300), (300, 1), (1, 2, 300, 300), (2, 1, 1, 300)])
 @pytest.mark.parametrize("kind", ["bool", "float"])
-def test_tensor_masks_hold_the_rule(kind, shape):
+def test_tensor_masks_hold_the_rule(kind, shape, dt):
     """SDPA's attn_mask, bool or additive, in every broadcast shape: a mask over keys only, over rows
     only (a bias broadcast over the keys reaches the kernel expanded), per head, per batch entry."""
-    q, k, v = _qkv(B=2)
+    q, k, v = _qkv(B=2, dt=dt)
     g = torch.Generator().manual_seed(len(shape))
     mask = torch.rand(shape, generator=g) < 0.3 if kind == "bool" else torch.randn(shape, generator=g)
     out = _ran(lambda: kf.attention(q, k, v, mask=mask))
     ref = kf.attention(q.double(), k.double(), v.double(), mask=mask if kind == "bool" else mask.double(),
                        backend=kf.Backend.REFERENCE)
-    bias = mask.to(BF16) if kind == "float" else torch.zeros(shape, dtype=BF16).masked_fill(~mask, -math.inf)
-    naive = torch.softmax((q @ k.transpose(-1, -2) * 64 ** -0.5 + bias).float(), -1).to(BF16) @ v
+    bias = mask.to(dt) if kind == "float" else torch.zeros(shape, dtype=dt).masked_fill(~mask, -math.inf)
+    naive = torch.softmax((q @ k.transpose(-1, -2) * 64 ** -0.5 + bias).float(), -1).to(dt) @ v
     seen = torch.isfinite(torch.broadcast_to(bias, (2, 2, 300, 300)).float()).any(-1)
     assert bool((out[~seen] == 0).all())
     assert_close_by_rule(out, ref, naive.nan_to_num(0.0), seen)
 
 
-def test_lse_is_the_natural_log_of_the_row_sum():
-    q, k, v = _qkv(N=200)
+def test_lse_is_the_natural_log_of_the_row_sum(dt):
+    q, k, v = _qkv(N=200, dt=dt)
     out, lse = _ran(lambda: kf.attention(q, k, v, mask=kf.causal() & kf.window(50), return_lse=True))
     ref = kf.attend(q.double(), k.double(), v.double(), mask=kf.causal() & kf.window(50), backend=kf.Backend.REFERENCE)
     torch.testing.assert_close(lse.double(), ref.lse, atol=2e-5, rtol=2e-6)
@@ -134,23 +141,23 @@ def _run(q, k, v, pieces, cap=0.0):
 @settings(max_examples=25, deadline=None)
 @given(cuts=st.lists(st.integers(1, 299), max_size=6, unique=True), rows=st.integers(1, 120),
        seed=st.integers(0, 2 ** 16))
-def test_any_partition_of_the_keys_is_the_whole(cuts, rows, seed):
+def test_any_partition_of_the_keys_is_the_whole(cuts, rows, seed, dt):
     """The pieces of a row are merged inside the kernel's softmax: any split of the keys into pieces,
     in any order, gives the state of one piece over them all, to rounding (P is rounded to bfloat16
-    against a running max that depends on the order, so not bit for bit)."""
-    q, k, v = _qkv(N=rows, Nk=300, seed=seed)
+    against a running max that depends on the order, so not bit for bit; float32 to its rounding)."""
+    q, k, v = _qkv(N=rows, Nk=300, seed=seed, dt=dt)
     whole = _run(q, k, v, [(0, rows, 0, 300, False)])
     bounds = [0, *sorted(cuts), 300]
     parts = [(0, rows, a, b, False) for a, b in zip(bounds, bounds[1:])][::-1]
     split = _run(q, k, v, parts)
-    torch.testing.assert_close(split[0], whole[0], atol=1e-2, rtol=0)
+    torch.testing.assert_close(split[0], whole[0], atol=1e-2 if dt is BF16 else 2e-6, rtol=0)
     torch.testing.assert_close(split[1], whole[1], atol=1e-5, rtol=1e-6)
 
 
-def test_pieces_of_rows_rows_outside_every_piece_and_a_separable_shift():
+def test_pieces_of_rows_rows_outside_every_piece_and_a_separable_shift(dt):
     """Pieces cover some rows only; a row no piece covers is 0 with lse -inf; a piece's mask hides a
     whole row of it; a row shift (a separable bias's row term) adds to every score of its row."""
-    q, k, v = _qkv(N=100, Nk=90)
+    q, k, v = _qkv(N=100, Nk=90, dt=dt)
     g = torch.Generator().manual_seed(5)
     mask = torch.where(torch.rand(1, 2, 50, 60, generator=g) < 0.5, torch.randn(1, 2, 50, 60, generator=g),
                        torch.tensor(-math.inf))
@@ -166,16 +173,16 @@ def test_pieces_of_rows_rows_outside_every_piece_and_a_separable_shift():
     seen = torch.isfinite(ref_lse)
     assert seen.sum() > 0 and (~seen).sum() > 0
     assert bool((out[~seen] == 0).all()) and bool((lse[~seen] == -math.inf).all())
-    naive = (torch.softmax((q @ k.transpose(-1, -2) * 64 ** -0.5 + bias.to(BF16)).float(), -1).to(BF16) @ v).nan_to_num(0.0)
+    naive = (torch.softmax((q @ k.transpose(-1, -2) * 64 ** -0.5 + bias.to(dt)).float(), -1).to(dt) @ v).nan_to_num(0.0)
     assert_close_by_rule(out, ref, naive, seen)
     torch.testing.assert_close(lse[seen].double(), ref_lse[seen], atol=2e-5, rtol=2e-6)
 
 
 @pytest.mark.parametrize("bad", ["nan q", "inf k"])
-def test_a_nan_or_infinite_score_reaches_its_row(bad):
+def test_a_nan_or_infinite_score_reaches_its_row(bad, dt):
     """As in PyTorch's op: the row whose score is NaN (or +inf) is NaN in out and lse; other rows
     are untouched."""
-    q, k, v = _qkv(N=64)
+    q, k, v = _qkv(N=64, dt=dt)
     clean = _run(q, k, v, [(0, 64, 0, 64, False)])
     q, k = q.clone(), k.clone()
     if bad == "nan q":
@@ -193,20 +200,20 @@ def test_a_nan_or_infinite_score_reaches_its_row(bad):
 
 
 @pytest.mark.parametrize("score", [None, "softcap", "alibi"])
-def test_a_row_with_one_key_gets_its_value_exactly(score):
+def test_a_row_with_one_key_gets_its_value_exactly(score, dt):
     """Its P is 1 exactly (the row's largest score minus the max is exactly 0, and 2^0 = 1 in the
     kernel's polynomial), so out is the key's value, as a convex combination of one value must be. A
     first version fused the scaling into the subtraction and gave v (1 + 2e-7)."""
-    q, k, v = _qkv(N=5, Nk=1)
+    q, k, v = _qkv(N=5, Nk=1, dt=dt)
     sc = {None: None, "softcap": kf.softcap(3.0), "alibi": kf.alibi(kf.alibi_slopes(2))}[score]
     st = _ran(lambda: kf.attend(q, k, v, mask=kf.causal(), q_offset=0, score=sc))
     assert torch.equal(st.out, v.float().expand_as(st.out))
 
 
-def test_a_softcap_is_computed_in_the_tile():
+def test_a_softcap_is_computed_in_the_tile(dt):
     """softcap in bfloat16 runs on the kernel (Backend.AUTO) and holds the rule; with its cap large
     it is the plain call."""
-    q, k, v = _qkv(N=200)
+    q, k, v = _qkv(N=200, dt=dt)
     _ran(lambda: assert_forward_by_rule(q, k, v, mask=kf.causal() & kf.window(64), score=kf.softcap(2.0)))
     plain = _run(q, k, v, [(0, 200, 0, 200, True)])
     s = q.double() @ k.double().transpose(-1, -2) * 64 ** -0.5
@@ -218,17 +225,22 @@ def test_a_softcap_is_computed_in_the_tile():
         torch.testing.assert_close(capped[1].double(), ref, atol=2e-5, rtol=2e-6)
 
 
-def test_routing():
-    """The kernel takes bfloat16 calls with more rows than a decoding step; float32, float16, a
-    decoding step, odd head sizes, score callables, dropout and Backend.TILES stay where they were."""
-    q, k, v = _qkv(N=64)
+def test_routing(dt):
+    """The kernel takes bfloat16 and float32 calls (float16 widened where FP16_AS_FP32) with more rows
+    than a decoding step; float64, a decoding step, odd head sizes in bfloat16, score callables,
+    dropout and Backend.TILES stay where they were, and so does float32 with no mask at head sizes
+    over PREFILL_F32_DENSE_MAX_HEAD (the fused op is faster there)."""
+    q, k, v = _qkv(N=64, dt=dt)
     pb = kf.kernels._common.Problem(None, None, 0.125, 0, 0)
     assert cpu._prefill_may(q, k, v, pb)
-    assert not cpu._prefill_may(q.float(), k.float(), v.float(), pb)
-    assert not cpu._prefill_may(q.half(), k.half(), v.half(), pb)
+    assert not cpu._prefill_may(q.double(), k.double(), v.double(), pb)
+    assert cpu._prefill_may(q.half(), k.half(), v.half(), pb) == (cpu.FP16_AS_FP32 and native.prefill_available(F32))
     assert not cpu._prefill_may(q[:, :, :cpu.NATIVE_ROWS], k, v, pb)
-    assert not cpu._prefill_may(q[..., :63], k[..., :63], v, pb)
-    assert native.prefill_takes(q[..., :63], k[..., :63], v) is not None
+    odd = cpu._prefill_may(q[..., :63], k[..., :63], v, pb)
+    assert odd == (dt is F32) and (native.prefill_takes(q[..., :63], k[..., :63], v) is None) == (dt is F32)
+    wide = torch.cat([q, q], -1), torch.cat([k, k], -1), torch.cat([v, v], -1)  # head size 128
+    assert cpu._prefill_may(*wide, pb, True) == (dt is BF16)
+    assert cpu._prefill_may(*wide, pb, False)  # a mask or causal: the kernel
     fn = kf.scores.score_fn(lambda s, b, h, qp, kp: s * 0.5)
     assert not cpu._prefill_may(q, k, v, kf.kernels._common.Problem(None, fn, 0.125, 0, 0))
     assert not cpu._prefill_may(q, k, v, kf.kernels._common.Problem(None, None, 0.125, 0, 0, dropout_p=0.1))
@@ -238,37 +250,45 @@ def test_routing():
     assert native.prefill_calls == before
 
 
-def test_refuses_what_it_cannot_take():
-    q, k, v = _qkv(N=32)
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        native.prefill(q.float(), k.float(), v.float(), 0.1, [native.piece_row(0, 32, 0, 32, False)])
+def test_refuses_what_it_cannot_take(dt):
+    q, k, v = _qkv(N=32, dt=dt)
+    with pytest.raises(RuntimeError, match="bfloat16 or all float32"):
+        native.prefill(q.double(), k.double(), v.double(), 0.1, [native.piece_row(0, 32, 0, 32, False)])
+    with pytest.raises(RuntimeError, match="bfloat16 or all float32"):
+        native.prefill(q, k.half(), v.half(), 0.1, [native.piece_row(0, 32, 0, 32, False)])
     with pytest.raises(RuntimeError, match="head sizes"):
-        native.prefill(q[..., :63], k[..., :63], v, 0.1, [native.piece_row(0, 32, 0, 32, False)])
+        native.prefill(q, k, v.repeat(1, 1, 1, 5), 0.1, [native.piece_row(0, 32, 0, 32, False)])  # Dv 320
+    if dt is BF16:
+        with pytest.raises(RuntimeError, match="head sizes"):
+            native.prefill(q[..., :63], k[..., :63], v, 0.1, [native.piece_row(0, 32, 0, 32, False)])
+    else:
+        with pytest.raises(ValueError, match="out_dtype"):
+            native.prefill(q, k, v, 0.1, [native.piece_row(0, 32, 0, 32, False)], out_dtype=BF16)
     with pytest.raises(RuntimeError, match="refused"):  # a piece past the keys
         native.prefill(q, k, v, 0.1, [native.piece_row(0, 32, 0, 33, False)])
 
 
-def test_a_mask_of_finfo_min_is_a_bias_not_an_overflow():
+def test_a_mask_of_finfo_min_is_a_bias_not_an_overflow(dt):
     """Hugging Face fills masks with torch.finfo(dtype).min (-3.4e38), a finite bias: a row masked so
     everywhere sees its keys with lse near -3.4e38. Scaled to base 2 such a score overflowed to -inf in
     a first version, which gave that row 0 and lse -inf, silently (found in review)."""
-    q, k, v = _qkv(N=64, Nk=100)
-    m = torch.zeros(1, 1, 64, 100, dtype=BF16)
-    m[:, :, 5, :] = torch.finfo(BF16).min  # every key of row 5
-    m[:, :, 9, 40:] = torch.finfo(BF16).min  # most keys of row 9
+    q, k, v = _qkv(N=64, Nk=100, dt=dt)
+    m = torch.zeros(1, 1, 64, 100, dtype=dt)
+    m[:, :, 5, :] = torch.finfo(dt).min  # every key of row 5
+    m[:, :, 9, 40:] = torch.finfo(dt).min  # most keys of row 9
     out, lse = _ran(lambda: kf.attention(q, k, v, mask=m, return_lse=True))
     ref, ref_lse = kf.attention(q.double(), k.double(), v.double(), mask=m.double(), return_lse=True,
                                 backend=kf.Backend.REFERENCE)
-    naive = torch.softmax((q @ k.transpose(-1, -2) * 64 ** -0.5 + m).float(), -1).to(BF16) @ v
+    naive = torch.softmax((q @ k.transpose(-1, -2) * 64 ** -0.5 + m).float(), -1).to(dt) @ v
     assert_close_by_rule(out, ref, naive, None)
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=2e-6)
 
 
-def test_a_row_only_mask_is_a_row_shift_not_an_expanded_tile():
+def test_a_row_only_mask_is_a_row_shift_not_an_expanded_tile(dt):
     """A mask the same for every key ((B, H, L, 1): a bias or bool per row) reaches the kernel as a row
     shift: nothing of size L x S is built (a first version expanded it, 4 bytes per pair), out is the
     unmasked out where the row is visible, lse moves by the bias, and a hidden row is 0 / -inf."""
-    q, k, v = _qkv(N=100, Nk=120)
+    q, k, v = _qkv(N=100, Nk=120, dt=dt)
     seen = []
     real = native.prefill
     def spy(*a, **kw):
@@ -284,15 +304,18 @@ def test_a_row_only_mask_is_a_row_shift_not_an_expanded_tile():
     plain, plain_lse = kf.attention(q, k, v, mask=kf.full(), return_lse=True)
     rows = torch.ones(100, dtype=torch.bool)
     rows[3] = False
-    assert torch.equal(out[:, :, rows], plain[:, :, rows])
+    if dt is BF16:  # the same P to rounding, and out rounded to bfloat16
+        assert torch.equal(out[:, :, rows], plain[:, :, rows])
+    else:
+        torch.testing.assert_close(out[:, :, rows], plain[:, :, rows], atol=2e-6, rtol=0)
     torch.testing.assert_close(lse[:, :, rows], (plain_lse + bias[..., 0])[:, :, rows], atol=1e-5, rtol=1e-6)
     assert bool((out[:, :, 3] == 0).all()) and bool((lse[:, :, 3] == -math.inf).all())
 
 
-def test_an_empty_row_is_zero_even_beside_a_nan_value():
+def test_an_empty_row_is_zero_even_beside_a_nan_value(dt):
     """A NaN in v reaches O through a 0 in P (0 x NaN in the tile product); a row that sees no key is
     still exactly 0 with lse -inf (found in review: it was NaN with lse -inf)."""
-    q, k, v = _qkv(N=64)
+    q, k, v = _qkv(N=64, dt=dt)
     v = v.clone()
     v[0, 0, 10] = float("nan")
     m = torch.ones(64, 64, dtype=torch.bool)
@@ -303,11 +326,11 @@ def test_an_empty_row_is_zero_even_beside_a_nan_value():
 
 
 @pytest.mark.parametrize("cap", [1e-30, 1e30])
-def test_caps_beyond_float32_reach_stay_on_the_tile_kernel(cap):
+def test_caps_beyond_float32_reach_stay_on_the_tile_kernel(cap, dt):
     """The kernel takes the cap as a float32 and divides by it under flush-to-zero: a cap of 1e-50
     arrived as 0 (no softcap) and one of 1e38 flushed s / cap to 0 (found in review). Such caps run on
     the tile kernel and hold the rule."""
-    q, k, v = _qkv(N=64)
+    q, k, v = _qkv(N=64, dt=dt)
     assert not cpu._prefill_may(q, k, v, kf.kernels._common.Problem(None, kf.softcap(cap), 0.125, 0, 0))
     before = native.prefill_calls
     assert_forward_by_rule(q, k, v, mask=kf.causal(), score=kf.softcap(cap))
@@ -315,18 +338,45 @@ def test_caps_beyond_float32_reach_stay_on_the_tile_kernel(cap):
 
 
 @pytest.mark.parametrize("kw", [{}, dict(mask=kf.causal()), dict(score=kf.softcap(5.0))])
-def test_an_empty_batch_gives_an_empty_output(kw):
-    q, k, v = (t[:0] for t in _qkv(N=64))
+def test_an_empty_batch_gives_an_empty_output(kw, dt):
+    q, k, v = (t[:0] for t in _qkv(N=64, dt=dt))
     assert kf.attention(q, k, v, **kw).shape == (0, 2, 64, 64)
 
 
-def test_runs_on_a_thread_with_a_small_stack():
+def test_runs_on_a_thread_with_a_small_stack(dt):
     """Each thread's scratch (130-270 KiB) comes from the heap: a first version kept it on the stack
     and crashed on a 128 KiB thread stack (musl's default; found in review)."""
     code = ("import threading, torch, keyfold as kf\n"
             "threading.stack_size(131072)\n"
-            "q = k = v = torch.randn(1, 2, 256, 256).bfloat16()\n"
+            f"q = k = v = torch.randn(1, 2, 256, 256).to({dt})\n"
             "t = threading.Thread(target=lambda: kf.attention(q, k, v, mask=kf.causal()))\n"
             "t.start(); t.join()\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def _alibi_exact(q, k, v, slopes, q0, n_keys):
+    """Softmax in float64 with ALiBi at exact positions: queries from q0, keys from 0, keys past n_keys
+    hidden."""
+    qp = torch.arange(q.shape[2], dtype=torch.float64) + q0
+    kp = torch.arange(k.shape[2], dtype=torch.float64)
+    s = q.double() @ k.double().transpose(-1, -2) * q.shape[-1] ** -0.5
+    s = s - slopes.double().view(1, -1, 1, 1) * (qp[:, None] - kp[None, :]).abs()
+    s[..., n_keys:] = -math.inf
+    return torch.softmax(s, -1) @ v.double()
+
+
+@pytest.mark.parametrize("base", [2 ** 25, 2 ** 31 + 7])
+def test_a_large_row_shift_does_not_swamp_the_scores(base, dt):
+    """ALiBi with every key far behind its queries: the separable bias's row term is -slope x base. The
+    kernel added it to every score of the row in float32 (its pieces share one softmax), which swamped
+    the scores: out was off by 0.4-2.3 at 2^25-2^31 (found in review). Each row's largest shift is now
+    taken out and added back to lse."""
+    slopes = kf.alibi_slopes(4)
+    q, k, v = _qkv(1, 4, 300, 16, seed=7, dt=dt)
+    call = dict(score=kf.alibi(slopes), mask=kf.sinks(250), q_offset=base, kv_offset=0, block_size=64)
+    out, lse = _ran(lambda: kf.attention(q, k, v, return_lse=True, **call))
+    exact = _alibi_exact(q, k, v, slopes, base, 250)
+    assert (out.double() - exact).abs().max() < (1e-5 if dt is F32 else 1e-2)
+    ref = kf.attend(q.double(), k.double(), v.double(), backend=kf.Backend.REFERENCE, **call)
+    torch.testing.assert_close(lse.double(), ref.lse, atol=0, rtol=1e-6)
