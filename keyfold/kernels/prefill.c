@@ -234,26 +234,94 @@ static int block_seen(const float *m, long long ml, long long r0, long long r1, 
 }
 
 /* The state of 32 query rows [i0, i0 + nr) in a work item: their q (zero past D and past nr), running
- * max m and sum l, the last step's rescale alpha, and O (float32, Dvp columns). */
+ * max m and sum l, and O (float32, Dvp columns). */
 typedef struct {
     long long i0;
     int nr;
     void *qbuf;
     float *acc;
-    float m[QB], l[QB], alpha[QB];
+    float m[QB], l[QB];
 } rows_t;
 
-/* A thread's scratch for one step: S (float32; P in place of it, in float32), P (bfloat16), P V
- * (float32). */
+/* One unit of work: the step of KB keys from u0 SB of piece P for the rows of block B (those of them in
+ * the piece: [ra, rb)), with its buffers: S (float32; P in place of it in float32), P in bfloat16, and
+ * the rescale alpha of O that the unit's softmax leaves for its P V. */
 typedef struct {
-    float sbuf[QB * KB] __attribute__((aligned(64)));
-    uint16_t pbuf[QB * KB] __attribute__((aligned(64)));
+    const piece_t *P;
+    rows_t *B;
+    const float *pm, *ps;  /* the piece's mask and row shift at (b, h), or NULL */
+    long long u0, j0, ra, rb, kz;
+    int ns, nseen, any, seen[NS];
+    float *sbuf;
+    uint16_t *pbuf;
+    float alpha[QB] __attribute__((aligned(64)));
+} unit_t;
+
+#define RING 3  /* bfloat16: units in flight (P V of one, softmax of the next, Q K^T of the one after) */
+
+/* A thread's scratch: a ring of S and P buffers, and P V (float32). */
+typedef struct {
+    float sbuf[RING][QB * KB] __attribute__((aligned(64)));
+    uint16_t pbuf[RING][QB * KB] __attribute__((aligned(64)));
     float obuf[QB * MAXD] __attribute__((aligned(64)));
 } scratch_t;
 
+/* Fill U for piece P, the step from u0, block B; 0 when it has nothing to do (no row of B in the piece,
+ * no key of the step that these rows may see, or every sub-block hidden by the mask). */
+static int unit_init(unit_t *U, const piece_t *P, rows_t *B, long long u0, const float *pm, const float *ps) {
+    const long long ra = P->q0 > B->i0 ? P->q0 : B->i0, rb = P->q1 < B->i0 + B->nr ? P->q1 : B->i0 + B->nr;
+    if (ra >= rb) return 0;
+    long long kz = P->k1;  /* past the last key any of these rows sees in the piece */
+    if (P->causal && P->k0 + (rb - P->q0) < kz) kz = P->k0 + (rb - P->q0);
+    const long long uend = (kz + SB - 1) / SB, j0 = u0 * SB;
+    if (u0 >= uend || j0 + KB <= P->k0) return 0;
+    U->P = P; U->B = B; U->pm = pm; U->ps = ps;
+    U->u0 = u0; U->j0 = j0; U->ra = ra; U->rb = rb; U->kz = kz;
+    U->ns = (int)(uend - u0 < NS ? uend - u0 : NS);
+    U->nseen = U->any = 0;
+    for (int u = 0; u < NS; u++) {
+        const long long js = j0 + u * SB;
+        U->seen[u] = u < U->ns && (!pm || block_seen(pm, P->ml, ra - P->q0, rb - P->q0, js - P->k0, P->k0 - js, kz - js));
+        U->nseen += U->seen[u];
+    }
+    return U->nseen > 0;
+}
+
+/* The units of a work item in order: for each piece its steps, for each step the blocks. */
+typedef struct {
+    int pi, g, started;
+    long long u0, kz;
+    const float *pm, *ps;
+} iter_t;
+
+static int next_unit(const job_t *J, iter_t *it, unit_t *U, rows_t *blocks, int nb, int b, int h) {
+    const long long i0 = blocks[0].i0, i1 = blocks[nb - 1].i0 + blocks[nb - 1].nr;
+    for (;;) {
+        if (it->pi >= J->np) return 0;
+        const piece_t *P = J->pieces + it->pi;
+        if (!it->started) {
+            const long long ra = P->q0 > i0 ? P->q0 : i0, rb = P->q1 < i1 ? P->q1 : i1;
+            long long kz = P->k1;
+            if (P->causal && P->k0 + (rb - P->q0) < kz) kz = P->k0 + (rb - P->q0);
+            if (ra >= rb || P->k0 >= kz) { it->pi++; continue; }
+            it->kz = kz;
+            it->pm = P->mask ? (const float *)(intptr_t)P->mask + b * P->mb + h * P->mh : NULL;
+            it->ps = P->shift ? (const float *)(intptr_t)P->shift + b * P->sb + h * P->sh : NULL;
+            it->u0 = P->k0 / SB;
+            it->g = 0;
+            it->started = 1;
+        }
+        if (it->u0 * SB >= it->kz) { it->started = 0; it->pi++; continue; }
+        const long long u0 = it->u0;
+        rows_t *B = &blocks[it->g];
+        if (++it->g == nb) { it->g = 0; it->u0 += NS; }
+        if (unit_init(U, P, B, u0, it->pm, it->ps)) return 1;
+    }
+}
+
 #ifdef KF_AMX
 /* S = Q K^T on the tiles for sub-block u: tiles 0-3 the 2 x 2 blocks of 16 rows x 16 keys, 4-5 Q, 6-7 K */
-static void scores_amx(const job_t *J, const rows_t *B, scratch_t *X, int u, const char *kt) {
+static void scores_amx(const job_t *J, const rows_t *B, float *sbuf, int u, const char *kt) {
     const uint16_t *q = (const uint16_t *)B->qbuf, *k = (const uint16_t *)kt;
     const int Dp = J->Dp;
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
@@ -267,49 +335,88 @@ static void scores_amx(const job_t *J, const rows_t *B, scratch_t *X, int u, con
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
     }
-    _tile_stored(0, X->sbuf + SB * u, KB * 4);
-    _tile_stored(1, X->sbuf + SB * u + 16, KB * 4);
-    _tile_stored(2, X->sbuf + 16 * KB + SB * u, KB * 4);
-    _tile_stored(3, X->sbuf + 16 * KB + SB * u + 16, KB * 4);
+    _tile_stored(0, sbuf + SB * u, KB * 4);
+    _tile_stored(1, sbuf + SB * u + 16, KB * 4);
+    _tile_stored(2, sbuf + 16 * KB + SB * u, KB * 4);
+    _tile_stored(3, sbuf + 16 * KB + SB * u + 16, KB * 4);
 }
 
-/* O = O alpha + P V: tiles 4-5 P, 6-7 V, 0-3 two 16-column slices of the 32 rows, summed over the
- * seen sub-blocks inside the tiles */
-static void values_amx(const job_t *J, const rows_t *B, scratch_t *X, long long u0, int ns, const int *seen,
-                       const char *vp) {
+/* P V for value columns [16 jc, 16 jc + 32) of unit U into obuf: tiles 4-5 P, 6-7 V, 0-3 two 16-column
+ * slices of the 32 rows, summed over the seen sub-blocks inside the tiles */
+static void values_amx(const job_t *J, const unit_t *U, const char *vp, float *obuf, int jc) {
     const int Dvp = J->Dvp;
-    for (int jc = 0; jc < J->nj; jc += 2) {
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        for (int u = 0; u < ns; u++) {
-            if (!seen[u]) continue;
-            const uint16_t *vt = (const uint16_t *)(vp + (size_t)(u0 + u) * vpack_size(J));
-            _tile_loadd(4, X->pbuf + SB * u, KB * 2);
-            _tile_loadd(5, X->pbuf + 16 * KB + SB * u, KB * 2);
-            _tile_loadd(6, vt + (size_t)jc * TILE, 64);
-            _tile_loadd(7, vt + (size_t)(jc + 1) * TILE, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-        _tile_stored(0, X->obuf + 16 * jc, Dvp * 4);
-        _tile_stored(1, X->obuf + 16 * jc + 16, Dvp * 4);
-        _tile_stored(2, X->obuf + 16 * Dvp + 16 * jc, Dvp * 4);
-        _tile_stored(3, X->obuf + 16 * Dvp + 16 * jc + 16, Dvp * 4);
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int u = 0; u < U->ns; u++) {
+        if (!U->seen[u]) continue;
+        const uint16_t *vt = (const uint16_t *)(vp + (size_t)(U->u0 + u) * vpack_size(J));
+        _tile_loadd(4, U->pbuf + SB * u, KB * 2);
+        _tile_loadd(5, U->pbuf + 16 * KB + SB * u, KB * 2);
+        _tile_loadd(6, vt + (size_t)jc * TILE, 64);
+        _tile_loadd(7, vt + (size_t)(jc + 1) * TILE, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
     }
-    for (int r = 0; r < B->nr; r++) {
-        const __m512 a = _mm512_set1_ps(B->alpha[r]);
-        float *o = B->acc + r * Dvp;
-        const float *x = X->obuf + r * Dvp;
-        for (int d = 0; d < Dvp; d += 16)
-            _mm512_store_ps(o + d, _mm512_fmadd_ps(_mm512_load_ps(o + d), a, _mm512_load_ps(x + d)));
+    _tile_stored(0, obuf + 16 * jc, Dvp * 4);
+    _tile_stored(1, obuf + 16 * jc + 16, Dvp * 4);
+    _tile_stored(2, obuf + 16 * Dvp + 16 * jc, Dvp * 4);
+    _tile_stored(3, obuf + 16 * Dvp + 16 * jc + 16, Dvp * 4);
+}
+
+/* The tile work queued beside a unit's softmax (software pipelining: the tile unit multiplies while the
+ * vector units run the softmax): Q K^T of the next unit, sub-block by sub-block, and P V of the
+ * previous one, 32 columns at a time, then its O = O alpha + P V. One task a call of pump. */
+typedef struct {
+    const job_t *J;
+    const char *kp, *vp;
+    float *obuf;
+    unit_t *s_unit, *v_unit;  /* NULL: nothing (more) to do */
+    int s_next, v_next;
+} tasks_t;
+
+static void pump(tasks_t *T) {
+    if (T->s_unit) {
+        unit_t *U = T->s_unit;
+        while (T->s_next < U->ns && !U->seen[T->s_next]) T->s_next++;
+        if (T->s_next < U->ns) {
+            scores_amx(T->J, U->B, U->sbuf, T->s_next, T->kp + (size_t)(U->u0 + T->s_next) * kpack_size(T->J));
+            T->s_next++;
+            return;
+        }
+        T->s_unit = NULL;
+    }
+    if (T->v_unit) {
+        const job_t *J = T->J;
+        unit_t *U = T->v_unit;
+        if (T->v_next < J->nj) {
+            values_amx(J, U, T->vp, T->obuf, T->v_next);
+            T->v_next += 2;
+            return;
+        }
+        const int Dvp = J->Dvp;
+        for (int r = 0; r < U->B->nr; r++) {
+            const __m512 a = _mm512_set1_ps(U->alpha[r]);
+            float *o = U->B->acc + r * Dvp;
+            const float *x = T->obuf + r * Dvp;
+            for (int d = 0; d < Dvp; d += 16)
+                _mm512_store_ps(o + d, _mm512_fmadd_ps(_mm512_load_ps(o + d), a, _mm512_load_ps(x + d)));
+        }
+        T->v_unit = NULL;
     }
 }
+
+static void drain(tasks_t *T) {
+    while (T->s_unit || T->v_unit) pump(T);
+}
+#else
+typedef struct { int none; } tasks_t;
+static void pump(tasks_t *T) { (void)T; }
 #endif
 
 /* S = Q K^T in float32 for sub-block u and the row groups [g0, g1) of QR rows: an 8 x 32 tile of
  * scores in 16 registers, a broadcast of q times a vector of K^T (32 keys of one dim) per FMA */
-static void scores_f32(const job_t *J, const rows_t *B, scratch_t *X, int u, const char *kt, int g0, int g1) {
+static void scores_f32(const job_t *J, const rows_t *B, float *sbuf, int u, const char *kt, int g0, int g1) {
     const int D = J->D, Dp = J->Dp;
     const float *k = (const float *)kt;
     for (int g = g0; g < g1; g++) {
@@ -324,7 +431,7 @@ static void scores_f32(const job_t *J, const rows_t *B, scratch_t *X, int u, con
                 a[r][1] = _mm512_fmadd_ps(x, k1, a[r][1]);
             }
         }
-        float *s = X->sbuf + g * QR * KB + SB * u;
+        float *s = sbuf + g * QR * KB + SB * u;
         for (int r = 0; r < QR; r++) {
             _mm512_store_ps(s + r * KB, a[r][0]);
             _mm512_store_ps(s + r * KB + 16, a[r][1]);
@@ -332,14 +439,15 @@ static void scores_f32(const job_t *J, const rows_t *B, scratch_t *X, int u, con
     }
 }
 
-/* O[rows] += P[rows, keys of one sub-block] V for PR rows and nv vectors of 16 columns from c: a PR x
- * 16 nv tile of O in registers, a broadcast of P times a vector of V per FMA */
+/* O[rows] += P[rows, keys] V for PR rows, n keys (of consecutive sub-blocks: their P and packed V are
+ * contiguous) and nv vectors of 16 columns from c: a PR x 16 nv tile of O in registers, a broadcast of P
+ * times a vector of V per FMA */
 static inline __attribute__((always_inline)) void pv_tile(float *o, int Dvp, const float *p, const float *vt,
-                                                          int c, const int nv) {
+                                                          int n, int c, const int nv) {
     __m512 a[PR][4];
     for (int r = 0; r < PR; r++)
         for (int x = 0; x < nv; x++) a[r][x] = _mm512_load_ps(o + r * Dvp + c + 16 * x);
-    for (int j = 0; j < SB; j++) {
+    for (int j = 0; j < n; j++) {
         __m512 w[4];
         for (int x = 0; x < nv; x++) w[x] = _mm512_load_ps(vt + j * Dvp + c + 16 * x);
         for (int r = 0; r < PR; r++) {
@@ -351,86 +459,70 @@ static inline __attribute__((always_inline)) void pv_tile(float *o, int Dvp, con
         for (int x = 0; x < nv; x++) _mm512_store_ps(o + r * Dvp + c + 16 * x, a[r][x]);
 }
 
-/* O = O alpha + P V in float32 for the row groups [g0, g1) of PR rows, sub-block by sub-block (its V,
- * 32 x Dvp, stays in L1 for every row group) */
-static void values_f32(const job_t *J, const rows_t *B, scratch_t *X, long long u0, int ns, const int *seen,
-                       const char *vp, int g0, int g1) {
-    const int Dvp = J->Dvp;
+#ifndef PU
+#define PU 2  /* float32: sub-blocks (of those in a run) one O tile takes before it is stored */
+#endif
+
+/* O = O alpha + P V in float32 for the row groups [g0, g1) of PR rows, over runs of up to PU
+ * consecutive seen sub-blocks (a run's V, 32 PU x Dvp, stays in L1 for every row group) */
+static void values_f32(const job_t *J, const unit_t *U, const char *vp) {
+    const rows_t *B = U->B;
+    const int Dvp = J->Dvp, g0 = (int)(U->ra - B->i0) / PR, g1 = (int)(U->rb - B->i0 + PR - 1) / PR;
+    const int ns = U->ns, *seen = U->seen;
+    const long long u0 = U->u0;
     for (int r = 0; r < B->nr; r++) {
-        const __m512 a = _mm512_set1_ps(B->alpha[r]);
+        const __m512 a = _mm512_set1_ps(U->alpha[r]);
         float *o = B->acc + r * Dvp;
         for (int d = 0; d < Dvp; d += 16) _mm512_store_ps(o + d, _mm512_mul_ps(_mm512_load_ps(o + d), a));
     }
-    for (int u = 0; u < ns; u++) {
-        if (!seen[u]) continue;
+    for (int u = 0; u < ns;) {
+        if (!seen[u]) { u++; continue; }
+        int m = 1;
+        while (m < PU && u + m < ns && seen[u + m]) m++;
         const float *vt = (const float *)(vp + (size_t)(u0 + u) * vpack_size(J));
         for (int g = g0; g < g1; g++) {
             float *o = B->acc + g * PR * Dvp;
-            const float *p = X->sbuf + g * PR * KB + SB * u;
+            const float *p = U->sbuf + g * PR * KB + SB * u;
             int c = 0;
-            for (; c + 64 <= Dvp; c += 64) pv_tile(o, Dvp, p, vt, c, 4);
+            for (; c + 64 <= Dvp; c += 64) pv_tile(o, Dvp, p, vt, SB * m, c, 4);
             switch ((Dvp - c) / 16) {
-                case 3: pv_tile(o, Dvp, p, vt, c, 3); break;
-                case 2: pv_tile(o, Dvp, p, vt, c, 2); break;
-                case 1: pv_tile(o, Dvp, p, vt, c, 1); break;
+                case 3: pv_tile(o, Dvp, p, vt, SB * m, c, 3); break;
+                case 2: pv_tile(o, Dvp, p, vt, SB * m, c, 2); break;
+                case 1: pv_tile(o, Dvp, p, vt, SB * m, c, 1); break;
                 default: break;
             }
         }
+        u += m;
     }
 }
 
 /* P of row r, sub-block u (keys 0-15 in p0, 16-31 in p1): float32 in place of S, or bfloat16 for the
  * tiles */
-static inline __attribute__((always_inline)) void store_p(scratch_t *X, int r, int u, __m512 p0, __m512 p1,
+static inline __attribute__((always_inline)) void store_p(unit_t *U, int r, int u, __m512 p0, __m512 p1,
                                                           const int f32) {
     if (f32) {
-        _mm512_store_ps(X->sbuf + r * KB + SB * u, p0);
-        _mm512_store_ps(X->sbuf + r * KB + SB * u + 16, p1);
+        _mm512_store_ps(U->sbuf + r * KB + SB * u, p0);
+        _mm512_store_ps(U->sbuf + r * KB + SB * u + 16, p1);
     } else {
 #ifdef KF_AMX
-        _mm512_store_si512(X->pbuf + r * KB + SB * u, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        _mm512_store_si512(U->pbuf + r * KB + SB * u, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
 #endif
     }
 }
 
-/* One step of the online softmax of rows B over the keys [u0 SB, u0 SB + KB) of piece P: Q K^T on the
- * sub-blocks a row may see, the softmax, O = O alpha + P V. kp, vp: this head's packed keys, values;
- * pm, ps: the piece's mask and row shift at (b, h), or NULL. f32: float32 products on AVX-512 FMAs
- * (P in float32, in place of S), else bfloat16 products on AMX tiles (P rounded to bfloat16). */
-static inline __attribute__((always_inline)) void step(const job_t *J, const piece_t *P, rows_t *B, scratch_t *X,
-                                                       long long u0, const char *kp, const char *vp,
-                                                       const float *pm, const float *ps, const int f32) {
-    const long long ra = P->q0 > B->i0 ? P->q0 : B->i0, rb = P->q1 < B->i0 + B->nr ? P->q1 : B->i0 + B->nr;
-    if (ra >= rb) return;
-    const long long ka = P->k0;
-    long long kz = P->k1;  /* past the last key any of these rows sees in the piece */
-    if (P->causal && P->k0 + (rb - P->q0) < kz) kz = P->k0 + (rb - P->q0);
-    const long long uend = (kz + SB - 1) / SB, j0 = u0 * SB;
-    if (u0 >= uend || j0 + KB <= ka) return;
-    const int ns = (int)(uend - u0 < NS ? uend - u0 : NS);
+/* The online softmax of unit U, row by row, over the step's seen sub-blocks (16 keys a vector), in base
+ * e: y the score, m the running max of y, l = sum e^(y - m). A NaN score reaches the max or the sum, and
+ * +inf the max: either makes the row NaN. Leaves P, alpha = e^(m_old - m_new) and U->any (whether any
+ * row has P to add). T: tile work to pump between rows (bfloat16), or NULL. */
+static inline __attribute__((always_inline)) void softmax(const job_t *J, unit_t *U, const int f32, tasks_t *T) {
+    const piece_t *P = U->P;
+    rows_t *B = U->B;
+    const float *pm = U->pm, *ps = U->ps;
+    const long long ra = U->ra, rb = U->rb, ka = P->k0, kz = U->kz, j0 = U->j0;
+    const int ns = U->ns, *seen = U->seen;
     const __m512 ninf = _mm512_set1_ps(-INFINITY), log2e = _mm512_set1_ps(1.44269504088896341f);
     const __m512 scale = _mm512_set1_ps(J->scale);
-    /* float32: only the register tiles that hold rows of the piece */
-    const int qa = (int)(ra - B->i0) / QR, qz = (int)(rb - B->i0 + QR - 1) / QR;
     const int plain = !pm && !ps && J->cap == 0.0f;  /* scores as they come (float32: y = S) */
-    int seen[NS], nseen = 0;
-    for (int u = 0; u < NS; u++) {
-        const long long js = j0 + u * SB;
-        seen[u] = u < ns && (!pm || block_seen(pm, P->ml, ra - P->q0, rb - P->q0, js - P->k0, ka - js, kz - js));
-        if (!seen[u]) continue;
-        nseen++;
-        const char *kt = kp + (size_t)(u0 + u) * kpack_size(J);
-        if (f32)
-            scores_f32(J, B, X, u, kt, qa, qz);
-#ifdef KF_AMX
-        else
-            scores_amx(J, B, X, u, kt);
-#endif
-    }
-    if (!nseen) return;
-    /* the online softmax, row by row, over the step's seen sub-blocks (16 keys a vector), in base
-     * e: y the score, m the running max of y, l = sum e^(y - m). A NaN score reaches the max or the
-     * sum, and +inf the max: either makes the row NaN */
     /* per row: dm = m_old - m_new and the step's sum of P; alpha = e^dm and l = l alpha + sum are
      * taken for all rows at once after the loop (a row that takes no part: dm = 0, sum = 0) */
     float dm[QB] __attribute__((aligned(64))), rs[QB] __attribute__((aligned(64)));
@@ -438,10 +530,11 @@ static inline __attribute__((always_inline)) void step(const job_t *J, const pie
     int any = 0;
     for (int r = 0; r < B->nr; r++) {
         const long long i = B->i0 + r;
-        float *pr = X->sbuf + r * KB;  /* float32: P in place of S */
+        float *pr = U->sbuf + r * KB;  /* float32: P in place of S */
+        if (T && r % 3 == 0) pump(T);
         if (i < ra || i >= rb) {  /* not a row of this piece: no P, nothing to rescale */
             for (int u = 0; u < ns; u++)
-                if (seen[u]) store_p(X, r, u, _mm512_setzero_ps(), _mm512_setzero_ps(), f32);
+                if (seen[u]) store_p(U, r, u, _mm512_setzero_ps(), _mm512_setzero_ps(), f32);
             continue;
         }
         long long kr = kz;  /* past the row's last key */
@@ -449,16 +542,24 @@ static inline __attribute__((always_inline)) void step(const job_t *J, const pie
         const float *mr = pm ? pm + (i - P->q0) * P->ml - P->k0 : NULL;  /* at key j: mr[j] */
         const int full = ka <= j0 && kr >= j0 + (long long)ns * SB;  /* the row sees every key of the step */
         __mmask16 vis[2 * NS];
-        __m512 mx[4] = {ninf, ninf, ninf, ninf};  /* four chains: a row's latency, not its length, bounds it */
+        __m512 m0 = ninf, m1 = ninf;  /* two chains of the max (in registers: a row's latency is short) */
         /* pass 1: y in place of S, its max. float32 keeps q pre-scaled (S is y unless a softcap, mask or
          * shift applies) */
-        if (f32 && full && plain) {  /* no mask: every sub-block up to ns is seen */
-            for (int x = 0; x < 2 * ns; x++) {
-                vis[x] = 0xFFFF;
-                mx[x & 3] = _mm512_max_ps(mx[x & 3], _mm512_load_ps(pr + 16 * x));
+        if (full && plain) {  /* no mask: every sub-block up to ns is seen, every lane */
+            for (int u = 0; u < ns; u++) {
+                __m512 t0 = _mm512_load_ps(pr + SB * u), t1 = _mm512_load_ps(pr + SB * u + 16);
+                if (!f32) {  /* y rounded once here and kept: the row's largest y minus the max is exactly 0 */
+                    t0 = _mm512_mul_round_ps(t0, scale, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                    t1 = _mm512_mul_round_ps(t1, scale, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                    _mm512_store_ps(pr + SB * u, t0);
+                    _mm512_store_ps(pr + SB * u + 16, t1);
+                }
+                m0 = _mm512_max_ps(m0, t0);
+                m1 = _mm512_max_ps(m1, t1);
             }
         } else {
             const __m512 shift = ps ? _mm512_set1_ps(ps[i - P->q0]) : _mm512_setzero_ps();
+            const float cap = J->cap;
             for (int x = 0; x < 2 * ns; x++) {
                 vis[x] = 0;
                 if (!seen[x / 2]) continue;
@@ -467,8 +568,8 @@ static inline __attribute__((always_inline)) void step(const job_t *J, const pie
                 __m512 t = _mm512_load_ps(pr + 16 * x);
                 /* y rounded once here and kept: the row's largest y minus the max is exactly 0 (a
                  * product fused into the later subtraction would not be) */
-                if (J->cap > 0.0f)
-                    t = softcap16(f32 ? t : _mm512_mul_ps(t, scale), J->cap);
+                if (cap > 0.0f)
+                    t = softcap16(f32 ? t : _mm512_mul_ps(t, scale), cap);
                 else if (!f32)
                     t = _mm512_mul_round_ps(t, scale, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
                 if (mr) {  /* a pair the mask hides (-inf) is out of vis: its P is exactly 0 */
@@ -478,10 +579,13 @@ static inline __attribute__((always_inline)) void step(const job_t *J, const pie
                 }
                 if (ps) t = _mm512_add_ps(t, shift);
                 _mm512_store_ps(pr + 16 * x, t);
-                mx[x & 3] = _mm512_mask_max_ps(mx[x & 3], vis[x], mx[x & 3], t);
+                if (x & 1)
+                    m1 = _mm512_mask_max_ps(m1, vis[x], m1, t);
+                else
+                    m0 = _mm512_mask_max_ps(m0, vis[x], m0, t);
             }
         }
-        const float bm = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3])));
+        const float bm = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
         if (isnan(bm) || bm == INFINITY || isnan(B->m[r])) {  /* the row is NaN from here on (out and lse) */
             B->m[r] = dm[r] = NAN;
             any = 1;
@@ -490,7 +594,7 @@ static inline __attribute__((always_inline)) void step(const job_t *J, const pie
         const float mn = bm > B->m[r] ? bm : B->m[r];
         if (mn == -INFINITY) {  /* nothing seen yet: no P, nothing to rescale */
             for (int u = 0; u < ns; u++)
-                if (seen[u]) store_p(X, r, u, _mm512_setzero_ps(), _mm512_setzero_ps(), f32);
+                if (seen[u]) store_p(U, r, u, _mm512_setzero_ps(), _mm512_setzero_ps(), f32);
             continue;
         }
         any = 1;
@@ -499,14 +603,14 @@ static inline __attribute__((always_inline)) void step(const job_t *J, const pie
         __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
         /* pass 2: P = e^(y - m) = 2^((y - m) log2 e). Where the product overflows to -inf (a mask of
          * -3e38), vreduceps gives 0 and vscalefps scales by 2^-inf: P = 0, no clamp needed */
-        if (full && !pm) {  /* every lane of every sub-block up to ns: no lane masks */
+        if (full && !pm) {  /* every lane of every sub-block up to ns: no lane masks (vis unset) */
             for (int u = 0; u < ns; u++) {
                 const __m512 x0 = _mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(pr + SB * u), mv), log2e);
                 const __m512 x1 = _mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(pr + SB * u + 16), mv), log2e);
                 const __m512 p0 = exp2_16(0xFFFF, x0), p1 = exp2_16(0xFFFF, x1);
                 s0 = _mm512_add_ps(s0, p0);
                 s1 = _mm512_add_ps(s1, p1);
-                store_p(X, r, u, p0, p1, f32);
+                store_p(U, r, u, p0, p1, f32);
             }
         } else {
             for (int u = 0; u < ns; u++) {
@@ -516,33 +620,26 @@ static inline __attribute__((always_inline)) void step(const job_t *J, const pie
                 const __m512 p0 = exp2_16(vis[2 * u], x0), p1 = exp2_16(vis[2 * u + 1], x1);
                 s0 = _mm512_add_ps(s0, p0);
                 s1 = _mm512_add_ps(s1, p1);
-                store_p(X, r, u, p0, p1, f32);
+                store_p(U, r, u, p0, p1, f32);
             }
         }
         rs[r] = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));  /* NaN when a score was NaN */
         B->m[r] = mn;
     }
+    U->any = any;
     if (!any) return;
     for (int r = 0; r < QB; r += 16) {  /* a NaN sum makes the row NaN (m too: it stays NaN) */
         const __m512 a = exp2_16(0xFFFF, _mm512_mul_ps(_mm512_load_ps(dm + r), log2e));
         const __m512 l = _mm512_fmadd_ps(_mm512_loadu_ps(B->l + r), a, _mm512_load_ps(rs + r));
         _mm512_storeu_ps(B->l + r, l);
-        _mm512_storeu_ps(B->alpha + r, a);
+        _mm512_store_ps(U->alpha + r, a);
         const __m512 m = _mm512_loadu_ps(B->m + r);
         _mm512_storeu_ps(B->m + r, _mm512_mask_mov_ps(m, _mm512_cmp_ps_mask(l, l, _CMP_UNORD_Q), l));
     }
-    if (f32) {
-        const int pz = (int)(rb - B->i0 + PR - 1) / PR;
-        values_f32(J, B, X, u0, ns, seen, vp, (int)(ra - B->i0) / PR, pz);
-    } else {
-#ifdef KF_AMX
-        values_amx(J, B, X, u0, ns, seen, vp);
-#endif
-    }
 }
 
-/* A thread's scratch, from the heap (about 130 KiB at head size 64, 270 KiB at 256: more than a small
- * thread stack holds): the step's buffers, then each block's q and O. */
+/* A thread's scratch, from the heap (about 300 KiB at head size 64, 450 KiB at 256: more than a small
+ * thread stack holds): the ring of step buffers, then each block's q and O. */
 static size_t scratch_bytes(const job_t *J) {
     return sizeof(scratch_t) + (size_t)G * QB * (J->Dp * (J->f32 ? sizeof(float) : sizeof(uint16_t))
                                                  + J->Dvp * sizeof(float));
@@ -550,8 +647,9 @@ static size_t scratch_bytes(const job_t *J) {
 
 /* One work item: G blocks of 32 rows of (b, h) over the keys of every piece they are in. The blocks take
  * each step of KB keys in turn, so the step's packed keys and values are read from memory once for
- * G x 32 rows (at 16k keys a head's packed keys and values, 4 MiB, outgrow a core's L2). `mem`: the
- * thread's scratch_bytes(J), 64-byte aligned. */
+ * G x 32 rows (at 16k keys a head's packed keys and values, 4 MiB, outgrow a core's L2). bfloat16
+ * pipelines its units (see tasks_t); float32 runs each in turn (its products and its softmax share
+ * the vector units). `mem`: the thread's scratch_bytes(J), 64-byte aligned. */
 static inline __attribute__((always_inline)) void item(const job_t *J, long long w, char *mem, const int f32) {
     const long long nqg = (J->nqb + G - 1) / G, qg = w % nqg, bh = w / nqg;
     const int b = (int)(bh / J->Hq), h = (int)(bh % J->Hq), hk = h / (J->Hq / J->Hkv);
@@ -585,21 +683,50 @@ static inline __attribute__((always_inline)) void item(const job_t *J, long long
         }
         memset(B->acc, 0, sizeof(float) * QB * Dvp);
     }
-    if (!f32) memset(X->pbuf, 0, sizeof(X->pbuf));
-    const long long i0 = blocks[0].i0, i1 = blocks[nb - 1].i0 + blocks[nb - 1].nr;
     const char *kp = J->kp + (size_t)(b * J->Hkv + hk) * J->nkb * kpack_size(J);
     const char *vp = J->vp + (size_t)(b * J->Hkv + hk) * J->nkb * vpack_size(J);
-    for (int pi = 0; pi < J->np; pi++) {
-        const piece_t *P = J->pieces + pi;
-        const long long ra = P->q0 > i0 ? P->q0 : i0, rb = P->q1 < i1 ? P->q1 : i1;
-        if (ra >= rb) continue;
-        long long kz = P->k1;
-        if (P->causal && P->k0 + (rb - P->q0) < kz) kz = P->k0 + (rb - P->q0);
-        if (P->k0 >= kz) continue;
-        const float *pm = P->mask ? (const float *)(intptr_t)P->mask + b * P->mb + h * P->mh : NULL;
-        const float *ps = P->shift ? (const float *)(intptr_t)P->shift + b * P->sb + h * P->sh : NULL;
-        for (long long u0 = P->k0 / SB; u0 * SB < kz; u0 += NS)
-            for (int g = 0; g < nb; g++) step(J, P, &blocks[g], X, u0, kp, vp, pm, ps, f32);
+    iter_t it = {0, 0, 0, 0, 0, NULL, NULL};
+    if (f32) {
+        unit_t U;
+        U.sbuf = X->sbuf[0];
+        U.pbuf = X->pbuf[0];
+        while (next_unit(J, &it, &U, blocks, nb, b, h)) {
+            const int qa = (int)(U.ra - U.B->i0) / QR, qz = (int)(U.rb - U.B->i0 + QR - 1) / QR;
+            for (int u = 0; u < U.ns; u++)
+                if (U.seen[u]) scores_f32(J, U.B, U.sbuf, u, kp + (size_t)(U.u0 + u) * kpack_size(J), qa, qz);
+            softmax(J, &U, 1, NULL);
+            if (U.any) values_f32(J, &U, vp);
+        }
+    } else {
+#ifdef KF_AMX
+        /* pipelined: the softmax of unit i runs beside Q K^T of unit i + 1 and P V of unit i - 1 */
+        unit_t ring[RING];
+        for (int t = 0; t < RING; t++) {
+            ring[t].sbuf = X->sbuf[t];
+            ring[t].pbuf = X->pbuf[t];
+        }
+        memset(X->pbuf, 0, sizeof(X->pbuf));  /* rows past nr are never written: their P stays 0 */
+        tasks_t T = {J, kp, vp, X->obuf, NULL, NULL, 0, 0};
+        int t = 0;
+        if (next_unit(J, &it, &ring[0], blocks, nb, b, h)) {
+            T.s_unit = &ring[0];
+            T.s_next = 0;
+            drain(&T);  /* Q K^T of the first unit, alone */
+            for (;;) {
+                unit_t *cur = &ring[t], *next = &ring[(t + 1) % RING];
+                const int more = next_unit(J, &it, next, blocks, nb, b, h);
+                T.s_unit = more ? next : NULL;
+                T.s_next = 0;
+                softmax(J, cur, 0, &T);
+                drain(&T);
+                T.v_unit = cur->any ? cur : NULL;  /* its P V beside the next unit's softmax */
+                T.v_next = 0;
+                if (!more) break;
+                t = (t + 1) % RING;
+            }
+            drain(&T);
+        }
+#endif
     }
     /* out = O / l, lse = m + log l; a row that saw no key: 0 and -inf */
     const int Dv = J->Dv;
