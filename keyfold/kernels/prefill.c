@@ -234,13 +234,14 @@ static int block_seen(const float *m, long long ml, long long r0, long long r1, 
 }
 
 /* The state of 32 query rows [i0, i0 + nr) in a work item: their q (zero past D and past nr), running
- * max m and sum l, and O (float32, Dvp columns). */
+ * max m, sum l (16 partial sums a row, added up at the end: no horizontal sum per step), and O
+ * (float32, Dvp columns). */
 typedef struct {
     long long i0;
     int nr;
     void *qbuf;
-    float *acc;
-    float m[QB], l[QB];
+    float *acc, *l;
+    float m[QB];
 } rows_t;
 
 /* One unit of work: the step of KB keys from u0 SB of piece P for the rows of block B (those of them in
@@ -525,8 +526,11 @@ static inline __attribute__((always_inline)) void softmax(const job_t *J, unit_t
     const int plain = !pm && !ps && J->cap == 0.0f;  /* scores as they come (float32: y = S) */
     /* per row: dm = m_old - m_new and the step's sum of P; alpha = e^dm and l = l alpha + sum are
      * taken for all rows at once after the loop (a row that takes no part: dm = 0, sum = 0) */
-    float dm[QB] __attribute__((aligned(64))), rs[QB] __attribute__((aligned(64)));
-    for (int r = 0; r < QB; r++) dm[r] = rs[r] = 0.0f;
+    float dm[QB] __attribute__((aligned(64))), rs[QB * 16] __attribute__((aligned(64)));
+    for (int r = 0; r < QB; r++) {
+        dm[r] = 0.0f;
+        _mm512_store_ps(rs + 16 * r, _mm512_setzero_ps());
+    }
     int any = 0;
     for (int r = 0; r < B->nr; r++) {
         const long long i = B->i0 + r;
@@ -623,18 +627,16 @@ static inline __attribute__((always_inline)) void softmax(const job_t *J, unit_t
                 store_p(U, r, u, p0, p1, f32);
             }
         }
-        rs[r] = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));  /* NaN when a score was NaN */
+        _mm512_store_ps(rs + 16 * r, _mm512_add_ps(s0, s1));  /* NaN when a score was NaN */
         B->m[r] = mn;
     }
     U->any = any;
     if (!any) return;
-    for (int r = 0; r < QB; r += 16) {  /* a NaN sum makes the row NaN (m too: it stays NaN) */
-        const __m512 a = exp2_16(0xFFFF, _mm512_mul_ps(_mm512_load_ps(dm + r), log2e));
-        const __m512 l = _mm512_fmadd_ps(_mm512_loadu_ps(B->l + r), a, _mm512_load_ps(rs + r));
-        _mm512_storeu_ps(B->l + r, l);
-        _mm512_store_ps(U->alpha + r, a);
-        const __m512 m = _mm512_loadu_ps(B->m + r);
-        _mm512_storeu_ps(B->m + r, _mm512_mask_mov_ps(m, _mm512_cmp_ps_mask(l, l, _CMP_UNORD_Q), l));
+    for (int r = 0; r < QB; r += 16)  /* a NaN m (or sum) makes alpha (or l) NaN: the row's out and lse */
+        _mm512_store_ps(U->alpha + r, exp2_16(0xFFFF, _mm512_mul_ps(_mm512_load_ps(dm + r), log2e)));
+    for (int r = 0; r < B->nr; r++) {
+        float *l = B->l + 16 * r;
+        _mm512_store_ps(l, _mm512_fmadd_ps(_mm512_load_ps(l), _mm512_set1_ps(U->alpha[r]), _mm512_load_ps(rs + 16 * r)));
     }
 }
 
@@ -642,7 +644,7 @@ static inline __attribute__((always_inline)) void softmax(const job_t *J, unit_t
  * thread stack holds): the ring of step buffers, then each block's q and O. */
 static size_t scratch_bytes(const job_t *J) {
     return sizeof(scratch_t) + (size_t)G * QB * (J->Dp * (J->f32 ? sizeof(float) : sizeof(uint16_t))
-                                                 + J->Dvp * sizeof(float));
+                                                 + (J->Dvp + 16) * sizeof(float));
 }
 
 /* One work item: G blocks of 32 rows of (b, h) over the keys of every piece they are in. The blocks take
@@ -658,6 +660,7 @@ static inline __attribute__((always_inline)) void item(const job_t *J, long long
     scratch_t *X = (scratch_t *)mem;
     char *qbuf = mem + sizeof(scratch_t);                             /* G blocks of QB x Dp */
     float *acc = (float *)(qbuf + (size_t)G * QB * Dp * qsize);      /* G blocks of QB x Dvp */
+    float *lbuf = acc + (size_t)G * QB * Dvp;                         /* G blocks of QB x 16 */
     rows_t blocks[G];
     int nb = 0;
     for (int g = 0; g < G; g++) {
@@ -668,6 +671,7 @@ static inline __attribute__((always_inline)) void item(const job_t *J, long long
         B->nr = (int)(J->L - i0 < QB ? J->L - i0 : QB);
         B->qbuf = qbuf + (size_t)g * QB * Dp * qsize;
         B->acc = acc + (size_t)g * QB * Dvp;
+        B->l = lbuf + (size_t)g * QB * 16;
         const char *q = (const char *)J->q + (b * J->sqb + h * J->sqh + i0 * J->sqn) * qsize;
         for (int r = 0; r < QB; r++) {
             memset((char *)B->qbuf + r * Dp * qsize, 0, qsize * Dp);
@@ -679,7 +683,7 @@ static inline __attribute__((always_inline)) void item(const job_t *J, long long
                 memcpy((char *)B->qbuf + r * Dp * qsize, q + r * J->sqn * qsize, qsize * J->D);
             }
             B->m[r] = -INFINITY;
-            B->l[r] = 0.0f;
+            _mm512_store_ps(B->l + 16 * r, _mm512_setzero_ps());
         }
         memset(B->acc, 0, sizeof(float) * QB * Dvp);
     }
@@ -734,9 +738,10 @@ static inline __attribute__((always_inline)) void item(const job_t *J, long long
         const rows_t *B = &blocks[g];
         for (int r = 0; r < B->nr; r++) {
             const size_t row = (size_t)(bh * J->L + B->i0 + r);
-            const int empty = B->m[r] == -INFINITY && B->l[r] == 0.0f;
-            const __m512 inv = _mm512_set1_ps(empty ? 0.0f : 1.0f / B->l[r]);
-            J->lse[row] = empty ? -INFINITY : B->m[r] + logf(B->l[r]);
+            const float l = _mm512_reduce_add_ps(_mm512_load_ps(B->l + 16 * r));
+            const int empty = B->m[r] == -INFINITY && l == 0.0f;
+            const __m512 inv = _mm512_set1_ps(empty ? 0.0f : 1.0f / l);
+            J->lse[row] = empty ? -INFINITY : B->m[r] + logf(l);
             for (int d = 0; d < Dv; d += 16) {
                 const __mmask16 k = first(Dv - d);
                 /* an empty row is 0 even where a hidden key's NaN value reached O through a 0 in P */
