@@ -16,6 +16,7 @@ Facts about it that this module works around (measured, DESIGN.md section 7):
 from __future__ import annotations
 
 import math
+import os
 import platform
 import warnings
 from typing import NamedTuple
@@ -345,7 +346,7 @@ def dense(q, k, v, scale: float, keep_dtype: bool = False) -> State:
     keep_dtype: out stays in the op's dtype (the input's, float32 for widened float16), for a
     caller that casts it to the input dtype anyway."""
     sd = state_dtype(q.dtype)
-    if _prefill_may(q, k, v, Problem(None, None, scale, 0, 0), True):
+    if _prefill_may(q, k, v, Problem(None, None, scale, 0, 0), True, True):
         q, k, v = _widen(q, k, v)
         out, lse = native.prefill(q, k, v, scale, [native.piece_row(0, q.shape[2], 0, k.shape[2], False)],
                                   out_dtype=q.dtype if keep_dtype else sd)
@@ -361,21 +362,38 @@ PREFILL_CAPS = (1e-20, 1e20)
 
 
 #: float32 calls with no mask and no score (one piece of every pair) at head sizes above this stay on
-#: the fused op: it runs them at 0.94-0.98x the prefill kernel's time at D = 128 (4k keys, Intel Xeon
+#: the fused op: it runs them at 0.94-0.99x the prefill kernel's time at D = 128 (4k keys, Intel Xeon
 #: with AMX), where every masked or causal plan is faster on the kernel (0.90-0.96x the op's).
 PREFILL_F32_DENSE_MAX_HEAD = 64
 
+#: Query rows per key/value head (rows x GQA group) from which a call goes to the prefill kernel. It
+#: packs the keys and values its pieces read once per call, so it pays only when enough rows share
+#: them: over 32k cached keys (B=1, H=8, D=64, Intel Xeon with AMX) it took 2-5x the op's time with
+#: 16 rows, 1.2-2x with 128 and 0.7-1.1x with 512 (a window or documents mask). Set
+#: ``KEYFOLD_PREFILL_MIN_ROWS`` in the environment to move it (tests run small problems through it).
+PREFILL_MIN_ROWS = int(os.environ.get("KEYFOLD_PREFILL_MIN_ROWS", "512"))
 
-def _prefill_may(q, k, v, pb: Problem, dense: bool = False) -> bool:
+#: A plan of full and causal pieces only (no mask tile, no score) runs on the kernel only where its rows
+#: per key/value head are at least the keys over this: the op runs such plans at one call a piece, and
+#: packing a long cache for few rows costs more than it saves (float32 over 32k keys, 8 heads: the
+#: kernel took 1.08-1.16x the op's time with 1024 rows, 0.95-0.98x with 2048).
+PREFILL_KEYS_PER_ROW = 8
+
+
+def _prefill_may(q, k, v, pb: Problem, plain: bool = False, dense: bool = False) -> bool:
     """Whether a call runs on keyfold's prefill kernel (:func:`native.prefill`): bfloat16 on a CPU with
-    AMX, or float32 (float16 too, widened, where :data:`FP16_AS_FP32`) on one with AVX-512; more query
-    rows than a decoding step (:data:`NATIVE_ROWS`, every head of a GQA group counted), a score that is
-    additive (its tiles) or a softcap (computed in the kernel), no dropout. ``dense``: one piece of
-    every pair, no score (see :data:`PREFILL_F32_DENSE_MAX_HEAD`)."""
+    AMX, or float32 (float16 too, widened, where :data:`FP16_AS_FP32`) on one with AVX-512; at least
+    :data:`PREFILL_MIN_ROWS` query rows per key/value head (and, for a ``plain`` plan of full and causal
+    pieces, at least the keys over :data:`PREFILL_KEYS_PER_ROW`); a score that is additive (its tiles)
+    or a softcap (computed in the kernel), no dropout. ``dense``: one piece of every pair, no score
+    (see :data:`PREFILL_F32_DENSE_MAX_HEAD`)."""
     dt = torch.float32 if q.dtype is torch.float16 and FP16_AS_FP32 else q.dtype
-    if dt not in (torch.bfloat16, torch.float32) or q.shape[2] * (q.shape[1] // max(k.shape[1], 1)) <= NATIVE_ROWS:
+    rows = q.shape[2] * (q.shape[1] // max(k.shape[1], 1))
+    if dt not in (torch.bfloat16, torch.float32) or rows <= NATIVE_ROWS or rows < PREFILL_MIN_ROWS:
         return False
     if q.numel() == 0 or k.numel() == 0:  # an empty batch or no heads: nothing for the kernel to do
+        return False
+    if plain and rows * PREFILL_KEYS_PER_ROW < k.shape[2]:
         return False
     if dense and dt is torch.float32 and max(q.shape[-1], v.shape[-1]) > PREFILL_F32_DENSE_MAX_HEAD:
         return False
@@ -392,8 +410,9 @@ def prefill(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State
     (:func:`_prefill_may`). The pieces' mask tiles (and a separable bias's row terms) are the ones the
     fused op would get; the kernel merges the pieces of a row inside its softmax, so nothing is merged
     here, and out comes back in bfloat16 for bfloat16 inputs with ``keep_dtype`` (else float32)."""
-    dense = pb.score is None and len(plan.pieces) == 1 and plan.pieces[0].kind is PieceKind.FULL
-    if not _prefill_may(q, k, v, pb, dense):
+    plain = pb.score is None and all(p.kind is not PieceKind.MASKED for p in plan.pieces)
+    dense = plain and len(plan.pieces) == 1 and plan.pieces[0].kind is PieceKind.FULL
+    if not _prefill_may(q, k, v, pb, plain, dense):
         return None
     q_orig = q
     q, k, v = _widen(q, k, v)  # float16 on a CPU without its units: the float32 kernel

@@ -795,14 +795,19 @@ int kf_prefill(const void *q, const void *k, const void *v, int dtype,
                (D + 31) / 32, (Dv + 31) / 32 * 2, L, S, (L + QB - 1) / QB, (S + SB - 1) / SB, scale, cap, pieces,
                np, out_bf16, f32, out, lse, NULL, NULL};
     const long long blocks = (long long)B * Hkv * J.nkb;
+    /* only the key blocks some piece reads are packed (a window over a long cache reads the window's):
+     * the rest of the buffers is never touched, so the OS never maps it */
+    unsigned char *need = calloc((size_t)J.nkb, 1);
     J.kp = aligned_alloc(64, (size_t)blocks * kpack_size(&J));
     J.vp = aligned_alloc(64, (size_t)blocks * vpack_size(&J));
-    if (!J.kp || !J.vp) { free(J.kp); free(J.vp); return -2; }
+    if (!need || !J.kp || !J.vp) { free(need); free(J.kp); free(J.vp); return -2; }
+    for (int i = 0; i < np; i++)
+        for (long long u = pieces[i].k0 / SB; u * SB < pieces[i].k1; u++) need[u] = 1;
     const long long items = (long long)B * Hq * ((J.nqb + G - 1) / G);
     if (threads < 1) threads = 1;
     const size_t per = (scratch_bytes(&J) + 63) / 64 * 64;
     char *scratch = aligned_alloc(64, per * (size_t)threads);
-    if (!scratch) { free(J.kp); free(J.vp); return -2; }
+    if (!scratch) { free(need); free(J.kp); free(J.vp); return -2; }
 #ifdef KF_AMX
     tilecfg_t cfg;
     memset(&cfg, 0, sizeof(cfg));
@@ -816,14 +821,16 @@ int kf_prefill(const void *q, const void *k, const void *v, int dtype,
         char *mem = scratch + per * (size_t)omp_get_thread_num();
         if (f32) {
             #pragma omp for schedule(static)
-            for (long long t = 0; t < blocks; t++) pack_f32(&J, t);
+            for (long long t = 0; t < blocks; t++)
+                if (need[t % J.nkb]) pack_f32(&J, t);
             #pragma omp for schedule(dynamic, 1)
             for (long long w = 0; w < items; w++) item_f32(&J, w, mem);
         }
 #ifdef KF_AMX
         else {
             #pragma omp for schedule(static)
-            for (long long t = 0; t < blocks; t++) pack_bf16(&J, t);
+            for (long long t = 0; t < blocks; t++)
+                if (need[t % J.nkb]) pack_bf16(&J, t);
             _tile_loadconfig(&cfg);
             #pragma omp for schedule(dynamic, 1)
             for (long long w = 0; w < items; w++) item_bf16(&J, w, mem);
@@ -832,6 +839,7 @@ int kf_prefill(const void *q, const void *k, const void *v, int dtype,
 #endif
         _mm_setcsr(csr);
     }
+    free(need);
     free(J.kp);
     free(J.vp);
     free(scratch);

@@ -25,6 +25,14 @@ pytestmark = pytest.mark.parametrize("dt", [
 ])
 
 
+@pytest.fixture(autouse=True)
+def _small_problems_run_on_the_kernel(monkeypatch):
+    """The kernel takes calls from PREFILL_MIN_ROWS rows per key/value head (512): the cases here are
+    smaller, so the threshold drops to the decoding step's for them (test_routing checks it)."""
+    monkeypatch.setattr(cpu, "PREFILL_MIN_ROWS", cpu.NATIVE_ROWS + 1)
+    monkeypatch.setattr(cpu, "PREFILL_KEYS_PER_ROW", 1 << 30)
+
+
 def _qkv(B=1, H=2, N=300, D=64, Hkv=None, Nk=None, Dv=None, seed=0, dt=BF16):
     g = torch.Generator().manual_seed(seed)
     Hkv, Nk, Dv = Hkv or H, Nk or N, Dv or D
@@ -239,14 +247,34 @@ def test_routing(dt):
     odd = cpu._prefill_may(q[..., :63], k[..., :63], v, pb)
     assert odd == (dt is F32) and (native.prefill_takes(q[..., :63], k[..., :63], v) is None) == (dt is F32)
     wide = torch.cat([q, q], -1), torch.cat([k, k], -1), torch.cat([v, v], -1)  # head size 128
-    assert cpu._prefill_may(*wide, pb, True) == (dt is BF16)
-    assert cpu._prefill_may(*wide, pb, False)  # a mask or causal: the kernel
+    assert cpu._prefill_may(*wide, pb, True, True) == (dt is BF16)
+    assert cpu._prefill_may(*wide, pb, True, False)  # causal: the kernel
     fn = kf.scores.score_fn(lambda s, b, h, qp, kp: s * 0.5)
     assert not cpu._prefill_may(q, k, v, kf.kernels._common.Problem(None, fn, 0.125, 0, 0))
     assert not cpu._prefill_may(q, k, v, kf.kernels._common.Problem(None, None, 0.125, 0, 0, dropout_p=0.1))
     before = native.prefill_calls
     kf.attention(q, k, v, score=kf.softcap(3.0), backend=kf.Backend.TILES)
     kf.attention(q, k, v, score=lambda s, b, h, qp, kp: s * 0.5)
+    assert native.prefill_calls == before
+
+
+def test_few_rows_over_many_keys_stay_on_the_op(dt, monkeypatch):
+    """The kernel packs what its pieces read once per call: below PREFILL_MIN_ROWS rows per key/value
+    head, or (a plan of full and causal pieces) below the keys over PREFILL_KEYS_PER_ROW, the op runs
+    the call (a first version took every call over a decoding step's rows, up to 120x slower with 16
+    rows over 32k keys and a window mask; found measuring)."""
+    monkeypatch.setattr(cpu, "PREFILL_MIN_ROWS", 512)
+    monkeypatch.setattr(cpu, "PREFILL_KEYS_PER_ROW", 8)
+    pb = kf.kernels._common.Problem(None, None, 0.125, 0, 0)
+    k = torch.zeros(1, 2, 8192, 64, dtype=dt)
+    assert not cpu._prefill_may(torch.zeros(1, 2, 511, 64, dtype=dt), k, k, pb)
+    assert cpu._prefill_may(torch.zeros(1, 2, 512, 64, dtype=dt), k, k, pb)
+    assert cpu._prefill_may(torch.zeros(1, 8, 64, 64, dtype=dt), k[:, :1], k[:, :1], pb)  # a GQA group of 8
+    assert not cpu._prefill_may(torch.zeros(1, 2, 512, 64, dtype=dt), k, k, pb, True)  # plain: 8192 / 8 rows
+    assert cpu._prefill_may(torch.zeros(1, 2, 1024, 64, dtype=dt), k, k, pb, True)
+    q, kk, v = _qkv(N=16, Nk=4096, dt=dt)
+    before = native.prefill_calls
+    assert_forward_by_rule(q, kk, v, mask=kf.causal() & kf.window(256), q_offset=4096 - 16)
     assert native.prefill_calls == before
 
 
