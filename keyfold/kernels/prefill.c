@@ -632,6 +632,10 @@ static inline __attribute__((always_inline)) void softmax(const job_t *J, unit_t
     }
     U->any = any;
     if (!any) return;
+    if (!f32)  /* rows past nr (the last block's) enter the tile product: P = 0 (float32 never writes them out) */
+        for (int r = B->nr; r < QB; r++)
+            for (int u = 0; u < ns; u++)
+                if (seen[u]) store_p(U, r, u, _mm512_setzero_ps(), _mm512_setzero_ps(), f32);
     for (int r = 0; r < QB; r += 16)  /* a NaN m (or sum) makes alpha (or l) NaN: the row's out and lse */
         _mm512_store_ps(U->alpha + r, exp2_16(0xFFFF, _mm512_mul_ps(_mm512_load_ps(dm + r), log2e)));
     for (int r = 0; r < B->nr; r++) {
@@ -709,7 +713,6 @@ static inline __attribute__((always_inline)) void item(const job_t *J, long long
             ring[t].sbuf = X->sbuf[t];
             ring[t].pbuf = X->pbuf[t];
         }
-        memset(X->pbuf, 0, sizeof(X->pbuf));  /* rows past nr are never written: their P stays 0 */
         tasks_t T = {J, kp, vp, X->obuf, NULL, NULL, 0, 0};
         int t = 0;
         if (next_unit(J, &it, &ring[0], blocks, nb, b, h)) {
@@ -721,7 +724,9 @@ static inline __attribute__((always_inline)) void item(const job_t *J, long long
                 const int more = next_unit(J, &it, next, blocks, nb, b, h);
                 T.s_unit = more ? next : NULL;
                 T.s_next = 0;
-                softmax(J, cur, 0, &T);
+                /* a softcap's softmax ran 1.15x slower with the tile work between its rows (measured,
+                 * 16k causal): it takes the tile work after it */
+                softmax(J, cur, 0, J->cap > 0.0f ? NULL : &T);
                 drain(&T);
                 T.v_unit = cur->any ? cur : NULL;  /* its P V beside the next unit's softmax */
                 T.v_next = 0;
