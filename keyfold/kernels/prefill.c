@@ -102,15 +102,32 @@ static size_t vpack_size(const job_t *J) {
     return J->f32 ? (size_t)SB * J->Dvp * sizeof(float) : (size_t)J->nj * TILE * sizeof(uint16_t);
 }
 
+/* Key block t = ((b * Hkv + h) * nkb + kb): its first key and value (elements of esize bytes), its
+ * packed key and value buffers, and how many of its SB keys exist (the last block's run past S). */
+typedef struct {
+    const char *k, *v;
+    char *kp, *vp;
+    long long nk;
+} block_t;
+
+static block_t block_at(const job_t *J, long long t, size_t esize) {
+    const long long kb = t % J->nkb, bh = t / J->nkb;
+    const int b = (int)(bh / J->Hkv), h = (int)(bh % J->Hkv);
+    const long long j0 = kb * SB;
+    const block_t X = {(const char *)J->k + (b * J->skb + h * J->skh + j0 * J->skn) * (long long)esize,
+                       (const char *)J->v + (b * J->svb + h * J->svh + j0 * J->svn) * (long long)esize,
+                       J->kp + (size_t)t * kpack_size(J), J->vp + (size_t)t * vpack_size(J),
+                       J->S - j0 < SB ? J->S - j0 : SB};
+    return X;
+}
+
 /* Key block t = ((b * Hkv + h) * nkb + kb) in float32: K^T, row d = dim d of the block's 32 keys (the
  * vector operand of Q K^T), and V, row j = key j's values, Dvp long. Past S or Dv: zeros. */
 static void pack_f32(const job_t *J, long long t) {
-    const long long kb = t % J->nkb, bh = t / J->nkb;
-    const int b = (int)(bh / J->Hkv), h = (int)(bh % J->Hkv);
-    const long long j0 = kb * SB, nk = J->S - j0 < SB ? J->S - j0 : SB;
-    const float *k = (const float *)J->k + b * J->skb + h * J->skh + j0 * J->skn;
-    const float *v = (const float *)J->v + b * J->svb + h * J->svh + j0 * J->svn;
-    float *kp = (float *)(J->kp + (size_t)t * kpack_size(J)), *vp = (float *)(J->vp + (size_t)t * vpack_size(J));
+    const block_t X = block_at(J, t, sizeof(float));
+    const long long nk = X.nk;
+    const float *k = (const float *)X.k, *v = (const float *)X.v;
+    float *kp = (float *)X.kp, *vp = (float *)X.vp;
     for (int j = 0; j < SB; j++)
         for (int d = 0; d < J->D; d++) kp[d * SB + j] = j < nk ? k[j * J->skn + d] : 0.0f;
     for (int j = 0; j < SB; j++)
@@ -126,13 +143,10 @@ static void pack_f32(const job_t *J, long long t) {
  * row r = keys 2r and 2r + 1 interleaved. Past S, D or Dv: zeros. */
 #ifdef KF_AMX
 static void pack_bf16(const job_t *J, long long t) {
-    const long long kb = t % J->nkb, bh = t / J->nkb;
-    const int b = (int)(bh / J->Hkv), h = (int)(bh % J->Hkv);
-    const long long j0 = kb * SB, nk = J->S - j0 < SB ? J->S - j0 : SB;
-    const uint16_t *k = (const uint16_t *)J->k + b * J->skb + h * J->skh + j0 * J->skn;
-    const uint16_t *v = (const uint16_t *)J->v + b * J->svb + h * J->svh + j0 * J->svn;
-    uint16_t *kp = (uint16_t *)(J->kp + (size_t)t * kpack_size(J));
-    uint16_t *vp = (uint16_t *)(J->vp + (size_t)t * vpack_size(J));
+    const block_t X = block_at(J, t, sizeof(uint16_t));
+    const long long nk = X.nk;
+    const uint16_t *k = (const uint16_t *)X.k, *v = (const uint16_t *)X.v;
+    uint16_t *kp = (uint16_t *)X.kp, *vp = (uint16_t *)X.vp;
     const int pairs = J->D / 2;  /* D is even */
     const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                            _mm512_set1_epi32((int)(J->skn * 2)));
