@@ -266,7 +266,7 @@ typedef struct {
     rows_t *B;
     const float *pm, *ps;  /* the piece's mask and row shift at (b, h), or NULL */
     long long u0, j0, ra, rb, kz;
-    int ns, nseen, any, seen[NS];
+    int ns, any, seen[NS];
     float *sbuf;
     uint16_t *pbuf;
     float alpha[QB] __attribute__((aligned(64)));
@@ -293,13 +293,14 @@ static int unit_init(unit_t *U, const piece_t *P, rows_t *B, long long u0, const
     U->P = P; U->B = B; U->pm = pm; U->ps = ps;
     U->u0 = u0; U->j0 = j0; U->ra = ra; U->rb = rb; U->kz = kz;
     U->ns = (int)(uend - u0 < NS ? uend - u0 : NS);
-    U->nseen = U->any = 0;
+    U->any = 0;
+    int nseen = 0;
     for (int u = 0; u < NS; u++) {
         const long long js = j0 + u * SB;
         U->seen[u] = u < U->ns && (!pm || block_seen(pm, P->ml, ra - P->q0, rb - P->q0, js - P->k0, P->k0 - js, kz - js));
-        U->nseen += U->seen[u];
+        nseen += U->seen[u];
     }
-    return U->nseen > 0;
+    return nseen > 0;
 }
 
 /* The units of a work item in order: for each piece its steps, for each step the blocks. */
@@ -474,9 +475,7 @@ static inline __attribute__((always_inline)) void pv_tile(float *o, int Dvp, con
         for (int x = 0; x < nv; x++) _mm512_store_ps(o + r * Dvp + c + 16 * x, a[r][x]);
 }
 
-#ifndef PU
 #define PU 2  /* float32: sub-blocks (of those in a run) one O tile takes before it is stored */
-#endif
 
 /* O = O alpha + P V in float32 for the row groups [g0, g1) of PR rows, over runs of up to PU
  * consecutive seen sub-blocks (a run's V, 32 PU x Dvp, stays in L1 for every row group) */
