@@ -120,34 +120,52 @@ def _by_chunks(q, k, v, scale: float):
 
 
 #: Query rows up to which a call over a 16-bit cache goes to keyfold's own decode kernel
-#: (:mod:`keyfold.kernels.native`). Against PyTorch's op on the Intel Xeon with AMX (B=1, H=8,
-#: D=64, 64k keys, 2 threads) it took 0.54-0.90x the op's time with 1 row, 0.60-0.72x with 2,
-#: 0.84-0.87x with 4 and 1.3-1.5x with 8: it reads each key once, but does the rows' arithmetic
-#: without a GEMM. Against the float32 chunks (:func:`_by_chunks`) it took 0.24-0.41x up to 4 rows.
+#: (:mod:`keyfold.kernels.native`) on its one-row path. Against PyTorch's op on the Intel Xeon with
+#: AMX (B=1, H=8, D=64, 64k keys, 2 threads) it took 0.54-0.90x the op's time with 1 row, 0.60-0.72x
+#: with 2, 0.84-0.87x with 4 and 1.3-1.5x with 8: it reads each key once, but does the rows'
+#: arithmetic without a GEMM. Against the float32 chunks (:func:`_by_chunks`) it took 0.24-0.41x up
+#: to 4 rows. A float32 cache stays on the op up to here (it reads at the stream's rate).
 NATIVE_ROWS = 4
+
+#: From ``native.FEW_ROWS`` (= NATIVE_ROWS + 1) rows the kernel takes its several-rows path (eight
+#: rows to a key's every FMA); up to how many rows a call goes there, per cache dtype. Against the
+#: op, each call after a read of 256 MiB (the cache not in any cache level; B=1, 2 key/value heads,
+#: 64k keys, D=64, 2 threads): float32 0.78x (8 rows), 0.83x (16), 0.80x (32), 0.64x (64); float16
+#: 0.70x, 0.82x, 0.89x, 0.80x; bfloat16 0.81x at 8 rows, but 1.25x at 16 and 1.57x at 32 against
+#: the AMX op. An MQA step (8 query heads over one float32 key/value head, 128k keys) went from
+#: 3.1 to 2.2 ms.
+NATIVE_FEW_ROWS = {torch.float32: 64, torch.float16: 64, torch.bfloat16: 8}
 
 #: With AMX PyTorch's bfloat16 op reads a cache that the last-level cache holds faster than the
 #: kernel (47 vs 38 GB/s at 16k keys), and a larger one slower (24 vs 31 GB/s at 128k, the stream
 #: copy 27 GB/s; B=1, H=8, D=64): bfloat16 calls that read fewer bytes of keys and values than this
 #: stay on the op there (64k keys, 128 MiB: the kernel took 0.91x the op's time).
 NATIVE_BF16_BYTES = 128 << 20
+#: The same for the several-rows path, whose rows make the op slower per byte: with 8 rows the op
+#: took 0.85-0.91x the kernel's time on 1-2 MiB in L2, 1.18-1.37x on 32 MiB from memory.
+NATIVE_BF16_FEW_BYTES = 8 << 20
 
 
 def _native_may(dtype: torch.dtype, rows: int, n: int) -> bool:
-    """The routing rule from dtype and sizes alone: 16-bit, at most :data:`NATIVE_ROWS` query rows,
-    enough keys, a kernel built."""
-    return (dtype in (torch.float16, torch.bfloat16) and rows <= NATIVE_ROWS and n >= native.MIN_KEYS
-            and native.available())
+    """The routing rule from dtype and sizes alone: up to :data:`NATIVE_ROWS` query rows for a 16-bit
+    cache, from there up to :data:`NATIVE_FEW_ROWS` for its dtype, enough keys, a kernel built."""
+    if rows <= NATIVE_ROWS:
+        ok = dtype in (torch.float16, torch.bfloat16)
+    else:
+        ok = rows <= NATIVE_FEW_ROWS.get(dtype, 0)
+    return ok and n >= native.MIN_KEYS and native.available()
 
 
 def _native_pays(q, k, v) -> bool:
     """Whether a call without mask goes to the native decode kernel: :func:`_native_may`, bfloat16
     only where the op is slow (no AMX) or the cache large; :func:`native.pays` checks the rest
     (dtypes, strides, head sizes)."""
-    if not _native_may(k.dtype, q.shape[2], k.shape[2]):
+    rows = q.shape[2]
+    if not _native_may(k.dtype, rows, k.shape[2]):
         return False
-    if k.dtype is torch.bfloat16 and not BF16_BY_CHUNKS and k.nbytes + v.nbytes < NATIVE_BF16_BYTES:
-        return False
+    if k.dtype is torch.bfloat16 and not BF16_BY_CHUNKS:
+        if k.nbytes + v.nbytes < (NATIVE_BF16_BYTES if rows <= NATIVE_ROWS else NATIVE_BF16_FEW_BYTES):
+            return False
     return native.pays(q, k, v)
 
 
@@ -155,8 +173,6 @@ def _op(q, k, v, causal: bool, mask, scale: float):
     """One fused call, ``(out, lse)``: on the native decode kernel where :func:`_native_pays`, by
     float32 chunks where :func:`_chunks_pay`, else in float32 for float16 where :data:`FP16_AS_FP32`
     says so (inputs not yet widened), else as given."""
-    if q.dtype is torch.float32:  # the decoding step's common case: nothing to decide
-        return _FWD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
     if not causal and mask is None and q.dim() == 4:
         if _native_pays(q, k, v):
             return native.run(q, k, v, scale)  # _native_pays has checked what attend would

@@ -10,9 +10,11 @@ Intel Xeon with AMX, 2 threads, 128k keys), and bfloat16 without AMX runs at 3.5
 throughout; a GQA group's query heads come in as rows of their key/value head, so the group reads its
 keys once (the fused op's GQA path through ``cpu.py`` folds them the same way).
 
-Used for pieces without mask or score whose few query rows (at most ``cpu.NATIVE_ROWS``, every head
-of a GQA group counted) read at least :data:`MIN_KEYS` keys: a decoding step over a cache, a split-KV
-chunk, a cascade's shared prefix. Everything else stays on the fused op.
+Used for pieces without mask or score whose few query rows (every head of a GQA group counted: at
+most ``cpu.NATIVE_ROWS`` over a 16-bit cache, and from :data:`FEW_ROWS` up to
+``cpu.NATIVE_FEW_ROWS`` over a cache of any dtype, an MQA step's eight heads for one) read at least
+:data:`MIN_KEYS` keys: a decoding step over a cache, a split-KV chunk, a cascade's shared prefix.
+Everything else stays on the fused op.
 
 ``prefill.c`` runs every piece of a plan in one call (:func:`prefill_available` says for which dtype):
 one online softmax per 32 query rows over the keys of all the pieces they are in, scores and ``P @ V``
@@ -54,7 +56,7 @@ import torch
 from ._common import cpu_flags
 
 __all__ = ["available", "why", "bf16_dot", "pays", "attend", "run", "prefill_available", "prefill",
-           "MAX_ROWS", "MIN_KEYS"]
+           "MAX_ROWS", "FEW_ROWS", "MIN_KEYS"]
 
 #: The sources, compiled into one library, and the header they share (part of the build's hash).
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("decode.c", "prefill.c"))
@@ -65,6 +67,9 @@ FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-
 #: The most query rows (heads of a GQA group times tokens) a call may have: the kernel's limit.
 #: Up to how many it *pays* against the fused op is the router's call (``cpu.NATIVE_ROWS``).
 MAX_ROWS = 64
+#: From how many rows a call takes the kernel's several-rows path (decode.c's FEW_ROWS): eight rows
+#: meet each key in D/2 FMAs, where the one-row path pays a dot product and a reduction per row.
+FEW_ROWS = 5
 #: Keys a call must read for the kernel to pay its fixed cost (threads, scratch, the q copy).
 MIN_KEYS = 256
 #: The largest head size (q, k and v) the kernel takes.

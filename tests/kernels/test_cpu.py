@@ -49,7 +49,7 @@ def _spy_chunks(monkeypatch):
     the prefill kernel."""
     calls = []
     real = cpu._by_chunks
-    monkeypatch.setattr(cpu, "NATIVE_ROWS", 0)
+    monkeypatch.setattr(cpu, "_native_may", lambda *a: False)
     monkeypatch.setattr(cpu, "_prefill_may", lambda *a: False)
     monkeypatch.setattr(cpu, "CHUNK_BYTES", 1)
     monkeypatch.setattr(cpu, "_by_chunks", lambda *a: calls.append(a[1].shape[2]) or real(*a))

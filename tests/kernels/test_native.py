@@ -40,6 +40,13 @@ SHAPES = {  # B, H, R, N, D, Dv
     "gqa rows": (1, 1, 8, 4099, 128, 128),  # one head, many rows: split into key chunks
     "small": (1, 2, 2, 17, 16, 16),         # fewer keys than a block
     "wide": (1, 1, 1, 700, 256, 256),
+    # the several-rows path (native.FEW_ROWS and up): groups of eight rows, a part group, an odd
+    # head size (keys widened), tails of the 16-key groups and 64-key blocks, the most rows
+    "rows 5": (1, 2, 5, 2049, 64, 64),
+    "rows 13, odd D": (2, 1, 13, 1001, 63, 40),
+    "rows 16, tokens first": (1, 3, 16, 777, 32, 96),
+    "rows 64": (1, 1, 64, 530, 48, 16),
+    "rows 9, wide": (1, 1, 9, 300, 256, 256),
 }
 
 
@@ -49,7 +56,7 @@ def test_native_holds_the_rule_with_its_lse(shape, dtype):
     """out by FlashAttention's rule against float64 (2x the plain same-dtype error + 1e-6), and lse,
     the natural log of the row's sum, to float32 rounding."""
     B, H, R, N, D, Dv = SHAPES[shape]
-    q, k, v = _inputs(dtype, B, H, R, N, D, Dv, tokens_first=shape == "tokens first")
+    q, k, v = _inputs(dtype, B, H, R, N, D, Dv, tokens_first="tokens first" in shape)
     scale = D ** -0.5
     out, lse = native.attend(q, k, v, scale)
     assert out.dtype == lse.dtype == torch.float32 and out.shape == (B, H, R, Dv) and lse.shape == (B, H, R)
@@ -59,10 +66,11 @@ def test_native_holds_the_rule_with_its_lse(shape, dtype):
     torch.testing.assert_close(lse.double(), ref.lse, atol=2e-5, rtol=2e-6)
 
 
+@pytest.mark.parametrize("rows", [2, 12])
 @pytest.mark.parametrize("chunks", [1, 3, 8])
-def test_key_chunks_merge_to_the_whole(chunks, monkeypatch):
+def test_key_chunks_merge_to_the_whole(chunks, rows, monkeypatch):
     """Split-KV inside the kernel: any number of chunks gives the one-chunk state to rounding."""
-    q, k, v = _inputs(torch.float16, 1, 2, 2, 8192, 64, 64, seed=3)
+    q, k, v = _inputs(torch.float16, 1, 2, rows, 8192, 64, 64, seed=3)
     monkeypatch.setattr(native, "_chunks", lambda tasks, n, threads: 1)
     whole = native.attend(q, k, v, 0.125)
     monkeypatch.setattr(native, "_chunks", lambda tasks, n, threads: chunks)
@@ -82,21 +90,22 @@ def test_more_chunks_than_keys(monkeypatch):
     torch.testing.assert_close(parts[1], whole[1], atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("rows", [2, 8])
 @pytest.mark.parametrize("chunks", [1, 4])
 @pytest.mark.parametrize("bad", ["nan key", "infinite score"])
-def test_a_nan_or_infinite_score_reaches_the_output(bad, chunks, monkeypatch):
+def test_a_nan_or_infinite_score_reaches_the_output(bad, chunks, rows, monkeypatch):
     """Inputs are not scanned (DESIGN section 7), so a NaN must not vanish: a key whose score is
     NaN or +inf makes its head's rows NaN, out and lse, as in PyTorch's op and SDPA, whichever
     chunk holds it; the other heads are untouched."""
     monkeypatch.setattr(native, "_chunks", lambda tasks, n, threads: chunks)
-    q, k, v = _inputs(torch.float32, 1, 2, 2, 4000, 64, 64, seed=5)
+    q, k, v = _inputs(torch.float32, 1, 2, rows, 4000, 64, 64, seed=5)
     k = k.clone()
     if bad == "nan key":
         k[0, 0, 2500, 7] = float("nan")
     else:  # every product +inf: the score is +inf
         k[0, 0, 2500] = torch.sign(q[0, 0, 0]) * float("inf")
         q = q.clone()
-        q[0, 0, 1] = q[0, 0, 0]
+        q[0, 0, 1:] = q[0, 0, 0]
     out, lse = native.attend(q, k, v, 0.125)
     assert torch.isnan(out[0, 0]).all() and torch.isnan(lse[0, 0]).all()
     assert torch.isnan(torch.nn.functional.scaled_dot_product_attention(q, k, v)[0, 0]).all()
@@ -104,12 +113,12 @@ def test_a_nan_or_infinite_score_reaches_the_output(bad, chunks, monkeypatch):
     torch.testing.assert_close(out[:, 1:], good.out, atol=1e-5, rtol=1e-4)
 
 
-@given(n=st.integers(2, 600), cut=st.integers(1, 599), dtype=st.sampled_from(DTYPES))
-def test_two_pieces_merged_equal_the_whole(n, cut, dtype):
+@given(n=st.integers(2, 600), cut=st.integers(1, 599), dtype=st.sampled_from(DTYPES), rows=st.sampled_from([1, 8]))
+def test_two_pieces_merged_equal_the_whole(n, cut, dtype, rows):
     """The operator's promise for this kernel: states over any two parts of the keys, merged,
     equal the state over all of them."""
     cut = min(cut, n - 1)
-    q, k, v = _inputs(dtype, 1, 2, 1, n, 32, 32, seed=n)
+    q, k, v = _inputs(dtype, 1, 2, rows, n, 32, 32, seed=n)
     whole = kf.State(*native.attend(q, k, v, 0.2))
     a = kf.State(*native.attend(q, k[:, :, :cut], v[:, :, :cut], 0.2))
     b = kf.State(*native.attend(q, k[:, :, cut:], v[:, :, cut:], 0.2))
@@ -130,11 +139,12 @@ def _spy(monkeypatch):
 
 
 @pytest.mark.parametrize("widen", [False, True])
-@pytest.mark.parametrize("group", [4, 8])
+@pytest.mark.parametrize("group", [4, 8, 80])
 def test_float16_decode_runs_native_up_to_its_rows(group, widen, monkeypatch):
-    """A float16 cache decoded with GQA: the group's heads are the kernel's rows, so a group of 4
-    (<= NATIVE_ROWS) runs native and a group of 8 stays on the op; both hold the rule. Also on
-    CPUs without float16 units (FP16_AS_FP32), where the call must not be widened first."""
+    """A float16 cache decoded with GQA: the group's heads are the kernel's rows, so groups of 4
+    (the one-row path) and 8 (several rows) run native, and one of 80 (past MAX_ROWS) stays on the
+    op; all hold the rule. Also on CPUs without float16 units (FP16_AS_FP32), where the call must
+    not be widened first."""
     monkeypatch.setattr(cpu, "FP16_AS_FP32", widen)
     calls = _spy(monkeypatch)
     N, Hkv = 3000, 2
@@ -143,9 +153,28 @@ def test_float16_decode_runs_native_up_to_its_rows(group, widen, monkeypatch):
     cache.append(k, v)
     qg = torch.randn(2, Hkv * group, 1, 64).half()
     got = decode(qg, cache, splits=1)
-    assert calls == ([(2, Hkv, group, 64)] if group <= cpu.NATIVE_ROWS else [])
+    assert calls == ([(2, Hkv, group, 64)] if group <= native.MAX_ROWS else [])
     ref = kf.attention(qg.double(), k.double(), v.double(), backend=kf.Backend.REFERENCE)
     assert_close_by_rule(got, ref, naive_attention(qg, k, v), None)
+
+
+def test_an_mqa_step_over_float32_runs_native_split(monkeypatch):
+    """MQA over a float32 cache: the eight query heads are rows of the one key/value head, split
+    into chunks (split-KV), each chunk on the several-rows path; one query head stays on the op,
+    which reads a float32 cache at the stream's rate. Both hold the rule."""
+    calls = _spy(monkeypatch)
+    N = 20000
+    q, k, v = _inputs(torch.float32, 1, 1, 1, N, 64, 64, cap=N, seed=7)
+    cache = KVCache(1, 1, 64, N)
+    cache.append(k, v)
+    qg = torch.randn(1, 8, 1, 64)
+    got = decode(qg, cache, splits=2)
+    assert calls and all(c[2] == 8 for c in calls)
+    ref = kf.attention(qg.double(), k.double(), v.double(), backend=kf.Backend.REFERENCE)
+    assert_close_by_rule(got, ref, naive_attention(qg, k, v), None)
+    calls.clear()
+    decode(qg[:, :1], cache)
+    assert calls == []
 
 
 def test_bfloat16_goes_native_where_the_op_is_slow(monkeypatch):
@@ -178,7 +207,14 @@ def test_the_kernel_takes_only_what_it_can(monkeypatch):
     assert not native.pays(q, k[:, :, :100], v[:, :, :100])                 # too few keys to pay
     assert native.pays(q.expand(1, 2, 64, 64), k, v)                        # the kernel's most rows
     assert not native.pays(q.expand(1, 2, 65, 64), k, v)                    # too many rows
-    assert not cpu._native_pays(q.expand(1, 2, cpu.NATIVE_ROWS + 1, 64), k, v)  # past where it pays
+    assert cpu._native_pays(q.expand(1, 2, cpu.NATIVE_ROWS + 1, 64), k, v)      # the several-rows path
+    qb, kb, vb = (x.bfloat16() for x in (q, k, v))
+    monkeypatch.setattr(cpu, "NATIVE_BF16_FEW_BYTES", 0)
+    most = cpu.NATIVE_FEW_ROWS[torch.bfloat16]
+    assert cpu._native_pays(qb.expand(1, 2, most, 64), kb, vb)
+    assert not cpu._native_pays(qb.expand(1, 2, most + 1, 64), kb, vb)     # past where it pays
+    monkeypatch.setattr(cpu, "NATIVE_BF16_FEW_BYTES", kb.nbytes + vb.nbytes + 1)
+    assert cpu.BF16_BY_CHUNKS or not cpu._native_pays(qb.expand(1, 2, most, 64), kb, vb)  # AMX's op: a small cache
     assert not native.pays(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v)  # rows not contiguous
     assert not native.pays(q, k, v.float())                                 # mixed dtypes
     with pytest.raises(RuntimeError, match="rows 65"):
