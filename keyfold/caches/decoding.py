@@ -15,6 +15,7 @@ import math
 import torch
 
 from ..engine import Backend, attend
+from ..kernels import cpu as _cpu
 from ..masks import BlockKind, Mask, as_mask, sinks
 from ..scores import as_score
 from ..state import State, empty_state, merge, merge_all, state_dtype
@@ -100,6 +101,8 @@ def _span_states(q, span: Span, mask, score, scale, q_offset, splits, backend) -
     free = mask is None and score is None
     if splits is None:
         s = _auto_splits(n, b * span.k.shape[1], q) if free else 1
+        if s > 1 and backend in (Backend.AUTO, Backend.CPU) and _cpu.splits_itself(q, span.k, span.v):
+            s = 1
     else:
         s = min(splits, n)
     if s <= 1:

@@ -159,9 +159,10 @@ def test_float16_decode_runs_native_up_to_its_rows(group, widen, monkeypatch):
 
 
 def test_an_mqa_step_over_float32_runs_native_split(monkeypatch):
-    """MQA over a float32 cache: the eight query heads are rows of the one key/value head, split
-    into chunks (split-KV), each chunk on the several-rows path; one query head stays on the op,
-    which reads a float32 cache at the stream's rate. Both hold the rule."""
+    """MQA over a float32 cache: the eight query heads are rows of the one key/value head, on the
+    several-rows path, split into chunks when asked (split-KV) and otherwise whole (the kernel splits
+    the keys among its threads itself); one query head stays on the op, which reads a float32 cache
+    at the stream's rate. All hold the rule."""
     calls = _spy(monkeypatch)
     N = 20000
     q, k, v = _inputs(torch.float32, 1, 1, 1, N, 64, 64, cap=N, seed=7)
@@ -172,6 +173,10 @@ def test_an_mqa_step_over_float32_runs_native_split(monkeypatch):
     assert calls and all(c[2] == 8 for c in calls)
     ref = kf.attention(qg.double(), k.double(), v.double(), backend=kf.Backend.REFERENCE)
     assert_close_by_rule(got, ref, naive_attention(qg, k, v), None)
+    calls.clear()
+    whole = decode(qg, cache)  # split-KV left to the kernel: one call over every key
+    assert calls == [(1, 1, 8, 64)]
+    assert_close_by_rule(whole, ref, naive_attention(qg, k, v), None)
     calls.clear()
     decode(qg[:, :1], cache)
     assert calls == []
