@@ -55,22 +55,6 @@ static inline __m512 load16(const char *p, int dtype, __mmask16 k) {
     return _mm512_cvtph_ps(h);
 }
 
-/* lane j of the result = the sum of t[j]'s lanes: a transpose-and-add tree, 15 shuffle-add steps
- * for 16 dot products instead of 16 horizontal reductions */
-static inline __m512 hsum16(const __m512 *t) {
-    __m512 a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++)
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_ps(t[2 * i], t[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {
-        __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    for (int i = 0; i < 2; i++)
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-}
-
 #ifdef __AVX512BF16__
 /* bfloat16 keys against bfloat16 q: vdpbf16ps multiplies pairs and adds them in float32, 32 elements
  * an instruction, with no widening (lanes past D are zero in q and masked out of k) */
@@ -150,7 +134,7 @@ static void item(const job_t *J, int w) {
                                             load16(kr + (size_t)i * 16 * es, dt, i == W - 1 ? tk : 0xFFFF), x);
                     t[j] = x;
                 }
-                _mm512_store_ps(&s[r][j0], _mm512_mul_ps(hsum16(t), scale));
+                _mm512_store_ps(&s[r][j0], _mm512_mul_ps(tree16(t, 0), scale));
             }
         }
         kp += (size_t)nb * kstep;

@@ -524,6 +524,103 @@ static inline __attribute__((always_inline)) void store_p(unit_t *U, int r, int 
     }
 }
 
+/* The end of a unit's softmax that took part (U->any): P = 0 for rows past nr (bfloat16: the last
+ * block's enter the tile product; float32 never writes them out), alpha = e^dm, l = l alpha + the
+ * step's sums rs. A NaN m (or sum) makes alpha (or l) NaN: the row's out and lse. */
+static inline __attribute__((always_inline)) void unit_close(unit_t *U, const float *dm, const float *rs,
+                                                             const int f32) {
+    rows_t *B = U->B;
+    if (!f32)
+        for (int r = B->nr; r < QB; r++)
+            for (int u = 0; u < U->ns; u++)
+                if (U->seen[u]) store_p(U, r, u, _mm512_setzero_ps(), _mm512_setzero_ps(), f32);
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+    for (int r = 0; r < QB; r += 16)
+        _mm512_store_ps(U->alpha + r, exp2_16(0xFFFF, _mm512_mul_ps(_mm512_load_ps(dm + r), log2e)));
+    for (int r = 0; r < B->nr; r++) {
+        float *l = B->l + 16 * r;
+        _mm512_store_ps(l, _mm512_fmadd_ps(_mm512_load_ps(l), _mm512_set1_ps(U->alpha[r]), _mm512_load_ps(rs + 16 * r)));
+    }
+}
+
+/* The softmax of a unit whose rows all see every key of the step, with plain scores (no mask, shift or
+ * softcap; bfloat16: scale > 0, and S stays raw in its buffer): each row's max comes from a pass over
+ * its lanes, and the rows' maxima are reduced sixteen at a time by one transposing tree (a horizontal
+ * max per row costs a chain of shuffles that the row's second pass waits for). Returns 0, having
+ * changed nothing, when a row's max is infinite or its running max NaN: the general softmax takes it. */
+static inline __attribute__((always_inline)) int softmax_plain(const job_t *J, unit_t *U, tasks_t *T,
+                                                               const int f32) {
+    rows_t *B = U->B;
+    const int ns = U->ns, nr = B->nr;
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), log2e = _mm512_set1_ps(1.44269504088896341f);
+    const __m512 scale = _mm512_set1_ps(f32 ? 1.0f : J->scale);  /* float32: q came pre-scaled */
+    __m512 mx[QB];
+    for (int r = 0; r < QB; r++) {
+        const float *pr = U->sbuf + r * KB;
+        __m512 m0 = ninf, m1 = ninf;
+        if (r < nr)
+            for (int u = 0; u < ns; u++) {
+                m0 = _mm512_max_ps(m0, _mm512_load_ps(pr + SB * u));
+                m1 = _mm512_max_ps(m1, _mm512_load_ps(pr + SB * u + 16));
+            }
+        mx[r] = _mm512_max_ps(m0, m1);
+    }
+    float ms[QB] __attribute__((aligned(64))), mn[QB] __attribute__((aligned(64))), dm[QB] __attribute__((aligned(64)));
+    float rs[QB * 16] __attribute__((aligned(64)));
+    for (int r = 0; r < QB; r += 16) {  /* the step's max of S, and of y: S's times scale (rounding is monotone) */
+        const __m512 x = tree16(mx + r, 1);
+        _mm512_store_ps(ms + r, x);
+        _mm512_store_ps(mn + r, _mm512_mul_ps(x, scale));
+    }
+    for (int r = 0; r < nr; r++)
+        if (!(fabsf(mn[r]) < INFINITY) || isnan(B->m[r])) return 0;
+    for (int r = 0; r < QB; r++) {
+        dm[r] = 0.0f;
+        if (r >= nr) continue;
+        if (B->m[r] > mn[r]) {  /* the max is an earlier step's: y - m = S scale - m in one rounding */
+            mn[r] = B->m[r];
+            ms[r] = NAN;
+        }
+        dm[r] = B->m[r] - mn[r];  /* -inf on the row's first keys: alpha 0 scales an O and l of 0 */
+        B->m[r] = mn[r];
+    }
+    const float c = J->scale * 1.44269504088896341f;
+    for (int r = 0; r < nr; r++) {
+        const float *pr = U->sbuf + r * KB;
+        if (T && r % 3 == 0) pump(T);
+        /* (y - m) log2 e as (S a - b) c: the step holds the max (bfloat16), (S - its max) scale log2 e,
+         * exactly 0 at the max (P = 1, as in softmax()); else (S scale - m) log2 e */
+        const int here = !f32 && !isnan(ms[r]);
+        const __m512 a = here || f32 ? _mm512_set1_ps(1.0f) : scale, b = _mm512_set1_ps(here ? ms[r] : mn[r]);
+        const __m512 cv = here ? _mm512_set1_ps(c) : log2e;
+        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+        for (int u = 0; u < ns; u++) {
+            const __m512 x0 = _mm512_mul_ps(_mm512_fmsub_ps(_mm512_load_ps(pr + SB * u), a, b), cv);
+            const __m512 x1 = _mm512_mul_ps(_mm512_fmsub_ps(_mm512_load_ps(pr + SB * u + 16), a, b), cv);
+            const __m512 p0 = exp2_16(0xFFFF, x0), p1 = exp2_16(0xFFFF, x1);
+            s0 = _mm512_add_ps(s0, p0);
+            s1 = _mm512_add_ps(s1, p1);
+            store_p(U, r, u, p0, p1, f32);
+        }
+        _mm512_store_ps(rs + 16 * r, _mm512_add_ps(s0, s1));  /* NaN when a score was NaN */
+    }
+    U->any = 1;
+    unit_close(U, dm, rs, f32);
+    return 1;
+}
+
+/* Whether softmax_plain may take U: plain scores (bfloat16: scale > 0), and every row of the block in
+ * the piece and seeing every key of the step */
+static int plain_unit(const job_t *J, const unit_t *U, const int f32) {
+    const piece_t *P = U->P;
+    const rows_t *B = U->B;
+    if (U->pm || U->ps || J->cap != 0.0f || !(f32 || J->scale > 0.0f)) return 0;
+    if (U->ra != B->i0 || U->rb != B->i0 + B->nr || P->k0 > U->j0) return 0;
+    long long kr = U->kz;  /* the first row sees the fewest keys */
+    if (P->causal && P->k0 + (U->ra - P->q0) + 1 < kr) kr = P->k0 + (U->ra - P->q0) + 1;
+    return kr >= U->j0 + (long long)U->ns * SB;
+}
+
 /* The online softmax of unit U, row by row, over the step's seen sub-blocks (16 keys a vector), in base
  * e: y the score, m the running max of y, l = sum e^(y - m). A NaN score reaches the max or the sum, and
  * +inf the max: either makes the row NaN. Leaves P, alpha = e^(m_old - m_new) and U->any (whether any
@@ -562,17 +659,13 @@ static inline __attribute__((always_inline)) void softmax(const job_t *J, unit_t
         __m512 m0 = ninf, m1 = ninf;  /* two chains of the max (in registers: a row's latency is short) */
         /* pass 1: y in place of S, its max. float32 keeps q pre-scaled (S is y unless a softcap, mask or
          * shift applies) */
-        if (full && plain) {  /* no mask: every sub-block up to ns is seen, every lane */
+        const int raw = !f32 && full && plain && J->scale > 0.0f;  /* the buffer keeps S (bfloat16) */
+        if (full && plain && (f32 || raw)) {  /* no mask: every sub-block up to ns is seen, every lane.
+                                               * raw: y = S scale is taken in pass 2, and y's max is
+                                               * S's times scale (rounding is monotone) */
             for (int u = 0; u < ns; u++) {
-                __m512 t0 = _mm512_load_ps(pr + SB * u), t1 = _mm512_load_ps(pr + SB * u + 16);
-                if (!f32) {  /* y rounded once here and kept: the row's largest y minus the max is exactly 0 */
-                    t0 = _mm512_mul_round_ps(t0, scale, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                    t1 = _mm512_mul_round_ps(t1, scale, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                    _mm512_store_ps(pr + SB * u, t0);
-                    _mm512_store_ps(pr + SB * u + 16, t1);
-                }
-                m0 = _mm512_max_ps(m0, t0);
-                m1 = _mm512_max_ps(m1, t1);
+                m0 = _mm512_max_ps(m0, _mm512_load_ps(pr + SB * u));
+                m1 = _mm512_max_ps(m1, _mm512_load_ps(pr + SB * u + 16));
             }
         } else {
             const __m512 shift = ps ? _mm512_set1_ps(ps[i - P->q0]) : _mm512_setzero_ps();
@@ -602,7 +695,7 @@ static inline __attribute__((always_inline)) void softmax(const job_t *J, unit_t
                     m0 = _mm512_mask_max_ps(m0, vis[x], m0, t);
             }
         }
-        const float bm = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
+        const float sm = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1)), bm = raw ? sm * J->scale : sm;
         if (isnan(bm) || bm == INFINITY || isnan(B->m[r])) {  /* the row is NaN from here on (out and lse) */
             B->m[r] = dm[r] = NAN;
             any = 1;
@@ -620,7 +713,19 @@ static inline __attribute__((always_inline)) void softmax(const job_t *J, unit_t
         __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
         /* pass 2: P = e^(y - m) = 2^((y - m) log2 e). Where the product overflows to -inf (a mask of
          * -3e38), vreduceps gives 0 and vscalefps scales by 2^-inf: P = 0, no clamp needed */
-        if (full && !pm) {  /* every lane of every sub-block up to ns: no lane masks (vis unset) */
+        if (raw) {  /* (y - m) log2 e as in softmax_plain: (S - sm) scale log2 e when this step holds the max */
+            const int here = mn == bm;
+            const __m512 a = here ? _mm512_set1_ps(1.0f) : scale, b = here ? _mm512_set1_ps(sm) : mv;
+            const __m512 cv = here ? _mm512_set1_ps(J->scale * 1.44269504088896341f) : log2e;
+            for (int u = 0; u < ns; u++) {
+                const __m512 x0 = _mm512_mul_ps(_mm512_fmsub_ps(_mm512_load_ps(pr + SB * u), a, b), cv);
+                const __m512 x1 = _mm512_mul_ps(_mm512_fmsub_ps(_mm512_load_ps(pr + SB * u + 16), a, b), cv);
+                const __m512 p0 = exp2_16(0xFFFF, x0), p1 = exp2_16(0xFFFF, x1);
+                s0 = _mm512_add_ps(s0, p0);
+                s1 = _mm512_add_ps(s1, p1);
+                store_p(U, r, u, p0, p1, f32);
+            }
+        } else if (full && !pm) {  /* every lane of every sub-block up to ns: no lane masks (vis unset) */
             for (int u = 0; u < ns; u++) {
                 const __m512 x0 = _mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(pr + SB * u), mv), log2e);
                 const __m512 x1 = _mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(pr + SB * u + 16), mv), log2e);
@@ -644,17 +749,7 @@ static inline __attribute__((always_inline)) void softmax(const job_t *J, unit_t
         B->m[r] = mn;
     }
     U->any = any;
-    if (!any) return;
-    if (!f32)  /* rows past nr (the last block's) enter the tile product: P = 0 (float32 never writes them out) */
-        for (int r = B->nr; r < QB; r++)
-            for (int u = 0; u < ns; u++)
-                if (seen[u]) store_p(U, r, u, _mm512_setzero_ps(), _mm512_setzero_ps(), f32);
-    for (int r = 0; r < QB; r += 16)  /* a NaN m (or sum) makes alpha (or l) NaN: the row's out and lse */
-        _mm512_store_ps(U->alpha + r, exp2_16(0xFFFF, _mm512_mul_ps(_mm512_load_ps(dm + r), log2e)));
-    for (int r = 0; r < B->nr; r++) {
-        float *l = B->l + 16 * r;
-        _mm512_store_ps(l, _mm512_fmadd_ps(_mm512_load_ps(l), _mm512_set1_ps(U->alpha[r]), _mm512_load_ps(rs + 16 * r)));
-    }
+    if (any) unit_close(U, dm, rs, f32);
 }
 
 /* A thread's scratch, from the heap (about 300 KiB at head size 64, 450 KiB at 256: more than a small
@@ -715,7 +810,7 @@ static inline __attribute__((always_inline)) void item(const job_t *J, long long
             const int qa = (int)(U.ra - U.B->i0) / QR, qz = (int)(U.rb - U.B->i0 + QR - 1) / QR;
             for (int u = 0; u < U.ns; u++)
                 if (U.seen[u]) scores_f32(J, U.B, U.sbuf, u, kp + (size_t)(U.u0 + u) * kpack_size(J), qa, qz);
-            softmax(J, &U, 1, NULL);
+            if (!(plain_unit(J, &U, 1) && softmax_plain(J, &U, NULL, 1))) softmax(J, &U, 1, NULL);
             if (U.any) values_f32(J, &U, vp);
         }
     } else {
@@ -739,7 +834,8 @@ static inline __attribute__((always_inline)) void item(const job_t *J, long long
                 T.s_next = 0;
                 /* a softcap's softmax ran 1.15x slower with the tile work between its rows (measured,
                  * 16k causal): it takes the tile work after it */
-                softmax(J, cur, 0, J->cap > 0.0f ? NULL : &T);
+                if (!(plain_unit(J, cur, 0) && softmax_plain(J, cur, &T, 0)))
+                    softmax(J, cur, 0, J->cap > 0.0f ? NULL : &T);
                 drain(&T);
                 T.v_unit = cur->any ? cur : NULL;  /* its P V beside the next unit's softmax */
                 T.v_next = 0;

@@ -218,6 +218,20 @@ def test_a_row_with_one_key_gets_its_value_exactly(score, dt):
     assert torch.equal(st.out, v.float().expand_as(st.out))
 
 
+@pytest.mark.parametrize("where", [7, 280])
+def test_a_row_that_one_key_dominates_gets_its_value_exactly(where, dt):
+    """The same for rows that see whole steps of keys (the kernel's plain softmax: bfloat16 keeps S and
+    scales it in the second pass): every other key's P underflows to 0 and the dominant one's is 1, so
+    out is its value exactly, whether its step comes first or after others. A first version of that
+    pass fused the scale into the subtraction and gave v (1 - 2e-7)."""
+    q, k, v = _qkv(N=64, Nk=300, D=80, dt=dt)  # a scale of 80^-0.5: S scale is not exact
+    q = torch.ones_like(q)
+    k[:, :, where] = 32.0  # score 2560 / 80^0.5 = 286.2 against N(0, 1): e^-280 underflows
+    out, lse = _run(q, k, v, [(0, 64, 0, 300, False)])
+    assert torch.equal(out, v[:, :, where:where + 1].float().expand_as(out))
+    torch.testing.assert_close(lse.double(), torch.full(lse.shape, 2560 / 80 ** 0.5, dtype=torch.double))
+
+
 def test_a_softcap_is_computed_in_the_tile(dt):
     """softcap in bfloat16 runs on the kernel (Backend.AUTO) and holds the rule; with its cap large
     it is the plain call."""
