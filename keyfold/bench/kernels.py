@@ -116,7 +116,9 @@ class Result:
     errors: dict = field(default_factory=dict)     # impl -> why it did not run
 
     def ratio(self, peer):
-        a, b = self.times.get("keyfold"), self.times.get(peer)
+        """keyfold's time over the peer's, both from the round they were timed in together"""
+        a = self.times.get(f"keyfold_beside_{peer}", self.times.get("keyfold"))
+        b = self.times.get(peer)
         return None if a is None or b is None else a / b
 
 
@@ -215,7 +217,15 @@ def run_case(case: Case, repeats: int, with_flex: bool) -> Result:
             fns["flex"], res.compile_s = _flex_fns(case, mask_mod, score_mod, q, k, v)
         except Exception as e:  # noqa: BLE001 - the peer failing is a result to report
             res.errors["flex"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-    res.times = dict(interleaved(fns, repeats))
+    if "sdpa" in fns and "flex" in fns:
+        # each peer in a round of its own beside keyfold: a call after SDPA with a dense mask (which
+        # allocates and frees up to 1 GiB each time) ran slower, whoever it was (bfloat16 window 256 at
+        # 16k: keyfold 30.7 ms in one round with both peers, 24.7-27.2 ms beside either alone)
+        a = interleaved({"keyfold": fns["keyfold"], "flex": fns["flex"]}, repeats)
+        b = interleaved({"keyfold": fns["keyfold"], "sdpa": fns["sdpa"]}, repeats)
+        res.times = {"keyfold": a["keyfold"], "flex": a["flex"], "sdpa": b["sdpa"], "keyfold_beside_sdpa": b["keyfold"]}
+    else:
+        res.times = dict(interleaved(fns, repeats))
     return res
 
 
@@ -451,7 +461,8 @@ def main(argv=None) -> int:
     limits = roof.best
     mem = None if (args.no_memory or args.preset == "tiny") else memory()
     header = (f"# keyfold kernels vs SDPA and compiled FlexAttention ({args.preset})\n\n"
-              f"Machine: {machine()}. Median of alternating repeats; `work` is the fraction of the dense "
+              f"Machine: {machine()}. Median of alternating repeats, keyfold beside each peer in a round of its "
+              f"own (`keyfold s` is the Flex round's where Flex ran); `work` is the fraction of the dense "
               f"N×N work keyfold's plan computes. B=1, H=8.")
     args.out = results_dir(args.out)
     md = markdown(results, mem, header, limits)
