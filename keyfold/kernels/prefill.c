@@ -528,6 +528,23 @@ static inline __attribute__((always_inline)) void store_p(unit_t *U, int r, int 
     }
 }
 
+/* P of row r (its S or y at pr) over every lane of every sub-block up to ns: 2^((S a - b) c), stored;
+ * returns its sum in 16 lanes (NaN when a score was NaN). Where the product overflows to -inf (a mask
+ * of -3e38), vreduceps gives 0 and vscalefps scales by 2^-inf: P = 0, no clamp needed. */
+static inline __attribute__((always_inline)) __m512 row_p(unit_t *U, int r, const float *pr, __m512 a, __m512 b,
+                                                          __m512 c, const int f32) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+    for (int u = 0; u < U->ns; u++) {
+        const __m512 x0 = _mm512_mul_ps(_mm512_fmsub_ps(_mm512_load_ps(pr + SB * u), a, b), c);
+        const __m512 x1 = _mm512_mul_ps(_mm512_fmsub_ps(_mm512_load_ps(pr + SB * u + 16), a, b), c);
+        const __m512 p0 = exp2_16(0xFFFF, x0), p1 = exp2_16(0xFFFF, x1);
+        s0 = _mm512_add_ps(s0, p0);
+        s1 = _mm512_add_ps(s1, p1);
+        store_p(U, r, u, p0, p1, f32);
+    }
+    return _mm512_add_ps(s0, s1);
+}
+
 /* The end of a unit's softmax that took part (U->any): P = 0 for rows past nr (bfloat16: the last
  * block's enter the tile product; float32 never writes them out), alpha = e^dm, l = l alpha + the
  * step's sums rs. A NaN m (or sum) makes alpha (or l) NaN: the row's out and lse. */
@@ -597,16 +614,7 @@ static inline __attribute__((always_inline)) int softmax_plain(const job_t *J, u
         const int here = !f32 && !isnan(ms[r]);
         const __m512 a = here || f32 ? _mm512_set1_ps(1.0f) : scale, b = _mm512_set1_ps(here ? ms[r] : mn[r]);
         const __m512 cv = here ? _mm512_set1_ps(c) : log2e;
-        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-        for (int u = 0; u < ns; u++) {
-            const __m512 x0 = _mm512_mul_ps(_mm512_fmsub_ps(_mm512_load_ps(pr + SB * u), a, b), cv);
-            const __m512 x1 = _mm512_mul_ps(_mm512_fmsub_ps(_mm512_load_ps(pr + SB * u + 16), a, b), cv);
-            const __m512 p0 = exp2_16(0xFFFF, x0), p1 = exp2_16(0xFFFF, x1);
-            s0 = _mm512_add_ps(s0, p0);
-            s1 = _mm512_add_ps(s1, p1);
-            store_p(U, r, u, p0, p1, f32);
-        }
-        _mm512_store_ps(rs + 16 * r, _mm512_add_ps(s0, s1));  /* NaN when a score was NaN */
+        _mm512_store_ps(rs + 16 * r, row_p(U, r, pr, a, b, cv, f32));
     }
     U->any = 1;
     unit_close(U, dm, rs, f32);
@@ -721,23 +729,9 @@ static inline __attribute__((always_inline)) void softmax(const job_t *J, unit_t
             const int here = mn == bm;
             const __m512 a = here ? _mm512_set1_ps(1.0f) : scale, b = here ? _mm512_set1_ps(sm) : mv;
             const __m512 cv = here ? _mm512_set1_ps(J->scale * 1.44269504088896341f) : log2e;
-            for (int u = 0; u < ns; u++) {
-                const __m512 x0 = _mm512_mul_ps(_mm512_fmsub_ps(_mm512_load_ps(pr + SB * u), a, b), cv);
-                const __m512 x1 = _mm512_mul_ps(_mm512_fmsub_ps(_mm512_load_ps(pr + SB * u + 16), a, b), cv);
-                const __m512 p0 = exp2_16(0xFFFF, x0), p1 = exp2_16(0xFFFF, x1);
-                s0 = _mm512_add_ps(s0, p0);
-                s1 = _mm512_add_ps(s1, p1);
-                store_p(U, r, u, p0, p1, f32);
-            }
+            s0 = row_p(U, r, pr, a, b, cv, f32);  /* s1 stays 0 */
         } else if (full && !pm) {  /* every lane of every sub-block up to ns: no lane masks (vis unset) */
-            for (int u = 0; u < ns; u++) {
-                const __m512 x0 = _mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(pr + SB * u), mv), log2e);
-                const __m512 x1 = _mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(pr + SB * u + 16), mv), log2e);
-                const __m512 p0 = exp2_16(0xFFFF, x0), p1 = exp2_16(0xFFFF, x1);
-                s0 = _mm512_add_ps(s0, p0);
-                s1 = _mm512_add_ps(s1, p1);
-                store_p(U, r, u, p0, p1, f32);
-            }
+            s0 = row_p(U, r, pr, _mm512_set1_ps(1.0f), mv, log2e, f32);
         } else {
             for (int u = 0; u < ns; u++) {
                 if (!seen[u]) continue;
