@@ -17,6 +17,7 @@
  * soname), so the kernel's threads and torch's never compete for the cores. */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -268,8 +269,25 @@ static inline void scores_bf16(const uint32_t *qt, int E4, const char *k, size_t
 }
 #endif
 
-/* One work item of the several-rows path: rows of (b, h) over the keys of chunk c. */
-static void few_item(const job_t *J, int w) {
+/* The 64-byte units of a several-rows item's scratch, in few_item's order: q in the pair layout
+ * (float32, and bfloat16 pairs when keys are dotted in bfloat16), the block's scores then P, the rows'
+ * accumulators, a 16-key group of keys widened, the block's values widened. */
+static size_t few_parts(const job_t *J, size_t part[6]) {
+    const size_t G = (J->R + FG - 1) / FG, E = (J->D + 1) / 2, Wv = (J->Dv + 15) / 16;
+    part[0] = G * E;
+    part[1] = G * (J->D / 4);
+    part[2] = G * (FB / 2);
+    part[3] = G * FG * Wv;
+    part[4] = (16 * 2 * E * sizeof(float) + 63) / 64;
+    part[5] = J->dtype != KF_F32 ? FB * Wv : 0;
+    return (part[0] + part[1] + part[2] + part[3] + part[4] + part[5]) * 64;
+}
+
+/* One work item of the several-rows path: rows of (b, h) over the keys of chunk c. `mem`: the thread's
+ * scratch (few_parts bytes, 64-byte aligned), from the heap: up to 256 KiB at 64 rows of head size 256,
+ * more than a small thread stack holds (a first version kept it on the stack and crashed on a 128 KiB
+ * one, musl's default; found in review). */
+static void few_item(const job_t *J, int w, char *mem) {
     const int c = w % J->chunks, bh = w / J->chunks, b = bh / J->H, h = bh % J->H;
     const int R = J->R, D = J->D, Dv = J->Dv, dt = J->dtype, G = (R + FG - 1) / FG;
     const int E = (D + 1) / 2, Wv = (Dv + 15) / 16;
@@ -284,15 +302,16 @@ static void few_item(const job_t *J, int w) {
     bf = J->qbf && dt == KF_BF16 && D % 4 == 0;
 #endif
     const int direct = bf || (dt == KF_F32 && D % 2 == 0);  /* keys read where they lie */
-    /* scratch: q in the pair layout (float32 and, for bf, bfloat16), the block's scores then P, the
-     * rows' accumulators, a 16-key group of keys widened (odd D, 16-bit keys, a block's tail), the
-     * block's values widened (16-bit values) */
-    float qt[G][E][16] __attribute__((aligned(64)));
-    uint32_t qtb[bf ? G : 1][bf ? D / 4 : 1][16] __attribute__((aligned(64)));
-    float sp[G][FB / 2][16] __attribute__((aligned(64)));
-    float oa[G * FG][16 * Wv] __attribute__((aligned(64)));
-    float kb[16][2 * E] __attribute__((aligned(64)));
-    float vb[dt != KF_F32 ? FB : 1][16 * Wv] __attribute__((aligned(64)));
+    /* scratch (few_parts): kb, a 16-key group of keys widened (odd D, 16-bit keys, a block's tail);
+     * vb, the block's values widened (16-bit values) */
+    size_t part[6];
+    few_parts(J, part);
+    float (*const qt)[E][16] = (float (*)[E][16])mem;
+    uint32_t (*const qtb)[D / 4 > 0 ? D / 4 : 1][16] = (uint32_t (*)[D / 4 > 0 ? D / 4 : 1][16])(mem += part[0] * 64);
+    float (*const sp)[FB / 2][16] = (float (*)[FB / 2][16])(mem += part[1] * 64);
+    float (*const oa)[16 * Wv] = (float (*)[16 * Wv])(mem += part[2] * 64);
+    float (*const kb)[2 * E] = (float (*)[2 * E])(mem += part[3] * 64);
+    float (*const vb)[16 * Wv] = (float (*)[16 * Wv])(mem += part[4] * 64);
     __m512 mv[G], lv[G];
     for (int g = 0; g < G; g++) {
         for (int e = 0; e < E; e++)
@@ -315,8 +334,8 @@ static void few_item(const job_t *J, int w) {
         mv[g] = _mm512_set1_ps(-INFINITY);
         lv[g] = _mm512_setzero_ps();
     }
-    memset(oa, 0, sizeof oa);
-    memset(kb, 0, sizeof kb);
+    memset(oa, 0, part[3] * 64);
+    memset(kb, 0, sizeof(float) * 16 * 2 * E);
     for (long long n = n0; n < n1; n += FB) {
         const int nb = (int)(n1 - n < FB ? n1 - n : FB);
         /* scores, sixteen keys at a time */
@@ -342,7 +361,7 @@ static void few_item(const job_t *J, int w) {
                                               load16(kr + (size_t)j * kstep + (size_t)i * 16 * es, dt, lanes));
                     }
                 src = (const char *)kb[0];
-                step = sizeof kb[0];
+                step = sizeof(float) * 2 * E;
             }
             for (int g = 0; g < G; g++) {
 #ifdef __AVX512BF16__
@@ -361,7 +380,7 @@ static void few_item(const job_t *J, int w) {
                 for (int i = 0; i < Wv; i++)
                     _mm512_store_ps(vb[j] + 16 * i, load16(vr + (size_t)i * 16 * es, dt, i == Wv - 1 ? tv : 0xFFFF));
             vsrc = (const char *)vb[0];
-            vs = sizeof vb[0];
+            vs = sizeof(float) * 16 * Wv;
         }
         vp += (size_t)nb * vstep;
         const int M = (nb + 1) / 2;  /* score vectors of the block */
@@ -494,10 +513,17 @@ int kf_decode(const float *q, const uint16_t *qbf, float scale, const void *k, c
     if (!J.acc || !J.m || !J.l) { free(J.acc); free(J.m); free(J.l); return -2; }
     if (threads > items) threads = (int)items;
     if (threads < 1) threads = 1;
-    void (*const run)(const job_t *, int) = R >= FEW_ROWS ? few_item : item;
+    const int few = R >= FEW_ROWS;
+    size_t part[6];
+    const size_t per = few ? few_parts(&J, part) : 0;  /* a multiple of 64 */
+    char *scratch = few ? aligned_alloc(64, per * (size_t)threads) : NULL;
+    if (few && !scratch) { free(J.acc); free(J.m); free(J.l); return -2; }
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (long long w = 0; w < items; w++) run(&J, (int)w);
+    for (long long w = 0; w < items; w++) {
+        if (few) few_item(&J, (int)w, scratch + per * (size_t)omp_get_thread_num());
+        else item(&J, (int)w);
+    }
     finish(&J);
-    free(J.acc); free(J.m); free(J.l);
+    free(scratch); free(J.acc); free(J.m); free(J.l);
     return 0;
 }

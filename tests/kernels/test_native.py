@@ -2,6 +2,8 @@
 float64, its chunks merged exactly, routed only where it pays, and built or declined cleanly."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -125,6 +127,22 @@ def test_two_pieces_merged_equal_the_whole(n, cut, dtype, rows):
     m = kf.merge(a, b)
     torch.testing.assert_close(m.out, whole.out, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(m.lse, whole.lse, atol=2e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16", "torch.float16"])
+def test_runs_on_a_thread_with_a_small_stack(dtype):
+    """The several-rows path's scratch (up to 256 KiB at 64 rows of head size 256) comes from the heap:
+    a first version kept it on the stack and crashed on a 128 KiB thread stack (musl's default; found
+    in review)."""
+    code = ("import threading, torch\n"
+            "from keyfold.kernels import native\n"
+            "torch.set_num_threads(1)\n"
+            "threading.stack_size(131072)\n"
+            f"q = torch.randn(1, 1, 64, 256).to({dtype}); k = v = torch.randn(1, 1, 600, 256).to({dtype})\n"
+            "t = threading.Thread(target=lambda: native.attend(q, k, v, 0.0625))\n"
+            "t.start(); t.join()\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
 
 
 # ------------------------------------------------------------------------------- routing
