@@ -8,6 +8,9 @@ gradients) plus 1e-6, on rows that see at least one key; rows that see none must
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -101,3 +104,13 @@ def require_extra(extra: str) -> None:
     if absent:
         pytest.skip(f"needs keyfold[{extra}] ({', '.join(absent)} missing): pip install 'keyfold[{extra}]'",
                     allow_module_level=True)
+
+
+def assert_runs_on_a_small_stack(setup: str, call: str, check: str = "") -> None:
+    """Run ``setup`` (statements), then ``call`` (an expression) on a thread with a 128 KiB stack (musl's
+    default), then ``check`` (statements, say that the kernel meant ran), in a fresh Python: a
+    kernel's scratch on the stack would crash it."""
+    code = (f"import threading, torch\n{setup}\nthreading.stack_size(131072)\n"
+            f"t = threading.Thread(target=lambda: {call})\nt.start(); t.join()\n{check}\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]

@@ -2,8 +2,6 @@
 float64, its chunks merged exactly, routed only where it pays, and built or declined cleanly."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,7 +11,7 @@ from hypothesis import strategies as st
 import keyfold as kf
 from keyfold.caches import KVCache, decode
 from keyfold.kernels import cpu, native
-from tests.helpers import assert_close_by_rule, assert_forward_by_rule, naive_attention
+from tests.helpers import assert_close_by_rule, assert_forward_by_rule, assert_runs_on_a_small_stack, naive_attention
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native decode kernel: {native.why()}")
 
@@ -134,15 +132,10 @@ def test_runs_on_a_thread_with_a_small_stack(dtype):
     """The several-rows path's scratch (up to 256 KiB at 64 rows of head size 256) comes from the heap:
     a first version kept it on the stack and crashed on a 128 KiB thread stack (musl's default; found
     in review)."""
-    code = ("import threading, torch\n"
-            "from keyfold.kernels import native\n"
-            "torch.set_num_threads(1)\n"
-            "threading.stack_size(131072)\n"
-            f"q = torch.randn(1, 1, 64, 256).to({dtype}); k = v = torch.randn(1, 1, 600, 256).to({dtype})\n"
-            "t = threading.Thread(target=lambda: native.attend(q, k, v, 0.0625))\n"
-            "t.start(); t.join()\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr[-2000:]
+    assert_runs_on_a_small_stack(
+        "from keyfold.kernels import native\ntorch.set_num_threads(1)\n"
+        f"q = torch.randn(1, 1, 64, 256).to({dtype}); k = v = torch.randn(1, 1, 600, 256).to({dtype})",
+        "native.attend(q, k, v, 0.0625)", "assert native.calls == 1, native.calls")
 
 
 # ------------------------------------------------------------------------------- routing

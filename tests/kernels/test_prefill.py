@@ -4,8 +4,6 @@ pieces of a row merged inside the kernel's softmax exactly as a whole, hidden an
 routed only where it runs. Every test runs once per dtype (skipped where the build lacks it)."""
 
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +12,8 @@ from hypothesis import strategies as st
 
 import keyfold as kf
 from keyfold.kernels import cpu, native
-from tests.helpers import assert_backward_by_rule, assert_close_by_rule, assert_forward_by_rule, naive_attention
+from tests.helpers import (assert_backward_by_rule, assert_close_by_rule, assert_forward_by_rule,
+                           assert_runs_on_a_small_stack, naive_attention)
 
 BF16, F32 = torch.bfloat16, torch.float32
 pytestmark = pytest.mark.parametrize("dt", [
@@ -386,15 +385,14 @@ def test_an_empty_batch_gives_an_empty_output(kw, dt):
 
 
 def test_runs_on_a_thread_with_a_small_stack(dt):
-    """Each thread's scratch (130-270 KiB) comes from the heap: a first version kept it on the stack
-    and crashed on a 128 KiB thread stack (musl's default; found in review)."""
-    code = ("import threading, torch, keyfold as kf\n"
-            "threading.stack_size(131072)\n"
-            f"q = k = v = torch.randn(1, 2, 256, 256).to({dt})\n"
-            "t = threading.Thread(target=lambda: kf.attention(q, k, v, mask=kf.causal()))\n"
-            "t.start(); t.join()\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr[-2000:]
+    """Each thread's scratch (300-700 KiB) comes from the heap: a first version kept it on the stack
+    and crashed on a 128 KiB thread stack (musl's default; found in review). The call must run on the
+    kernel: with the 512-row threshold this one had run on the op unseen (found this session)."""
+    assert_runs_on_a_small_stack(
+        "import keyfold as kf\nfrom keyfold.kernels import cpu, native\ncpu.PREFILL_MIN_ROWS = 5\n"
+        f"q = k = v = torch.randn(1, 2, 256, 256).to({dt})",
+        "kf.attention(q, k, v, mask=kf.causal())",
+        "assert native.prefill_calls == 1, native.prefill_calls")
 
 
 def _alibi_exact(q, k, v, slopes, q0, n_keys):
