@@ -133,7 +133,8 @@ NATIVE_ROWS = 4
 #: 64k keys, D=64, 2 threads): float32 0.78x (8 rows), 0.83x (16), 0.80x (32), 0.64x (64); float16
 #: 0.70x, 0.82x, 0.89x, 0.80x; bfloat16 0.81x at 8 rows, but 1.25x at 16 and 1.57x at 32 against
 #: the AMX op. An MQA step (8 query heads over one float32 key/value head, 128k keys) went from
-#: 3.1 to 2.2 ms.
+#: 3.1 to 2.2 ms. With keys that the caches hold (B=1, H=8, 512-4096 keys, 8-64 rows) float32 took
+#: 0.90-1.09x the op's time: about even, so the rule is the one for a cache read from memory.
 NATIVE_FEW_ROWS = {torch.float32: 64, torch.float16: 64, torch.bfloat16: 8}
 
 #: With AMX PyTorch's bfloat16 op reads a cache that the last-level cache holds faster than the
