@@ -237,37 +237,30 @@ static inline __m512 bcast64(const char *p) {
     return _mm512_castpd_ps(_mm512_set1_pd(x));
 }
 
-/* sixteen float32 keys (rows kstep bytes apart, E pairs of elements each) against a group's qt */
-static inline void scores_f32(const float *qt, int E, const char *k, size_t kstep, float scale, float *out) {
+/* sixteen keys (rows kstep bytes apart) against a group's qt: float32 keys and qt (n pairs of elements;
+ * bf 0), or bfloat16 keys and qt (n quads; bf 1, vdpbf16ps) */
+static inline __attribute__((always_inline)) void scores16(const void *qt, int n, const char *k, size_t kstep,
+                                                           float scale, float *out, const int bf) {
     __m512 a[16];
     for (int j = 0; j < 16; j++) a[j] = _mm512_setzero_ps();
     const char *k8 = k + 8 * kstep;
-    for (int e = 0; e < E; e++) {
-        const __m512 q = _mm512_load_ps(qt + 16 * e);
+    for (int e = 0; e < n; e++) {
+        const __m512 q = _mm512_load_ps((const float *)qt + 16 * e);
         for (int j = 0; j < 8; j++) {
-            a[j] = _mm512_fmadd_ps(bcast64(k + j * kstep + 8 * e), q, a[j]);
-            a[8 + j] = _mm512_fmadd_ps(bcast64(k8 + j * kstep + 8 * e), q, a[8 + j]);
-        }
-    }
-    fold_pairs(a, scale, out);
-}
-
+            const __m512 x = bcast64(k + j * kstep + 8 * e), y = bcast64(k8 + j * kstep + 8 * e);
 #ifdef __AVX512BF16__
-/* sixteen bfloat16 keys against a group's bfloat16 qt (E4 quads of elements) */
-static inline void scores_bf16(const uint32_t *qt, int E4, const char *k, size_t kstep, float scale, float *out) {
-    __m512 a[16];
-    for (int j = 0; j < 16; j++) a[j] = _mm512_setzero_ps();
-    const char *k8 = k + 8 * kstep;
-    for (int e = 0; e < E4; e++) {
-        const __m512bh q = (__m512bh)_mm512_load_si512(qt + 16 * e);
-        for (int j = 0; j < 8; j++) {
-            a[j] = _mm512_dpbf16_ps(a[j], q, (__m512bh)bcast64(k + j * kstep + 8 * e));
-            a[8 + j] = _mm512_dpbf16_ps(a[8 + j], q, (__m512bh)bcast64(k8 + j * kstep + 8 * e));
+            if (bf) {
+                a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)q, (__m512bh)x);
+                a[8 + j] = _mm512_dpbf16_ps(a[8 + j], (__m512bh)q, (__m512bh)y);
+                continue;
+            }
+#endif
+            a[j] = _mm512_fmadd_ps(x, q, a[j]);
+            a[8 + j] = _mm512_fmadd_ps(y, q, a[8 + j]);
         }
     }
     fold_pairs(a, scale, out);
 }
-#endif
 
 /* The 64-byte units of a several-rows item's scratch, in few_item's order: q in the pair layout
  * (float32, and bfloat16 pairs when keys are dotted in bfloat16), the block's scores then P, the rows'
@@ -345,7 +338,7 @@ static void few_item(const job_t *J, int w, char *mem) {
             /* the next block's keys and values, sixteen rows of each (the hardware prefetcher
              * alone left a float32 stream at 0.77x this rate; 16-bit keys, where the arithmetic
              * is the limit, ran 1.08-1.14x slower with it) */
-            if (dt == KF_F32 && n + FB + j0 < n1)
+            if (dt == KF_F32)
                 for (int j = 0; j < 16 && n + FB + j0 + j < n1; j++) {
                     prefetch_row(kr + (size_t)(FB + j) * kstep, (size_t)D * es);
                     prefetch_row(vp + (size_t)(FB + j0 + j) * vstep, (size_t)Dv * es);
@@ -364,10 +357,8 @@ static void few_item(const job_t *J, int w, char *mem) {
                 step = sizeof(float) * 2 * E;
             }
             for (int g = 0; g < G; g++) {
-#ifdef __AVX512BF16__
-                if (bf && src == kr) { scores_bf16(qtb[g][0], D / 4, src, step, J->scale, sp[g][j0 / 2]); continue; }
-#endif
-                scores_f32(qt[g][0], E, src, step, J->scale, sp[g][j0 / 2]);
+                if (bf && src == kr) scores16(qtb[g][0], D / 4, src, step, J->scale, sp[g][j0 / 2], 1);
+                else scores16(qt[g][0], E, src, step, J->scale, sp[g][j0 / 2], 0);
             }
         }
         kp += (size_t)nb * kstep;
@@ -418,7 +409,7 @@ static void few_item(const job_t *J, int w, char *mem) {
                     o0[i] = _mm512_load_ps(oa[g * FG + i] + 16 * x);
                     o1[i] = x + 1 < Wv ? _mm512_load_ps(oa[g * FG + i] + 16 * x + 16) : _mm512_setzero_ps();
                 }
-                const char *vr = vsrc + (size_t)x * 16 * (dt != KF_F32 ? 4 : es);
+                const char *vr = vsrc + (size_t)x * 64;  /* float32 rows, as read or widened */
                 for (int j = 0; j < nb; j++, vr += vs) {
                     const __m512 v0 = _mm512_maskz_loadu_ps(m0, vr), v1 = _mm512_maskz_loadu_ps(m1, vr + 64);
                     for (int i = 0; i < FG; i++) {

@@ -545,6 +545,16 @@ static inline __attribute__((always_inline)) __m512 row_p(unit_t *U, int r, cons
     return _mm512_add_ps(s0, s1);
 }
 
+/* row_p for a bfloat16 row whose buffer keeps S unscaled: (y - m) log2 e as (S - smax) scale log2 e
+ * when this step holds the row's max (`here`: exactly 0 at the max, so P = 1), else as
+ * (S scale - m) log2 e, the product and subtraction in one rounding */
+static inline __attribute__((always_inline)) __m512 row_p_raw(unit_t *U, int r, const float *pr, float scale,
+                                                              int here, float smax, float m) {
+    const float log2e = 1.44269504088896341f;
+    return row_p(U, r, pr, _mm512_set1_ps(here ? 1.0f : scale), _mm512_set1_ps(here ? smax : m),
+                 _mm512_set1_ps(here ? scale * log2e : log2e), 0);
+}
+
 /* The end of a unit's softmax that took part (U->any): P = 0 for rows past nr (bfloat16: the last
  * block's enter the tile product; float32 never writes them out), alpha = e^dm, l = l alpha + the
  * step's sums rs. A NaN m (or sum) makes alpha (or l) NaN: the row's out and lse. */
@@ -605,16 +615,12 @@ static inline __attribute__((always_inline)) int softmax_plain(const job_t *J, u
         dm[r] = B->m[r] - mn[r];  /* -inf on the row's first keys: alpha 0 scales an O and l of 0 */
         B->m[r] = mn[r];
     }
-    const float c = J->scale * 1.44269504088896341f;
     for (int r = 0; r < nr; r++) {
         const float *pr = U->sbuf + r * KB;
         if (T && r % PUMP_ROWS == 0) pump(T);
-        /* (y - m) log2 e as (S a - b) c: the step holds the max (bfloat16), (S - its max) scale log2 e,
-         * exactly 0 at the max (P = 1, as in softmax()); else (S scale - m) log2 e */
-        const int here = !f32 && !isnan(ms[r]);
-        const __m512 a = here || f32 ? _mm512_set1_ps(1.0f) : scale, b = _mm512_set1_ps(here ? ms[r] : mn[r]);
-        const __m512 cv = here ? _mm512_set1_ps(c) : log2e;
-        _mm512_store_ps(rs + 16 * r, row_p(U, r, pr, a, b, cv, f32));
+        const __m512 sum = f32 ? row_p(U, r, pr, _mm512_set1_ps(1.0f), _mm512_set1_ps(mn[r]), log2e, 1)
+                               : row_p_raw(U, r, pr, J->scale, !isnan(ms[r]), ms[r], mn[r]);
+        _mm512_store_ps(rs + 16 * r, sum);
     }
     U->any = 1;
     unit_close(U, dm, rs, f32);
@@ -725,11 +731,8 @@ static inline __attribute__((always_inline)) void softmax(const job_t *J, unit_t
         __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
         /* pass 2: P = e^(y - m) = 2^((y - m) log2 e). Where the product overflows to -inf (a mask of
          * -3e38), vreduceps gives 0 and vscalefps scales by 2^-inf: P = 0, no clamp needed */
-        if (raw) {  /* (y - m) log2 e as in softmax_plain: (S - sm) scale log2 e when this step holds the max */
-            const int here = mn == bm;
-            const __m512 a = here ? _mm512_set1_ps(1.0f) : scale, b = here ? _mm512_set1_ps(sm) : mv;
-            const __m512 cv = here ? _mm512_set1_ps(J->scale * 1.44269504088896341f) : log2e;
-            s0 = row_p(U, r, pr, a, b, cv, f32);  /* s1 stays 0 */
+        if (raw) {
+            s0 = row_p_raw(U, r, pr, J->scale, mn == bm, sm, mn);  /* s1 stays 0 */
         } else if (full && !pm) {  /* every lane of every sub-block up to ns: no lane masks (vis unset) */
             s0 = row_p(U, r, pr, _mm512_set1_ps(1.0f), mv, log2e, f32);
         } else {
