@@ -432,7 +432,8 @@ def main(argv=None) -> int:
                          "and the memory table (~35-50 min); full: N x D x dtype x mode (50 min on the Intel Xeon with AMX, ~2 h on the AMD EPYC)")
     ap.add_argument("--quick", action="store_const", const="quick", dest="preset", help="the issue's targets, < 3 min")
     ap.add_argument("--out", type=Path, default=None, help="output directory (default: the repository's benchmarks/results)")
-    ap.add_argument("--name", default="kernels", help="file stem for the results")
+    ap.add_argument("--name", default=None,
+                    help="file stem for the results (default: kernels-quick for --quick, else kernels)")
     ap.add_argument("--no-memory", action="store_true", help="skip the subprocess peak-memory measurement")
     ap.add_argument("--memory", type=int, nargs="*", default=None, metavar="N",
                     help="the forward+backward peak-memory table of `bench memory` (keyfold vs SDPA per mask, "
@@ -441,6 +442,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", nargs="*", help="only these variants")
     ap.add_argument("--threads", type=int, default=None, help="torch threads for every implementation")
     args = ap.parse_args(argv)
+    if args.name is None:  # --quick must not overwrite the standard run's kernels.md
+        args.name = "kernels-quick" if args.preset == "quick" else "kernels"
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.memory is None and args.preset in ("standard", "full") and not args.no_memory:
