@@ -12,7 +12,8 @@
  *                 float32: AVX-512 FMAs on 8 x 32 register tiles, q pre-scaled, K packed transposed;
  *   softmax       AVX-512 in float32: scale, softcap, mask, running max m, sum l, P = e^(y - m) as
  *                 2^((y - m) log2 e) (scores stay in base e: a mask of -3e38, HF's finfo.min,
- *                 would overflow to -inf in base 2);
+ *                 would overflow to -inf in base 2); bfloat16's 2^x is a degree-3 polynomial, as P
+ *                 is rounded to bfloat16 next (as FlashAttention-4 computes part of its 2^x);
  *   O += P V      bfloat16: AMX, P rounded to bfloat16 (as PyTorch's and oneDNN's CPU kernels do), V
  *                 packed; float32: FMAs on 4 x 64 register tiles of O, P in float32;
  * with O rescaled by e^(m_old - m_new) in float32 between steps. So the pieces of one row are merged
@@ -221,6 +222,24 @@ static inline __m512 exp2_16(__mmask16 keep, __m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931513547897339e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_maskz_scalef_ps(keep, p, x);
+}
+
+/* exp2_16 for a P that is rounded to bfloat16 next (a relative step of 2^-8): a degree-3 polynomial,
+ * relative error below 9e-5 (so lse is within 9e-5 too), p(0) = 1 exactly (a row's largest score still
+ * gets P = 1). Two FMAs fewer than exp2_16: 0.92-0.94x the time of bfloat16 dense, causal and window
+ * prefill at 4k (degree 4: 0.95-0.98x). */
+static inline __m512 exp2_16_bf(__mmask16 keep, __m512 x) {
+    const __m512 f = _mm512_reduce_ps(x, 0x09);
+    __m512 p = _mm512_set1_ps(7.706519961357117e-2f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.2764700651168823e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.951163411140442e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(keep, p, x);
+}
+
+/* P's 2^x: exp2_16 for float32, exp2_16_bf for a P rounded to bfloat16 */
+static inline __m512 exp2_p(__mmask16 keep, __m512 x, const int f32) {
+    return f32 ? exp2_16(keep, x) : exp2_16_bf(keep, x);
 }
 
 /* lanes [lo, hi) of 16 (clipped) */
@@ -537,7 +556,7 @@ static inline __attribute__((always_inline)) __m512 row_p(unit_t *U, int r, cons
     for (int u = 0; u < U->ns; u++) {
         const __m512 x0 = _mm512_mul_ps(_mm512_fmsub_ps(_mm512_load_ps(pr + SB * u), a, b), c);
         const __m512 x1 = _mm512_mul_ps(_mm512_fmsub_ps(_mm512_load_ps(pr + SB * u + 16), a, b), c);
-        const __m512 p0 = exp2_16(0xFFFF, x0), p1 = exp2_16(0xFFFF, x1);
+        const __m512 p0 = exp2_p(0xFFFF, x0, f32), p1 = exp2_p(0xFFFF, x1, f32);
         s0 = _mm512_add_ps(s0, p0);
         s1 = _mm512_add_ps(s1, p1);
         store_p(U, r, u, p0, p1, f32);
@@ -740,7 +759,7 @@ static inline __attribute__((always_inline)) void softmax(const job_t *J, unit_t
                 if (!seen[u]) continue;
                 const __m512 x0 = _mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(pr + SB * u), mv), log2e);
                 const __m512 x1 = _mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(pr + SB * u + 16), mv), log2e);
-                const __m512 p0 = exp2_16(vis[2 * u], x0), p1 = exp2_16(vis[2 * u + 1], x1);
+                const __m512 p0 = exp2_p(vis[2 * u], x0, f32), p1 = exp2_p(vis[2 * u + 1], x1, f32);
                 s0 = _mm512_add_ps(s0, p0);
                 s1 = _mm512_add_ps(s1, p1);
                 store_p(U, r, u, p0, p1, f32);
