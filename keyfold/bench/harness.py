@@ -24,7 +24,7 @@ import torch
 
 from ..kernels._common import cpu_flags
 
-__all__ = ["Timing", "interleaved", "results_dir", "machine", "isa_flags", "write_json", "matmul_rate",
+__all__ = ["Timing", "interleaved", "results_dir", "machine", "isa_flags", "write_json", "matmul_rate", "matmul_fns",
            "stream_bandwidth", "fit_exponent"]
 
 
@@ -120,28 +120,48 @@ def write_json(path: Path, obj) -> None:
 # ------------------------------------------------------------------ the machine's limits
 
 
-def matmul_rate(dtype: torch.dtype = torch.float32, sizes=(1024, 2048), repeats: int = 5) -> float:
-    """The machine's dense matmul rate for ``dtype`` in GFLOP/s: the best square GEMM over ``sizes``
-    (fastest repeat, after warm-up), the ceiling an attention forward can approach (its FLOPs are
-    two GEMMs per tile). The best, not the median: a roof measured low would flatter every row.
-    A 16-bit dtype also counts the product cast to float32 (the casts timed too): on a CPU without
-    float16 units torch's float16 GEMM runs at ~1 GFLOP/s, and the way to multiply float16 there, the
-    one keyfold takes, is through float32, so that is the machine's rate for the dtype."""
+def matmul_fns(dtype: torch.dtype = torch.float32, sizes=(1024, 2048)) -> dict[str, tuple[Callable[[], object], float]]:
+    """The square GEMMs that define the machine's matmul rate for ``dtype``: ``{name: (call, FLOPs)}``,
+    one or two per size in ``sizes``. A 16-bit dtype also counts the product cast to float32 (the casts
+    timed too): on a CPU without float16 units torch's float16 GEMM runs at ~1 GFLOP/s, and the way to
+    multiply float16 there, the one keyfold takes, is through float32, so that is the machine's rate for
+    the dtype. The native 16-bit GEMM is left out where a probe at n=256 finds it 4x slower than the cast
+    (it cannot be the best at any size, and would take minutes). Each writes into its own buffer."""
     half = dtype in (torch.float16, torch.bfloat16)
     native = True
-    if half:  # a GEMM 4x slower than the cast at n=256 cannot be the best at any size (and would take minutes)
+    if half:
         a, b = torch.randn(256, 256).to(dtype), torch.randn(256, 256).to(dtype)
         probe = interleaved({"mm": lambda: a @ b, "cast": lambda: (a.float() @ b.float()).to(dtype)}, 3,
                             warmup=1).best
         native = probe["mm"] < 4 * probe["cast"]
-    best = 0.0
+    fns = {}
     for n in sizes:
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-        ways = {"mm": lambda: a @ b} if native else {}
+        c = torch.empty(n, n, dtype=dtype)
+        if native:
+            fns[f"mm{n}"] = ((lambda a=a, b=b, c=c: torch.mm(a, b, out=c)), 2.0 * n ** 3)
         if half:
-            ways["via float32"] = lambda: (a.float() @ b.float()).to(dtype)
-        t = min(interleaved(ways, repeats, warmup=3).best.values())
-        best = max(best, 2.0 * n ** 3 / t / 1e9)
+            wide = [torch.empty(n, n) for _ in range(3)]
+
+            def via_float32(a=a, b=b, c=c, wide=wide):
+                wide[0].copy_(a)
+                wide[1].copy_(b)
+                torch.mm(wide[0], wide[1], out=wide[2])
+                return c.copy_(wide[2])
+
+            fns[f"mm{n} via float32"] = (via_float32, 2.0 * n ** 3)
+    return fns
+
+
+def matmul_rate(dtype: torch.dtype = torch.float32, sizes=(1024, 2048), repeats: int = 5) -> float:
+    """The machine's dense matmul rate for ``dtype`` in GFLOP/s: the best of ``matmul_fns`` (fastest
+    repeat, after warm-up), the ceiling an attention forward can approach (its FLOPs are two GEMMs per
+    tile). The best, not the median: a roof measured low would flatter every row."""
+    best = 0.0
+    for n in sizes:
+        ways = matmul_fns(dtype, (n,))
+        t = interleaved({k: f for k, (f, _) in ways.items()}, repeats, warmup=3).best
+        best = max(best, max(flop / t[k] / 1e9 for k, (_, flop) in ways.items()))
     return best
 
 

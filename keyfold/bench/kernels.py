@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 import keyfold as kf
 
-from .harness import interleaved, machine, matmul_rate, results_dir
+from .harness import interleaved, machine, matmul_fns, matmul_rate, results_dir
 
 
 
@@ -114,6 +114,8 @@ class Result:
     plan_reused: bool | None = None
     block_mask_s: float | None = None              # Flex's create_block_mask, same callable
     errors: dict = field(default_factory=dict)     # impl -> why it did not run
+    matmul_times: dict = field(default_factory=dict)  # GEMM -> median seconds, timed in keyfold's round
+    matmul_gflops: float | None = None             # the best of those GEMMs' rates (GFLOP/s)
 
     def ratio(self, peer):
         """keyfold's time over the peer's, both from the round they were timed in together"""
@@ -150,7 +152,10 @@ def _flex_fns(case: Case, mask_mod, score_mod, q, k, v):
         return fn, time.perf_counter() - t0
 
 
-def run_case(case: Case, repeats: int, with_flex: bool) -> Result:
+def run_case(case: Case, repeats: int, with_flex: bool, matmul: dict | None = None) -> Result:
+    """One row. ``matmul``: the GEMMs of ``matmul_fns`` for the case's dtype, timed in the rounds that give
+    keyfold's time, so that its share of the machine's matmul rate compares two medians of the same
+    minutes (on a shared machine the rate moves by 20% within an hour)."""
     dtype = getattr(torch, case.dtype)
     g = torch.Generator().manual_seed(0)
     shape = (case.B, case.H, case.N, case.D)
@@ -217,15 +222,20 @@ def run_case(case: Case, repeats: int, with_flex: bool) -> Result:
             fns["flex"], res.compile_s = _flex_fns(case, mask_mod, score_mod, q, k, v)
         except Exception as e:  # noqa: BLE001 - the peer failing is a result to report
             res.errors["flex"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    gemms = {name: fn for name, (fn, _) in (matmul or {}).items()}
     if "sdpa" in fns and "flex" in fns:
         # each peer in a round of its own beside keyfold: a call after SDPA with a dense mask (which
         # allocates and frees up to 1 GiB each time) ran slower, whoever it was (bfloat16 window 256 at
         # 16k: keyfold 30.7 ms in one round with both peers, 24.7-27.2 ms beside either alone)
-        a = interleaved({"keyfold": fns["keyfold"], "flex": fns["flex"]}, repeats)
+        a = interleaved({"keyfold": fns["keyfold"], "flex": fns["flex"], **gemms}, repeats)
         b = interleaved({"keyfold": fns["keyfold"], "sdpa": fns["sdpa"]}, repeats)
         res.times = {"keyfold": a["keyfold"], "flex": a["flex"], "sdpa": b["sdpa"], "keyfold_beside_sdpa": b["keyfold"]}
     else:
-        res.times = dict(interleaved(fns, repeats))
+        a = interleaved({**fns, **gemms}, repeats)
+        res.times = {name: a[name] for name in fns}
+    res.matmul_times = {name: a[name] for name in gemms}
+    if gemms:
+        res.matmul_gflops = max(matmul[name][1] / t / 1e9 for name, t in res.matmul_times.items())
     return res
 
 
@@ -328,22 +338,27 @@ def markdown(results: list[Result], mem: dict | None, header: str, limits: dict 
     limits = limits or {}
     lines = [header, ""]
     if limits:
-        lines += ["Limits measured in this run, sampled every few minutes through it and the best kept (the best square GEMM, n = 1024 or 2048; a 16-bit dtype natively or "
-                  "cast to float32, whichever is faster): " + ", ".join(
-            f"{dt} {g:.0f} GFLOP/s" for dt, g in limits.items()) + ". `of matmul` = keyfold's GFLOP/s (counted on "
-            "the visible pairs: 4·D FLOPs each forward, 3.5x that forward+backward) over that rate.", ""]
+        lines += ["The machine's matmul rate is the best square GEMM, n = 1024 or 2048 (a 16-bit dtype natively or "
+                  "cast to float32, whichever is faster). keyfold's GFLOP/s are counted on the visible pairs (4·D "
+                  "FLOPs each forward, 3.5x that forward+backward). `of matmul` = keyfold's rate over the GEMMs' "
+                  "timed in the same rounds as keyfold (medians of the same minutes: on a shared machine the rate "
+                  "moves by 20% within an hour). `of best roof` = keyfold's median rate over the best GEMM sample of "
+                  "the whole run (sampled every 15 cases; a fast minute's GEMM against keyfold's median: the "
+                  "lowest reading). Best roof of this run: " + ", ".join(
+            f"{dt} {g:.0f} GFLOP/s" for dt, g in limits.items()) + ".", ""]
     lines += ["| variant | N | D | dtype | mode | work | keyfold s | SDPA s | Flex s | Flex compile s | "
-              "kf/SDPA | kf/Flex | keyfold GFLOP/s | of matmul |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "kf/SDPA | kf/Flex | keyfold GFLOP/s | of matmul | of best roof |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         c, t = r.case, r.times
         gflops = None if t.get("keyfold") is None else r.gflop / t["keyfold"]
         frac = None if gflops is None or c.dtype not in limits else gflops / limits[c.dtype]
+        beside = None if gflops is None or not r.matmul_gflops else gflops / r.matmul_gflops
         lines.append(
             f"| {c.variant} | {c.N} | {c.D} | {c.dtype} | {c.mode} | {r.density:.1%} | {_fmt(t.get('keyfold'), '.4f')} | "
             f"{_fmt(t.get('sdpa'), '.4f')} | {_fmt(t.get('flex'), '.4f')} | {_fmt(r.compile_s, '.1f')} | "
             f"{_fmt(r.ratio('sdpa'), '.2f')} | {_fmt(r.ratio('flex'), '.2f')} | {_fmt(gflops, '.1f')} | "
-            f"{_fmt(frac, '.0%')} |")
+            f"{_fmt(beside, '.0%')} | {_fmt(frac, '.0%')} |")
     plans = [r for r in results if r.plan_s is not None]
     if plans:
         lines += ["", "Planning a user's mask callable (cold, then cached):", ""]
@@ -454,10 +469,14 @@ def main(argv=None) -> int:
     # a slow minute flatters every row (one standard run measured float32 at 156 GFLOP/s at its start
     # and end, another 198; a run with only a start and an end sample put a float16 row at "104%")
     roof = Roof(() if args.preset == "tiny" else sorted({c.dtype for c in todo}))
+    # and the same GEMMs in keyfold's rounds of every case (tiny: one small GEMM, to run the code)
+    gemms = {dt: matmul_fns(getattr(torch, dt), (64,) if args.preset == "tiny" else (1024, 2048))
+             for dt in sorted({c.dtype for c in todo})}
     results = []
     for i, case in enumerate(tqdm(todo, desc="bench kernels", unit="case")):
         roof.maybe_sample(i)
-        results.append(run_case(case, repeats_for(case, args.preset), flex_wanted(args.preset, case)))
+        results.append(run_case(case, repeats_for(case, args.preset), flex_wanted(args.preset, case),
+                                gemms[case.dtype]))
         torch._dynamo.reset()  # free the compiled peer and its block mask before the next case
         gc.collect()
     roof.sample()

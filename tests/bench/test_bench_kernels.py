@@ -15,6 +15,9 @@ def test_harness_runs_and_writes_results(tmp_path):
         assert 0 < r["density"] <= 1
         if kernels.BY_NAME[r["case"]["variant"]].sdpa != "none":
             assert r["times"]["sdpa"] > 0 and r["ratio_sdpa"] > 0
+        # the GEMM beside keyfold, in its rounds: the `of matmul` column
+        assert set(r["matmul_times"]) == {"mm64"} and r["matmul_gflops"] > 0
+    assert "| of matmul | of best roof |" in (tmp_path / "kernels.md").read_text()
     assert (tmp_path / "kernels.md").read_text().count("\n| ") >= len(names) + 1
     assert (tmp_path / "kernels.png").stat().st_size > 1000
 
@@ -40,3 +43,20 @@ def test_roof_is_sampled_through_the_run_and_the_best_kept():
     assert roof.best == {"float32": 150.0, "bfloat16": 198.0}  # a slow sample never lowers the roof
     assert len(calls) == 6
     assert kernels.Roof([], rate=rate).best == {}
+
+
+def test_matmul_fns_time_one_product_each_way():
+    """The GEMMs of the roof: bfloat16 natively and through float32 (the casts timed too) give the
+    same product of the same operands, into buffers of their own (nothing allocated per call); FLOPs
+    2 n^3."""
+    import torch
+
+    from keyfold.bench.harness import matmul_fns
+
+    fns = matmul_fns(torch.bfloat16, (32,))
+    assert set(fns) == {"mm32", "mm32 via float32"} and all(flop == 2 * 32 ** 3 for _, flop in fns.values())
+    native, wide = fns["mm32"][0](), fns["mm32 via float32"][0]()
+    assert native.dtype == wide.dtype == torch.bfloat16 and native.shape == (32, 32)
+    assert native.abs().max() > 1 and torch.allclose(native.float(), wide.float(), rtol=2e-2, atol=5e-2)
+    assert fns["mm32"][0]().data_ptr() == native.data_ptr()
+    assert set(matmul_fns(torch.float32, (16, 32))) == {"mm16", "mm32"}
