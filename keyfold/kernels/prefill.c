@@ -297,11 +297,10 @@ typedef struct {
  * and causal at 4k and 16k; every 2, 1.01-1.02x; every 6 or 8, 0.93x; every 16, 0.95-0.98x. */
 #define PUMP_ROWS 4
 
-/* A thread's scratch: a ring of S and P buffers, and P V (float32). */
+/* A thread's scratch: a ring of S and P buffers. */
 typedef struct {
     float sbuf[RING][QB * KB] __attribute__((aligned(64)));
     uint16_t pbuf[RING][QB * KB] __attribute__((aligned(64)));
-    float obuf[QB * MAXD] __attribute__((aligned(64)));
 } scratch_t;
 
 /* Fill U for piece P, the step from u0, block B; 0 when it has nothing to do (no row of B in the piece,
@@ -380,11 +379,16 @@ static void scores_amx(const job_t *J, const rows_t *B, float *sbuf, int u, cons
     _tile_stored(3, sbuf + 16 * KB + SB * u + 16, KB * 4);
 }
 
-/* P V for value columns [16 jc, 16 jc + 32) of unit U into obuf: tiles 4-5 P, 6-7 V, 0-3 two 16-column
- * slices of the 32 rows, summed over the seen sub-blocks inside the tiles */
-static void values_amx(const job_t *J, const unit_t *U, const char *vp, float *obuf, int jc) {
+/* O += P V for value columns [16 jc, 16 jc + 32) of unit U: tiles 0-3 two 16-column slices of the 32
+ * rows of O, loaded, summed into over the seen sub-blocks and stored back; 4-5 P, 6-7 V. (Into a
+ * buffer of P V and then O = O alpha + P V in AVX-512: 1.01-1.05x the time.) */
+static void values_amx(const job_t *J, const unit_t *U, const char *vp, int jc) {
     const int Dvp = J->Dvp;
-    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    float *o = U->B->acc;
+    _tile_loadd(0, o + 16 * jc, Dvp * 4);
+    _tile_loadd(1, o + 16 * jc + 16, Dvp * 4);
+    _tile_loadd(2, o + 16 * Dvp + 16 * jc, Dvp * 4);
+    _tile_loadd(3, o + 16 * Dvp + 16 * jc + 16, Dvp * 4);
     for (int u = 0; u < U->ns; u++) {
         if (!U->seen[u]) continue;
         const uint16_t *vt = (const uint16_t *)(vp + (size_t)(U->u0 + u) * vpack_size(J));
@@ -397,19 +401,18 @@ static void values_amx(const job_t *J, const unit_t *U, const char *vp, float *o
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
     }
-    _tile_stored(0, obuf + 16 * jc, Dvp * 4);
-    _tile_stored(1, obuf + 16 * jc + 16, Dvp * 4);
-    _tile_stored(2, obuf + 16 * Dvp + 16 * jc, Dvp * 4);
-    _tile_stored(3, obuf + 16 * Dvp + 16 * jc + 16, Dvp * 4);
+    _tile_stored(0, o + 16 * jc, Dvp * 4);
+    _tile_stored(1, o + 16 * jc + 16, Dvp * 4);
+    _tile_stored(2, o + 16 * Dvp + 16 * jc, Dvp * 4);
+    _tile_stored(3, o + 16 * Dvp + 16 * jc + 16, Dvp * 4);
 }
 
 /* The tile work queued beside a unit's softmax (software pipelining: the tile unit multiplies while the
- * vector units run the softmax): Q K^T of the next unit, sub-block by sub-block, and P V of the
- * previous one, 32 columns at a time, then its O = O alpha + P V. One task a call of pump. */
+ * vector units run the softmax): Q K^T of the next unit, sub-block by sub-block, and O = O alpha + P V
+ * of the previous one, 32 columns at a time. One task a call of pump. */
 typedef struct {
     const job_t *J;
     const char *kp, *vp;
-    float *obuf;
     unit_t *s_unit, *v_unit;  /* NULL: nothing (more) to do */
     int s_next, v_next;
 } tasks_t;
@@ -428,18 +431,17 @@ static void pump(tasks_t *T) {
     if (T->v_unit) {
         const job_t *J = T->J;
         unit_t *U = T->v_unit;
+        if (T->v_next == 0)  /* O alpha first, on the rows whose max moved (NaN alpha included) */
+            for (int r = 0; r < U->B->nr; r++) {
+                if (U->alpha[r] == 1.0f) continue;
+                const __m512 a = _mm512_set1_ps(U->alpha[r]);
+                float *o = U->B->acc + r * J->Dvp;
+                for (int d = 0; d < J->Dvp; d += 16) _mm512_store_ps(o + d, _mm512_mul_ps(_mm512_load_ps(o + d), a));
+            }
         if (T->v_next < J->nj) {
-            values_amx(J, U, T->vp, T->obuf, T->v_next);
+            values_amx(J, U, T->vp, T->v_next);
             T->v_next += 2;
             return;
-        }
-        const int Dvp = J->Dvp;
-        for (int r = 0; r < U->B->nr; r++) {
-            const __m512 a = _mm512_set1_ps(U->alpha[r]);
-            float *o = U->B->acc + r * Dvp;
-            const float *x = T->obuf + r * Dvp;
-            for (int d = 0; d < Dvp; d += 16)
-                _mm512_store_ps(o + d, _mm512_fmadd_ps(_mm512_load_ps(o + d), a, _mm512_load_ps(x + d)));
         }
         T->v_unit = NULL;
     }
@@ -772,7 +774,7 @@ static inline __attribute__((always_inline)) void softmax(const job_t *J, unit_t
     if (any) unit_close(U, dm, rs, f32);
 }
 
-/* A thread's scratch, from the heap (about 300 KiB at head size 64, 700 KiB at 256: more than a small
+/* A thread's scratch, from the heap (about 260-290 KiB at head size 64, 670 KiB at 256: more than a small
  * thread stack holds): the ring of step buffers, then each block's q and O. */
 static size_t scratch_bytes(const job_t *J) {
     return sizeof(scratch_t) + (size_t)G * QB * (J->Dp * (J->f32 ? sizeof(float) : sizeof(uint16_t))
@@ -841,7 +843,7 @@ static inline __attribute__((always_inline)) void item(const job_t *J, long long
             ring[t].sbuf = X->sbuf[t];
             ring[t].pbuf = X->pbuf[t];
         }
-        tasks_t T = {J, kp, vp, X->obuf, NULL, NULL, 0, 0};
+        tasks_t T = {J, kp, vp, NULL, NULL, 0, 0};
         int t = 0;
         if (next_unit(J, &it, &ring[0], blocks, nb, b, h)) {
             T.s_unit = &ring[0];
