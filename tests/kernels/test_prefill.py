@@ -26,8 +26,8 @@ pytestmark = pytest.mark.parametrize("dt", [
 
 #: lse's absolute tolerance per dtype. float32: P's 2^x is a degree-5 polynomial (relative error below
 #: 1e-7). bfloat16: a degree-3 one (below 9e-5), as P is rounded to bfloat16 (a relative step of 2^-8)
-#: before its product with V; the row sum is a mean of those errors, so lse is off by less than 9e-5,
-#: 45x below bfloat16's rounding of the output (the rule's naive bfloat16 scores alone are off by
+#: before its product with V; the row sum's relative error is a weighted mean of those errors, so lse is off
+#: by less than 9e-5, over 40x below bfloat16's rounding step (the rule's naive bfloat16 scores alone are off by
 #: |score| 2^-9).
 LSE_ATOL = {F32: 2e-5, BF16: 1e-4}
 
