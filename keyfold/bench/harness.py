@@ -157,9 +157,10 @@ def matmul_rate(dtype: torch.dtype = torch.float32, sizes=(1024, 2048), repeats:
     """The machine's dense matmul rate for ``dtype`` in GFLOP/s: the best of ``matmul_fns`` (fastest
     repeat, after warm-up), the ceiling an attention forward can approach (its FLOPs are two GEMMs per
     tile). The best, not the median: a roof measured low would flatter every row."""
+    fns = matmul_fns(dtype, sizes)
     best = 0.0
-    for n in sizes:
-        ways = matmul_fns(dtype, (n,))
+    for n in sizes:  # the ways of one size timed against each other
+        ways = {name: fn for name, fn in fns.items() if name.split()[0] == f"mm{n}"}
         t = interleaved({k: f for k, (f, _) in ways.items()}, repeats, warmup=3).best
         best = max(best, max(flop / t[k] / 1e9 for k, (_, flop) in ways.items()))
     return best

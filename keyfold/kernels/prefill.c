@@ -407,9 +407,12 @@ static void values_amx(const job_t *J, const unit_t *U, const char *vp, int jc) 
     _tile_stored(3, o + 16 * Dvp + 16 * jc + 16, Dvp * 4);
 }
 
-/* The tile work queued beside a unit's softmax (software pipelining: the tile unit multiplies while the
- * vector units run the softmax): Q K^T of the next unit, sub-block by sub-block, and O = O alpha + P V
- * of the previous one, 32 columns at a time. One task a call of pump. */
+/* The tile work queued between the rows of a unit's softmax: Q K^T of the next unit, sub-block by
+ * sub-block, and O = O alpha + P V of the previous one, 32 columns at a time. One task a call of pump.
+ * Meant as software pipelining, the tile unit multiplying while the vector units run the softmax; on
+ * the Intel Xeon measured the two do not overlap (in isolation 8 tile products of a 32 x 32 block took
+ * 60 ns, its softmax 109-116 ns, and the two interleaved 205-225 ns), yet interleaving took 0.92-0.95x
+ * the time of the tile work run apart. */
 typedef struct {
     const job_t *J;
     const char *kp, *vp;
