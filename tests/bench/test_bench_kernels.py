@@ -16,7 +16,8 @@ def test_harness_runs_and_writes_results(tmp_path):
         if kernels.BY_NAME[r["case"]["variant"]].sdpa != "none":
             assert r["times"]["sdpa"] > 0 and r["ratio_sdpa"] > 0
         # the GEMM beside keyfold, in its rounds: the `of matmul` column
-        assert set(r["matmul_times"]) == {"mm64"} and r["matmul_gflops"] > 0
+        assert set(r["matmul_times"]) == {"mm64"} and r["matmul_gflops"] > 0 and r["of_matmul"] > 0
+        assert 0 < r["best_times"]["keyfold"] <= r["times"]["keyfold"]  # the fastest of the same samples
     assert "| of matmul | of best roof |" in (tmp_path / "kernels.md").read_text()
     assert (tmp_path / "kernels.md").read_text().count("\n| ") >= len(names) + 1
     assert (tmp_path / "kernels.png").stat().st_size > 1000
@@ -25,6 +26,17 @@ def test_harness_runs_and_writes_results(tmp_path):
 def test_needed_work_is_counted_from_the_mask():
     r = kernels.run_case(kernels.Case("causal", 128, 16, "float32", "fwd", H=1), repeats=1, with_flex=False)
     assert abs(r.gflop - 4 * 16 * (128 * 129 / 2) / 1e9) < 1e-9
+
+
+def test_of_matmul_compares_fastest_with_fastest_of_the_same_rounds():
+    """A loaded minute that slows the GEMM's median (not keyfold's) must not lift keyfold's share:
+    the column is keyfold's fastest sample against the GEMM's fastest, not median against median."""
+    r = kernels.Result(kernels.Case("dense", 4096, 64, "float32", "fwd"), density=1.0, gflop=10.0)
+    r.times, r.best_times = {"keyfold": 0.050}, {"keyfold": 0.040}  # median 200, best 250 GFLOP/s
+    r.matmul_gflops = 400.0  # the fastest GEMM sample of those rounds
+    assert abs(r.of_matmul() - 250 / 400) < 1e-12
+    r.matmul_gflops = None
+    assert r.of_matmul() is None
 
 
 def test_roof_is_sampled_through_the_run_and_the_best_kept():
