@@ -13,7 +13,10 @@
  *   softmax       AVX-512 in float32: scale, softcap, mask, running max m, sum l, P = e^(y - m) as
  *                 2^((y - m) log2 e) (scores stay in base e: a mask of -3e38, HF's finfo.min,
  *                 would overflow to -inf in base 2); bfloat16's 2^x is a degree-3 polynomial, as P
- *                 is rounded to bfloat16 next (as FlashAttention-4 computes part of its 2^x);
+ *                 is rounded to bfloat16 next (as FlashAttention-4 computes part of its 2^x), and
+ *                 past a row's first step its P is taken against the running max as it stands until
+ *                 the scores rise 2^8 above it (FlashAttention-4's rescaling threshold: one pass
+ *                 over S, O rescaled only when the max moves);
  *   O += P V      bfloat16: AMX, P rounded to bfloat16 (as PyTorch's and oneDNN's CPU kernels do), V
  *                 packed; float32: FMAs on 4 x 64 register tiles of O, P in float32;
  * with O rescaled by e^(m_old - m_new) in float32 between steps. So the pieces of one row are merged
@@ -554,19 +557,27 @@ static inline __attribute__((always_inline)) void store_p(unit_t *U, int r, int 
 
 /* P of row r (its S or y at pr) over every lane of every sub-block up to ns: 2^((S a - b) c), stored;
  * returns its sum in 16 lanes (NaN when a score was NaN). Where the product overflows to -inf (a mask
- * of -3e38), vreduceps gives 0 and vscalefps scales by 2^-inf: P = 0, no clamp needed. */
-static inline __attribute__((always_inline)) __m512 row_p(unit_t *U, int r, const float *pr, __m512 a, __m512 b,
-                                                          __m512 c, const int f32) {
-    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+ * of -3e38), vreduceps gives 0 and vscalefps scales by 2^-inf: P = 0, no clamp needed. `xmax`, unless
+ * NULL: the largest exponent (S a - b) c of the row, lane by lane. */
+static inline __attribute__((always_inline)) __m512 row_p_max(unit_t *U, int r, const float *pr, __m512 a,
+                                                              __m512 b, __m512 c, const int f32, __m512 *xmax) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps(), mx = _mm512_set1_ps(-INFINITY);
     for (int u = 0; u < U->ns; u++) {
         const __m512 x0 = _mm512_mul_ps(_mm512_fmsub_ps(_mm512_load_ps(pr + SB * u), a, b), c);
         const __m512 x1 = _mm512_mul_ps(_mm512_fmsub_ps(_mm512_load_ps(pr + SB * u + 16), a, b), c);
+        if (xmax) mx = _mm512_max_ps(mx, _mm512_max_ps(x0, x1));
         const __m512 p0 = exp2_p(0xFFFF, x0, f32), p1 = exp2_p(0xFFFF, x1, f32);
         s0 = _mm512_add_ps(s0, p0);
         s1 = _mm512_add_ps(s1, p1);
         store_p(U, r, u, p0, p1, f32);
     }
+    if (xmax) *xmax = mx;
     return _mm512_add_ps(s0, s1);
+}
+
+static inline __attribute__((always_inline)) __m512 row_p(unit_t *U, int r, const float *pr, __m512 a, __m512 b,
+                                                          __m512 c, const int f32) {
+    return row_p_max(U, r, pr, a, b, c, f32, NULL);
 }
 
 /* row_p for a bfloat16 row whose buffer keeps S unscaled: (y - m) log2 e as (S - smax) scale log2 e
@@ -598,6 +609,50 @@ static inline __attribute__((always_inline)) void unit_close(unit_t *U, const fl
     }
 }
 
+/* How far (in log2 units) a step's scores may rise above a row's running max before the max moves:
+ * P = 2^((y - m) log2 e) up to 2^8, exact in bfloat16's exponent range, and l in float32 */
+#define STALE_LOG2 8.0f
+
+/* softmax_plain for a bfloat16 unit whose rows all have a finite running max from an earlier step: one
+ * pass over S. P is taken against the running max as it stands (FlashAttention-4 keeps it until the
+ * scores rise more than 2^8 above it); a row whose step goes higher is redone against its own max
+ * (its max from a pass over its scores, P = 1 there exactly, alpha = e^(m_old - m_new)). Every other
+ * row keeps alpha = 1, so O is not rescaled for it. The second read of S (the max pass) and the
+ * rows' reduction tree are gone. A NaN or infinite score still makes its row NaN: NaN reaches the
+ * sum, +inf rises above any max and its redo gives inf - inf. */
+static inline __attribute__((always_inline)) void softmax_stale(const job_t *J, unit_t *U, tasks_t *T) {
+    rows_t *B = U->B;
+    const int nr = B->nr, ns = U->ns;
+    const __m512 scale = _mm512_set1_ps(J->scale), log2e = _mm512_set1_ps(1.44269504088896341f);
+    const __m512 tau = _mm512_set1_ps(STALE_LOG2);
+    float dm[QB] __attribute__((aligned(64))), rs[QB * 16] __attribute__((aligned(64)));
+    uint32_t moved = 0;
+    for (int r = 0; r < QB; r++) dm[r] = 0.0f;
+    for (int r = 0; r < nr; r++) {
+        if (T && r % PUMP_ROWS == 0) pump(T);
+        __m512 mx;
+        const __m512 sum = row_p_max(U, r, U->sbuf + r * KB, scale, _mm512_set1_ps(B->m[r]), log2e, 0, &mx);
+        _mm512_store_ps(rs + 16 * r, sum);
+        if (_mm512_cmp_ps_mask(mx, tau, _CMP_GT_OQ)) moved |= 1u << r;
+    }
+    while (moved) {  /* rare after a row's first steps */
+        const int r = __builtin_ctz(moved);
+        moved &= moved - 1;
+        const float *pr = U->sbuf + r * KB;
+        __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0;
+        for (int u = 0; u < ns; u++) {
+            m0 = _mm512_max_ps(m0, _mm512_load_ps(pr + SB * u));
+            m1 = _mm512_max_ps(m1, _mm512_load_ps(pr + SB * u + 16));
+        }
+        const float smax = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1)), mn = smax * J->scale;
+        dm[r] = B->m[r] - mn;
+        B->m[r] = mn;
+        _mm512_store_ps(rs + 16 * r, row_p_raw(U, r, pr, J->scale, 1, smax, mn));
+    }
+    U->any = 1;
+    unit_close(U, dm, rs, 0);
+}
+
 /* The softmax of a unit whose rows all see every key of the step, with plain scores (no mask, shift or
  * softcap; bfloat16: scale > 0, and S stays raw in its buffer): each row's max comes from a pass over
  * its lanes, and the rows' maxima are reduced sixteen at a time by one transposing tree (a horizontal
@@ -609,6 +664,14 @@ static inline __attribute__((always_inline)) int softmax_plain(const job_t *J, u
     const int ns = U->ns, nr = B->nr;
     const __m512 ninf = _mm512_set1_ps(-INFINITY), log2e = _mm512_set1_ps(1.44269504088896341f);
     const __m512 scale = _mm512_set1_ps(f32 ? 1.0f : J->scale);  /* float32: q came pre-scaled */
+    if (!f32) {  /* bfloat16 past its rows' first step: one pass against the running max */
+        int finite = 1;
+        for (int r = 0; r < nr; r++) finite &= fabsf(B->m[r]) < INFINITY;
+        if (finite) {
+            softmax_stale(J, U, T);
+            return 1;
+        }
+    }
     __m512 mx[QB];
     for (int r = 0; r < QB; r++) {
         const float *pr = U->sbuf + r * KB;

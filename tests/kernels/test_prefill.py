@@ -219,6 +219,56 @@ def test_a_nan_or_infinite_score_reaches_its_row(bad, dt):
         assert torch.equal(out[0, other], clean[0][0, other])
 
 
+@pytest.mark.parametrize("growth", ["flat", "rising", "steep", "late spikes"])
+def test_scores_that_rise_step_after_step_hold_the_rule(growth, dt):
+    """Past a row's first step of 256 keys, bfloat16 takes P against the running max as it stands and
+    redoes only the rows whose scores rise more than 2^8 above it (softmax_stale). Keys whose scores
+    grow from step to step, slowly (most rows stay under the threshold), steeply (every row goes over
+    it, some more than once) or in a spike at one late key per row, hold the rule and lse's bound
+    (float32, two passes every step, too). Measured on mutants of the kernel: "steep" and "late spikes"
+    fail one that never redoes a row (P overflows), "rising", "steep" and "late spikes" one that
+    forgets a redone row's alpha (O not rescaled); "flat" checks the one pass itself."""
+    q, k, v = _qkv(N=96, Nk=1300, D=64, dt=dt)
+    k = k.float()
+    steps = torch.arange(1300) // 256
+    if growth == "rising":  # keys 1.3x, 1.6x, ... the first step's: rows with a large q go over 2^8
+        k = k * (1.0 + 0.3 * steps)[:, None]
+    elif growth == "steep":  # 4x a step: a row's max rises by tens of nats, over the threshold
+        k = k * (4.0 ** steps)[:, None]
+    elif growth == "late spikes":  # row r's score at key 300 + 9 r is 6 (row 0) to 150 nats above the rest
+        for r in range(96):
+            k[:, :, 300 + 9 * r] = q[:, :, r].float() * (6.0 + 1.5 * r) / 8.0
+    k = k.to(dt)
+    out, lse = _run(q, k, v, [(0, 96, 0, 1300, False)])
+    ref = kf.attend(q.double(), k.double(), v.double(), backend=kf.Backend.REFERENCE)
+    naive = naive_attention(q, k, v)
+    assert_close_by_rule(out.to(dt), ref.out, naive, torch.ones(1, 2, 96, dtype=torch.bool))
+    assert_lse_close(lse, ref.lse, dt)
+
+
+@pytest.mark.parametrize("bad", ["nan k", "inf k"])
+def test_a_nan_or_infinite_score_in_a_later_step_reaches_its_row(bad, dt):
+    """As test_a_nan_or_infinite_score_reaches_its_row, with the bad key in the third step of 256, where
+    bfloat16 takes its one-pass softmax: a NaN score makes its rows NaN, a +inf score (inf - inf in the
+    softmax) too, and a -inf score is a weight of 0, as in PyTorch's op."""
+    q, k, v = _qkv(N=64, Nk=800, dt=dt)
+    k = k.clone()
+    k[0, 0, 600, 0] = float("nan") if bad == "nan k" else float("inf")  # score q[..., 0] x (nan | inf)
+    out, lse = _run(q, k, v, [(0, 64, 0, 800, False)])
+    ref = kf.attend(q.double(), k.double(), v.double(), backend=kf.Backend.REFERENCE)
+    want_nan = torch.isnan(ref.lse)
+    assert not want_nan[0, 1].any()  # the other head never reads the key
+    if bad == "nan k":  # every row of head 0 sees the NaN key
+        assert want_nan[0, 0].all()
+    else:  # q[..., 0] > 0: +inf, a NaN row; q[..., 0] < 0: -inf, a weight of 0
+        assert 5 < int(want_nan[0, 0].sum()) < 59
+    assert torch.equal(torch.isnan(lse), want_nan) and bool(torch.isnan(out[want_nan]).all())
+    fine = ~want_nan
+    naive = naive_attention(q, k, v)
+    assert_close_by_rule(out.to(dt), ref.out, naive, fine)
+    assert_lse_close(lse[fine], ref.lse[fine], dt)
+
+
 @pytest.mark.parametrize("score", [None, "softcap", "alibi"])
 def test_a_row_with_one_key_gets_its_value_exactly(score, dt):
     """Its P is 1 exactly (the row's largest score minus the max is exactly 0, and 2^0 = 1 in the
