@@ -557,27 +557,19 @@ static inline __attribute__((always_inline)) void store_p(unit_t *U, int r, int 
 
 /* P of row r (its S or y at pr) over every lane of every sub-block up to ns: 2^((S a - b) c), stored;
  * returns its sum in 16 lanes (NaN when a score was NaN). Where the product overflows to -inf (a mask
- * of -3e38), vreduceps gives 0 and vscalefps scales by 2^-inf: P = 0, no clamp needed. `xmax`, unless
- * NULL: the largest exponent (S a - b) c of the row, lane by lane. */
-static inline __attribute__((always_inline)) __m512 row_p_max(unit_t *U, int r, const float *pr, __m512 a,
-                                                              __m512 b, __m512 c, const int f32, __m512 *xmax) {
-    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps(), mx = _mm512_set1_ps(-INFINITY);
+ * of -3e38), vreduceps gives 0 and vscalefps scales by 2^-inf: P = 0, no clamp needed. */
+static inline __attribute__((always_inline)) __m512 row_p(unit_t *U, int r, const float *pr, __m512 a, __m512 b,
+                                                          __m512 c, const int f32) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
     for (int u = 0; u < U->ns; u++) {
         const __m512 x0 = _mm512_mul_ps(_mm512_fmsub_ps(_mm512_load_ps(pr + SB * u), a, b), c);
         const __m512 x1 = _mm512_mul_ps(_mm512_fmsub_ps(_mm512_load_ps(pr + SB * u + 16), a, b), c);
-        if (xmax) mx = _mm512_max_ps(mx, _mm512_max_ps(x0, x1));
         const __m512 p0 = exp2_p(0xFFFF, x0, f32), p1 = exp2_p(0xFFFF, x1, f32);
         s0 = _mm512_add_ps(s0, p0);
         s1 = _mm512_add_ps(s1, p1);
         store_p(U, r, u, p0, p1, f32);
     }
-    if (xmax) *xmax = mx;
     return _mm512_add_ps(s0, s1);
-}
-
-static inline __attribute__((always_inline)) __m512 row_p(unit_t *U, int r, const float *pr, __m512 a, __m512 b,
-                                                          __m512 c, const int f32) {
-    return row_p_max(U, r, pr, a, b, c, f32, NULL);
 }
 
 /* row_p for a bfloat16 row whose buffer keeps S unscaled: (y - m) log2 e as (S - smax) scale log2 e
@@ -609,31 +601,45 @@ static inline __attribute__((always_inline)) void unit_close(unit_t *U, const fl
     }
 }
 
-/* How far (in log2 units) a step's scores may rise above a row's running max before the max moves:
- * P = 2^((y - m) log2 e) up to 2^8, exact in bfloat16's exponent range, and l in float32 */
-#define STALE_LOG2 8.0f
+/* How large P = e^(y - m) may grow against a row's running max m before the max moves: 2^8, far inside
+ * bfloat16's exponent range (and l's, in float32) */
+#define STALE_P 256.0f
 
 /* softmax_plain for a bfloat16 unit whose rows all have a finite running max from an earlier step: one
- * pass over S. P is taken against the running max as it stands (FlashAttention-4 keeps it until the
- * scores rise more than 2^8 above it); a row whose step goes higher is redone against its own max
- * (its max from a pass over its scores, P = 1 there exactly, alpha = e^(m_old - m_new)). Every other
+ * pass over S. P is taken against the running max as it stands (FlashAttention-4 keeps it until a
+ * P would pass 2^8); a row whose P's in a lane sum past 2^8 (so any row with a P past it) is redone
+ * against its own max (a pass over its scores, P = 1 there exactly, alpha = e^(m_old - m_new); its
+ * max is above m_old, as a sum of 16 P's past 2^8 needs a P above 1). Every other
  * row keeps alpha = 1, so O is not rescaled for it. The second read of S (the max pass) and the
  * rows' reduction tree are gone. A NaN or infinite score still makes its row NaN: NaN reaches the
  * sum, +inf rises above any max and its redo gives inf - inf. */
 static inline __attribute__((always_inline)) void softmax_stale(const job_t *J, unit_t *U, tasks_t *T) {
     rows_t *B = U->B;
     const int nr = B->nr, ns = U->ns;
-    const __m512 scale = _mm512_set1_ps(J->scale), log2e = _mm512_set1_ps(1.44269504088896341f);
-    const __m512 tau = _mm512_set1_ps(STALE_LOG2);
+    const __m512 a = _mm512_set1_ps(J->scale * 1.44269504088896341f);
+    const __m512 tau = _mm512_set1_ps(STALE_P);
     float dm[QB] __attribute__((aligned(64))), rs[QB * 16] __attribute__((aligned(64)));
     uint32_t moved = 0;
     for (int r = 0; r < QB; r++) dm[r] = 0.0f;
     for (int r = 0; r < nr; r++) {
         if (T && r % PUMP_ROWS == 0) pump(T);
-        __m512 mx;
-        const __m512 sum = row_p_max(U, r, U->sbuf + r * KB, scale, _mm512_set1_ps(B->m[r]), log2e, 0, &mx);
+        /* y - m in log2 units as S (scale log2 e) - m log2 e, one FMA: not exact at any key, which
+         * no row needs here (P's relative error from it is |y| 2^-24, against bfloat16's 2^-9) */
+        const float *pr = U->sbuf + r * KB;
+        const __m512 bm = _mm512_set1_ps(B->m[r] * 1.44269504088896341f);
+        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+        for (int u = 0; u < ns; u++) {
+            const __m512 p0 = exp2_16_bf(0xFFFF, _mm512_fmsub_ps(_mm512_load_ps(pr + SB * u), a, bm));
+            const __m512 p1 = exp2_16_bf(0xFFFF, _mm512_fmsub_ps(_mm512_load_ps(pr + SB * u + 16), a, bm));
+            s0 = _mm512_add_ps(s0, p0);
+            s1 = _mm512_add_ps(s1, p1);
+            store_p(U, r, u, p0, p1, 0);
+        }
+        const __m512 sum = _mm512_add_ps(s0, s1);
         _mm512_store_ps(rs + 16 * r, sum);
-        if (_mm512_cmp_ps_mask(mx, tau, _CMP_GT_OQ)) moved |= 1u << r;
+        /* a P above 2^8 makes its lane's sum so; a lane's 16 P's summing past it otherwise is rare,
+         * and its redo is exact anyway. A NaN sum stays (NaN is the row's answer). */
+        if (_mm512_cmp_ps_mask(sum, tau, _CMP_GT_OQ)) moved |= 1u << r;
     }
     while (moved) {  /* rare after a row's first steps */
         const int r = __builtin_ctz(moved);

@@ -280,16 +280,18 @@ def test_a_row_with_one_key_gets_its_value_exactly(score, dt):
     assert torch.equal(st.out, v.float().expand_as(st.out))
 
 
-@pytest.mark.parametrize("where", [7, 280])
+@pytest.mark.parametrize("where", [7, 280, 400])
 def test_a_row_that_one_key_dominates_gets_its_value_exactly(where, dt):
     """The same for rows that see whole steps of keys (the kernel's plain softmax: bfloat16 keeps S and
     scales it in the second pass): every other key's P underflows to 0 and the dominant one's is 1, so
-    out is its value exactly, whether its step comes first or after others. A first version of that
-    pass fused the scale into the subtraction and gave v (1 - 2e-7)."""
-    q, k, v = _qkv(N=64, Nk=300, D=80, dt=dt)  # a scale of 80^-0.5: S scale is not exact
+    out is its value exactly, whether its step comes first or after others (280: a step of 44 keys;
+    400: a whole later step, where bfloat16's one pass redoes the row against its new max). A first
+    version of that pass fused the scale into the subtraction and gave v (1 - 2e-7)."""
+    nk = 300 if where < 300 else 600
+    q, k, v = _qkv(N=64, Nk=nk, D=80, dt=dt)  # a scale of 80^-0.5: S scale is not exact
     q = torch.ones_like(q)
     k[:, :, where] = 32.0  # score 2560 / 80^0.5 = 286.2 against N(0, 1): e^-280 underflows
-    out, lse = _run(q, k, v, [(0, 64, 0, 300, False)])
+    out, lse = _run(q, k, v, [(0, 64, 0, nk, False)])
     assert torch.equal(out, v[:, :, where:where + 1].float().expand_as(out))
     torch.testing.assert_close(lse.double(), torch.full(lse.shape, 2560 / 80 ** 0.5, dtype=torch.double))
 
