@@ -15,8 +15,8 @@
  *                 would overflow to -inf in base 2); bfloat16's 2^x is a degree-3 polynomial, as P
  *                 is rounded to bfloat16 next (as FlashAttention-4 computes part of its 2^x), and
  *                 past a row's first step its P is taken against the running max as it stands until
- *                 the scores rise 2^8 above it (FlashAttention-4's rescaling threshold: one pass
- *                 over S, O rescaled only when the max moves);
+ *                 a P would pass 2^8 (FlashAttention-4's rescaling threshold: one pass over S, O
+ *                 rescaled only when the max moves);
  *   O += P V      bfloat16: AMX, P rounded to bfloat16 (as PyTorch's and oneDNN's CPU kernels do), V
  *                 packed; float32: FMAs on 4 x 64 register tiles of O, P in float32;
  * with O rescaled by e^(m_old - m_new) in float32 between steps. So the pieces of one row are merged
