@@ -60,6 +60,7 @@
 #define TILE 512       /* bfloat16 elements in one 16 x 64-byte tile */
 #define QR 8           /* float32: query rows of one Q K^T register tile (8 x 32 scores) */
 #define PR 4           /* float32: query rows of one P V register tile (4 x 64 columns) */
+#define LOG2E 1.44269504088896341f
 
 int kf_prefill_init(void) {
 #ifdef KF_AMX
@@ -555,6 +556,17 @@ static inline __attribute__((always_inline)) void store_p(unit_t *U, int r, int 
     }
 }
 
+/* The lane-wise max of a row's scores at pr over every lane of the sub-blocks up to ns (two chains of
+ * the max: a row's latency is short) */
+static inline __attribute__((always_inline)) __m512 row_max(const float *pr, int ns) {
+    __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0;
+    for (int u = 0; u < ns; u++) {
+        m0 = _mm512_max_ps(m0, _mm512_load_ps(pr + SB * u));
+        m1 = _mm512_max_ps(m1, _mm512_load_ps(pr + SB * u + 16));
+    }
+    return _mm512_max_ps(m0, m1);
+}
+
 /* P of row r (its S or y at pr) over every lane of every sub-block up to ns: 2^((S a - b) c), stored;
  * returns its sum in 16 lanes (NaN when a score was NaN). Where the product overflows to -inf (a mask
  * of -3e38), vreduceps gives 0 and vscalefps scales by 2^-inf: P = 0, no clamp needed. */
@@ -577,7 +589,7 @@ static inline __attribute__((always_inline)) __m512 row_p(unit_t *U, int r, cons
  * (S scale - m) log2 e, the product and subtraction in one rounding */
 static inline __attribute__((always_inline)) __m512 row_p_raw(unit_t *U, int r, const float *pr, float scale,
                                                               int here, float smax, float m) {
-    const float log2e = 1.44269504088896341f;
+    const float log2e = LOG2E;
     return row_p(U, r, pr, _mm512_set1_ps(here ? 1.0f : scale), _mm512_set1_ps(here ? smax : m),
                  _mm512_set1_ps(here ? scale * log2e : log2e), 0);
 }
@@ -592,7 +604,7 @@ static inline __attribute__((always_inline)) void unit_close(unit_t *U, const fl
         for (int r = B->nr; r < QB; r++)
             for (int u = 0; u < U->ns; u++)
                 if (U->seen[u]) store_p(U, r, u, _mm512_setzero_ps(), _mm512_setzero_ps(), f32);
-    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+    const __m512 log2e = _mm512_set1_ps(LOG2E);
     for (int r = 0; r < QB; r += 16)
         _mm512_store_ps(U->alpha + r, exp2_16(0xFFFF, _mm512_mul_ps(_mm512_load_ps(dm + r), log2e)));
     for (int r = 0; r < B->nr; r++) {
@@ -616,7 +628,7 @@ static inline __attribute__((always_inline)) void unit_close(unit_t *U, const fl
 static inline __attribute__((always_inline)) void softmax_stale(const job_t *J, unit_t *U, tasks_t *T) {
     rows_t *B = U->B;
     const int nr = B->nr, ns = U->ns;
-    const __m512 a = _mm512_set1_ps(J->scale * 1.44269504088896341f);
+    const __m512 a = _mm512_set1_ps(J->scale * LOG2E);
     const __m512 tau = _mm512_set1_ps(STALE_P);
     float dm[QB] __attribute__((aligned(64))), rs[QB * 16] __attribute__((aligned(64)));
     uint32_t moved = 0;
@@ -626,7 +638,7 @@ static inline __attribute__((always_inline)) void softmax_stale(const job_t *J, 
         /* y - m in log2 units as S (scale log2 e) - m log2 e, one FMA: not exact at any key, which
          * no row needs here (P's relative error from it is |y| 2^-24, against bfloat16's 2^-9) */
         const float *pr = U->sbuf + r * KB;
-        const __m512 bm = _mm512_set1_ps(B->m[r] * 1.44269504088896341f);
+        const __m512 bm = _mm512_set1_ps(B->m[r] * LOG2E);
         __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
         for (int u = 0; u < ns; u++) {
             const __m512 p0 = exp2_16_bf(0xFFFF, _mm512_fmsub_ps(_mm512_load_ps(pr + SB * u), a, bm));
@@ -645,12 +657,7 @@ static inline __attribute__((always_inline)) void softmax_stale(const job_t *J, 
         const int r = __builtin_ctz(moved);
         moved &= moved - 1;
         const float *pr = U->sbuf + r * KB;
-        __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0;
-        for (int u = 0; u < ns; u++) {
-            m0 = _mm512_max_ps(m0, _mm512_load_ps(pr + SB * u));
-            m1 = _mm512_max_ps(m1, _mm512_load_ps(pr + SB * u + 16));
-        }
-        const float smax = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1)), mn = smax * J->scale;
+        const float smax = _mm512_reduce_max_ps(row_max(pr, ns)), mn = smax * J->scale;
         dm[r] = B->m[r] - mn;
         B->m[r] = mn;
         _mm512_store_ps(rs + 16 * r, row_p_raw(U, r, pr, J->scale, 1, smax, mn));
@@ -668,7 +675,7 @@ static inline __attribute__((always_inline)) int softmax_plain(const job_t *J, u
                                                                const int f32) {
     rows_t *B = U->B;
     const int ns = U->ns, nr = B->nr;
-    const __m512 ninf = _mm512_set1_ps(-INFINITY), log2e = _mm512_set1_ps(1.44269504088896341f);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), log2e = _mm512_set1_ps(LOG2E);
     const __m512 scale = _mm512_set1_ps(f32 ? 1.0f : J->scale);  /* float32: q came pre-scaled */
     if (!f32) {  /* bfloat16 past its rows' first step: one pass against the running max */
         int finite = 1;
@@ -679,16 +686,7 @@ static inline __attribute__((always_inline)) int softmax_plain(const job_t *J, u
         }
     }
     __m512 mx[QB];
-    for (int r = 0; r < QB; r++) {
-        const float *pr = U->sbuf + r * KB;
-        __m512 m0 = ninf, m1 = ninf;
-        if (r < nr)
-            for (int u = 0; u < ns; u++) {
-                m0 = _mm512_max_ps(m0, _mm512_load_ps(pr + SB * u));
-                m1 = _mm512_max_ps(m1, _mm512_load_ps(pr + SB * u + 16));
-            }
-        mx[r] = _mm512_max_ps(m0, m1);
-    }
+    for (int r = 0; r < QB; r++) mx[r] = r < nr ? row_max(U->sbuf + r * KB, ns) : ninf;
     float ms[QB] __attribute__((aligned(64))), mn[QB] __attribute__((aligned(64))), dm[QB] __attribute__((aligned(64)));
     float rs[QB * 16] __attribute__((aligned(64)));
     for (int r = 0; r < QB; r += 16) {  /* the step's max of S, and of y: S's times scale (rounding is monotone) */
@@ -742,7 +740,7 @@ static inline __attribute__((always_inline)) void softmax(const job_t *J, unit_t
     const float *pm = U->pm, *ps = U->ps;
     const long long ra = U->ra, rb = U->rb, ka = P->k0, kz = U->kz, j0 = U->j0;
     const int ns = U->ns, *seen = U->seen;
-    const __m512 ninf = _mm512_set1_ps(-INFINITY), log2e = _mm512_set1_ps(1.44269504088896341f);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), log2e = _mm512_set1_ps(LOG2E);
     const __m512 scale = _mm512_set1_ps(J->scale);
     const int plain = !pm && !ps && J->cap == 0.0f;  /* scores as they come (float32: y = S) */
     /* per row: dm = m_old - m_new and the step's sum of P; alpha = e^dm and l = l alpha + sum are
@@ -774,10 +772,7 @@ static inline __attribute__((always_inline)) void softmax(const job_t *J, unit_t
         if (full && plain && (f32 || raw)) {  /* no mask: every sub-block up to ns is seen, every lane.
                                                * raw: y = S scale is taken in pass 2, and y's max is
                                                * S's times scale (rounding is monotone) */
-            for (int u = 0; u < ns; u++) {
-                m0 = _mm512_max_ps(m0, _mm512_load_ps(pr + SB * u));
-                m1 = _mm512_max_ps(m1, _mm512_load_ps(pr + SB * u + 16));
-            }
+            m1 = row_max(pr, ns);  /* second operand of the max below: a NaN lane stays NaN */
         } else {
             const __m512 shift = ps ? _mm512_set1_ps(ps[i - P->q0]) : _mm512_setzero_ps();
             const float cap = J->cap;
