@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..planner import Piece, PieceKind, Plan
+from ..planner import Piece, PieceKind, Plan, _plan
 from ..state import State, empty_state, merge_all, merge_into, state_dtype
 from . import native
 from ._common import NEG_INF, Problem, cpu_flags, empty_rows, positions, softcap_cap, visible
@@ -266,6 +266,7 @@ class _Tile(NamedTuple):
     empty: torch.Tensor | None      # (B|1, H|1, L) rows with no visible key
     row_shift: torch.Tensor | None  # (1, H|1, L) separable bias's row term, added to lse
     cols: tuple[int, int] | None = None  # the piece's keys [a, b) the call reads (mask trimmed to them)
+    later: dict | None = None  # what the backward derives from the mask, kept with the tile (_seen)
 
 
 def _visible_cols(vis: torch.Tensor) -> tuple[int, int] | None:
@@ -323,7 +324,7 @@ def _tile(piece: Piece, pb: Problem, q_orig, folded: bool, g: int, memo: dict, c
     m = _tile_mask(vis, bias, state_dtype(q_orig.dtype))
     if folded:
         m = _fold_mask(m, g, Hq, L)
-    tile = _Tile(m, empty_rows(vis), row_shift, cols)
+    tile = _Tile(m, empty_rows(vis), row_shift, cols, {})
     nbytes = sum(t.numel() * t.element_size() for t in tile[:3] if t is not None)
     if score is None and vis is not None:  # a mask alone: equal tiles share one tensor in the cache
         # (the rows' visible counts narrow the search; the masks must be equal, then so are the empty rows)
@@ -622,14 +623,16 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     # stand-in gives P = 0 there, while -inf itself would make the op return NaN.
     lse_safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).to(sd)
     memo: dict = {}
-    single = _single_key_rows(inp, plan, pb, q, memo) if whole_rows else None
+    pieces = _backward_pieces(plan, pb, q.shape[:2], k.shape[2], wide=q.dtype == sd)
+    single = _single_key_rows(inp, pieces, plan.tiles, pb, q, memo) if whole_rows else None
     if single is not None:  # those rows leave the op and are added exactly below: with lse huge,
         # P = exp(s - lse) = 0 for every key, so the op gives them dS = 0 and no dV (as dO = 0 would)
         lse_safe = lse_safe.masked_fill(single[0], _OUT_OF_OP)
-    # A gradient with one piece: kept as the op returns it (16-bit too). Several: summed in sd.
-    alone = len(plan.pieces) == 1 and single is None
+    # A gradient with one piece: kept as the op returns it (16-bit too), single-key rows added
+    # into it with one rounding per row they touch. Several: summed in sd.
+    alone = len(pieces) == 1
     acc = _Grads(q, k, W, sd, gd if alone else sd)
-    for piece in _backward_pieces(plan, k.shape[2], cut=q.dtype == sd):
+    for piece in pieces:
         qs, ks, vs, causal, tile, folded, keys = _piece_args(inp, piece, pb, q, memo, plan.tiles)
         rows = slice(piece.q0, piece.q1)
         o_p, do_p, l_p = o[:, :, rows], do[:, :, rows], lse_safe[:, :, rows]
@@ -669,30 +672,71 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
 BACKWARD_SPAN = 1024
 
 
-def _backward_pieces(plan: Plan, Nk: int, cut: bool = True):
-    """The plan's pieces for the backward, FULL ones cut into key spans of at most
-    ``max(BACKWARD_SPAN, Nk // 8)`` when there are several pieces (and ``cut``).
+def _backward_pieces(plan: Plan, pb: Problem, BH: tuple[int, int], Nk: int, wide: bool = True):
+    """The pieces the backward gives the op, one call each.
 
-    The op returns dk and dv over its whole key span, which the backward adds into the sums and
-    frees: a row band of a prefix-LM plan spans up to every key, so uncut it would hold two more
-    key-length gradients at its peak. Cut, the pieces' own outputs stay under a quarter of one
-    gradient (from 8k keys on). A FULL piece's gradient is the sum of its key spans' (the
-    global O and lse make every span exact), and a span is more than half the cap, so each op
-    call stays large. A one-piece plan is not cut: its outputs are the gradients themselves.
-    16-bit inputs are not cut (``cut=False``): the op rounds each call's dq to 16 bits, so every
-    extra span would add a rounding to the row's sum (measured: 5e-3 relative in bf16 dq)."""
-    if len(plan.pieces) == 1 or not cut:
-        yield from plan.pieces
-        return
+    Float32 (``wide``): the plan's, FULL ones cut into key spans of at most
+    ``max(BACKWARD_SPAN, Nk // 8)`` when there are several pieces. The op returns dk and dv over
+    its whole key span, which the backward adds into the sums and frees: a row band of a prefix-LM
+    plan spans up to every key, so uncut it would hold two more key-length gradients at its peak.
+    Cut, the pieces' own outputs stay under a quarter of one gradient (from 8k keys on). A FULL
+    piece's gradient is the sum of its key spans' (the global O and lse make every span exact),
+    and a span is more than half the cap, so each op call stays large. A one-piece plan is not
+    cut: its outputs are the gradients themselves.
+
+    16-bit: never cut, since the op rounds each call's dq to 16 bits and every extra span would
+    add a rounding to the row's sum (measured: 5e-3 relative in bf16 dq). Fewer, fuller calls
+    instead: the op's 16-bit backward costs by the 256-row x 512-key blocks it works in, about
+    1.1-2.4 ms each (bfloat16, D 64, 8 heads, 2 threads: 128 rows x 64 keys 1.2 ms, 256 x 512
+    2.4 ms, 256 x 640 3.9 ms), whatever part of a block the piece fills. So a plan of narrower row
+    blocks (windows plan at 128) is planned again at 256 rows, and a band's pieces side by side
+    are joined where that saves the op a block (:func:`_joined`)."""
+    if len(plan.pieces) == 1:
+        return list(plan.pieces)
+    if not wide:
+        pieces = plan.pieces
+        if plan.block_q < _OP_ROWS and pb.mask is not None and plan.Nq > plan.block_q:
+            pieces = _plan(pb.mask, plan.Nq, plan.Nk, q_offset=plan.q_offset, kv_offset=plan.kv_offset,
+                           B=BH[0], H=BH[1], block_size=(_OP_ROWS, max(plan.block_k, _OP_ROWS)),
+                           max_span=JOIN_SPAN if pb.score is not None else None).pieces
+        return _joined(pieces)
     cap = max(BACKWARD_SPAN, Nk // 8)
+    out = []
     for p in plan.pieces:
         if p.kind is not PieceKind.FULL or p.k1 - p.k0 <= cap:
-            yield p
+            out.append(p)
             continue
         n = -(-(p.k1 - p.k0) // cap)  # spans of equal length
         edges = [p.k0 + (p.k1 - p.k0) * i // n for i in range(n + 1)]
-        for a, b in zip(edges, edges[1:]):
-            yield Piece(p.q0, p.q1, a, b, PieceKind.FULL)
+        out += [Piece(p.q0, p.q1, a, b, PieceKind.FULL) for a, b in zip(edges, edges[1:])]
+    return out
+
+
+#: The rows and keys of the blocks the fused op's 16-bit backward works in (see _backward_pieces)
+_OP_ROWS, _OP_KEYS = 256, 512
+#: Longest key span of a joined piece: its mask (with a bias, one per head) is materialised
+JOIN_SPAN = 1024
+
+
+def _joined(pieces):
+    """Pieces of one row band, in key order, joined into one MASKED piece where the joined span
+    takes fewer of the op's 512-key blocks than the pieces apart, up to ``JOIN_SPAN`` keys.
+    Prefix-LM at 1k: a band's FULL keys [0, 768) beside its diagonal [768, 1024) take 2 blocks
+    joined, 3 apart; a sink [0, 128) beside a window [512, 1024) stays apart (2 blocks either way,
+    and joined it would compute the gap). The mask of a joined piece comes from the mask itself
+    (``visible``), as for any MASKED piece, so joining changes no visible pair."""
+    def blocks(n):
+        return -(-n // _OP_KEYS)
+    out: list[Piece] = []
+    for p in pieces:
+        last = out[-1] if out else None
+        if (last is not None and (last.q0, last.q1) == (p.q0, p.q1) and p.k0 >= last.k1
+                and p.k1 - last.k0 <= JOIN_SPAN
+                and blocks(p.k1 - last.k0) < blocks(last.k1 - last.k0) + blocks(p.k1 - p.k0)):
+            out[-1] = Piece(p.q0, p.q1, last.k0, p.k1, PieceKind.MASKED)
+            continue
+        out.append(p)
+    return out
 
 
 #: lse given to the op for rows it must not touch: exp(s - lse) underflows to exactly 0 for any
@@ -703,31 +747,71 @@ _OUT_OF_OP = 1e30
 class _Grads:
     """dq, dk, dv ``(B, H, N, W)`` summed over pieces. A piece that covers a gradient's whole
     length and comes first gives its own tensor as the sum (when its dtype is the one to sum in),
-    so a one-piece plan allocates nothing beside the op's outputs; otherwise zeros, then adds."""
+    so a one-piece plan allocates nothing beside the op's outputs. Otherwise the sum starts
+    empty: a piece's rows (or keys) no piece wrote yet are copied in, the others added, and what
+    no piece reached is zeroed at the end (zeros, then an add, read and wrote each sum once more:
+    about 1 ms of a 20 ms bfloat16 backward at 1k)."""
 
     def __init__(self, q, k, W, sd, dtype):
         self.shapes = (q.shape[:3] + (W,), k.shape[:3] + (W,), k.shape[:3] + (W,))
         self.sd, self.dtype, self.device = sd, dtype, q.device
-        self.dq = self.dk = self.dv = None
+        self.sums: list = [None, None, None]
+        self.written: list[list[list[int]]] = [[], [], []]  # per sum: its written spans, sorted, disjoint
 
-    def _one(self, acc, part, span, shape):
+    def _one(self, i, part, span):
+        shape, acc = self.shapes[i], self.sums[i]
         if acc is None:
             if span.start == 0 and span.stop == shape[2] and part.dtype == self.dtype and part.shape == shape:
-                return part  # the op's (or our) fresh tensor: nothing else holds it
-            acc = torch.zeros(shape, dtype=self.sd, device=self.device)
-        acc[:, :, span] += part
-        return acc
+                self.sums[i] = part  # the op's (or our) fresh tensor: nothing else holds it
+                self.written[i] = [[0, shape[2]]]
+                return
+            acc = self.sums[i] = torch.empty(shape, dtype=self.sd, device=self.device)
+        a, b = span.start, span.stop
+        done = self.written[i]
+        at = a
+        for lo, hi in done:  # new parts [at, lo) copied, written parts [lo, hi) added
+            lo, hi = max(lo, a), min(hi, b)
+            if lo >= hi:
+                continue
+            if lo > at:
+                acc[:, :, at:lo].copy_(part[:, :, at - a:lo - a])
+            acc[:, :, lo:hi] += part[:, :, lo - a:hi - a]
+            at = hi
+        if at < b:
+            acc[:, :, at:b].copy_(part[:, :, at - a:b - a])
+        self.written[i] = _union(done, a, b)
 
     def add(self, gq, gk, gv, rows, keys):
-        self.dq = self._one(self.dq, gq, rows, self.shapes[0])
-        self.dk = self._one(self.dk, gk, keys, self.shapes[1])
-        self.dv = self._one(self.dv, gv, keys, self.shapes[2])
+        self._one(0, gq, rows)
+        self._one(1, gk, keys)
+        self._one(2, gv, keys)
 
     @property
     def grads(self):
-        """(dq, dk, dv); zeros for one no piece reached."""
-        return tuple(torch.zeros(shape, dtype=self.sd, device=self.device) if g is None else g
-                     for g, shape in zip((self.dq, self.dk, self.dv), self.shapes))
+        """(dq, dk, dv); zeros where no piece reached."""
+        out = []
+        for g, shape, done in zip(self.sums, self.shapes, self.written):
+            if g is None:
+                out.append(torch.zeros(shape, dtype=self.sd, device=self.device))
+                continue
+            at = 0
+            for lo, hi in done + [[shape[2], shape[2]]]:
+                if lo > at:
+                    g[:, :, at:lo].zero_()
+                at = hi
+            out.append(g)
+        return tuple(out)
+
+
+def _union(spans: list[list[int]], a: int, b: int) -> list[list[int]]:
+    """Sorted disjoint spans with [a, b) added (touching spans join)."""
+    out: list[list[int]] = []
+    for lo, hi in sorted(spans + [[a, b]]):
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return out
 
 
 def _trim(g, n, dtype):
@@ -738,7 +822,7 @@ def _trim(g, n, dtype):
     return g[..., :n].to(dtype, memory_format=torch.contiguous_format, copy=True)
 
 
-def _single_key_rows(inp: _Inputs, plan: Plan, pb: Problem, q, memo: dict):
+def _single_key_rows(inp: _Inputs, pieces, cache, pb: Problem, q, memo: dict):
     """Rows that see exactly one key in the whole call: ``(is_single (B|1, Hq|1, Nq), key index)``,
     or None when there are none.
 
@@ -749,8 +833,8 @@ def _single_key_rows(inp: _Inputs, plan: Plan, pb: Problem, q, memo: dict):
     Nq = q.shape[2]
     count = torch.zeros(1, 1, Nq, dtype=torch.int64)
     key = torch.zeros(1, 1, Nq, dtype=torch.int64)
-    for piece in plan.pieces:
-        _, _, _, causal, tile, folded, keys = _piece_args(inp, piece, pb, q, memo, plan.tiles)
+    for piece in pieces:
+        _, _, _, causal, tile, folded, keys = _piece_args(inp, piece, pb, q, memo, cache)
         L, S = piece.q1 - piece.q0, keys.stop - keys.start
         if causal:      # top-left causal inside the piece: row i sees keys 0..i
             c = torch.clamp(torch.arange(1, L + 1), max=S).view(1, 1, L)
@@ -759,13 +843,7 @@ def _single_key_rows(inp: _Inputs, plan: Plan, pb: Problem, q, memo: dict):
             c = torch.full((1, 1, L), S, dtype=torch.int64)
             j = torch.zeros(1, 1, L, dtype=torch.int64)
         else:
-            vis = ~torch.isneginf(tile.mask.cpu())              # (b, h, L|1, S), or folded (b, h, g*L, S)
-            if folded:
-                b_, h_ = vis.shape[:2]
-                vis = vis[:, :, :L] if h_ == 1 else vis.reshape(b_, h_ * inp.g, L, S)
-            vis = torch.broadcast_to(vis, vis.shape[:2] + (L, S))
-            c = vis.sum(-1)
-            j = vis.to(torch.int8).argmax(-1).long()
+            c, j = _seen(tile, folded, inp.g, L, S)
         shape = torch.broadcast_shapes(count.shape, c.shape[:2] + (Nq,))
         count, key = count.expand(shape).clone(), key.expand(shape).clone()
         rows = slice(piece.q0, piece.q1)
@@ -775,18 +853,53 @@ def _single_key_rows(inp: _Inputs, plan: Plan, pb: Problem, q, memo: dict):
     return (single, key) if bool(single.any()) else None
 
 
+def _seen(tile: _Tile, folded: bool, g: int, L: int, S: int):
+    """Per row of a masked tile: how many keys it sees and the first of them (local), counted from
+    the call's own mask (a bias may hide keys too) once per tile: a cached tile keeps them."""
+    at = ("seen", folded, g, L, S)  # a mask of one row (..., 1, S) serves pieces of any height
+    hit = tile.later.get(at)
+    if hit is not None:
+        return hit
+    vis = ~torch.isneginf(tile.mask.cpu())              # (b, h, L|1, S), or folded (b, h, g*L, S)
+    if folded:
+        b_, h_ = vis.shape[:2]
+        vis = vis[:, :, :L] if h_ == 1 else vis.reshape(b_, h_ * g, L, S)
+    vis = torch.broadcast_to(vis, vis.shape[:2] + (L, S))
+    seen = vis.sum(-1), vis.to(torch.int8).argmax(-1).long()
+    tile.later[at] = seen
+    return seen
+
+
 def _add_single_key_rows(single, q, k, dout, dlse, dq, dk, dv, scale: float, g: int) -> None:
     """The exact gradients of rows with one visible key j (P = 1): dv_j += dO_i, and with an lse
-    gradient dS = dlse_i, so dq_i += scale dlse_i k_j and dk_j += scale dlse_i q_i."""
+    gradient dS = dlse_i, so dq_i += scale dlse_i k_j and dk_j += scale dlse_i q_i.
+
+    The gradients may be the op's own 16-bit tensors (a one-piece plan): the rows' terms are then
+    summed in float32 and each touched gradient row is rounded once more, not once per term."""
     is_single, key = single
     B, Hq, Nq = q.shape[:3]
     b, h, i = torch.nonzero(is_single.expand(B, Hq, Nq), as_tuple=True)
     j = key.expand(B, Hq, Nq)[b, h, i]
     hk = torch.div(h, g, rounding_mode="floor")
-    sd = dq.dtype
     D, Dv = q.shape[-1], dout.shape[-1]
-    dv[..., :Dv].index_put_((b, hk, j), dout[b, h, i].to(sd), accumulate=True)
+    f32 = torch.float32 if dq.dtype in (torch.bfloat16, torch.float16) else dq.dtype
+    _add_rows(dv[..., :Dv], (b, hk, j), dout[b, h, i].to(f32))
     if dlse is not None:
-        w = (scale * dlse[b, h, i].to(sd)).unsqueeze(-1)
-        dq[..., :D].index_put_((b, h, i), w * k[b, hk, j].to(sd), accumulate=True)
-        dk[..., :D].index_put_((b, hk, j), w * q[b, h, i].to(sd), accumulate=True)
+        w = (scale * dlse[b, h, i].to(f32)).unsqueeze(-1)
+        _add_rows(dq[..., :D], (b, h, i), w * k[b, hk, j].to(f32))
+        _add_rows(dk[..., :D], (b, hk, j), w * q[b, h, i].to(f32))
+
+
+def _add_rows(g, idx, terms) -> None:
+    """``g[idx] += terms`` row by row, with repeated indices summed; in g's dtype when it is the
+    terms', else the terms summed in theirs and each touched row of g rounded once."""
+    if g.dtype == terms.dtype:
+        g.index_put_(idx, terms, accumulate=True)
+        return
+    b, h, n = idx
+    flat = (b * g.shape[1] + h) * g.shape[2] + n
+    rows, where = torch.unique(flat, return_inverse=True)
+    sums = terms.new_zeros((rows.numel(), terms.shape[-1])).index_add_(0, where, terms)
+    first = torch.empty_like(rows).scatter_(0, where, torch.arange(flat.numel()))  # one (b, h, n) per row
+    at = (b[first], h[first], n[first])
+    g.index_put_(at, (g[at].to(terms.dtype) + sums).to(g.dtype))

@@ -82,13 +82,15 @@ def test_backward_cut_into_key_spans_keeps_the_rule():
     """A prefix-LM plan's row bands span more keys than BACKWARD_SPAN: its FULL pieces run in the
     backward as several key spans (dq summed over them). The gradients keep the rule."""
     from keyfold.kernels import cpu
+    from keyfold.kernels._common import Problem
     from keyfold.planner import _plan
     from tests.helpers import assert_backward_by_rule
 
     n = 2 * cpu.BACKWARD_SPAN + 300
     mask = kf.prefix(n // 2)
     plan = _plan(mask, n, n, q_offset=0, kv_offset=0, B=1, H=2, block_size=None, max_span=None, allow_causal=True)
-    cut = list(cpu._backward_pieces(plan, n))
+    pb = Problem(mask, None, 0.25, 0, 0)
+    cut = cpu._backward_pieces(plan, pb, (1, 2), n)
     assert max(p.k1 - p.k0 for p in plan.pieces) > cpu.BACKWARD_SPAN >= max(p.k1 - p.k0 for p in cut)
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 2, n, 16, generator=g) for _ in range(3))

@@ -1,0 +1,146 @@
+"""The CPU backend's backward: the pieces it gives PyTorch's fused op, and how it sums their gradients.
+
+In 16 bits the op's backward costs by the 256-row x 512-key block it works in, so the backward
+plans narrow row blocks again at 256 rows and joins a band's pieces where that saves the op a
+block (``cpu._backward_pieces``). These tests hold the pieces to the visible pairs and the
+gradients to the rule, and the sums to what no piece reached (exactly 0) and to one rounding.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import keyfold as kf
+from keyfold.kernels import cpu
+from keyfold.kernels._common import Problem
+from keyfold.planner import Piece, PieceKind, _plan
+from tests.helpers import assert_backward_by_rule
+
+N = 1024
+#: the kernels bench's sparse variants at 1k, where the 16-bit backward joined nothing before
+VARIANTS = {
+    "prefix-lm": (kf.prefix(N // 4), None),
+    "window256+sinks4": (kf.causal() & (kf.window(256) | kf.sinks(4)), None),
+    "alibi+causal": (kf.causal(), kf.alibi(kf.alibi_slopes(2))),
+}
+
+
+def _pieces(mask, score, wide: bool):
+    bounded = score is not None  # the engine bounds a scored plan's key spans (TILE_SPAN)
+    plan = _plan(mask, N, N, q_offset=0, kv_offset=0, B=1, H=2, block_size=None,
+                 max_span=1024 if bounded else None, allow_causal=True)
+    return plan, cpu._backward_pieces(plan, Problem(mask, score, 0.25, 0, 0), (1, 2), N, wide=wide)
+
+
+def _cover(pieces) -> torch.Tensor:
+    """How many pieces hold each (query, key) pair."""
+    c = torch.zeros(N, N, dtype=torch.int32)
+    for p in pieces:
+        c[p.q0:p.q1, p.k0:p.k1] += 1
+    return c
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_16bit_pieces_hold_every_visible_pair_once_in_fewer_calls(variant):
+    mask, score = VARIANTS[variant]
+    plan, wide = _pieces(mask, score, wide=True)
+    _, narrow = _pieces(mask, score, wide=False)
+    assert len(narrow) < len(plan.pieces), (plan.pieces, narrow)
+    assert max(p.k1 - p.k0 for p in narrow if p not in plan.pieces) <= cpu.JOIN_SPAN
+    visible = mask.to_dense(N, N)
+    for pieces in (wide, narrow):
+        cover = _cover(pieces)
+        assert (cover <= 1).all(), "a pair in two pieces would be counted twice"
+        assert (cover[visible] == 1).all(), "a visible pair no piece holds would get no gradient"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_16bit_backward_of_joined_pieces_keeps_the_rule(variant, dtype):
+    mask, score = VARIANTS[variant]
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, N, 16, generator=g).to(dtype) for _ in range(3))
+    got = assert_backward_by_rule(q, k, v, mask=mask, score=score, backend=kf.Backend.CPU)
+    assert all(t.dtype == dtype for t in got[1:])
+
+
+band = st.lists(st.tuples(st.integers(0, 700), st.integers(1, 700)), min_size=1, max_size=6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(band, min_size=1, max_size=4))
+def test_joined_pieces_are_the_pieces_hulls_within_a_band(bands):
+    """Any bands of side-by-side pieces: each joined piece is the hull of consecutive pieces of one
+    band, within JOIN_SPAN when it joined any, and every piece lies in exactly one joined piece."""
+    pieces = []
+    for i, spans in enumerate(bands):
+        at = 0
+        for gap, width in spans:
+            pieces.append(Piece(64 * i, 64 * i + 64, at + gap, at + gap + width, PieceKind.FULL))
+            at += gap + width
+    joined = cpu._joined(pieces)
+    for p in pieces:
+        holders = [j for j in joined if (j.q0, j.q1) == (p.q0, p.q1) and j.k0 <= p.k0 and p.k1 <= j.k1]
+        assert len(holders) == 1
+    for j in joined:
+        inside = [p for p in pieces if (p.q0, p.q1) == (j.q0, j.q1) and j.k0 <= p.k0 and p.k1 <= j.k1]
+        assert (inside[0].k0, inside[-1].k1) == (j.k0, j.k1)
+        if len(inside) > 1:
+            assert j.kind is PieceKind.MASKED and j.k1 - j.k0 <= cpu.JOIN_SPAN
+        else:
+            assert j == inside[0]
+    assert len(joined) <= len(pieces)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_single_key_rows_reach_a_16bit_gradient_with_one_rounding(dtype):
+    """A one-piece 16-bit backward keeps the op's 16-bit gradients, and rows with one visible key
+    (taken out of the op) add into them. Rows 0..49 see only key 0, which no other row sees:
+    dv of key 0 is their dout summed in float32 and rounded once, and their dq is exactly 0."""
+    n, R = 200, 50
+
+    def mask_fn(b, h, q, kv):
+        return ((q < R) & (kv == 0)) | ((q >= R) & (kv >= 1) & (kv <= q))
+
+    mask = kf.as_mask(mask_fn)
+    plan = _plan(mask, n, n, q_offset=0, kv_offset=0, B=1, H=2, block_size=None, max_span=None, allow_causal=True)
+    assert len(cpu._backward_pieces(plan, Problem(mask, None, 0.25, 0, 0), (1, 2), n, wide=False)) == 1
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g).to(dtype).requires_grad_(True) for _ in range(3))
+    dout = torch.randn(1, 2, n, 16, generator=g).to(dtype)
+    kf.attention(q, k, v, mask=mask, backend=kf.Backend.CPU).backward(dout)
+    assert v.grad.dtype == dtype
+    assert torch.equal(v.grad[:, :, 0], dout[:, :, :R].float().sum(2).to(dtype))
+    assert (q.grad[:, :, :R] == 0).all() and (k.grad[:, :, 0] == 0).all()
+    assert_backward_by_rule(q.detach(), k.detach(), v.detach(), mask=mask, backend=kf.Backend.CPU)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_no_piece_reaches_are_zero(dtype, monkeypatch):
+    """The sums start empty (uninitialised): rows that see no key and keys no row sees must come
+    back exactly 0. ``torch.empty`` gives NaN here, so memory that happened to be zero hides nothing."""
+    real = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    n, rows, keys = 700, 256, 512
+
+    def mask_fn(b, h, q, kv):  # the first row block sees nothing, the last key block is never seen
+        return (q >= rows) & (kv <= q) & (kv < keys)
+
+    mask = kf.as_mask(mask_fn)
+    plan = _plan(mask, n, n, q_offset=0, kv_offset=0, B=1, H=2, block_size=None, max_span=None, allow_causal=True)
+    for wide in (True, False):
+        pieces = cpu._backward_pieces(plan, Problem(mask, None, 0.25, 0, 0), (1, 2), n, wide=wide)
+        assert len(pieces) > 1 and min(p.q0 for p in pieces) >= rows and max(p.k1 for p in pieces) <= keys
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g).to(dtype).requires_grad_(True) for _ in range(3))
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    kf.attention(q, k, v, mask=mask, backend=kf.Backend.CPU).sum().backward()
+    monkeypatch.setattr(torch, "empty", real)
+    assert (q.grad[:, :, :rows] == 0).all()
+    assert (k.grad[:, :, keys:] == 0).all() and (v.grad[:, :, keys:] == 0).all()
+    assert_backward_by_rule(q.detach(), k.detach(), v.detach(), mask=mask, backend=kf.Backend.CPU)
