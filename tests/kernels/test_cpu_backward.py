@@ -144,3 +144,39 @@ def test_gradients_no_piece_reaches_are_zero(dtype, monkeypatch):
     assert (q.grad[:, :, :rows] == 0).all()
     assert (k.grad[:, :, keys:] == 0).all() and (v.grad[:, :, keys:] == 0).all()
     assert_backward_by_rule(q.detach(), k.detach(), v.detach(), mask=mask, backend=kf.Backend.CPU)
+
+
+class _HideAllButSelf(kf.scores.ScoreMod):
+    """An additive score that hides every key but a row's own from rows below ``n`` (a bias of -inf)."""
+
+    additive = True
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def bias(self, b, h, qp, kp):
+        return torch.where((qp < self.n) & (kp != qp), float("-inf"), 0.0)
+
+    def apply(self, s, b, h, qp, kp):
+        return s + self.bias(b, h, qp, kp)
+
+
+def test_single_key_rows_are_kept_per_score():
+    """The rows that see one key are kept in the plan's cache; a score can hide keys too, so the
+    same plan with another score must find its own (a cache keyed on the pieces alone gave the
+    score-free answer: none)."""
+    n = 300
+    mask = kf.causal() & kf.window(50)
+    plan = _plan(mask, n, n, q_offset=0, kv_offset=0, B=1, H=2, block_size=None, max_span=None, allow_causal=True)
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g) for _ in range(3))
+    inp = cpu._Inputs(q, k, v)
+    pieces = cpu._backward_pieces(plan, Problem(mask, None, 0.25, 0, 0), (1, 2), n)
+    plain = cpu._single_key_rows(inp, pieces, plan.tiles, Problem(mask, None, 0.25, 0, 0), q, {})
+    assert plain is not None and plain[0].sum() == 1  # causal's first row
+    hide = _HideAllButSelf(20)
+    scored = cpu._single_key_rows(inp, pieces, plan.tiles, Problem(mask, hide, 0.25, 0, 0), q, {})
+    assert scored is not None
+    b, h, i, j = scored[1]
+    assert sorted(set(i.tolist())) == list(range(20)) and torch.equal(i, j)
+    assert cpu._single_key_rows(inp, pieces, plan.tiles, Problem(mask, None, 0.25, 0, 0), q, {}) is plain
