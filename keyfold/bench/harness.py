@@ -40,13 +40,15 @@ def _sync(cuda: bool) -> None:
 
 
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1, *,
-                cuda: bool = False) -> Timing:
+                cuda: bool = False, lead: tuple[str, ...] = ()) -> Timing:
     """Median seconds of each callable over ``repeats`` alternating rounds after ``warmup`` rounds.
 
-    Each round starts one callable later than the one before (a b c, b c a, c a b, ...), so every
-    callable follows every other as often: in a fixed order the first one always ran right after
-    the last round's GEMMs, with their matrices in the cache (keyfold's bfloat16 fwd+bwd at 1k read
-    1.07-1.13x SDPA's so, 1.01-1.07x beside SDPA alone).
+    lead: names among ``fns`` (the GEMMs a bench times beside attention) that run, in turn, right
+    before each of the others, so every other callable runs after the same kind of work. Without
+    it a round ran them in a fixed cycle, and whichever came after the GEMMs ran with their
+    matrices in the cache every time: keyfold, so its bfloat16 fwd+bwd at 1k read 1.07-1.13x
+    SDPA's in rounds with GEMMs and 1.01-1.07x beside SDPA alone. A round with ``lead`` is
+    ``l1 a l2 b l1 c``, the next ``l2 a l1 b l2 c``; a lead is timed each time it runs.
 
     >>> t = interleaved({"a": lambda: None, "b": lambda: None}, repeats=3)
     >>> sorted(t), sorted(t.best)
@@ -54,14 +56,21 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int 
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    unknown = [name for name in lead if name not in fns]
+    if unknown:
+        raise ValueError(f"lead names {unknown} that are not among fns ({sorted(fns)})")
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     _sync(cuda)
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    names = list(fns)
+    rest = [name for name in fns if name not in lead]
     for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        order = list(fns)
+        if lead and rest:  # the leads turn from round to round; one no other took this round ends it
+            before = [lead[(r + i) % len(lead)] for i in range(len(rest))]
+            order = [name for pair in zip(before, rest) for name in pair] + [n for n in lead if n not in before]
+        for name in order:
             fn = fns[name]
             _sync(cuda)
             t0 = time.perf_counter()

@@ -237,11 +237,11 @@ def run_case(case: Case, repeats: int, with_flex: bool, matmul: dict | None = No
         # each peer in a round of its own beside keyfold: a call after SDPA with a dense mask (which
         # allocates and frees up to 1 GiB each time) ran slower, whoever it was (bfloat16 window 256 at
         # 16k: keyfold 30.7 ms in one round with both peers, 24.7-27.2 ms beside either alone)
-        a = interleaved({"keyfold": fns["keyfold"], "flex": fns["flex"], **gemms}, repeats)
+        a = interleaved({"keyfold": fns["keyfold"], "flex": fns["flex"], **gemms}, repeats, lead=tuple(gemms))
         b = interleaved({"keyfold": fns["keyfold"], "sdpa": fns["sdpa"]}, repeats)
         res.times = {"keyfold": a["keyfold"], "flex": a["flex"], "sdpa": b["sdpa"], "keyfold_beside_sdpa": b["keyfold"]}
     else:
-        a = interleaved({**fns, **gemms}, repeats)
+        a = interleaved({**fns, **gemms}, repeats, lead=tuple(gemms))
         res.times = {name: a[name] for name in fns}
     res.best_times = {name: a.best[name] for name in a if name not in gemms}
     res.matmul_times = {name: a.best[name] for name in gemms}
