@@ -631,9 +631,12 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     # A gradient with one piece: kept as the op returns it (16-bit too), single-key rows added
     # into it with one rounding per row they touch. Several: summed in sd.
     alone = len(pieces) == 1
-    acc = _Grads(q, k, W, sd, gd if alone else sd)
+    # pieces on rows apart (a band each): every dq row comes from one call, so it is kept as that
+    # call gives it (16-bit: rounded once, by the op), with no float32 sum and cast after
+    acc = _Grads(q, k, W, sd, gd if alone else sd, gd if alone or _rows_disjoint(pieces) else sd)
     for piece in pieces:
         qs, ks, vs, causal, tile, folded, keys = _piece_args(inp, piece, pb, q, memo, plan.tiles)
+        causal = causal or _hides_above_diagonal(tile, qs.shape[-2], ks.shape[-2])  # the op skips those blocks
         rows = slice(piece.q0, piece.q1)
         o_p, do_p, l_p = o[:, :, rows], do[:, :, rows], lse_safe[:, :, rows]
         if tile.row_shift is not None:  # the op sees scores without the row term
@@ -690,7 +693,11 @@ def _backward_pieces(plan: Plan, pb: Problem, BH: tuple[int, int], Nk: int, wide
     1.1-2.4 ms each (bfloat16, D 64, 8 heads, 2 threads: 128 rows x 64 keys 1.2 ms, 256 x 512
     2.4 ms, 256 x 640 3.9 ms), whatever part of a block the piece fills. So a plan of narrower row
     blocks (windows plan at 128) is planned again at 256 rows, and a band's pieces side by side
-    are joined where that saves the op a block (:func:`_joined`)."""
+    are joined where that saves the op a block (:func:`_joined`). A plan whose pieces fill at least
+    half of their hull, when the hull holds at most ``JOIN_AREA`` pairs, runs as the one masked
+    hull: the op's larger calls cost less a pair (1024 x 1024, D 128: 20.8 ms, against 23 ms for
+    prefix-LM's five band pieces), and one piece's gradients need no sums (which cost prefix-LM
+    at 1k, D 128, another 8 ms in slice copies, float32 adds and casts)."""
     if len(plan.pieces) == 1:
         return list(plan.pieces)
     if not wide:
@@ -699,7 +706,15 @@ def _backward_pieces(plan: Plan, pb: Problem, BH: tuple[int, int], Nk: int, wide
             pieces = _plan(pb.mask, plan.Nq, plan.Nk, q_offset=plan.q_offset, kv_offset=plan.kv_offset,
                            B=BH[0], H=BH[1], block_size=(_OP_ROWS, max(plan.block_k, _OP_ROWS)),
                            max_span=JOIN_SPAN if pb.score is not None else None).pieces
-        return _joined(pieces)
+        pieces = _joined(pieces)
+        if len(pieces) < 2:
+            return pieces
+        hull = Piece(min(p.q0 for p in pieces), max(p.q1 for p in pieces),
+                     min(p.k0 for p in pieces), max(p.k1 for p in pieces), PieceKind.MASKED)
+        area = (hull.q1 - hull.q0) * (hull.k1 - hull.k0)
+        if area <= JOIN_AREA and 2 * sum(_area(p) for p in pieces) >= area:
+            return [hull]
+        return pieces
     cap = max(BACKWARD_SPAN, Nk // 8)
     out = []
     for p in plan.pieces:
@@ -716,6 +731,14 @@ def _backward_pieces(plan: Plan, pb: Problem, BH: tuple[int, int], Nk: int, wide
 _OP_ROWS, _OP_KEYS = 256, 512
 #: Longest key span of a joined piece: its mask (with a bias, one per head) is materialised
 JOIN_SPAN = 1024
+#: Most pairs of the one masked piece a small, dense plan's 16-bit backward runs as (see below)
+JOIN_AREA = 1024 * 1024
+
+
+def _area(p: Piece) -> int:
+    """Pairs a piece's call computes (a causal one about half its rectangle)."""
+    full = (p.q1 - p.q0) * (p.k1 - p.k0)
+    return full // 2 if p.kind is PieceKind.CAUSAL else full
 
 
 def _joined(pieces):
@@ -752,20 +775,23 @@ class _Grads:
     no piece reached is zeroed at the end (zeros, then an add, read and wrote each sum once more:
     about 1 ms of a 20 ms bfloat16 backward at 1k)."""
 
-    def __init__(self, q, k, W, sd, dtype):
+    def __init__(self, q, k, W, sd, dtype, dq_dtype=None):
         self.shapes = (q.shape[:3] + (W,), k.shape[:3] + (W,), k.shape[:3] + (W,))
-        self.sd, self.dtype, self.device = sd, dtype, q.device
+        self.sd, self.device = sd, q.device
+        # the dtype each sum is kept in; a piece's own tensor is the sum when it covers it whole in it
+        self.dtypes = (dtype if dq_dtype is None else dq_dtype, dtype, dtype)
         self.sums: list = [None, None, None]
         self.written: list[list[list[int]]] = [[], [], []]  # per sum: its written spans, sorted, disjoint
 
     def _one(self, i, part, span):
         shape, acc = self.shapes[i], self.sums[i]
         if acc is None:
-            if span.start == 0 and span.stop == shape[2] and part.dtype == self.dtype and part.shape == shape:
+            if span.start == 0 and span.stop == shape[2] and part.dtype == self.dtypes[i] and part.shape == shape:
                 self.sums[i] = part  # the op's (or our) fresh tensor: nothing else holds it
                 self.written[i] = [[0, shape[2]]]
                 return
-            acc = self.sums[i] = torch.empty(shape, dtype=self.sd, device=self.device)
+            # a sum in sd when several pieces add into it, else in the dtype asked for
+            acc = self.sums[i] = torch.empty(shape, dtype=self.dtypes[i] if i == 0 else self.sd, device=self.device)
         a, b = span.start, span.stop
         done = self.written[i]
         at = a
@@ -864,6 +890,24 @@ def _single_key_rows(inp: _Inputs, pieces, cache, pb: Problem, q, memo: dict):
     if score is None or not score.tensors():
         cache.put(at, (found,), 0 if found is None else single.numel() + 32 * found[1][0].numel())
     return found
+
+
+def _hides_above_diagonal(tile: _Tile, L: int, S: int) -> bool:
+    """Whether a masked tile hides every pair above its diagonal (key j > row i of the call's L rows
+    and S keys), as a causal window's or document's does: the op's causal flag, beside the mask,
+    then skips the blocks up there, for the same gradients bit for bit (bfloat16 1024 x 1024,
+    window 256 + sinks at D 64: 13.2 ms against 17.8 with the mask alone). Once per tile (kept
+    with it). A mask that broadcasts over rows or keys (a user's (L, 1) bias) answers False: it
+    hides nothing by position."""
+    m = tile.mask
+    if m is None or tuple(m.shape[-2:]) != (L, S):
+        return False
+    hit = tile.later.get("above")
+    if hit is None:
+        L, S = m.shape[-2:]
+        above = torch.ones(L, S, dtype=torch.bool, device=m.device).triu_(1)
+        hit = tile.later["above"] = bool(torch.isneginf(m[..., above]).all())
+    return hit
 
 
 def _seen(tile: _Tile, folded: bool, g: int, L: int, S: int):

@@ -18,11 +18,13 @@ from keyfold.planner import Piece, PieceKind, _plan
 from tests.helpers import assert_backward_by_rule
 
 N = 1024
-#: the kernels bench's sparse variants at 1k, where the 16-bit backward joined nothing before
+#: the kernels bench's sparse variants at 1k, where the 16-bit backward joined nothing before (the
+#: first three fill half their hull and run as it, one masked piece; window 256 keeps joined pieces)
 VARIANTS = {
     "prefix-lm": (kf.prefix(N // 4), None),
     "window256+sinks4": (kf.causal() & (kf.window(256) | kf.sinks(4)), None),
     "alibi+causal": (kf.causal(), kf.alibi(kf.alibi_slopes(2))),
+    "window256": (kf.causal() & kf.window(256), None),  # sparse enough to keep joined pieces, not one hull
 }
 
 
@@ -47,6 +49,7 @@ def test_16bit_pieces_hold_every_visible_pair_once_in_fewer_calls(variant):
     plan, wide = _pieces(mask, score, wide=True)
     _, narrow = _pieces(mask, score, wide=False)
     assert len(narrow) < len(plan.pieces), (plan.pieces, narrow)
+    assert (len(narrow) == 1) == (variant != "window256")  # the dense ones run as their hull
     assert max(p.k1 - p.k0 for p in narrow if p not in plan.pieces) <= cpu.JOIN_SPAN
     visible = mask.to_dense(N, N)
     for pieces in (wide, narrow):
@@ -126,10 +129,10 @@ def test_gradients_no_piece_reaches_are_zero(dtype, monkeypatch):
         t = real(*args, **kwargs)
         return t.fill_(float("nan")) if t.is_floating_point() else t
 
-    n, rows, keys = 700, 256, 512
+    n, rows, keys = 1400, 256, 1024  # a hull past JOIN_AREA: the 16-bit backward keeps its pieces
 
     def mask_fn(b, h, q, kv):  # the first row block sees nothing, the last key block is never seen
-        return (q >= rows) & (kv <= q) & (kv < keys)
+        return (q >= rows) & (kv <= q) & (q - kv <= 100) & (kv < keys)
 
     mask = kf.as_mask(mask_fn)
     plan = _plan(mask, n, n, q_offset=0, kv_offset=0, B=1, H=2, block_size=None, max_span=None, allow_causal=True)
@@ -180,3 +183,36 @@ def test_single_key_rows_are_kept_per_score():
     b, h, i, j = scored[1]
     assert sorted(set(i.tolist())) == list(range(20)) and torch.equal(i, j)
     assert cpu._single_key_rows(inp, pieces, plan.tiles, Problem(mask, None, 0.25, 0, 0), q, {}) is plain
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_causal_flag_beside_a_mask_that_hides_above_the_diagonal_changes_no_gradient(dtype, monkeypatch):
+    """A masked piece that hides every pair above its diagonal (causal windows, sinks) runs the op
+    with its causal flag too, so the op skips those blocks: the gradients are the same bit for bit.
+    A mask that broadcasts over keys (an (L, 1) bias) hides nothing by position and must not take
+    the flag (the peer port test_scaled_dot_product_fused_attention_mask_vs_math_cpu caught it)."""
+    n = 600
+    mask = kf.causal() & (kf.window(100) | kf.sinks(4))
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g).to(dtype) for _ in range(3))
+    dout = torch.randn(1, 2, n, 16, generator=g).to(dtype)
+    taken = []
+    real = cpu._hides_above_diagonal
+
+    def spy(tile, L, S):
+        taken.append(real(tile, L, S))
+        return taken[-1]
+
+    def grads():
+        a, b, c = (t.clone().requires_grad_(True) for t in (q, k, v))
+        kf.attention(a, b, c, mask=mask, backend=kf.Backend.CPU).backward(dout)
+        return a.grad, b.grad, c.grad
+
+    monkeypatch.setattr(cpu, "_hides_above_diagonal", spy)
+    flagged = grads()
+    assert any(taken)
+    monkeypatch.setattr(cpu, "_hides_above_diagonal", lambda tile, L, S: False)
+    plain = grads()
+    assert all(torch.equal(x, y) for x, y in zip(flagged, plain))
+    row_bias = cpu._Tile(torch.zeros(1, 1, 8, 1), None, None, None, {})
+    assert not real(row_bias, 8, 8)
