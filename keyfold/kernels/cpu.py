@@ -623,7 +623,7 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     # stand-in gives P = 0 there, while -inf itself would make the op return NaN.
     lse_safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).to(sd)
     memo: dict = {}
-    pieces = _backward_pieces(plan, pb, q.shape[:2], k.shape[2], wide=q.dtype == sd)
+    pieces = _backward_pieces(plan, pb, q.shape[:2], k.shape[2], wide=q.dtype == sd, g=inp.g)
     single = _single_key_rows(inp, pieces, plan.tiles, pb, q, memo) if whole_rows else None
     if single is not None:  # those rows leave the op and are added exactly below: with lse huge,
         # P = exp(s - lse) = 0 for every key, so the op gives them dS = 0 and no dV (as dO = 0 would)
@@ -675,7 +675,7 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
 BACKWARD_SPAN = 1024
 
 
-def _backward_pieces(plan: Plan, pb: Problem, BH: tuple[int, int], Nk: int, wide: bool = True):
+def _backward_pieces(plan: Plan, pb: Problem, BH: tuple[int, int], Nk: int, wide: bool = True, g: int = 1):
     """The pieces the backward gives the op, one call each.
 
     Float32 (``wide``): the plan's, FULL ones cut into key spans of at most
@@ -694,8 +694,9 @@ def _backward_pieces(plan: Plan, pb: Problem, BH: tuple[int, int], Nk: int, wide
     2.4 ms, 256 x 640 3.9 ms), whatever part of a block the piece fills. So a plan of narrower row
     blocks (windows plan at 128) is planned again at 256 rows, and a band's pieces side by side
     are joined where that saves the op a block (:func:`_joined`). A plan whose pieces fill at least
-    half of their hull, when the hull holds at most ``JOIN_AREA`` pairs, runs as the one masked
-    hull: the op's larger calls cost less a pair (1024 x 1024, D 128: 20.8 ms, against 23 ms for
+    half of their hull, when the hull holds at most ``JOIN_AREA`` pairs (and its mask at most 8
+    ``JOIN_AREA`` elements: a bias has one per query head, a GQA fold one per group member), runs as
+    the one masked hull: the op's larger calls cost less a pair (1024 x 1024, D 128: 20.8 ms, against 23 ms for
     prefix-LM's five band pieces), and one piece's gradients need no sums (which cost prefix-LM
     at 1k, D 128, another 8 ms in slice copies, float32 adds and casts)."""
     if len(plan.pieces) == 1:
@@ -712,7 +713,8 @@ def _backward_pieces(plan: Plan, pb: Problem, BH: tuple[int, int], Nk: int, wide
         hull = Piece(min(p.q0 for p in pieces), max(p.q1 for p in pieces),
                      min(p.k0 for p in pieces), max(p.k1 for p in pieces), PieceKind.MASKED)
         area = (hull.q1 - hull.q0) * (hull.k1 - hull.k0)
-        if area <= JOIN_AREA and 2 * sum(_area(p) for p in pieces) >= area:
+        copies = BH[1] if _bias_needed(pb) else g  # the mask's elements per pair, at most
+        if area <= JOIN_AREA and area * copies <= 8 * JOIN_AREA and 2 * sum(_area(p) for p in pieces) >= area:
             return [hull]
         return pieces
     cap = max(BACKWARD_SPAN, Nk // 8)

@@ -216,3 +216,18 @@ def test_the_causal_flag_beside_a_mask_that_hides_above_the_diagonal_changes_no_
     assert all(torch.equal(x, y) for x, y in zip(flagged, plain))
     row_bias = cpu._Tile(torch.zeros(1, 1, 8, 1), None, None, None, {})
     assert not real(row_bias, 8, 8)
+
+
+@pytest.mark.parametrize("H, g, hull", [(2, 1, True), (8, 1, True), (32, 1, False), (8, 8, True)])
+def test_the_hull_of_a_small_plan_holds_a_bounded_mask(H, g, hull):
+    """ALiBi's bias has one mask per query head: the hull of a 1k plan is 1M pairs, so past 8 heads
+    (32 MiB of float32 mask) the backward keeps the band pieces. A mask alone is shared by the heads
+    (a GQA fold repeats it per group member: 8 of them still fit)."""
+    mask, score = VARIANTS["alibi+causal"]
+    score = kf.alibi(kf.alibi_slopes(H))
+    plan = _plan(mask, N, N, q_offset=0, kv_offset=0, B=1, H=H, block_size=None, max_span=1024, allow_causal=True)
+    pieces = cpu._backward_pieces(plan, Problem(mask, score, 0.25, 0, 0), (1, H), N, wide=False, g=g)
+    assert (len(pieces) == 1) == hull
+    prefix = VARIANTS["prefix-lm"][0]
+    plan = _plan(prefix, N, N, q_offset=0, kv_offset=0, B=1, H=H, block_size=None, max_span=None, allow_causal=True)
+    assert len(cpu._backward_pieces(plan, Problem(prefix, None, 0.25, 0, 0), (1, H), N, wide=False, g=g)) == 1
