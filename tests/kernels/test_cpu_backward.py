@@ -1,9 +1,11 @@
 """The CPU backend's backward: the pieces it gives PyTorch's fused op, and how it sums their gradients.
 
 In 16 bits the op's backward costs by the 256-row x 512-key block it works in, so the backward
-plans narrow row blocks again at 256 rows and joins a band's pieces where that saves the op a
-block (``cpu._backward_pieces``). These tests hold the pieces to the visible pairs and the
-gradients to the rule, and the sums to what no piece reached (exactly 0) and to one rounding.
+plans narrow row blocks again at 256 rows, joins a band's pieces where that saves the op a block,
+and runs a small plan that fills half its hull as that one masked hull (``cpu._backward_pieces``);
+in every dtype a mask that hides the upper triangle also gets the op's causal flag. These tests
+hold the pieces to the visible pairs, the gradients to the rule (and the flag to the same bits),
+the hull's mask to its bound, and the sums to what no piece reached (exactly 0) and to one rounding.
 """
 
 import pytest
