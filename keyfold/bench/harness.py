@@ -65,8 +65,8 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int 
     _sync(cuda)
     samples: dict[str, list[float]] = {name: [] for name in fns}
     rest = [name for name in fns if name not in lead]
+    order = list(fns)
     for r in range(repeats):
-        order = list(fns)
         if lead and rest:  # the leads turn from round to round; one no other took this round ends it
             before = [lead[(r + i) % len(lead)] for i in range(len(rest))]
             order = [name for pair in zip(before, rest) for name in pair] + [n for n in lead if n not in before]

@@ -269,7 +269,7 @@ def cases(preset: str) -> list[Case]:
     lowp += [Case(v.name, 4096, 64, "bfloat16", "fwd+bwd") for v in VARIANTS if v.differentiable]
     if preset == "lowp":  # only the 16-bit rows of standard: ~20 min
         return lowp
-    if preset == "backward":  # the ≤ 1.10x SDPA backward target at every N and D the full sweep has below 16k: ~3 min
+    if preset == "backward":  # the ≤ 1.10x SDPA backward target at every N and D the full sweep has below 16k: ~2 min
         return [Case(v.name, N, D, "bfloat16", "fwd+bwd") for N in (1024, 4096) for D in (64, 128)
                 for v in VARIANTS if v.differentiable]
     if preset == "standard":  # every variant vs N with Flex (the plot), backward, 16-bit at 4k and 16k, memory: ~35-50 min
@@ -458,12 +458,13 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", choices=("tiny", "quick", "lowp", "backward", "standard", "full"), default="standard",
                     help="quick: the issue's targets (< 3 min); lowp: every variant in bfloat16 and float16 at 4096 and "
                          "16384, and bfloat16 backward (~20 min); backward: bfloat16 forward+backward of every "
-                         "differentiable variant at N 1024 and 4096, D 64 and 128 (~3 min); standard: every variant vs N, plus lowp "
+                         "differentiable variant at N 1024 and 4096, D 64 and 128 (~2 min); standard: every variant vs N, plus lowp "
                          "and the memory table (~35-50 min); full: N x D x dtype x mode (50 min on the Intel Xeon with AMX, ~2 h on the AMD EPYC)")
     ap.add_argument("--quick", action="store_const", const="quick", dest="preset", help="the issue's targets, < 3 min")
     ap.add_argument("--out", type=Path, default=None, help="output directory (default: the repository's benchmarks/results)")
     ap.add_argument("--name", default=None,
-                    help="file stem for the results (default: kernels-quick for --quick, else kernels)")
+                    help="file stem for the results (default: kernels-quick for --quick, kernels-backward for "
+                         "--preset backward, else kernels)")
     ap.add_argument("--no-memory", action="store_true", help="skip the subprocess peak-memory measurement")
     ap.add_argument("--memory", type=int, nargs="*", default=None, metavar="N",
                     help="the forward+backward peak-memory table of `bench memory` (keyfold vs SDPA per mask, "
@@ -472,8 +473,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", nargs="*", help="only these variants")
     ap.add_argument("--threads", type=int, default=None, help="torch threads for every implementation")
     args = ap.parse_args(argv)
-    if args.name is None:  # --quick must not overwrite the standard run's kernels.md
-        args.name = "kernels-quick" if args.preset == "quick" else "kernels"
+    if args.name is None:  # --quick and --preset backward must not overwrite the standard run's kernels.md
+        args.name = {"quick": "kernels-quick", "backward": "kernels-backward"}.get(args.preset, "kernels")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.memory is None and args.preset in ("standard", "full") and not args.no_memory:

@@ -636,7 +636,9 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     acc = _Grads(q, k, W, sd, gd if alone else sd, gd if alone or _rows_disjoint(pieces) else sd)
     for piece in pieces:
         qs, ks, vs, causal, tile, folded, keys = _piece_args(inp, piece, pb, q, memo, plan.tiles)
-        causal = causal or _hides_above_diagonal(tile, qs.shape[-2], ks.shape[-2])  # the op skips those blocks
+        # the op skips those blocks. Here, not in _piece_args: its `causal` means "no mask, top-left
+        # causal", which _single_key_rows counts by formula; a masked piece must be counted by its mask
+        causal = causal or _hides_above_diagonal(tile, qs.shape[-2], ks.shape[-2])
         rows = slice(piece.q0, piece.q1)
         o_p, do_p, l_p = o[:, :, rows], do[:, :, rows], lse_safe[:, :, rows]
         if tile.row_shift is not None:  # the op sees scores without the row term
@@ -906,7 +908,6 @@ def _hides_above_diagonal(tile: _Tile, L: int, S: int) -> bool:
         return False
     hit = tile.later.get("above")
     if hit is None:
-        L, S = m.shape[-2:]
         above = torch.ones(L, S, dtype=torch.bool, device=m.device).triu_(1)
         hit = tile.later["above"] = bool(torch.isneginf(m[..., above]).all())
     return hit
@@ -938,12 +939,12 @@ def _add_single_key_rows(single, q, k, dout, dlse, dq, dk, dv, scale: float, g: 
     b, h, i, j = single[1]
     hk = torch.div(h, g, rounding_mode="floor")
     D, Dv = q.shape[-1], dout.shape[-1]
-    f32 = torch.float32 if dq.dtype in (torch.bfloat16, torch.float16) else dq.dtype
-    _add_rows(dv[..., :Dv], (b, hk, j), dout[b, h, i].to(f32))
+    sd = state_dtype(q.dtype)
+    _add_rows(dv[..., :Dv], (b, hk, j), dout[b, h, i].to(sd))
     if dlse is not None:
-        w = (scale * dlse[b, h, i].to(f32)).unsqueeze(-1)
-        _add_rows(dq[..., :D], (b, h, i), w * k[b, hk, j].to(f32))
-        _add_rows(dk[..., :D], (b, hk, j), w * q[b, h, i].to(f32))
+        w = (scale * dlse[b, h, i].to(sd)).unsqueeze(-1)
+        _add_rows(dq[..., :D], (b, h, i), w * k[b, hk, j].to(sd))
+        _add_rows(dk[..., :D], (b, hk, j), w * q[b, h, i].to(sd))
 
 
 def _add_rows(g, idx, terms) -> None:
