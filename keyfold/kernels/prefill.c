@@ -617,37 +617,103 @@ static inline __attribute__((always_inline)) void unit_close(unit_t *U, const fl
  * bfloat16's exponent range (and l's, in float32) */
 #define STALE_P 256.0f
 
-/* softmax_plain for a bfloat16 unit whose rows all have a finite running max from an earlier step: one
- * pass over S. P is taken against the running max as it stands (FlashAttention-4 keeps it until a
- * P would pass 2^8); a row whose P's in a lane sum past 2^8 (so any row with a P past it) is redone
- * against its own max (a pass over its scores, P = 1 there exactly, alpha = e^(m_old - m_new); its
- * max is above m_old, as a sum of 16 P's past 2^8 needs a P above 1). Every other
- * row keeps alpha = 1, so O is not rescaled for it. The second read of S (the max pass) and the
- * rows' reduction tree are gone. A NaN or infinite score still makes its row NaN: NaN reaches the
- * sum, +inf rises above any max and its redo gives inf - inf. */
-static inline __attribute__((always_inline)) void softmax_stale(const job_t *J, unit_t *U, tasks_t *T) {
+#ifdef KF_AMX
+/* The one-pass softmax of a bfloat16 unit with plain scores (no mask tile, shift or softcap; scale > 0)
+ * whose rows all lie in the piece and see the step from its first key (a causal row may stop inside
+ * it: the diagonal). P is taken against the row's running max as it stands (FlashAttention-4 keeps it
+ * until a P would pass 2^8); a row whose P's in a lane sum past 2^8 (so any row with a P past it) is
+ * redone against its own max over the step (a pass over its scores, P = 1 there exactly, alpha =
+ * e^(m_old - m_new); its max is above m_old, as a sum of 16 P's past 2^8 needs a P above 1). Every
+ * other row keeps alpha = 1, so O is not rescaled for it. A row's first step has no running max yet:
+ * it is seeded with the max of the step's first 32 keys it sees, so first steps and the diagonal take
+ * one pass too (two passes and a max tree before). Returns 0, having changed nothing, when a running
+ * max is NaN or +inf or a seed is not finite: the general softmax takes the unit. A NaN or infinite
+ * score met later still makes its row NaN: NaN reaches the sum, +inf rises above any max and its redo
+ * gives inf - inf. */
+/* P of row r over the first e keys of the step's ns sub-blocks (lanes past them 0; the first `full`
+ * sub-blocks are whole), stored; returns its sum in 16 lanes. `exact`: (S - smax) c, exactly 0 at the
+ * max (P = 1); else S c - b in one FMA */
+static inline __attribute__((always_inline)) __m512 stale_row(unit_t *U, int r, const float *pr, int e, int full,
+                                                              int ns, __m512 c, __m512 b, const int exact) {
+    const __m512 one = _mm512_set1_ps(1.0f), a = exact ? one : c;
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+    int u = 0;
+    for (; u < full; u++) {
+        __m512 x0 = _mm512_fmsub_ps(_mm512_load_ps(pr + SB * u), a, b);
+        __m512 x1 = _mm512_fmsub_ps(_mm512_load_ps(pr + SB * u + 16), a, b);
+        if (exact) {
+            x0 = _mm512_mul_ps(x0, c);
+            x1 = _mm512_mul_ps(x1, c);
+        }
+        const __m512 p0 = exp2_16_bf(0xFFFF, x0), p1 = exp2_16_bf(0xFFFF, x1);
+        s0 = _mm512_add_ps(s0, p0);
+        s1 = _mm512_add_ps(s1, p1);
+        store_p(U, r, u, p0, p1, 0);
+    }
+    for (; u < ns; u++) {  /* the diagonal's sub-block, then those past the row's last key: P = 0 */
+        const int x = e - SB * u;
+        __m512 x0 = _mm512_fmsub_ps(_mm512_load_ps(pr + SB * u), a, b);
+        __m512 x1 = _mm512_fmsub_ps(_mm512_load_ps(pr + SB * u + 16), a, b);
+        if (exact) {
+            x0 = _mm512_mul_ps(x0, c);
+            x1 = _mm512_mul_ps(x1, c);
+        }
+        const __m512 p0 = exp2_16_bf(lanes(0, x), x0), p1 = exp2_16_bf(lanes(0, x - 16), x1);
+        s0 = _mm512_add_ps(s0, p0);
+        s1 = _mm512_add_ps(s1, p1);
+        store_p(U, r, u, p0, p1, 0);
+    }
+    return _mm512_add_ps(s0, s1);
+}
+
+static inline __attribute__((always_inline)) int stale_rows(const job_t *J, unit_t *U, tasks_t *T, const int all) {
     rows_t *B = U->B;
+    const piece_t *P = U->P;
     const int nr = B->nr, ns = U->ns;
-    const __m512 a = _mm512_set1_ps(J->scale * LOG2E);
+    const __m512 a = _mm512_set1_ps(J->scale * LOG2E), ninf = _mm512_set1_ps(-INFINITY);
     const __m512 tau = _mm512_set1_ps(STALE_P);
-    float dm[QB] __attribute__((aligned(64))), rs[QB * 16] __attribute__((aligned(64)));
-    uint32_t moved = 0;
+    float dm[QB] __attribute__((aligned(64))), rs[QB * 16] __attribute__((aligned(64))), seed[QB];
+    int end[QB];  /* keys of the step each row sees: [j0, j0 + end) (all: every key, ns SB) */
+    uint32_t moved = 0, fresh = 0;
+    for (int r = 0; r < nr; r++) {
+        if (all) {
+            end[r] = ns * SB;
+        } else {
+            long long kr = U->kz;
+            if (P->causal && P->k0 + (B->i0 + r - P->q0) + 1 < kr) kr = P->k0 + (B->i0 + r - P->q0) + 1;
+            kr -= U->j0;
+            end[r] = kr <= 0 ? 0 : kr >= (long long)ns * SB ? ns * SB : (int)kr;
+        }
+        const float m = B->m[r];
+        if (m == -INFINITY && end[r] > 0) {  /* the row's first keys: the seed */
+            const float *pr = U->sbuf + r * KB;
+            const __m512 x = _mm512_mask_max_ps(_mm512_mask_load_ps(ninf, lanes(0, end[r]), pr), lanes(0, end[r] - 16),
+                                                ninf, _mm512_load_ps(pr + 16));
+            seed[r] = _mm512_reduce_max_ps(x);  /* of S; the row's max of y is seed scale */
+            if (!(fabsf(seed[r] * J->scale) < INFINITY)) return 0;
+            fresh |= 1u << r;
+        } else if (isnan(m) || m == INFINITY) {
+            return 0;
+        }
+    }
     for (int r = 0; r < QB; r++) dm[r] = 0.0f;
     for (int r = 0; r < nr; r++) {
         if (T && r % PUMP_ROWS == 0) pump(T);
-        /* y - m in log2 units as S (scale log2 e) - m log2 e, one FMA: not exact at any key, which
-         * no row needs here (P's relative error from it is |y| 2^-24, against bfloat16's 2^-9) */
         const float *pr = U->sbuf + r * KB;
-        const __m512 bm = _mm512_set1_ps(B->m[r] * LOG2E);
-        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-        for (int u = 0; u < ns; u++) {
-            const __m512 p0 = exp2_16_bf(0xFFFF, _mm512_fmsub_ps(_mm512_load_ps(pr + SB * u), a, bm));
-            const __m512 p1 = exp2_16_bf(0xFFFF, _mm512_fmsub_ps(_mm512_load_ps(pr + SB * u + 16), a, bm));
-            s0 = _mm512_add_ps(s0, p0);
-            s1 = _mm512_add_ps(s1, p1);
-            store_p(U, r, u, p0, p1, 0);
+        const int e = all ? ns * SB : end[r], full = all ? ns : e / SB;
+        __m512 sum;
+        if (fresh >> r & 1) {  /* O and l are 0: alpha = e^-inf = 0 scales nothing. P against the seed,
+                                * exactly 1 at it (a row with one key, or one that dominates, gets its
+                                * value exactly) */
+            dm[r] = -INFINITY;
+            B->m[r] = seed[r] * J->scale;
+            sum = stale_row(U, r, pr, e, full, ns, a, _mm512_set1_ps(seed[r]), 1);
+        } else {
+            /* y - m in log2 units as S (scale log2 e) - m log2 e, one FMA: not exact at any key, which
+             * no row needs here (P's relative error from it is |y| 2^-24, against bfloat16's 2^-9) */
+            sum = all ? stale_row(U, r, pr, e, ns, ns, a, _mm512_set1_ps(B->m[r] * LOG2E), 0)
+                      : stale_row(U, r, pr, e, full, ns, a, _mm512_set1_ps(B->m[r] * LOG2E), 0);
         }
-        const __m512 sum = _mm512_add_ps(s0, s1);
         _mm512_store_ps(rs + 16 * r, sum);
         /* a P above 2^8 makes its lane's sum so; a lane's 16 P's summing past it otherwise is rare,
          * and its redo is exact anyway. A NaN sum stays (NaN is the row's answer). */
@@ -657,14 +723,38 @@ static inline __attribute__((always_inline)) void softmax_stale(const job_t *J, 
         const int r = __builtin_ctz(moved);
         moved &= moved - 1;
         const float *pr = U->sbuf + r * KB;
-        const float smax = _mm512_reduce_max_ps(row_max(pr, ns)), mn = smax * J->scale;
-        dm[r] = B->m[r] - mn;
+        const int e = end[r];
+        __m512 mx = ninf;
+        for (int u = 0; u * SB < e; u++) {
+            mx = _mm512_mask_max_ps(mx, lanes(0, e - SB * u), mx, _mm512_load_ps(pr + SB * u));
+            mx = _mm512_mask_max_ps(mx, lanes(0, e - SB * u - 16), mx, _mm512_load_ps(pr + SB * u + 16));
+        }
+        const float smax = _mm512_reduce_max_ps(mx), mn = smax * J->scale;
+        dm[r] += B->m[r] - mn;  /* a seeded row's stays -inf */
         B->m[r] = mn;
-        _mm512_store_ps(rs + 16 * r, row_p_raw(U, r, pr, J->scale, 1, smax, mn));
+        /* (S - smax) scale log2 e: exactly 0 at the max, P = 1 */
+        _mm512_store_ps(rs + 16 * r, stale_row(U, r, pr, e, e / SB, ns, a, _mm512_set1_ps(smax), 1));
     }
     U->any = 1;
     unit_close(U, dm, rs, 0);
+    return 1;
 }
+
+static inline __attribute__((always_inline)) int softmax_stale(const job_t *J, unit_t *U, tasks_t *T) {
+    const piece_t *P = U->P;
+    long long kr = U->kz;  /* the first row sees the fewest keys */
+    if (P->causal && P->k0 + (U->ra - P->q0) + 1 < kr) kr = P->k0 + (U->ra - P->q0) + 1;
+    return kr >= U->j0 + (long long)U->ns * SB ? stale_rows(J, U, T, 1) : stale_rows(J, U, T, 0);
+}
+
+/* Whether softmax_stale may take U: plain scores (scale > 0), every row of the block in the piece and
+ * seeing the step from its first key */
+static int stale_unit(const job_t *J, const unit_t *U) {
+    if (U->pm || U->ps || J->cap != 0.0f || !(J->scale > 0.0f)) return 0;
+    return U->ra == U->B->i0 && U->rb == U->B->i0 + U->B->nr && U->P->k0 <= U->j0;
+}
+
+#endif
 
 /* The softmax of a unit whose rows all see every key of the step, with plain scores (no mask, shift or
  * softcap; bfloat16: scale > 0, and S stays raw in its buffer): each row's max comes from a pass over
@@ -677,14 +767,6 @@ static inline __attribute__((always_inline)) int softmax_plain(const job_t *J, u
     const int ns = U->ns, nr = B->nr;
     const __m512 ninf = _mm512_set1_ps(-INFINITY), log2e = _mm512_set1_ps(LOG2E);
     const __m512 scale = _mm512_set1_ps(f32 ? 1.0f : J->scale);  /* float32: q came pre-scaled */
-    if (!f32) {  /* bfloat16 past its rows' first step: one pass against the running max */
-        int finite = 1;
-        for (int r = 0; r < nr; r++) finite &= fabsf(B->m[r]) < INFINITY;
-        if (finite) {
-            softmax_stale(J, U, T);
-            return 1;
-        }
-    }
     __m512 mx[QB];
     for (int r = 0; r < QB; r++) mx[r] = r < nr ? row_max(U->sbuf + r * KB, ns) : ninf;
     float ms[QB] __attribute__((aligned(64))), mn[QB] __attribute__((aligned(64))), dm[QB] __attribute__((aligned(64)));
@@ -923,7 +1005,8 @@ static inline __attribute__((always_inline)) void item(const job_t *J, long long
                 T.s_next = 0;
                 /* a softcap's softmax ran 1.15x slower with the tile work between its rows (measured,
                  * 16k causal): it takes the tile work after it */
-                if (!(plain_unit(J, cur, 0) && softmax_plain(J, cur, &T, 0)))
+                if (!(stale_unit(J, cur) && softmax_stale(J, cur, &T))
+                    && !(plain_unit(J, cur, 0) && softmax_plain(J, cur, &T, 0)))
                     softmax(J, cur, 0, J->cap > 0.0f ? NULL : &T);
                 drain(&T);
                 T.v_unit = cur->any ? cur : NULL;  /* its P V beside the next unit's softmax */
