@@ -13,10 +13,11 @@
  *   softmax       AVX-512 in float32: scale, softcap, mask, running max m, sum l, P = e^(y - m) as
  *                 2^((y - m) log2 e) (scores stay in base e: a mask of -3e38, HF's finfo.min,
  *                 would overflow to -inf in base 2); bfloat16's 2^x is a degree-3 polynomial, as P
- *                 is rounded to bfloat16 next (as FlashAttention-4 computes part of its 2^x), and
- *                 past a row's first step its P is taken against the running max as it stands until
- *                 a P would pass 2^8 (FlashAttention-4's rescaling threshold: one pass over S, O
- *                 rescaled only when the max moves);
+ *                 is rounded to bfloat16 next (as FlashAttention-4 computes part of its 2^x); where
+ *                 no mask tile applies, P is taken against the running max as it stands until a P
+ *                 would pass 2^8 (FlashAttention-4's rescaling threshold: one pass over S, O
+ *                 rescaled only when the max moves), a row's first step against the max of its
+ *                 first 32 keys;
  *   O += P V      bfloat16: AMX, P rounded to bfloat16 (as PyTorch's and oneDNN's CPU kernels do), V
  *                 packed; float32: FMAs on 4 x 64 register tiles of O, P in float32;
  * with O rescaled by e^(m_old - m_new) in float32 between steps. So the pieces of one row are merged
@@ -282,15 +283,16 @@ typedef struct {
 } rows_t;
 
 /* One unit of work: the step of KB keys from u0 SB of piece P for the rows of block B (those of them in
- * the piece: [ra, rb)), with its buffers: S (float32; P in place of it in float32), P in bfloat16, and
- * the rescale alpha of O that the unit's softmax leaves for its P V. */
+ * the piece: [ra, rb)), with its buffers: S, P in bfloat16 or P in float32 (p32: in place of S, or,
+ * for the one-pass softmax, which may read S again, a buffer of its own), and the rescale alpha of O
+ * that the unit's softmax leaves for its P V. */
 typedef struct {
     const piece_t *P;
     rows_t *B;
     const float *pm, *ps;  /* the piece's mask and row shift at (b, h), or NULL */
     long long u0, j0, ra, rb, kz;
     int ns, any, seen[NS];
-    float *sbuf;
+    float *sbuf, *p32, *p32own;
     uint16_t *pbuf;
     float alpha[QB] __attribute__((aligned(64)));
 } unit_t;
@@ -517,6 +519,7 @@ static void values_f32(const job_t *J, const unit_t *U, const char *vp) {
     const int ns = U->ns, *seen = U->seen;
     const long long u0 = U->u0;
     for (int r = 0; r < B->nr; r++) {
+        if (U->alpha[r] == 1.0f) continue;  /* the one pass leaves most rows' max where it was */
         const __m512 a = _mm512_set1_ps(U->alpha[r]);
         float *o = B->acc + r * Dvp;
         for (int d = 0; d < Dvp; d += 16) _mm512_store_ps(o + d, _mm512_mul_ps(_mm512_load_ps(o + d), a));
@@ -528,7 +531,7 @@ static void values_f32(const job_t *J, const unit_t *U, const char *vp) {
         const float *vt = (const float *)(vp + (size_t)(u0 + u) * vpack_size(J));
         for (int g = g0; g < g1; g++) {
             float *o = B->acc + g * PR * Dvp;
-            const float *p = U->sbuf + g * PR * KB + SB * u;
+            const float *p = U->p32 + g * PR * KB + SB * u;
             int c = 0;
             for (; c + 64 <= Dvp; c += 64) pv_tile(o, Dvp, p, vt, SB * m, c, 4);
             switch ((Dvp - c) / 16) {
@@ -542,13 +545,12 @@ static void values_f32(const job_t *J, const unit_t *U, const char *vp) {
     }
 }
 
-/* P of row r, sub-block u (keys 0-15 in p0, 16-31 in p1): float32 in place of S, or bfloat16 for the
- * tiles */
+/* P of row r, sub-block u (keys 0-15 in p0, 16-31 in p1): float32 at p32, or bfloat16 for the tiles */
 static inline __attribute__((always_inline)) void store_p(unit_t *U, int r, int u, __m512 p0, __m512 p1,
                                                           const int f32) {
     if (f32) {
-        _mm512_store_ps(U->sbuf + r * KB + SB * u, p0);
-        _mm512_store_ps(U->sbuf + r * KB + SB * u + 16, p1);
+        _mm512_store_ps(U->p32 + r * KB + SB * u, p0);
+        _mm512_store_ps(U->p32 + r * KB + SB * u + 16, p1);
     } else {
 #ifdef KF_AMX
         _mm512_store_si512(U->pbuf + r * KB + SB * u, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
@@ -617,24 +619,12 @@ static inline __attribute__((always_inline)) void unit_close(unit_t *U, const fl
  * bfloat16's exponent range (and l's, in float32) */
 #define STALE_P 256.0f
 
-#ifdef KF_AMX
-/* The one-pass softmax of a bfloat16 unit with plain scores (no mask tile, shift or softcap; scale > 0)
- * whose rows all lie in the piece and see the step from its first key (a causal row may stop inside
- * it: the diagonal). P is taken against the row's running max as it stands (FlashAttention-4 keeps it
- * until a P would pass 2^8); a row whose P's in a lane sum past 2^8 (so any row with a P past it) is
- * redone against its own max over the step (a pass over its scores, P = 1 there exactly, alpha =
- * e^(m_old - m_new); its max is above m_old, as a sum of 16 P's past 2^8 needs a P above 1). Every
- * other row keeps alpha = 1, so O is not rescaled for it. A row's first step has no running max yet:
- * it is seeded with the max of the step's first 32 keys it sees, so first steps and the diagonal take
- * one pass too (two passes and a max tree before). Returns 0, having changed nothing, when a running
- * max is NaN or +inf or a seed is not finite: the general softmax takes the unit. A NaN or infinite
- * score met later still makes its row NaN: NaN reaches the sum, +inf rises above any max and its redo
- * gives inf - inf. */
 /* P of row r over the first e keys of the step's ns sub-blocks (lanes past them 0; the first `full`
  * sub-blocks are whole), stored; returns its sum in 16 lanes. `exact`: (S - smax) c, exactly 0 at the
  * max (P = 1); else S c - b in one FMA */
 static inline __attribute__((always_inline)) __m512 stale_row(unit_t *U, int r, const float *pr, int e, int full,
-                                                              int ns, __m512 c, __m512 b, const int exact) {
+                                                              int ns, __m512 c, __m512 b, const int exact,
+                                                              const int f32) {
     const __m512 one = _mm512_set1_ps(1.0f), a = exact ? one : c;
     __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
     int u = 0;
@@ -645,10 +635,10 @@ static inline __attribute__((always_inline)) __m512 stale_row(unit_t *U, int r, 
             x0 = _mm512_mul_ps(x0, c);
             x1 = _mm512_mul_ps(x1, c);
         }
-        const __m512 p0 = exp2_16_bf(0xFFFF, x0), p1 = exp2_16_bf(0xFFFF, x1);
+        const __m512 p0 = exp2_p(0xFFFF, x0, f32), p1 = exp2_p(0xFFFF, x1, f32);
         s0 = _mm512_add_ps(s0, p0);
         s1 = _mm512_add_ps(s1, p1);
-        store_p(U, r, u, p0, p1, 0);
+        store_p(U, r, u, p0, p1, f32);
     }
     for (; u < ns; u++) {  /* the diagonal's sub-block, then those past the row's last key: P = 0 */
         const int x = e - SB * u;
@@ -658,19 +648,33 @@ static inline __attribute__((always_inline)) __m512 stale_row(unit_t *U, int r, 
             x0 = _mm512_mul_ps(x0, c);
             x1 = _mm512_mul_ps(x1, c);
         }
-        const __m512 p0 = exp2_16_bf(lanes(0, x), x0), p1 = exp2_16_bf(lanes(0, x - 16), x1);
+        const __m512 p0 = exp2_p(lanes(0, x), x0, f32), p1 = exp2_p(lanes(0, x - 16), x1, f32);
         s0 = _mm512_add_ps(s0, p0);
         s1 = _mm512_add_ps(s1, p1);
-        store_p(U, r, u, p0, p1, 0);
+        store_p(U, r, u, p0, p1, f32);
     }
     return _mm512_add_ps(s0, s1);
 }
 
-static inline __attribute__((always_inline)) int stale_rows(const job_t *J, unit_t *U, tasks_t *T, const int all) {
+/* The one-pass softmax of a unit with plain scores (no mask tile, shift or softcap; bfloat16: scale >
+ * 0) whose rows all lie in the piece and see the step from its first key (a causal row may stop
+ * inside it: the diagonal). P is taken against the row's running max as it stands (FlashAttention-4
+ * keeps it until a P would pass 2^8); a row whose P's in a lane sum past 2^8 (so any row with a P past
+ * it) is redone against its own max over the step (a pass over its scores, P = 1 there exactly, alpha
+ * = e^(m_old - m_new); its max is above m_old, as a sum of 16 P's past 2^8 needs a P above 1). Every
+ * other row keeps alpha = 1, so O is not rescaled for it. A row's first step has no running max yet:
+ * it is seeded with the max of the step's first 32 keys it sees, so first steps and the diagonal take
+ * one pass too. float32 writes P to a buffer of its own (p32own), as a redone row reads its S again.
+ * Returns 0, having changed nothing, when a running max is NaN or +inf or a seed is not finite: the
+ * general softmax takes the unit. A NaN or infinite score met later still makes its row NaN: NaN
+ * reaches the sum, +inf rises above any max and its redo gives inf - inf. */
+static inline __attribute__((always_inline)) int stale_rows(const job_t *J, unit_t *U, tasks_t *T, const int all,
+                                                            const int f32) {
     rows_t *B = U->B;
     const piece_t *P = U->P;
     const int nr = B->nr, ns = U->ns;
-    const __m512 a = _mm512_set1_ps(J->scale * LOG2E), ninf = _mm512_set1_ps(-INFINITY);
+    const float sc = f32 ? 1.0f : J->scale;  /* y = S sc (float32: q came pre-scaled) */
+    const __m512 a = _mm512_set1_ps(sc * LOG2E), ninf = _mm512_set1_ps(-INFINITY);
     const __m512 tau = _mm512_set1_ps(STALE_P);
     float dm[QB] __attribute__((aligned(64))), rs[QB * 16] __attribute__((aligned(64))), seed[QB];
     int end[QB];  /* keys of the step each row sees: [j0, j0 + end) (all: every key, ns SB) */
@@ -689,14 +693,20 @@ static inline __attribute__((always_inline)) int stale_rows(const job_t *J, unit
             const float *pr = U->sbuf + r * KB;
             const __m512 x = _mm512_mask_max_ps(_mm512_mask_load_ps(ninf, lanes(0, end[r]), pr), lanes(0, end[r] - 16),
                                                 ninf, _mm512_load_ps(pr + 16));
-            seed[r] = _mm512_reduce_max_ps(x);  /* of S; the row's max of y is seed scale */
-            if (!(fabsf(seed[r] * J->scale) < INFINITY)) return 0;
+            seed[r] = _mm512_reduce_max_ps(x);  /* of S; the row's max of y is seed sc */
+            if (!(fabsf(seed[r] * sc) < INFINITY)) return 0;
             fresh |= 1u << r;
         } else if (isnan(m) || m == INFINITY) {
             return 0;
         }
     }
     for (int r = 0; r < QB; r++) dm[r] = 0.0f;
+    if (f32) {  /* P in a buffer of its own (a redone row reads S again); rows past nr that P V's
+                 * groups of PR rows reach get 0 */
+        U->p32 = U->p32own;
+        for (int r = nr; r < (nr + PR - 1) / PR * PR; r++)
+            for (int u = 0; u < ns; u++) store_p(U, r, u, _mm512_setzero_ps(), _mm512_setzero_ps(), 1);
+    }
     for (int r = 0; r < nr; r++) {
         if (T && r % PUMP_ROWS == 0) pump(T);
         const float *pr = U->sbuf + r * KB;
@@ -706,13 +716,13 @@ static inline __attribute__((always_inline)) int stale_rows(const job_t *J, unit
                                 * exactly 1 at it (a row with one key, or one that dominates, gets its
                                 * value exactly) */
             dm[r] = -INFINITY;
-            B->m[r] = seed[r] * J->scale;
-            sum = stale_row(U, r, pr, e, full, ns, a, _mm512_set1_ps(seed[r]), 1);
+            B->m[r] = seed[r] * sc;
+            sum = stale_row(U, r, pr, e, full, ns, a, _mm512_set1_ps(seed[r]), 1, f32);
         } else {
             /* y - m in log2 units as S (scale log2 e) - m log2 e, one FMA: not exact at any key, which
              * no row needs here (P's relative error from it is |y| 2^-24, against bfloat16's 2^-9) */
-            sum = all ? stale_row(U, r, pr, e, ns, ns, a, _mm512_set1_ps(B->m[r] * LOG2E), 0)
-                      : stale_row(U, r, pr, e, full, ns, a, _mm512_set1_ps(B->m[r] * LOG2E), 0);
+            sum = all ? stale_row(U, r, pr, e, ns, ns, a, _mm512_set1_ps(B->m[r] * LOG2E), 0, f32)
+                      : stale_row(U, r, pr, e, full, ns, a, _mm512_set1_ps(B->m[r] * LOG2E), 0, f32);
         }
         _mm512_store_ps(rs + 16 * r, sum);
         /* a P above 2^8 makes its lane's sum so; a lane's 16 P's summing past it otherwise is rare,
@@ -729,87 +739,29 @@ static inline __attribute__((always_inline)) int stale_rows(const job_t *J, unit
             mx = _mm512_mask_max_ps(mx, lanes(0, e - SB * u), mx, _mm512_load_ps(pr + SB * u));
             mx = _mm512_mask_max_ps(mx, lanes(0, e - SB * u - 16), mx, _mm512_load_ps(pr + SB * u + 16));
         }
-        const float smax = _mm512_reduce_max_ps(mx), mn = smax * J->scale;
+        const float smax = _mm512_reduce_max_ps(mx), mn = smax * sc;
         dm[r] += B->m[r] - mn;  /* a seeded row's stays -inf */
         B->m[r] = mn;
         /* (S - smax) scale log2 e: exactly 0 at the max, P = 1 */
-        _mm512_store_ps(rs + 16 * r, stale_row(U, r, pr, e, e / SB, ns, a, _mm512_set1_ps(smax), 1));
-    }
-    U->any = 1;
-    unit_close(U, dm, rs, 0);
-    return 1;
-}
-
-static inline __attribute__((always_inline)) int softmax_stale(const job_t *J, unit_t *U, tasks_t *T) {
-    const piece_t *P = U->P;
-    long long kr = U->kz;  /* the first row sees the fewest keys */
-    if (P->causal && P->k0 + (U->ra - P->q0) + 1 < kr) kr = P->k0 + (U->ra - P->q0) + 1;
-    return kr >= U->j0 + (long long)U->ns * SB ? stale_rows(J, U, T, 1) : stale_rows(J, U, T, 0);
-}
-
-/* Whether softmax_stale may take U: plain scores (scale > 0), every row of the block in the piece and
- * seeing the step from its first key */
-static int stale_unit(const job_t *J, const unit_t *U) {
-    if (U->pm || U->ps || J->cap != 0.0f || !(J->scale > 0.0f)) return 0;
-    return U->ra == U->B->i0 && U->rb == U->B->i0 + U->B->nr && U->P->k0 <= U->j0;
-}
-
-#endif
-
-/* The softmax of a unit whose rows all see every key of the step, with plain scores (no mask, shift or
- * softcap; bfloat16: scale > 0, and S stays raw in its buffer): each row's max comes from a pass over
- * its lanes, and the rows' maxima are reduced sixteen at a time by one transposing tree (a horizontal
- * max per row costs a chain of shuffles that the row's second pass waits for). Returns 0, having
- * changed nothing, when a row's max is infinite or its running max NaN: the general softmax takes it. */
-static inline __attribute__((always_inline)) int softmax_plain(const job_t *J, unit_t *U, tasks_t *T,
-                                                               const int f32) {
-    rows_t *B = U->B;
-    const int ns = U->ns, nr = B->nr;
-    const __m512 ninf = _mm512_set1_ps(-INFINITY), log2e = _mm512_set1_ps(LOG2E);
-    const __m512 scale = _mm512_set1_ps(f32 ? 1.0f : J->scale);  /* float32: q came pre-scaled */
-    __m512 mx[QB];
-    for (int r = 0; r < QB; r++) mx[r] = r < nr ? row_max(U->sbuf + r * KB, ns) : ninf;
-    float ms[QB] __attribute__((aligned(64))), mn[QB] __attribute__((aligned(64))), dm[QB] __attribute__((aligned(64)));
-    float rs[QB * 16] __attribute__((aligned(64)));
-    for (int r = 0; r < QB; r += 16) {  /* the step's max of S, and of y: S's times scale (rounding is monotone) */
-        const __m512 x = tree16(mx + r, 1);
-        _mm512_store_ps(ms + r, x);
-        _mm512_store_ps(mn + r, _mm512_mul_ps(x, scale));
-    }
-    for (int r = 0; r < nr; r++)
-        if (!(fabsf(mn[r]) < INFINITY) || isnan(B->m[r])) return 0;
-    for (int r = 0; r < QB; r++) {
-        dm[r] = 0.0f;
-        if (r >= nr) continue;
-        if (B->m[r] > mn[r]) {  /* the max is an earlier step's: y - m = S scale - m in one rounding */
-            mn[r] = B->m[r];
-            ms[r] = NAN;
-        }
-        dm[r] = B->m[r] - mn[r];  /* -inf on the row's first keys: alpha 0 scales an O and l of 0 */
-        B->m[r] = mn[r];
-    }
-    for (int r = 0; r < nr; r++) {
-        const float *pr = U->sbuf + r * KB;
-        if (T && r % PUMP_ROWS == 0) pump(T);
-        const __m512 sum = f32 ? row_p(U, r, pr, _mm512_set1_ps(1.0f), _mm512_set1_ps(mn[r]), log2e, 1)
-                               : row_p_raw(U, r, pr, J->scale, !isnan(ms[r]), ms[r], mn[r]);
-        _mm512_store_ps(rs + 16 * r, sum);
+        _mm512_store_ps(rs + 16 * r, stale_row(U, r, pr, e, e / SB, ns, a, _mm512_set1_ps(smax), 1, f32));
     }
     U->any = 1;
     unit_close(U, dm, rs, f32);
     return 1;
 }
 
-/* Whether softmax_plain may take U: plain scores (bfloat16: scale > 0), and every row of the block in
- * the piece and seeing every key of the step */
-static int plain_unit(const job_t *J, const unit_t *U, const int f32) {
+static inline __attribute__((always_inline)) int softmax_stale(const job_t *J, unit_t *U, tasks_t *T, const int f32) {
     const piece_t *P = U->P;
-    const rows_t *B = U->B;
-    if (U->pm || U->ps || J->cap != 0.0f || !(f32 || J->scale > 0.0f)) return 0;
-    if (U->ra != B->i0 || U->rb != B->i0 + B->nr || P->k0 > U->j0) return 0;
     long long kr = U->kz;  /* the first row sees the fewest keys */
     if (P->causal && P->k0 + (U->ra - P->q0) + 1 < kr) kr = P->k0 + (U->ra - P->q0) + 1;
-    return kr >= U->j0 + (long long)U->ns * SB;
+    return kr >= U->j0 + (long long)U->ns * SB ? stale_rows(J, U, T, 1, f32) : stale_rows(J, U, T, 0, f32);
+}
+
+/* Whether softmax_stale may take U: plain scores (bfloat16: scale > 0), every row of the block in the
+ * piece and seeing the step from its first key */
+static int stale_unit(const job_t *J, const unit_t *U, const int f32) {
+    if (U->pm || U->ps || J->cap != 0.0f || !(f32 || J->scale > 0.0f)) return 0;
+    return U->ra == U->B->i0 && U->rb == U->B->i0 + U->B->nr && U->P->k0 <= U->j0;
 }
 
 /* The online softmax of unit U, row by row, over the step's seen sub-blocks (16 keys a vector), in base
@@ -977,11 +929,13 @@ static inline __attribute__((always_inline)) void item(const job_t *J, long long
         unit_t U;
         U.sbuf = X->sbuf[0];
         U.pbuf = X->pbuf[0];
+        U.p32own = X->sbuf[1];  /* float32 runs one unit at a time: the ring's second S buffer is free */
         while (next_unit(J, &it, &U, blocks, nb, b, h)) {
             const int qa = (int)(U.ra - U.B->i0) / QR, qz = (int)(U.rb - U.B->i0 + QR - 1) / QR;
             for (int u = 0; u < U.ns; u++)
                 if (U.seen[u]) scores_f32(J, U.B, U.sbuf, u, kp + (size_t)(U.u0 + u) * kpack_size(J), qa, qz);
-            if (!(plain_unit(J, &U, 1) && softmax_plain(J, &U, NULL, 1))) softmax(J, &U, 1, NULL);
+            U.p32 = U.sbuf;  /* P in place of S, unless the one pass takes the unit */
+            if (!(stale_unit(J, &U, 1) && softmax_stale(J, &U, NULL, 1))) softmax(J, &U, 1, NULL);
             if (U.any) values_f32(J, &U, vp);
         }
     } else {
@@ -1005,8 +959,7 @@ static inline __attribute__((always_inline)) void item(const job_t *J, long long
                 T.s_next = 0;
                 /* a softcap's softmax ran 1.15x slower with the tile work between its rows (measured,
                  * 16k causal): it takes the tile work after it */
-                if (!(stale_unit(J, cur) && softmax_stale(J, cur, &T))
-                    && !(plain_unit(J, cur, 0) && softmax_plain(J, cur, &T, 0)))
+                if (!(stale_unit(J, cur, 0) && softmax_stale(J, cur, &T, 0)))
                     softmax(J, cur, 0, J->cap > 0.0f ? NULL : &T);
                 drain(&T);
                 T.v_unit = cur->any ? cur : NULL;  /* its P V beside the next unit's softmax */

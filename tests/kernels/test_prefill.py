@@ -212,8 +212,8 @@ def _assert_by_rule_with_bias(out, lse, q, k, v, bias, dt):
 def test_one_piece_anywhere_holds_the_rule(q0, rows, k0, keys, causal, seed, dt):
     """One piece of rows [q0, q0 + rows) over keys [k0, k0 + keys), causal or not, placed anywhere: a
     32-row block partly outside it, a diagonal that leads or lags the blocks and the 256-key steps
-    (bfloat16's one-pass softmax then meets rows that see no key of a step, and rows whose last keys
-    end inside a sub-block), and each row's first step seeded with the max of its first 32 keys (a
+    (the one-pass softmax then meets rows that see no key of a step, and rows whose last keys end
+    inside a sub-block), and each row's first step seeded with the max of its first 32 keys (a
     later key above it by more than 2^8 redoes the row). Rows outside the piece are 0 and -inf."""
     L, S = q0 + rows + 5, k0 + keys + 3
     q, k, v = _qkv(N=L, Nk=S, seed=seed, dt=dt)
@@ -267,13 +267,13 @@ def test_a_nan_or_infinite_score_reaches_its_row(bad, dt):
 
 @pytest.mark.parametrize("growth", ["flat", "rising", "steep", "late spikes"])
 def test_scores_that_rise_step_after_step_hold_the_rule(growth, dt):
-    """Past a row's first step of 256 keys, bfloat16 takes P against the running max as it stands and
-    redoes only the rows whose scores rise more than 2^8 above it (softmax_stale). Keys whose scores
-    grow from step to step, slowly (most rows stay under the threshold), steeply (every row goes over
-    it, some more than once) or in a spike at one late key per row, hold the rule and lse's bound
-    (float32, two passes every step, too). Measured on mutants of the kernel: "steep" and "late spikes"
-    fail one that never redoes a row (P overflows), "rising", "steep" and "late spikes" one that
-    forgets a redone row's alpha (O not rescaled); "flat" checks the one pass itself."""
+    """The one-pass softmax (softmax_stale, both dtypes) takes P against the running max as it stands
+    and redoes only the rows whose scores rise more than 2^8 above it. Keys whose scores grow from step
+    to step, slowly (most rows stay under the threshold), steeply (every row goes over it, some more
+    than once) or in a spike at one late key per row, hold the rule and lse's bound. Measured on
+    mutants of the kernel: "steep" and "late spikes" fail one that never redoes a row (P overflows),
+    "rising", "steep" and "late spikes" one that forgets a redone row's alpha (O not rescaled); "flat"
+    checks the one pass itself."""
     q, k, v = _qkv(N=96, Nk=1300, D=64, dt=dt)
     k = k.float()
     steps = torch.arange(1300) // 256
@@ -295,7 +295,7 @@ def test_scores_that_rise_step_after_step_hold_the_rule(growth, dt):
 @pytest.mark.parametrize("bad", ["nan k", "inf k"])
 def test_a_nan_or_infinite_score_in_a_later_step_reaches_its_row(bad, dt):
     """As test_a_nan_or_infinite_score_reaches_its_row, with the bad key in the third step of 256, where
-    bfloat16 takes its one-pass softmax: a NaN score makes its rows NaN, a +inf score (inf - inf in the
+    the kernel takes its one-pass softmax: a NaN score makes its rows NaN, a +inf score (inf - inf in the
     softmax) too, and a -inf score is a weight of 0, as in PyTorch's op."""
     q, k, v = _qkv(N=64, Nk=800, dt=dt)
     k = k.clone()
@@ -331,7 +331,7 @@ def test_a_row_that_one_key_dominates_gets_its_value_exactly(where, dt):
     """The same for rows that see whole steps of keys (the kernel's plain softmax: bfloat16 keeps S and
     scales it in the second pass): every other key's P underflows to 0 and the dominant one's is 1, so
     out is its value exactly, whether its step comes first or after others (7: in the first 32 keys,
-    the seed of bfloat16's first step; 100: past them, so that step's one pass redoes the row; 280: a
+    the seed of the first step; 100: past them, so that step's one pass redoes the row; 280: a
     step of 44 keys; 400: a whole later step, where the one pass redoes the row against its new max). A first
     version of that pass fused the scale into the subtraction and gave v (1 - 2e-7)."""
     nk = 300 if where < 300 else 600
