@@ -621,13 +621,13 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
         do[..., W - 1] = (-dlse).to(q.dtype)
     # Rows that saw no key anywhere have lse = -inf; every piece hides them, so any finite
     # stand-in gives P = 0 there, while -inf itself would make the op return NaN.
-    lse_safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).to(sd)
+    lse_safe = torch.nan_to_num(lse.to(sd), nan=math.nan, posinf=math.inf, neginf=0.0)
     memo: dict = {}
     pieces = _backward_pieces(plan, pb, q.shape[:2], k.shape[2], wide=q.dtype == sd, g=inp.g)
     single = _single_key_rows(inp, pieces, plan.tiles, pb, q, memo) if whole_rows else None
     if single is not None:  # those rows leave the op and are added exactly below: with lse huge,
         # P = exp(s - lse) = 0 for every key, so the op gives them dS = 0 and no dV (as dO = 0 would)
-        lse_safe = lse_safe.masked_fill(single[0], _OUT_OF_OP)
+        lse_safe.masked_fill_(single[0], _OUT_OF_OP)
     # A gradient with one piece: kept as the op returns it (16-bit too), single-key rows added
     # into it with one rounding per row they touch. Several: summed in sd.
     alone = len(pieces) == 1
@@ -853,10 +853,12 @@ def _trim(g, n, dtype):
 
 
 def _single_key_rows(inp: _Inputs, pieces, cache, pb: Problem, q, memo: dict):
-    """Rows that see exactly one key in the whole call: ``(is_single (B|1, Hq|1, Nq), (b, h, i, j))``,
-    row i of batch b and head h seeing only key j, or None when there are none. Kept in the plan's
-    cache beside its tiles (as they are: not with a score that reads tensors), since a small
-    backward (causal at 1k) spent ~0.4 ms finding causal's first row again on every call.
+    """Rows that see exactly one key in the whole call: ``(is_single (B|1, Hq|1, Nq), (b, h, i, j),
+    key_rows)``, row i of batch b and head h seeing only key j, or None when there are none;
+    ``key_rows`` the key-side rows ``(b, h // g, j)`` those terms add into, grouped for
+    :func:`_add_rows` (:func:`_row_groups`). Kept in the plan's cache beside its tiles (as they are:
+    not with a score that reads tensors), since a small backward (causal at 1k) spent ~0.4 ms
+    finding causal's first row again on every call, and ~0.3 ms more grouping its key rows.
 
     For such a row P = 1 exactly, so dS = P (dP - D) is 0 in exact arithmetic (dlse_i with an lse
     gradient), but the fused backward takes D = dO.O in another summation order than dP = dO.v and
@@ -890,9 +892,11 @@ def _single_key_rows(inp: _Inputs, pieces, cache, pb: Problem, q, memo: dict):
     found = None
     if bool(single.any()):
         b, h, i = torch.nonzero(single.expand(B, Hq, Nq), as_tuple=True)
-        found = single, (b, h, i, key.expand(B, Hq, Nq)[b, h, i])
+        j = key.expand(B, Hq, Nq)[b, h, i]
+        krows = (b, torch.div(h, inp.g, rounding_mode="floor"), j)
+        found = single, (b, h, i, j), (krows, _row_groups(krows, (B, Hq // inp.g, inp.k.shape[2])))
     if score is None or not score.tensors():
-        cache.put(at, (found,), 0 if found is None else single.numel() + 32 * found[1][0].numel())
+        cache.put(at, (found,), 0 if found is None else single.numel() + 96 * found[1][0].numel())  # 12 int64 indices a row
     return found
 
 
@@ -936,27 +940,38 @@ def _add_single_key_rows(single, q, k, dout, dlse, dq, dk, dv, scale: float, g: 
 
     The gradients may be the op's own 16-bit tensors (a one-piece plan): the rows' terms are then
     summed in float32 and each touched gradient row is rounded once more, not once per term."""
-    b, h, i, j = single[1]
-    hk = torch.div(h, g, rounding_mode="floor")
+    (b, h, i, j), (at_k, groups_k) = single[1], single[2]
     D, Dv = q.shape[-1], dout.shape[-1]
     sd = state_dtype(q.dtype)
-    _add_rows(dv[..., :Dv], (b, hk, j), dout[b, h, i].to(sd))
+    _add_rows(dv[..., :Dv], at_k, dout[b, h, i].to(sd), groups_k)
     if dlse is not None:
         w = (scale * dlse[b, h, i].to(sd)).unsqueeze(-1)
-        _add_rows(dq[..., :D], (b, h, i), w * k[b, hk, j].to(sd))
-        _add_rows(dk[..., :D], (b, hk, j), w * q[b, h, i].to(sd))
+        _add_rows(dq[..., :D], (b, h, i), w * k[at_k[0], at_k[1], j].to(sd))  # a query row once: no groups
+        _add_rows(dk[..., :D], at_k, w * q[b, h, i].to(sd), groups_k)
 
 
-def _add_rows(g, idx, terms) -> None:
-    """``g[idx] += terms`` row by row, with repeated indices summed; in g's dtype when it is the
-    terms', else the terms summed in theirs and each touched row of g rounded once."""
+def _row_groups(idx, shape):
+    """How :func:`_add_rows` sums terms for the rows ``idx`` = (b, h, n) of a gradient of ``shape``
+    (B, H, N) that repeat: ``(rows, where, n_rows)``, one (b, h, n) per distinct row and each term's
+    row among them; None when no row repeats (each term is its row's sum)."""
+    b, h, n = idx
+    flat = (b * shape[1] + h) * shape[2] + n
+    rows, where = torch.unique(flat, return_inverse=True)
+    if rows.numel() == flat.numel():
+        return None
+    first = torch.empty_like(rows).scatter_(0, where, torch.arange(flat.numel()))  # one (b, h, n) per row
+    return (b[first], h[first], n[first]), where, rows.numel()
+
+
+def _add_rows(g, idx, terms, groups=None) -> None:
+    """``g[idx] += terms`` row by row, with repeated indices summed (``groups``: their
+    :func:`_row_groups`, None when none repeats); in g's dtype when it is the terms', else the terms
+    summed in theirs and each touched row of g rounded once."""
     if g.dtype == terms.dtype:
         g.index_put_(idx, terms, accumulate=True)
         return
-    b, h, n = idx
-    flat = (b * g.shape[1] + h) * g.shape[2] + n
-    rows, where = torch.unique(flat, return_inverse=True)
-    sums = terms.new_zeros((rows.numel(), terms.shape[-1])).index_add_(0, where, terms)
-    first = torch.empty_like(rows).scatter_(0, where, torch.arange(flat.numel()))  # one (b, h, n) per row
-    at = (b[first], h[first], n[first])
+    at, sums = idx, terms
+    if groups is not None:
+        at, where, n_rows = groups
+        sums = terms.new_zeros((n_rows, terms.shape[-1])).index_add_(0, where, terms)
     g.index_put_(at, (g[at].to(terms.dtype) + sums).to(g.dtype))
