@@ -1,0 +1,158 @@
+/* What the bfloat16 prefill kernel (keyfold/kernels/prefill.c) can overlap on a CPU with AMX: the tile
+ * unit's products (tdpbf16ps) beside the AVX-512 softmax, and a Q K^T block's tile loads from L1 or L2.
+ * One core, timestamp counter cycles (not core cycles: compare rows with each other, not with a
+ * datasheet). Linux only (the tile registers are asked for with arch_prctl).
+ *
+ *   gcc -O2 -march=native benchmarks/amx_overlap.c -o /tmp/amx_overlap && /tmp/amx_overlap
+ *
+ * Rows:
+ *   tdp                 one tdpbf16ps (16 x 16 x 32) of four independent accumulators, operands in tiles
+ *   softmax row         16 vectors of scores from L1: y - m as one FMA, 2^x (degree 3, vreduceps and
+ *                       vscalefps), the row's sum, P rounded to bfloat16 and stored: the kernel's loop
+ *   row + k tdp         the row with k products issued before it: additive where both need the ports
+ *   chains + 4 tdp      64 FMAs in 4 dependent chains (latency-bound, ports idle) beside 4 products
+ *   Q K^T block         a 32 x 32 score block at head size 64 as scores_amx does it (8 tile loads, 8
+ *                       products, 4 tile stores) with K's 4 KiB in L1, or swept over 1 MiB (in L2), or
+ *                       swept with the next block's K prefetched a step ahead */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#include <immintrin.h>
+#include <stdint.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <x86intrin.h>
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg_t;
+
+static float scores[32 * 256] __attribute__((aligned(64)));
+static uint16_t probs[32 * 256] __attribute__((aligned(64)));
+
+static inline __m512 exp2_bf(__m512 x) {
+    const __m512 f = _mm512_reduce_ps(x, 0x09);
+    __m512 p = _mm512_set1_ps(7.706519961357117e-2f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.2764700651168823e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.951163411140442e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, x);
+}
+
+static inline __m512 softmax_row(int r, __m512 a, __m512 b) {
+    const float *s = scores + (r & 31) * 256;
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+    for (int u = 0; u < 8; u++) {
+        const __m512 p0 = exp2_bf(_mm512_fmsub_ps(_mm512_load_ps(s + 32 * u), a, b));
+        const __m512 p1 = exp2_bf(_mm512_fmsub_ps(_mm512_load_ps(s + 32 * u + 16), a, b));
+        s0 = _mm512_add_ps(s0, p0);
+        s1 = _mm512_add_ps(s1, p1);
+        _mm512_store_si512(probs + (r & 31) * 256 + 32 * u, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+    return _mm512_add_ps(s0, s1);
+}
+
+#define TDP4() do { _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7); } while (0)
+
+int main(void) {
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */)) {
+        puts("the OS did not grant the tile registers");
+        return 1;
+    }
+    tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+    const size_t nk = (size_t)1 << 19;  /* 1 MiB of bfloat16 keys: 256 blocks of 4 KiB */
+    uint16_t *K = aligned_alloc(64, nk * 2), *Q = aligned_alloc(64, 32 * 64 * 2);
+    float *S = aligned_alloc(64, 32 * 256 * 4);
+    for (size_t i = 0; i < nk; i++) K[i] = 0x3c00;
+    for (int i = 0; i < 32 * 64; i++) Q[i] = 0x3c00;
+    for (int i = 0; i < 32 * 256; i++) scores[i] = (float)(i % 97) * 0.01f;
+    _tile_loadd(4, Q, 128); _tile_loadd(5, Q, 128); _tile_loadd(6, K, 64); _tile_loadd(7, K, 64);
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    const int N = 20000;
+    const __m512 a = _mm512_set1_ps(1.1f), b = _mm512_set1_ps(3.0f);
+    const __m512 ca = _mm512_set1_ps(0.5f), cb = _mm512_set1_ps(1.0f);  /* chains x = x/2 + 1: toward 2 */
+    __m512 acc = _mm512_setzero_ps(), x0 = a, x1 = b, x2 = a, x3 = b;
+    unsigned long long t = __rdtsc();
+    for (int i = 0; i < N; i++) TDP4();
+    _tile_stored(0, S, 64);
+    const double tdp = (double)(__rdtsc() - t) / (4.0 * N);
+    printf("tdp                      %7.1f\n", tdp);
+    t = __rdtsc();
+    for (int i = 0; i < N; i++) acc = _mm512_add_ps(acc, softmax_row(i, a, b));
+    const double row = (double)(__rdtsc() - t) / N;
+    printf("softmax row (16 vectors) %7.1f\n", row);
+    for (int k = 1; k <= 8; k *= 2) {
+        t = __rdtsc();
+        for (int i = 0; i < N; i++) {
+            _tile_dpbf16ps(0, 4, 6);
+            if (k >= 2) _tile_dpbf16ps(1, 4, 7);
+            if (k >= 4) { _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7); }
+            if (k >= 8) TDP4();
+            acc = _mm512_add_ps(acc, softmax_row(i, a, b));
+        }
+        _tile_stored(0, S, 64);
+        printf("row + %d tdp              %7.1f   (in turn %.1f, the longer alone %.1f)\n", k,
+               (double)(__rdtsc() - t) / N, row + k * tdp, row > k * tdp ? row : k * tdp);
+    }
+    t = __rdtsc();
+    for (int i = 0; i < N; i++)
+        for (int j = 0; j < 16; j++) {
+            x0 = _mm512_fmadd_ps(x0, ca, cb); x1 = _mm512_fmadd_ps(x1, ca, cb);
+            x2 = _mm512_fmadd_ps(x2, ca, cb); x3 = _mm512_fmadd_ps(x3, ca, cb);
+        }
+    const double chains = (double)(__rdtsc() - t) / N;
+    t = __rdtsc();
+    for (int i = 0; i < N; i++) {
+        TDP4();
+        for (int j = 0; j < 16; j++) {
+            x0 = _mm512_fmadd_ps(x0, ca, cb); x1 = _mm512_fmadd_ps(x1, ca, cb);
+            x2 = _mm512_fmadd_ps(x2, ca, cb); x3 = _mm512_fmadd_ps(x3, ca, cb);
+        }
+    }
+    _tile_stored(0, S, 64);
+    printf("chains + 4 tdp           %7.1f   (in turn %.1f, the longer alone %.1f)\n", (double)(__rdtsc() - t) / N,
+           chains + 4 * tdp, chains > 4 * tdp ? chains : 4 * tdp);
+    static const char *where[3] = {"K in L1", "K swept over 1 MiB (L2)", "swept, next K prefetched"};
+    for (int pass = 0; pass < 3; pass++) {
+        t = __rdtsc();
+        for (int i = 0; i < N; i++) {
+            const uint16_t *k = K + (pass ? (size_t)(i % 256) * 2048 : 0);
+            if (pass == 2) {
+                const char *next = (const char *)(K + (size_t)((i + 1) % 256) * 2048);
+                for (int x = 0; x < 4096; x += 64) _mm_prefetch(next + x, _MM_HINT_T0);
+            }
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int c = 0; c < 2; c++) {
+                _tile_loadd(4, Q + 32 * c, 128);
+                _tile_loadd(5, Q + 16 * 64 + 32 * c, 128);
+                _tile_loadd(6, k + 2 * c * 512, 64);
+                _tile_loadd(7, k + (2 * c + 1) * 512, 64);
+                TDP4();
+            }
+            float *s = S + (i % 8) * 32;
+            _tile_stored(0, s, 1024); _tile_stored(1, s + 16, 1024);
+            _tile_stored(2, s + 16 * 256, 1024); _tile_stored(3, s + 16 * 256 + 16, 1024);
+        }
+        printf("Q K^T block, %-24s %7.1f\n", where[pass], (double)(__rdtsc() - t) / N);
+    }
+    _tile_release();
+    float sink[16];
+    _mm512_storeu_ps(sink, _mm512_add_ps(_mm512_add_ps(x0, x1), _mm512_add_ps(_mm512_add_ps(x2, x3), acc)));
+    printf("(checksum %g)\n", (double)sink[0] + S[5] + probs[3]);
+    free(K); free(Q); free(S);
+    return 0;
+}
+#else
+int main(void) {
+    puts("needs AMX-BF16 and AVX-512-BF16 on Linux, built with -march=native on such a CPU");
+    return 0;
+}
+#endif
