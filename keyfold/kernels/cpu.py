@@ -667,7 +667,7 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     dq, dk, dv = acc.grads
     del acc
     if single is not None:
-        _add_single_key_rows(single, q, k, dout, dlse, dq, dk, dv, pb.scale, inp.g)
+        _add_single_key_rows(single, q, k, dout, dlse, dq, dk, dv, pb.scale)
     dq = _trim(dq, D, gd)  # one at a time: a float32 sum is freed as soon as its cast exists
     dk = _trim(dk, D, gd)
     return dq, dk, _trim(dv, Dv, gd)
@@ -896,7 +896,7 @@ def _single_key_rows(inp: _Inputs, pieces, cache, pb: Problem, q, memo: dict):
         krows = (b, torch.div(h, inp.g, rounding_mode="floor"), j)
         found = single, (b, h, i, j), (krows, _row_groups(krows, (B, Hq // inp.g, inp.k.shape[2])))
     if score is None or not score.tensors():
-        cache.put(at, (found,), 0 if found is None else single.numel() + 96 * found[1][0].numel())  # 12 int64 indices a row
+        cache.put(at, (found,), 0 if found is None else single.numel() + 96 * found[1][0].numel())  # up to 12 int64 indices a row
     return found
 
 
@@ -934,19 +934,19 @@ def _seen(tile: _Tile, folded: bool, g: int, L: int, S: int):
     return seen
 
 
-def _add_single_key_rows(single, q, k, dout, dlse, dq, dk, dv, scale: float, g: int) -> None:
+def _add_single_key_rows(single, q, k, dout, dlse, dq, dk, dv, scale: float) -> None:
     """The exact gradients of rows with one visible key j (P = 1): dv_j += dO_i, and with an lse
     gradient dS = dlse_i, so dq_i += scale dlse_i k_j and dk_j += scale dlse_i q_i.
 
     The gradients may be the op's own 16-bit tensors (a one-piece plan): the rows' terms are then
     summed in float32 and each touched gradient row is rounded once more, not once per term."""
-    (b, h, i, j), (at_k, groups_k) = single[1], single[2]
+    (b, h, i, _), (at_k, groups_k) = single[1], single[2]
     D, Dv = q.shape[-1], dout.shape[-1]
     sd = state_dtype(q.dtype)
     _add_rows(dv[..., :Dv], at_k, dout[b, h, i].to(sd), groups_k)
     if dlse is not None:
         w = (scale * dlse[b, h, i].to(sd)).unsqueeze(-1)
-        _add_rows(dq[..., :D], (b, h, i), w * k[at_k[0], at_k[1], j].to(sd))  # a query row once: no groups
+        _add_rows(dq[..., :D], (b, h, i), w * k[at_k].to(sd))  # each query row once: no groups
         _add_rows(dk[..., :D], at_k, w * q[b, h, i].to(sd), groups_k)
 
 

@@ -135,7 +135,7 @@ static void item(const job_t *J, int w) {
                                             load16(kr + (size_t)i * 16 * es, dt, i == W - 1 ? tk : 0xFFFF), x);
                     t[j] = x;
                 }
-                _mm512_store_ps(&s[r][j0], _mm512_mul_ps(tree16(t, 0), scale));
+                _mm512_store_ps(&s[r][j0], _mm512_mul_ps(tree16(t), scale));
             }
         }
         kp += (size_t)nb * kstep;

@@ -13,11 +13,12 @@
  *   softmax       AVX-512 in float32: scale, softcap, mask, running max m, sum l, P = e^(y - m) as
  *                 2^((y - m) log2 e) (scores stay in base e: a mask of -3e38, HF's finfo.min,
  *                 would overflow to -inf in base 2); bfloat16's 2^x is a degree-3 polynomial, as P
- *                 is rounded to bfloat16 next (as FlashAttention-4 computes part of its 2^x); where
- *                 no mask tile applies, P is taken against the running max as it stands until a P
- *                 would pass 2^8 (FlashAttention-4's rescaling threshold: one pass over S, O
- *                 rescaled only when the max moves), a row's first step against the max of its
- *                 first 32 keys;
+ *                 is rounded to bfloat16 next (as FlashAttention-4 computes part of its 2^x). In
+ *                 both dtypes, where no mask tile, shift or softcap applies and a block's rows all
+ *                 see the step from its first key, P is taken against the running max as it stands
+ *                 until a P would pass 2^8 (FlashAttention-4's rescaling threshold: one pass over
+ *                 S, O rescaled only when the max moves), a row's first step against the max of
+ *                 its first 32 keys;
  *   O += P V      bfloat16: AMX, P rounded to bfloat16 (as PyTorch's and oneDNN's CPU kernels do), V
  *                 packed; float32: FMAs on 4 x 64 register tiles of O, P in float32;
  * with O rescaled by e^(m_old - m_new) in float32 between steps. So the pieces of one row are merged
@@ -34,6 +35,7 @@
  * bfloat16 needs AMX-BF16 in the build (-march=native on a CPU with it; else kf_prefill returns -3 for
  * it and keyfold keeps PyTorch's fused op). Linux lets a process use the tile registers once it has
  * asked (kf_prefill_init). */
+#include <float.h>
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -618,6 +620,9 @@ static inline __attribute__((always_inline)) void unit_close(unit_t *U, const fl
 /* How large P = e^(y - m) may grow against a row's running max m before the max moves: 2^8, far inside
  * bfloat16's exponent range (and l's, in float32) */
 #define STALE_P 256.0f
+/* The largest running max the one pass takes: m log2 e must not overflow (past it, every P of the
+ * row would be 0); the general softmax, in base e, takes larger ones */
+#define STALE_M (FLT_MAX / LOG2E)
 
 /* P of row r over the first e keys of the step's ns sub-blocks (lanes past them 0; the first `full`
  * sub-blocks are whole), stored; returns its sum in 16 lanes. `exact`: (S - smax) c, exactly 0 at the
@@ -665,9 +670,10 @@ static inline __attribute__((always_inline)) __m512 stale_row(unit_t *U, int r, 
  * other row keeps alpha = 1, so O is not rescaled for it. A row's first step has no running max yet:
  * it is seeded with the max of the step's first 32 keys it sees, so first steps and the diagonal take
  * one pass too. float32 writes P to a buffer of its own (p32own), as a redone row reads its S again.
- * Returns 0, having changed nothing, when a running max is NaN or +inf or a seed is not finite: the
- * general softmax takes the unit. A NaN or infinite score met later still makes its row NaN: NaN
- * reaches the sum, +inf rises above any max and its redo gives inf - inf. */
+ * Returns 0, having changed nothing, when a running max or a seed is NaN, infinite or past STALE_M:
+ * the general softmax takes the unit. A NaN or infinite score met later still makes its row NaN:
+ * NaN reaches the sum, +inf rises above any max and its redo gives inf - inf, and a redo whose max
+ * of y = S scale overflows sets the row NaN, as the general softmax does. */
 static inline __attribute__((always_inline)) int stale_rows(const job_t *J, unit_t *U, tasks_t *T, const int all,
                                                             const int f32) {
     rows_t *B = U->B;
@@ -691,12 +697,12 @@ static inline __attribute__((always_inline)) int stale_rows(const job_t *J, unit
         const float m = B->m[r];
         if (m == -INFINITY && end[r] > 0) {  /* the row's first keys: the seed */
             const float *pr = U->sbuf + r * KB;
-            const __m512 x = _mm512_mask_max_ps(_mm512_mask_load_ps(ninf, lanes(0, end[r]), pr), lanes(0, end[r] - 16),
-                                                ninf, _mm512_load_ps(pr + 16));
+            const __m512 x0 = _mm512_mask_load_ps(ninf, lanes(0, end[r]), pr);
+            const __m512 x = _mm512_mask_max_ps(x0, lanes(0, end[r] - 16), x0, _mm512_load_ps(pr + 16));
             seed[r] = _mm512_reduce_max_ps(x);  /* of S; the row's max of y is seed sc */
-            if (!(fabsf(seed[r] * sc) < INFINITY)) return 0;
+            if (!(fabsf(seed[r] * sc) < STALE_M)) return 0;
             fresh |= 1u << r;
-        } else if (isnan(m) || m == INFINITY) {
+        } else if (m != -INFINITY && !(fabsf(m) < STALE_M)) {  /* NaN, +inf or too large */
             return 0;
         }
     }
@@ -740,6 +746,12 @@ static inline __attribute__((always_inline)) int stale_rows(const job_t *J, unit
             mx = _mm512_mask_max_ps(mx, lanes(0, e - SB * u - 16), mx, _mm512_load_ps(pr + SB * u + 16));
         }
         const float smax = _mm512_reduce_max_ps(mx), mn = smax * sc;
+        if (!(fabsf(mn) < INFINITY)) {  /* y = S scale overflows: the row is NaN, as in the general
+                                         * softmax (and PyTorch's op) */
+            B->m[r] = dm[r] = NAN;
+            _mm512_store_ps(rs + 16 * r, _mm512_set1_ps(NAN));
+            continue;
+        }
         dm[r] += B->m[r] - mn;  /* a seeded row's stays -inf */
         B->m[r] = mn;
         /* (S - smax) scale log2 e: exactly 0 at the max, P = 1 */

@@ -28,21 +28,19 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);  /* NaN stays NaN */
 }
 
-/* Lane j of the result = the sum (max: 0) or the maximum (max: 1) of t[j]'s lanes: a transpose-and-reduce
- * tree, 15 shuffle-and-reduce steps for 16 vectors instead of 16 horizontal reductions. */
-static inline __m512 tree16(const __m512 *t, const int max) {
-#define KF_RED(a, b) (max ? _mm512_max_ps((a), (b)) : _mm512_add_ps((a), (b)))
+/* Lane j of the result = the sum of t[j]'s lanes: a transpose-and-add tree, 15 shuffle-and-add steps
+ * for 16 vectors instead of 16 horizontal sums. */
+static inline __m512 tree16(const __m512 *t) {
     __m512 a[8], b[4], c[2];
     for (int i = 0; i < 8; i++)
-        a[i] = KF_RED(_mm512_unpacklo_ps(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_ps(t[2 * i], t[2 * i + 1]));
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_ps(t[2 * i], t[2 * i + 1]));
     for (int i = 0; i < 4; i++) {
         __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-        b[i] = KF_RED(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
     }
     for (int i = 0; i < 2; i++)
-        c[i] = KF_RED(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-    return KF_RED(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-#undef KF_RED
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
 /* the first n lanes of 16 */

@@ -315,6 +315,55 @@ def test_a_nan_or_infinite_score_in_a_later_step_reaches_its_row(bad, dt):
     assert_lse_close(lse[fine], ref.lse[fine], dt)
 
 
+def _spiked(dt, where, value, Nk=400):
+    """Rows whose scores (S = q.k, before the scale) are value at the keys in ``where`` and about
+    1e19 times N(0, 1) elsewhere: q is 1e19 in its first dimension, 0 in the rest."""
+    q, k, v = _qkv(N=8, Nk=Nk, D=64, dt=dt)
+    q = torch.zeros_like(q)
+    q[..., 0] = 1e19
+    k = k.clone()
+    for j in where:
+        k[:, :, j, 0] = value / 1e19
+    return q, k, v
+
+
+def test_scores_near_the_float32_limit_keep_every_key(dt):
+    """Two keys that score 2.5e38 (scale 1) share the rows' weight, one in the first step and one in
+    the second. m log2 e overflows past 2.36e38, so the one-pass softmax leaves such a row to the
+    general one (base e); a one pass that kept it gave every P after the first step 0, the first
+    key's value alone (float32 and bfloat16 alike)."""
+    q, k, v = _spiked(dt, [0, 300], 2.5e38)
+    out, lse = native.prefill(q, k, v, 1.0, [native.piece_row(0, 8, 0, 400, False)])
+    want = (v[:, :, 0].float() + v[:, :, 300].float()) / 2
+    torch.testing.assert_close(out, want[:, :, None].expand_as(out), atol=1e-2 if dt is BF16 else 1e-6, rtol=0)
+    assert bool(torch.isfinite(lse).all()) and bool((lse > 2.4e38).all())
+
+
+def test_scores_further_apart_than_float32s_range_take_the_largest(dt):
+    """Every key scores -1e38 but key 100, 2e38 (scale 1): y - m against the first step's seed is
+    3e38, 4.3e38 in log2 units, past float32's range: 2^x is +inf (vreduceps gives 0 for +inf,
+    vscalefps 2^+inf), which sends the row to its redo against its own max: out is key 100's value
+    exactly and lse 2e38."""
+    q, k, v = _spiked(dt, [], 0.0)
+    k[:, :, :, 0] = -1e19
+    k[:, :, 100, 0] = 2e19
+    out, lse = native.prefill(q, k, v, 1.0, [native.piece_row(0, 8, 0, 400, False)])
+    assert torch.equal(out, v[:, :, 100:101].float().expand_as(out))
+    s = (q[0, 0, 0, 0].double() * k[0, 0, 100, 0].double()).item()
+    torch.testing.assert_close(lse.double(), torch.full(lse.shape, s, dtype=torch.double), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("where", [5, 100])
+def test_a_score_whose_scaled_value_overflows_makes_its_row_nan(where, dt):
+    """S = 2e38 is finite, y = S scale with scale 3 is not: the row is NaN (out and lse), as in
+    PyTorch's op and the kernel's general softmax, whether the key is among the first 32 a row's
+    first step is seeded with (5) or past them (100). A first one pass redid the row against y =
+    +inf and gave lse +inf beside a finite out."""
+    q, k, v = _spiked(dt, [where], 2e38, Nk=200)  # one step: no later step to turn the row NaN
+    out, lse = native.prefill(q, k, v, 3.0, [native.piece_row(0, 8, 0, 200, False)])
+    assert bool(torch.isnan(lse).all()) and bool(torch.isnan(out).all())
+
+
 @pytest.mark.parametrize("score", [None, "softcap", "alibi"])
 def test_a_row_with_one_key_gets_its_value_exactly(score, dt):
     """Its P is 1 exactly (the row's largest score minus the max is exactly 0, and 2^0 = 1 in the
