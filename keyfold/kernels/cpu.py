@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..planner import Piece, PieceKind, Plan, _plan
+from ..planner import Piece, PieceKind, Plan, _causal_area, _plan
 from ..state import State, empty_state, merge_all, merge_into, state_dtype
 from . import native
 from ._common import NEG_INF, Problem, cpu_flags, empty_rows, positions, softcap_cap, visible
@@ -714,9 +714,10 @@ def _backward_pieces(plan: Plan, pb: Problem, BH: tuple[int, int], Nk: int, wide
             return pieces
         hull = Piece(min(p.q0 for p in pieces), max(p.q1 for p in pieces),
                      min(p.k0 for p in pieces), max(p.k1 for p in pieces), PieceKind.MASKED)
-        area = (hull.q1 - hull.q0) * (hull.k1 - hull.k0)
+        area = hull.area
         copies = BH[1] if _bias_needed(pb) else g  # the mask's elements per pair, at most
-        if area <= JOIN_AREA and area * copies <= 8 * JOIN_AREA and 2 * sum(_area(p) for p in pieces) >= area:
+        computed = sum(_causal_area(p) if p.kind is PieceKind.CAUSAL else p.area for p in pieces)
+        if area <= JOIN_AREA and area * copies <= 8 * JOIN_AREA and 2 * computed >= area:
             return [hull]
         return pieces
     cap = max(BACKWARD_SPAN, Nk // 8)
@@ -737,12 +738,6 @@ _OP_ROWS, _OP_KEYS = 256, 512
 JOIN_SPAN = 1024
 #: Most pairs of the one masked piece a small, dense plan's 16-bit backward runs as (see below)
 JOIN_AREA = 1024 * 1024
-
-
-def _area(p: Piece) -> int:
-    """Pairs a piece's call computes (a causal one about half its rectangle)."""
-    full = (p.q1 - p.q0) * (p.k1 - p.k0)
-    return full // 2 if p.kind is PieceKind.CAUSAL else full
 
 
 def _joined(pieces):

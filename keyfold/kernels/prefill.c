@@ -624,40 +624,34 @@ static inline __attribute__((always_inline)) void unit_close(unit_t *U, const fl
  * row would be 0); the general softmax, in base e, takes larger ones */
 #define STALE_M (FLT_MAX / LOG2E)
 
+/* Sub-block u of stale_row: P on the lanes k0 (keys 0-15) and k1 (16-31), stored, added to s0, s1 */
+static inline __attribute__((always_inline)) void stale_sub(unit_t *U, int r, const float *pr, int u, __mmask16 k0,
+                                                            __mmask16 k1, __m512 a, __m512 b, __m512 c,
+                                                            const int exact, const int f32, __m512 *s0, __m512 *s1) {
+    __m512 x0 = _mm512_fmsub_ps(_mm512_load_ps(pr + SB * u), a, b);
+    __m512 x1 = _mm512_fmsub_ps(_mm512_load_ps(pr + SB * u + 16), a, b);
+    if (exact) {
+        x0 = _mm512_mul_ps(x0, c);
+        x1 = _mm512_mul_ps(x1, c);
+    }
+    const __m512 p0 = exp2_p(k0, x0, f32), p1 = exp2_p(k1, x1, f32);
+    *s0 = _mm512_add_ps(*s0, p0);
+    *s1 = _mm512_add_ps(*s1, p1);
+    store_p(U, r, u, p0, p1, f32);
+}
+
 /* P of row r over the first e keys of the step's ns sub-blocks (lanes past them 0; the first `full`
- * sub-blocks are whole), stored; returns its sum in 16 lanes. `exact`: (S - smax) c, exactly 0 at the
- * max (P = 1); else S c - b in one FMA */
+ * sub-blocks are whole, and take no lane masks), stored; returns its sum in 16 lanes. `exact`:
+ * (S - smax) c, exactly 0 at the max (P = 1); else S c - b in one FMA */
 static inline __attribute__((always_inline)) __m512 stale_row(unit_t *U, int r, const float *pr, int e, int full,
                                                               int ns, __m512 c, __m512 b, const int exact,
                                                               const int f32) {
-    const __m512 one = _mm512_set1_ps(1.0f), a = exact ? one : c;
+    const __m512 a = exact ? _mm512_set1_ps(1.0f) : c;
     __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
     int u = 0;
-    for (; u < full; u++) {
-        __m512 x0 = _mm512_fmsub_ps(_mm512_load_ps(pr + SB * u), a, b);
-        __m512 x1 = _mm512_fmsub_ps(_mm512_load_ps(pr + SB * u + 16), a, b);
-        if (exact) {
-            x0 = _mm512_mul_ps(x0, c);
-            x1 = _mm512_mul_ps(x1, c);
-        }
-        const __m512 p0 = exp2_p(0xFFFF, x0, f32), p1 = exp2_p(0xFFFF, x1, f32);
-        s0 = _mm512_add_ps(s0, p0);
-        s1 = _mm512_add_ps(s1, p1);
-        store_p(U, r, u, p0, p1, f32);
-    }
-    for (; u < ns; u++) {  /* the diagonal's sub-block, then those past the row's last key: P = 0 */
-        const int x = e - SB * u;
-        __m512 x0 = _mm512_fmsub_ps(_mm512_load_ps(pr + SB * u), a, b);
-        __m512 x1 = _mm512_fmsub_ps(_mm512_load_ps(pr + SB * u + 16), a, b);
-        if (exact) {
-            x0 = _mm512_mul_ps(x0, c);
-            x1 = _mm512_mul_ps(x1, c);
-        }
-        const __m512 p0 = exp2_p(lanes(0, x), x0, f32), p1 = exp2_p(lanes(0, x - 16), x1, f32);
-        s0 = _mm512_add_ps(s0, p0);
-        s1 = _mm512_add_ps(s1, p1);
-        store_p(U, r, u, p0, p1, f32);
-    }
+    for (; u < full; u++) stale_sub(U, r, pr, u, 0xFFFF, 0xFFFF, a, b, c, exact, f32, &s0, &s1);
+    for (; u < ns; u++)  /* the diagonal's sub-block, then those past the row's last key: P = 0 */
+        stale_sub(U, r, pr, u, lanes(0, e - SB * u), lanes(0, e - SB * u - 16), a, b, c, exact, f32, &s0, &s1);
     return _mm512_add_ps(s0, s1);
 }
 
