@@ -941,7 +941,7 @@ static inline __attribute__((always_inline)) void item(const job_t *J, long long
             const int live = r < B->nr;
             if (f32) {  /* float32 q times the scale: S is y (one rounding, as in q's product) */
                 float *dst = (float *)B->qbuf + r * Dp;
-                const float *src = (const float *)q + r * J->sqn;
+                const float *src = (const float *)q + (live ? r : 0) * J->sqn;  /* never past q */
                 for (int d = 0; d < Dp; d += 16) {
                     const __mmask16 k = first(Dp - d);  /* Dp = D in float32 */
                     const __mmask16 in = live ? k : 0;
@@ -950,7 +950,7 @@ static inline __attribute__((always_inline)) void item(const job_t *J, long long
                 }
             } else {
                 uint16_t *dst = (uint16_t *)B->qbuf + r * Dp;
-                const uint16_t *src = (const uint16_t *)q + r * J->sqn;
+                const uint16_t *src = (const uint16_t *)q + (live ? r : 0) * J->sqn;
                 for (int d = 0; d < Dp; d += 32) {
                     const int n = J->D - d;
                     const __mmask32 k = !live || n <= 0 ? 0 : n >= 32 ? 0xFFFFFFFFu : (__mmask32)(0xFFFFFFFFu >> (32 - n));
