@@ -848,8 +848,8 @@ def _trim(g, n, dtype):
 
 
 def _single_key_rows(inp: _Inputs, pieces, cache, pb: Problem, q, memo: dict):
-    """Rows that see exactly one key in the whole call: ``(is_single (B|1, Hq|1, Nq), (b, h, i, j),
-    key_rows)``, row i of batch b and head h seeing only key j, or None when there are none;
+    """Rows that see exactly one key in the whole call: ``(is_single (B|1, Hq|1, Nq), (b, h, i),
+    key_rows)``, row i of batch b and head h seeing only one key j, or None when there are none;
     ``key_rows`` the key-side rows ``(b, h // g, j)`` those terms add into, grouped for
     :func:`_add_rows` (:func:`_row_groups`). Kept in the plan's cache beside its tiles (as they are:
     not with a score that reads tensors), since a small backward (causal at 1k) spent ~0.4 ms
@@ -889,9 +889,9 @@ def _single_key_rows(inp: _Inputs, pieces, cache, pb: Problem, q, memo: dict):
         b, h, i = torch.nonzero(single.expand(B, Hq, Nq), as_tuple=True)
         j = key.expand(B, Hq, Nq)[b, h, i]
         krows = (b, torch.div(h, inp.g, rounding_mode="floor"), j)
-        found = single, (b, h, i, j), (krows, _row_groups(krows, (B, Hq // inp.g, inp.k.shape[2])))
+        found = single, (b, h, i), (krows, _row_groups(krows, (B, Hq // inp.g, inp.k.shape[2])))
     if score is None or not score.tensors():
-        cache.put(at, (found,), 0 if found is None else single.numel() + 96 * found[1][0].numel())  # up to 12 int64 indices a row
+        cache.put(at, (found,), 0 if found is None else single.numel() + 80 * found[1][0].numel())  # up to 10 int64 indices a row
     return found
 
 
@@ -935,7 +935,7 @@ def _add_single_key_rows(single, q, k, dout, dlse, dq, dk, dv, scale: float) -> 
 
     The gradients may be the op's own 16-bit tensors (a one-piece plan): the rows' terms are then
     summed in float32 and each touched gradient row is rounded once more, not once per term."""
-    (b, h, i, _), (at_k, groups_k) = single[1], single[2]
+    (b, h, i), (at_k, groups_k) = single[1], single[2]
     D, Dv = q.shape[-1], dout.shape[-1]
     sd = state_dtype(q.dtype)
     _add_rows(dv[..., :Dv], at_k, dout[b, h, i].to(sd), groups_k)

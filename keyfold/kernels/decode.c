@@ -62,7 +62,7 @@ static inline __m512 load16(const char *p, int dtype, __mmask16 k) {
 static inline __m512 dot_bf16(const uint16_t *q, const char *k, int D) {
     __m512 x = _mm512_setzero_ps();
     for (int d = 0; d < D; d += 32) {
-        const __mmask32 m = D - d >= 32 ? 0xFFFFFFFFu : (__mmask32)(0xFFFFFFFFu >> (32 - (D - d)));
+        const __mmask32 m = first32(D - d);
         x = _mm512_dpbf16_ps(x, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_maskz_loadu_epi16(m, k + 2 * d));
     }
     return x;

@@ -744,8 +744,7 @@ static inline __attribute__((always_inline)) int stale_rows(const job_t *J, unit
         } else {
             /* y - m in log2 units as S (scale log2 e) - m log2 e, one FMA: not exact at any key, which
              * no row needs here (P's relative error from it is |y| 2^-24, against bfloat16's 2^-9) */
-            sum = all ? stale_row(U, r, pr, e, ns, ns, a, _mm512_set1_ps(B->m[r] * LOG2E), 0, f32)
-                      : stale_row(U, r, pr, e, full, ns, a, _mm512_set1_ps(B->m[r] * LOG2E), 0, f32);
+            sum = stale_row(U, r, pr, e, full, ns, a, _mm512_set1_ps(B->m[r] * LOG2E), 0, f32);
         }
         _mm512_store_ps(rs + 16 * r, sum);
         /* a P above 2^8 makes its lane's sum so; a lane's 16 P's summing past it otherwise is rare,
@@ -952,8 +951,7 @@ static inline __attribute__((always_inline)) void item(const job_t *J, long long
                 uint16_t *dst = (uint16_t *)B->qbuf + r * Dp;
                 const uint16_t *src = (const uint16_t *)q + (live ? r : 0) * J->sqn;
                 for (int d = 0; d < Dp; d += 32) {
-                    const int n = J->D - d;
-                    const __mmask32 k = !live || n <= 0 ? 0 : n >= 32 ? 0xFFFFFFFFu : (__mmask32)(0xFFFFFFFFu >> (32 - n));
+                    const __mmask32 k = live ? first32(J->D - d) : 0;
                     _mm512_storeu_si512(dst + d, _mm512_maskz_loadu_epi16(k, src + d));
                 }
             }

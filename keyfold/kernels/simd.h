@@ -45,5 +45,9 @@ static inline __m512 tree16(const __m512 *t) {
 
 /* the first n lanes of 16 */
 static inline __mmask16 first(int n) { return n >= 16 ? 0xFFFF : (__mmask16)(0xFFFFu >> (16 - n)); }
+/* the first n lanes of 32 (16-bit elements); none for n <= 0 */
+static inline __mmask32 first32(int n) {
+    return n <= 0 ? 0 : n >= 32 ? 0xFFFFFFFFu : (__mmask32)(0xFFFFFFFFu >> (32 - n));
+}
 
 #endif

@@ -182,7 +182,7 @@ def test_single_key_rows_are_kept_per_score():
     hide = _HideAllButSelf(20)
     scored = cpu._single_key_rows(inp, pieces, plan.tiles, Problem(mask, hide, 0.25, 0, 0), q, {})
     assert scored is not None
-    b, h, i, j = scored[1]
+    (b, h, i), ((_, _, j), _) = scored[1], scored[2]  # each row's key, from its key-side row
     assert sorted(set(i.tolist())) == list(range(20)) and torch.equal(i, j)
     assert cpu._single_key_rows(inp, pieces, plan.tiles, Problem(mask, None, 0.25, 0, 0), q, {}) is plain
 
