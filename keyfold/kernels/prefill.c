@@ -322,10 +322,11 @@ typedef struct {
     float alpha[QB] __attribute__((aligned(64)));
 } unit_t;
 
-#define RING 3  /* bfloat16: units in flight (P V of one, softmax of the next, Q K^T of the one after) */
-/* bfloat16: rows of softmax between two tasks of tile work. Every 4 rows (8 tasks a unit: about the Q K^T
- * of the next unit, its P V left for after the softmax) took 0.90-0.94x the time of every 3 on dense
- * and causal at 4k and 16k; every 2, 1.01-1.02x; every 6 or 8, 0.93x; every 16, 0.95-0.98x. */
+#define RING 2  /* bfloat16: units in flight (softmax and P V of one, Q K^T of the next) */
+/* bfloat16: rows of softmax between two tasks of tile work. Every 4 rows (8 tasks a unit: the Q K^T of
+ * the next unit) took 0.90-0.94x the time of every 3 on dense and causal at 4k and 16k; every 2,
+ * 1.01-1.02x; every 6 or 8, 0.93x; every 16, 0.95-0.98x (measured while the previous unit's P V was
+ * queued here too; since it runs after the softmax, every 3 or 6 rows: 0.96-1.03x, noise). */
 #define PUMP_ROWS 4
 
 /* A thread's scratch: a ring of S and P buffers. */
@@ -438,12 +439,15 @@ static void values_amx(const job_t *J, const unit_t *U, const char *vp, int jc) 
     _tile_stored(3, o + 16 * Dvp + 16 * jc + 16, Dvp * 4);
 }
 
-/* The tile work queued between the rows of a unit's softmax: Q K^T of the next unit, sub-block by
- * sub-block, and O = O alpha + P V of the previous one, 32 columns at a time. One task a call of pump.
- * Meant as software pipelining, the tile unit multiplying while the vector units run the softmax; on
- * the Intel Xeon measured the two do not overlap (in isolation 8 tile products of a 32 x 32 block took
- * 60 ns, its softmax 109-116 ns, and the two interleaved 205-225 ns), yet interleaving took 0.92-0.95x
- * the time of the tile work run apart. */
+/* The tile work of the bfloat16 pipeline: Q K^T of the next unit, sub-block by sub-block, queued between
+ * the rows of a unit's softmax, and O = O alpha + P V of the unit itself, 32 columns at a time, right
+ * after its softmax, while its P (16 KiB) is still in L1. (P V of the unit before, its P back from L2,
+ * beside the next softmax: 1.02-1.05x the time at 4k dense and causal, 1.04x at 16k causal; all of the
+ * tile work after the softmax, none beside it: 1.07x.) One task a call of pump. Meant as software
+ * pipelining, the tile unit multiplying while the vector units run the softmax; on the Intel Xeon
+ * measured the two do not overlap (in isolation 8 tile products of a 32 x 32 block took 60 ns, its
+ * softmax 109-116 ns, and the two interleaved 205-225 ns), yet interleaving took 0.92-0.95x the time of
+ * the tile work run apart. */
 typedef struct {
     const job_t *J;
     const char *kp, *vp;
@@ -903,8 +907,8 @@ static inline __attribute__((always_inline)) void softmax(const job_t *J, unit_t
     if (any) unit_close(U, dm, rs, f32);
 }
 
-/* A thread's scratch, from the heap (about 260-290 KiB at head size 64, 670 KiB at 256: more than a small
- * thread stack holds): the ring of step buffers, then each block's q and O. */
+/* A thread's scratch, from the heap (about 210-240 KiB at head size 64, 500-620 KiB at 256: more than a
+ * small thread stack holds): the ring of step buffers, then each block's q and O. */
 static size_t scratch_bytes(const job_t *J) {
     return sizeof(scratch_t) + (size_t)G * QB * (J->Dp * (J->f32 ? sizeof(float) : sizeof(uint16_t))
                                                  + (J->Dvp + 16) * sizeof(float));
@@ -978,7 +982,7 @@ static inline __attribute__((always_inline)) void item(const job_t *J, long long
         }
     } else {
 #ifdef KF_AMX
-        /* pipelined: the softmax of unit i runs beside Q K^T of unit i + 1 and P V of unit i - 1 */
+        /* pipelined: the softmax of unit i runs beside Q K^T of unit i + 1; its P V follows it */
         unit_t ring[RING];
         for (int t = 0; t < RING; t++) {
             ring[t].sbuf = X->sbuf[t];
@@ -1000,12 +1004,12 @@ static inline __attribute__((always_inline)) void item(const job_t *J, long long
                 if (!(stale_unit(J, cur, 0) && softmax_stale(J, cur, &T, 0)))
                     softmax(J, cur, 0, J->cap > 0.0f ? NULL : &T);
                 drain(&T);
-                T.v_unit = cur->any ? cur : NULL;  /* its P V beside the next unit's softmax */
+                T.v_unit = cur->any ? cur : NULL;  /* its P V now, its P still in L1 */
                 T.v_next = 0;
+                drain(&T);
                 if (!more) break;
                 t = (t + 1) % RING;
             }
-            drain(&T);
         }
 #endif
     }
