@@ -58,7 +58,7 @@
 #define SB 32          /* keys per sub-block: one tile step, the unit packed and skipped */
 #define NS 8           /* sub-blocks per block of the online softmax */
 #define KB (SB * NS)   /* keys per step of the online softmax */
-#define G 8            /* blocks of QB rows per work item (8: 0.86-1.01x the time of 4 at 4k-16k, keys and values read once for 256 rows) */
+#define GMAX 16        /* most blocks of QB rows per work item (job_t.G) */
 #define MAXD 256       /* largest head size (q, k and v) */
 #define TILE 512       /* bfloat16 elements in one 16 x 64-byte tile */
 #define QR 8           /* float32: query rows of one Q K^T register tile (8 x 32 scores) */
@@ -94,6 +94,9 @@ typedef struct {
     void *out;                                              /* (B, Hq, L, Dv) bfloat16 or float32 */
     float *lse;                                             /* (B, Hq, L) */
     char *kp, *vp;                                          /* packed keys and values */
+    int G;  /* blocks of QB rows per work item: 16 where that leaves 4 items a thread (keys and values
+             * read once for 512 rows; bfloat16 0.95-0.96x the time of 8 at 16k dense and causal,
+             * 0.99-1.01x at 1k-4k), else 8 (0.86-1.01x the time of 4 at 4k-16k) */
 } job_t;
 
 typedef struct {
@@ -910,7 +913,7 @@ static inline __attribute__((always_inline)) void softmax(const job_t *J, unit_t
 /* A thread's scratch, from the heap (about 210-240 KiB at head size 64, 500-620 KiB at 256: more than a
  * small thread stack holds): the ring of step buffers, then each block's q and O. */
 static size_t scratch_bytes(const job_t *J) {
-    return sizeof(scratch_t) + (size_t)G * QB * (J->Dp * (J->f32 ? sizeof(float) : sizeof(uint16_t))
+    return sizeof(scratch_t) + (size_t)J->G * QB * (J->Dp * (J->f32 ? sizeof(float) : sizeof(uint16_t))
                                                  + (J->Dvp + 16) * sizeof(float));
 }
 
@@ -920,6 +923,7 @@ static size_t scratch_bytes(const job_t *J) {
  * pipelines its units (see tasks_t); float32 runs each in turn (its products and its softmax share
  * the vector units). `mem`: the thread's scratch_bytes(J), 64-byte aligned. */
 static inline __attribute__((always_inline)) void item(const job_t *J, long long w, char *mem, const int f32) {
+    const int G = J->G;
     const long long nqg = (J->nqb + G - 1) / G, qg = w % nqg, bh = w / nqg;
     const int b = (int)(bh / J->Hq), h = (int)(bh % J->Hq), hk = h / (J->Hq / J->Hkv);
     const int Dp = J->Dp, Dvp = J->Dvp;
@@ -928,7 +932,7 @@ static inline __attribute__((always_inline)) void item(const job_t *J, long long
     char *qbuf = mem + sizeof(scratch_t);                             /* G blocks of QB x Dp */
     float *acc = (float *)(qbuf + (size_t)G * QB * Dp * qsize);      /* G blocks of QB x Dvp */
     float *lbuf = acc + (size_t)G * QB * Dvp;                         /* G blocks of QB x 16 */
-    rows_t blocks[G];
+    rows_t blocks[GMAX];
     int nb = 0;
     for (int g = 0; g < G; g++) {
         const long long i0 = (qg * G + g) * QB;
@@ -1074,7 +1078,7 @@ int kf_prefill(const void *q, const void *k, const void *v, int dtype,
     job_t J = {q, k, v, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, B, Hq, Hkv, D, Dv,
                f32 ? D : (D + 31) / 32 * 32, f32 ? (Dv + 15) / 16 * 16 : (Dv + 31) / 32 * 32,
                (D + 31) / 32, (Dv + 31) / 32 * 2, L, S, (L + QB - 1) / QB, (S + SB - 1) / SB, scale, cap, pieces,
-               np, out_bf16, f32, out, lse, NULL, NULL};
+               np, out_bf16, f32, out, lse, NULL, NULL, 0};
     const long long blocks = (long long)B * Hkv * J.nkb;
     /* only the key blocks some piece reads are packed (a window over a long cache reads the window's):
      * the rest of the buffers is never touched, so the OS never maps it */
@@ -1084,8 +1088,9 @@ int kf_prefill(const void *q, const void *k, const void *v, int dtype,
     if (!need || !J.kp || !J.vp) { free(need); free(J.kp); free(J.vp); return -2; }
     for (int i = 0; i < np; i++)
         for (long long u = pieces[i].k0 / SB; u * SB < pieces[i].k1; u++) need[u] = 1;
-    const long long items = (long long)B * Hq * ((J.nqb + G - 1) / G);
     if (threads < 1) threads = 1;
+    J.G = (long long)B * Hq * ((J.nqb + 15) / 16) >= 4LL * threads ? 16 : 8;
+    const long long items = (long long)B * Hq * ((J.nqb + J.G - 1) / J.G);
     const size_t per = (scratch_bytes(&J) + 63) / 64 * 64;
     char *scratch = aligned_alloc(64, per * (size_t)threads);
     if (!scratch) { free(need); free(J.kp); free(J.vp); return -2; }
