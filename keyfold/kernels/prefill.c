@@ -325,17 +325,18 @@ typedef struct {
     float alpha[QB] __attribute__((aligned(64)));
 } unit_t;
 
-#define RING 2  /* bfloat16: units in flight (softmax and P V of one, Q K^T of the next) */
-/* bfloat16: rows of softmax between two tasks of tile work. Every 4 rows (8 tasks a unit: the Q K^T of
- * the next unit) took 0.90-0.94x the time of every 3 on dense and causal at 4k and 16k; every 2,
+#define PAIR 2  /* bfloat16: units whose Q K^T is issued together (see tasks_t) */
+/* bfloat16: rows of softmax between two tasks of tile work. Every 4 rows (8 tasks a unit: a sub-block
+ * of Q K^T) took 0.90-0.94x the time of every 3 on dense and causal at 4k and 16k; every 2,
  * 1.01-1.02x; every 6 or 8, 0.93x; every 16, 0.95-0.98x (measured while the previous unit's P V was
  * queued here too; since it runs after the softmax, every 3 or 6 rows: 0.96-1.03x, noise). */
 #define PUMP_ROWS 4
 
-/* A thread's scratch: a ring of S and P buffers. */
+/* A thread's scratch: S buffers for two pairs of units (float32: S and its own P, p32own), and one P
+ * buffer (a unit's P V runs before the next unit's softmax). */
 typedef struct {
-    float sbuf[RING][QB * KB] __attribute__((aligned(64)));
-    uint16_t pbuf[RING][QB * KB] __attribute__((aligned(64)));
+    float sbuf[2 * PAIR][QB * KB] __attribute__((aligned(64)));
+    uint16_t pbuf[QB * KB] __attribute__((aligned(64)));
 } scratch_t;
 
 /* Fill U for piece P, the step from u0, block B; 0 when it has nothing to do (no row of B in the piece,
@@ -442,54 +443,64 @@ static void values_amx(const job_t *J, const unit_t *U, const char *vp, int jc) 
     _tile_stored(3, o + 16 * Dvp + 16 * jc + 16, Dvp * 4);
 }
 
-/* The tile work of the bfloat16 pipeline: Q K^T of the next unit, sub-block by sub-block, queued between
- * the rows of a unit's softmax, and O = O alpha + P V of the unit itself, 32 columns at a time, right
- * after its softmax, while its P (16 KiB) is still in L1. (P V of the unit before, its P back from L2,
- * beside the next softmax: 1.02-1.05x the time at 4k dense and causal, 1.04x at 16k causal; all of the
- * tile work after the softmax, none beside it: 1.07x.) One task a call of pump. Meant as software
- * pipelining, the tile unit multiplying while the vector units run the softmax; on the Intel Xeon
- * measured the two do not overlap (in isolation 8 tile products of a 32 x 32 block took 60 ns, its
- * softmax 109-116 ns, and the two interleaved 205-225 ns), yet interleaving took 0.92-0.95x the time of
- * the tile work run apart. */
+/* The tile work of the bfloat16 pipeline. Q K^T of the next pair of units is queued between the rows of
+ * the current pair's softmax, one sub-block a task, the two units' in turn (the sub-block's keys, 4
+ * KiB, read from L2 once for both: 0.95-0.97x the time of one unit at a time at 4k and 16k, dense and
+ * causal; four units, with twice the scores in flight, 1.01x). A unit's O = O alpha + P V runs right
+ * after its softmax, while its P (16 KiB) is still in L1 (P V of the unit before in its place, its P
+ * back from L2, beside the next softmax: 1.02-1.05x the time at 4k dense and causal, 1.04x at 16k
+ * causal; both units' P V after the second softmax, the values read once: 1.01-1.02x; all of the
+ * tile work after the softmax, none beside it: 1.07x). Meant as software pipelining, the tile unit
+ * multiplying while the vector units run the softmax; on the Intel Xeon measured the two do not
+ * overlap (in isolation 8 tile products of a 32 x 32 block took 60 ns, its softmax 109-116 ns, and
+ * the two interleaved 205-225 ns), yet interleaving took 0.92-0.95x the time of the tile work run
+ * apart. */
 typedef struct {
     const job_t *J;
-    const char *kp, *vp;
-    unit_t *s_unit, *v_unit;  /* NULL: nothing (more) to do */
-    int s_next, v_next;
+    const char *kp;
+    unit_t *units[PAIR];
+    int n, next, k;  /* units queued (0: nothing to do); the next task: sub-block next of units[k] */
 } tasks_t;
 
+static void queue(tasks_t *T, unit_t *U, int n) {
+    for (int i = 0; i < PAIR; i++) T->units[i] = &U[i];
+    T->n = n;
+    T->next = T->k = 0;
+}
+
 static void pump(tasks_t *T) {
-    if (T->s_unit) {
-        unit_t *U = T->s_unit;
-        while (T->s_next < U->ns && !U->seen[T->s_next]) T->s_next++;
-        if (T->s_next < U->ns) {
-            scores_amx(T->J, U->B, U->sbuf, T->s_next, T->kp + (size_t)(U->u0 + T->s_next) * kpack_size(T->J));
-            T->s_next++;
+    while (T->n) {
+        if (T->next >= NS) {
+            T->n = 0;
+            break;
+        }
+        const unit_t *U = T->units[T->k];
+        const int u = T->next;
+        if (++T->k == T->n) {
+            T->k = 0;
+            T->next++;
+        }
+        if (u < U->ns && U->seen[u]) {
+            scores_amx(T->J, U->B, U->sbuf, u, T->kp + (size_t)(U->u0 + u) * kpack_size(T->J));
             return;
         }
-        T->s_unit = NULL;
-    }
-    if (T->v_unit) {
-        const job_t *J = T->J;
-        unit_t *U = T->v_unit;
-        if (T->v_next == 0)  /* O alpha first, on the rows whose max moved (NaN alpha included) */
-            for (int r = 0; r < U->B->nr; r++) {
-                if (U->alpha[r] == 1.0f) continue;
-                const __m512 a = _mm512_set1_ps(U->alpha[r]);
-                float *o = U->B->acc + r * J->Dvp;
-                for (int d = 0; d < J->Dvp; d += 16) _mm512_store_ps(o + d, _mm512_mul_ps(_mm512_load_ps(o + d), a));
-            }
-        if (T->v_next < J->nj) {
-            values_amx(J, U, T->vp, T->v_next);
-            T->v_next += 2;
-            return;
-        }
-        T->v_unit = NULL;
     }
 }
 
 static void drain(tasks_t *T) {
-    while (T->s_unit || T->v_unit) pump(T);
+    while (T->n) pump(T);
+}
+
+/* O = O alpha + P V of unit U: O alpha first, on the rows whose max moved (NaN alpha included) */
+static void values_unit(const job_t *J, const unit_t *U, const char *vp) {
+    if (!U->any) return;
+    for (int r = 0; r < U->B->nr; r++) {
+        if (U->alpha[r] == 1.0f) continue;
+        const __m512 a = _mm512_set1_ps(U->alpha[r]);
+        float *o = U->B->acc + r * J->Dvp;
+        for (int d = 0; d < J->Dvp; d += 16) _mm512_store_ps(o + d, _mm512_mul_ps(_mm512_load_ps(o + d), a));
+    }
+    for (int jc = 0; jc < J->nj; jc += 2) values_amx(J, U, vp, jc);
 }
 #else
 typedef struct { int none; } tasks_t;
@@ -974,7 +985,7 @@ static inline __attribute__((always_inline)) void item(const job_t *J, long long
     if (f32) {
         unit_t U;
         U.sbuf = X->sbuf[0];
-        U.pbuf = X->pbuf[0];
+        U.pbuf = X->pbuf;
         U.p32own = X->sbuf[1];  /* float32 runs one unit at a time: the ring's second S buffer is free */
         while (next_unit(J, &it, &U, blocks, nb, b, h)) {
             const int qa = (int)(U.ra - U.B->i0) / QR, qz = (int)(U.rb - U.B->i0 + QR - 1) / QR;
@@ -986,34 +997,33 @@ static inline __attribute__((always_inline)) void item(const job_t *J, long long
         }
     } else {
 #ifdef KF_AMX
-        /* pipelined: the softmax of unit i runs beside Q K^T of unit i + 1; its P V follows it */
-        unit_t ring[RING];
-        for (int t = 0; t < RING; t++) {
+        /* pipelined by pairs of units: a pair's softmax runs beside Q K^T of the next pair; each
+         * unit's P V follows its softmax */
+        unit_t ring[2 * PAIR];
+        for (int t = 0; t < 2 * PAIR; t++) {
             ring[t].sbuf = X->sbuf[t];
-            ring[t].pbuf = X->pbuf[t];
+            ring[t].pbuf = X->pbuf;
         }
-        tasks_t T = {J, kp, vp, NULL, NULL, 0, 0};
-        int t = 0;
-        if (next_unit(J, &it, &ring[0], blocks, nb, b, h)) {
-            T.s_unit = &ring[0];
-            T.s_next = 0;
-            drain(&T);  /* Q K^T of the first unit, alone */
-            for (;;) {
-                unit_t *cur = &ring[t], *next = &ring[(t + 1) % RING];
-                const int more = next_unit(J, &it, next, blocks, nb, b, h);
-                T.s_unit = more ? next : NULL;
-                T.s_next = 0;
+        tasks_t T = {J, kp, {NULL}, 0, 0, 0};
+        int n = 0, base = 0;
+        while (n < PAIR && next_unit(J, &it, &ring[n], blocks, nb, b, h)) n++;
+        queue(&T, ring, n);
+        drain(&T);  /* Q K^T of the first pair, alone */
+        while (n) {
+            unit_t *cur = &ring[base], *nxt = &ring[PAIR - base];
+            int m = 0;
+            while (m < PAIR && next_unit(J, &it, &nxt[m], blocks, nb, b, h)) m++;
+            queue(&T, nxt, m);
+            for (int i = 0; i < n; i++) {
                 /* a softcap's softmax ran 1.15x slower with the tile work between its rows (measured,
                  * 16k causal): it takes the tile work after it */
-                if (!(stale_unit(J, cur, 0) && softmax_stale(J, cur, &T, 0)))
-                    softmax(J, cur, 0, J->cap > 0.0f ? NULL : &T);
-                drain(&T);
-                T.v_unit = cur->any ? cur : NULL;  /* its P V now, its P still in L1 */
-                T.v_next = 0;
-                drain(&T);
-                if (!more) break;
-                t = (t + 1) % RING;
+                if (!(stale_unit(J, &cur[i], 0) && softmax_stale(J, &cur[i], &T, 0)))
+                    softmax(J, &cur[i], 0, J->cap > 0.0f ? NULL : &T);
+                values_unit(J, &cur[i], vp);  /* its P still in L1 */
             }
+            drain(&T);
+            base = PAIR - base;
+            n = m;
         }
 #endif
     }
