@@ -94,9 +94,10 @@ typedef struct {
     void *out;                                              /* (B, Hq, L, Dv) bfloat16 or float32 */
     float *lse;                                             /* (B, Hq, L) */
     char *kp, *vp;                                          /* packed keys and values */
-    int G;  /* blocks of QB rows per work item: 16 where that leaves 4 items a thread (keys and values
-             * read once for 512 rows; bfloat16 0.95-0.96x the time of 8 at 16k dense and causal,
-             * 0.99-1.01x at 1k-4k), else 8 (0.86-1.01x the time of 4 at 4k-16k) */
+    int G;  /* blocks of QB rows per work item: bfloat16 16 where that leaves 4 items a thread (keys
+             * and values read once for 512 rows: 0.95-0.96x the time of 8 at 16k dense and causal,
+             * 0.99-1.01x at 1k-4k), else 8 (0.86-1.01x the time of 4 at 4k-16k; float32 16 took
+             * 0.98-1.04x the time of 8, no gain) */
 } job_t;
 
 typedef struct {
@@ -1099,7 +1100,7 @@ int kf_prefill(const void *q, const void *k, const void *v, int dtype,
     for (int i = 0; i < np; i++)
         for (long long u = pieces[i].k0 / SB; u * SB < pieces[i].k1; u++) need[u] = 1;
     if (threads < 1) threads = 1;
-    J.G = (long long)B * Hq * ((J.nqb + 15) / 16) >= 4LL * threads ? 16 : 8;
+    J.G = !f32 && (long long)B * Hq * ((J.nqb + 15) / 16) >= 4LL * threads ? 16 : 8;
     const long long items = (long long)B * Hq * ((J.nqb + J.G - 1) / J.G);
     const size_t per = (scratch_bytes(&J) + 63) / 64 * 64;
     char *scratch = aligned_alloc(64, per * (size_t)threads);
