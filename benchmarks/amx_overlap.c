@@ -13,7 +13,9 @@
  *   chains + 4 tdp      64 FMAs in 4 dependent chains (latency-bound, ports idle) beside 4 products
  *   Q K^T block         a 32 x 32 score block at head size 64 as scores_amx does it (8 tile loads, 8
  *                       products, 4 tile stores) with K's 4 KiB in L1, or swept over 1 MiB (in L2), or
- *                       swept with the next block's K prefetched a step ahead */
+ *                       swept with the next block's K prefetched a step ahead; and with K in L1, the
+ *                       scores' rows stored 1088 bytes apart instead of the kernel's 1024, or not
+ *                       stored at all (what the four tile stores cost) */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -120,11 +122,13 @@ int main(void) {
     _tile_stored(0, S, 64);
     printf("chains + 4 tdp           %7.1f   (in turn %.1f, the longer alone %.1f)\n", (double)(__rdtsc() - t) / N,
            chains + 4 * tdp, chains > 4 * tdp ? chains : 4 * tdp);
-    static const char *where[3] = {"K in L1", "K swept over 1 MiB (L2)", "swept, next K prefetched"};
-    for (int pass = 0; pass < 3; pass++) {
+    static const char *where[5] = {"K in L1", "K swept over 1 MiB (L2)", "swept, next K prefetched",
+                                   "K in L1, rows 1088 B apart", "K in L1, scores not stored"};
+    float *S2 = aligned_alloc(64, 32 * 272 * 4);
+    for (int pass = 0; pass < 5; pass++) {
         t = __rdtsc();
         for (int i = 0; i < N; i++) {
-            const uint16_t *k = K + (pass ? (size_t)(i % 256) * 2048 : 0);
+            const uint16_t *k = K + (pass == 1 || pass == 2 ? (size_t)(i % 256) * 2048 : 0);
             if (pass == 2) {
                 const char *next = (const char *)(K + (size_t)((i + 1) % 256) * 2048);
                 for (int x = 0; x < 4096; x += 64) _mm_prefetch(next + x, _MM_HINT_T0);
@@ -137,17 +141,25 @@ int main(void) {
                 _tile_loadd(7, k + (2 * c + 1) * 512, 64);
                 TDP4();
             }
+            if (pass == 4) continue;
+            if (pass == 3) {
+                float *s = S2 + (i % 8) * 32;
+                _tile_stored(0, s, 1088); _tile_stored(1, s + 16, 1088);
+                _tile_stored(2, s + 16 * 272, 1088); _tile_stored(3, s + 16 * 272 + 16, 1088);
+                continue;
+            }
             float *s = S + (i % 8) * 32;
             _tile_stored(0, s, 1024); _tile_stored(1, s + 16, 1024);
             _tile_stored(2, s + 16 * 256, 1024); _tile_stored(3, s + 16 * 256 + 16, 1024);
         }
-        printf("Q K^T block, %-24s %7.1f\n", where[pass], (double)(__rdtsc() - t) / N);
+        printf("Q K^T block, %-30s %7.1f\n", where[pass], (double)(__rdtsc() - t) / N);
     }
+    _tile_stored(0, S2, 64);
     _tile_release();
     float sink[16];
     _mm512_storeu_ps(sink, _mm512_add_ps(_mm512_add_ps(x0, x1), _mm512_add_ps(_mm512_add_ps(x2, x3), acc)));
-    printf("(checksum %g)\n", (double)sink[0] + S[5] + probs[3]);
-    free(K); free(Q); free(S);
+    printf("(checksum %g)\n", (double)sink[0] + S[5] + S2[7] + probs[3]);
+    free(K); free(Q); free(S); free(S2);
     return 0;
 }
 #else

@@ -922,8 +922,8 @@ static inline __attribute__((always_inline)) void softmax(const job_t *J, unit_t
     if (any) unit_close(U, dm, rs, f32);
 }
 
-/* A thread's scratch, from the heap (about 210-240 KiB at head size 64, 500-620 KiB at 256: more than a
- * small thread stack holds): the ring of step buffers, then each block's q and O. */
+/* A thread's scratch, from the heap (about 250-370 KiB at head size 64, 670-950 KiB at 256: more than a
+ * small thread stack holds): the step buffers, then each block's q, O and l. */
 static size_t scratch_bytes(const job_t *J) {
     return sizeof(scratch_t) + (size_t)J->G * QB * (J->Dp * (J->f32 ? sizeof(float) : sizeof(uint16_t))
                                                  + (J->Dvp + 16) * sizeof(float));
