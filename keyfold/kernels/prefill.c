@@ -447,7 +447,7 @@ static void values_amx(const job_t *J, const unit_t *U, const char *vp, int jc) 
 /* The tile work of the bfloat16 pipeline. Q K^T of the next pair of units is queued between the rows of
  * the current pair's softmax, one sub-block a task, the two units' in turn (the sub-block's keys, 4
  * KiB, read from L2 once for both: 0.95-0.97x the time of one unit at a time at 4k and 16k, dense and
- * causal; four units, with twice the scores in flight, 1.01x). A unit's O = O alpha + P V runs right
+ * causal; four units, with twice the scores in flight, 1.01-1.05x). A unit's O = O alpha + P V runs right
  * after its softmax, while its P (16 KiB) is still in L1 (P V of the unit before in its place, its P
  * back from L2, beside the next softmax: 1.02-1.05x the time at 4k dense and causal, 1.04x at 16k
  * causal; both units' P V after the second softmax, the values read once: 1.01-1.02x; all of the
