@@ -394,6 +394,17 @@ static int next_unit(const job_t *J, iter_t *it, unit_t *U, rows_t *blocks, int 
     }
 }
 
+/* O = O alpha on the rows of unit U whose max moved (NaN alpha included; the one pass leaves most
+ * rows' max where it was), before its P V */
+static void rescale_o(const job_t *J, const unit_t *U) {
+    for (int r = 0; r < U->B->nr; r++) {
+        if (U->alpha[r] == 1.0f) continue;
+        const __m512 a = _mm512_set1_ps(U->alpha[r]);
+        float *o = U->B->acc + r * J->Dvp;
+        for (int d = 0; d < J->Dvp; d += 16) _mm512_store_ps(o + d, _mm512_mul_ps(_mm512_load_ps(o + d), a));
+    }
+}
+
 #ifdef KF_AMX
 /* S = Q K^T on the tiles for sub-block u: tiles 0-3 the 2 x 2 blocks of 16 rows x 16 keys, 4-5 Q, 6-7 K */
 static void scores_amx(const job_t *J, const rows_t *B, float *sbuf, int u, const char *kt) {
@@ -492,15 +503,10 @@ static void drain(tasks_t *T) {
     while (T->n) pump(T);
 }
 
-/* O = O alpha + P V of unit U: O alpha first, on the rows whose max moved (NaN alpha included) */
+/* O = O alpha + P V of unit U */
 static void values_unit(const job_t *J, const unit_t *U, const char *vp) {
     if (!U->any) return;
-    for (int r = 0; r < U->B->nr; r++) {
-        if (U->alpha[r] == 1.0f) continue;
-        const __m512 a = _mm512_set1_ps(U->alpha[r]);
-        float *o = U->B->acc + r * J->Dvp;
-        for (int d = 0; d < J->Dvp; d += 16) _mm512_store_ps(o + d, _mm512_mul_ps(_mm512_load_ps(o + d), a));
-    }
+    rescale_o(J, U);
     for (int jc = 0; jc < J->nj; jc += 2) values_amx(J, U, vp, jc);
 }
 #else
@@ -562,12 +568,7 @@ static void values_f32(const job_t *J, const unit_t *U, const char *vp) {
     const int Dvp = J->Dvp, g0 = (int)(U->ra - B->i0) / PR, g1 = (int)(U->rb - B->i0 + PR - 1) / PR;
     const int ns = U->ns, *seen = U->seen;
     const long long u0 = U->u0;
-    for (int r = 0; r < B->nr; r++) {
-        if (U->alpha[r] == 1.0f) continue;  /* the one pass leaves most rows' max where it was */
-        const __m512 a = _mm512_set1_ps(U->alpha[r]);
-        float *o = B->acc + r * Dvp;
-        for (int d = 0; d < Dvp; d += 16) _mm512_store_ps(o + d, _mm512_mul_ps(_mm512_load_ps(o + d), a));
-    }
+    rescale_o(J, U);
     for (int u = 0; u < ns;) {
         if (!seen[u]) { u++; continue; }
         int m = 1;
@@ -1100,7 +1101,7 @@ int kf_prefill(const void *q, const void *k, const void *v, int dtype,
     for (int i = 0; i < np; i++)
         for (long long u = pieces[i].k0 / SB; u * SB < pieces[i].k1; u++) need[u] = 1;
     if (threads < 1) threads = 1;
-    J.G = !f32 && (long long)B * Hq * ((J.nqb + 15) / 16) >= 4LL * threads ? 16 : 8;
+    J.G = !f32 && (long long)B * Hq * ((J.nqb + GMAX - 1) / GMAX) >= 4LL * threads ? GMAX : 8;
     const long long items = (long long)B * Hq * ((J.nqb + J.G - 1) / J.G);
     const size_t per = (scratch_bytes(&J) + 63) / 64 * 64;
     char *scratch = aligned_alloc(64, per * (size_t)threads);
