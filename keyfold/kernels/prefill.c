@@ -934,10 +934,13 @@ static size_t scratch_bytes(const job_t *J) {
  * each step of KB keys in turn, so the step's packed keys and values are read from memory once for
  * G x 32 rows (at 16k keys a head's packed keys and values, 4 MiB, outgrow a core's L2). bfloat16
  * pipelines its units (see tasks_t); float32 runs each in turn (its products and its softmax share
- * the vector units). `mem`: the thread's scratch_bytes(J), 64-byte aligned. */
+ * the vector units). `mem`: the thread's scratch_bytes(J), 64-byte aligned. A head's items run from
+ * its last rows to its first: under a causal mask the last see the most keys, so the items left when
+ * the threads run out of work are the cheapest (first rows first, a 4k causal call left one thread
+ * idle 0.3 ms of 12 at the end, now 0.01 ms). */
 static inline __attribute__((always_inline)) void item(const job_t *J, long long w, char *mem, const int f32) {
     const int G = J->G;
-    const long long nqg = (J->nqb + G - 1) / G, qg = w % nqg, bh = w / nqg;
+    const long long nqg = (J->nqb + G - 1) / G, qg = nqg - 1 - w % nqg, bh = w / nqg;
     const int b = (int)(bh / J->Hq), h = (int)(bh % J->Hq), hk = h / (J->Hq / J->Hkv);
     const int Dp = J->Dp, Dvp = J->Dvp;
     const size_t qsize = f32 ? sizeof(float) : sizeof(uint16_t);
