@@ -93,7 +93,6 @@ typedef struct {
     int np, out_bf16, f32;
     void *out;                                              /* (B, Hq, L, Dv) bfloat16 or float32 */
     float *lse;                                             /* (B, Hq, L) */
-    char *kp, *vp;                                          /* packed keys and values */
     int G;  /* blocks of QB rows per work item: bfloat16 16 where that leaves 4 items a thread (keys
              * and values read once for 512 rows: 0.95-0.96x the time of 8 at 16k dense and causal,
              * 0.99-1.01x at 1k-4k), else 8 (0.86-1.01x the time of 4 at 4k-16k; float32 16 took
@@ -114,29 +113,29 @@ static size_t vpack_size(const job_t *J) {
     return J->f32 ? (size_t)SB * J->Dvp * sizeof(float) : (size_t)J->nj * TILE * sizeof(uint16_t);
 }
 
-/* Key block t = ((b * Hkv + h) * nkb + kb): its first key and value (elements of esize bytes), its
- * packed key and value buffers, and how many of its SB keys exist (the last block's run past S). */
+/* Key block t = ((b * Hkv + h) * nkb + kb): its first key and value (elements of esize bytes), the
+ * buffers it is packed into (kp, vp), and how many of its SB keys exist (the last block's run past S). */
 typedef struct {
     const char *k, *v;
     char *kp, *vp;
     long long nk;
 } block_t;
 
-static block_t block_at(const job_t *J, long long t, size_t esize) {
+static block_t block_at(const job_t *J, long long t, size_t esize, char *kp, char *vp) {
     const long long kb = t % J->nkb, bh = t / J->nkb;
     const int b = (int)(bh / J->Hkv), h = (int)(bh % J->Hkv);
     const long long j0 = kb * SB;
     const block_t X = {(const char *)J->k + (b * J->skb + h * J->skh + j0 * J->skn) * (long long)esize,
                        (const char *)J->v + (b * J->svb + h * J->svh + j0 * J->svn) * (long long)esize,
-                       J->kp + (size_t)t * kpack_size(J), J->vp + (size_t)t * vpack_size(J),
+                       kp, vp,
                        J->S - j0 < SB ? J->S - j0 : SB};
     return X;
 }
 
 /* Key block t = ((b * Hkv + h) * nkb + kb) in float32: K^T, row d = dim d of the block's 32 keys (the
  * vector operand of Q K^T), and V, row j = key j's values, Dvp long. Past S or Dv: zeros. */
-static void pack_f32(const job_t *J, long long t) {
-    const block_t X = block_at(J, t, sizeof(float));
+static void pack_f32(const job_t *J, long long t, char *kp_, char *vp_) {
+    const block_t X = block_at(J, t, sizeof(float), kp_, vp_);
     const long long nk = X.nk;
     const float *k = (const float *)X.k, *v = (const float *)X.v;
     float *kp = (float *)X.kp, *vp = (float *)X.vp;
@@ -181,8 +180,8 @@ static inline __attribute__((always_inline)) void transpose16(__m512i *x) {
     }
 }
 
-static void pack_bf16(const job_t *J, long long t) {
-    const block_t X = block_at(J, t, sizeof(uint16_t));
+static void pack_bf16(const job_t *J, long long t, char *kp_, char *vp_) {
+    const block_t X = block_at(J, t, sizeof(uint16_t), kp_, vp_);
     const long long nk = X.nk;
     const uint16_t *k = (const uint16_t *)X.k, *v = (const uint16_t *)X.v;
     uint16_t *kp = (uint16_t *)X.kp, *vp = (uint16_t *)X.vp;
@@ -219,6 +218,17 @@ static void pack_bf16(const job_t *J, long long t) {
 }
 
 #endif
+
+/* Key block t packed into kp, vp */
+static void pack_block(const job_t *J, long long t, char *kp, char *vp) {
+#ifdef KF_AMX
+    if (!J->f32) {
+        pack_bf16(J, t, kp, vp);
+        return;
+    }
+#endif
+    pack_f32(J, t, kp, vp);
+}
 
 /* cap * tanh(s / cap). For |y| = |s / cap| >= 1/4, tanh |y| = (1 - e^-2|y|) / (1 + e^-2|y|), where 1 - e^-2|y|
  * >= 0.39 loses no more than a few ulp; below 1/4 its odd Taylor polynomial to y^9 (the next term is
@@ -934,14 +944,15 @@ static size_t scratch_bytes(const job_t *J) {
  * each step of KB keys in turn, so the step's packed keys and values are read from memory once for
  * G x 32 rows (at 16k keys a head's packed keys and values, 4 MiB, outgrow a core's L2). bfloat16
  * pipelines its units (see tasks_t); float32 runs each in turn (its products and its softmax share
- * the vector units). `mem`: the thread's scratch_bytes(J), 64-byte aligned. A head's items run from
- * its last rows to its first: under a causal mask the last see the most keys, so the items left when
- * the threads run out of work are the cheapest (first rows first, a 4k causal call left one thread
- * idle 0.3 ms of 12 at the end, now 0.01 ms). */
-static inline __attribute__((always_inline)) void item(const job_t *J, long long w, char *mem, const int f32) {
+ * the vector units). `mem`: the thread's scratch_bytes(J), 64-byte aligned; kp, vp: the kv head's
+ * packed key blocks. A head's items run from its last rows to its first: under a causal mask the last
+ * see the most keys, so the items left when the threads run out of work are the cheapest (first rows
+ * first, a 4k causal call left one thread idle 0.3 ms of 12 at the end, now 0.01 ms). */
+static inline __attribute__((always_inline)) void item(const job_t *J, long long w, char *mem, const char *kp,
+                                                       const char *vp, const int f32) {
     const int G = J->G;
     const long long nqg = (J->nqb + G - 1) / G, qg = nqg - 1 - w % nqg, bh = w / nqg;
-    const int b = (int)(bh / J->Hq), h = (int)(bh % J->Hq), hk = h / (J->Hq / J->Hkv);
+    const int b = (int)(bh / J->Hq), h = (int)(bh % J->Hq);
     const int Dp = J->Dp, Dvp = J->Dvp;
     const size_t qsize = f32 ? sizeof(float) : sizeof(uint16_t);
     scratch_t *X = (scratch_t *)mem;
@@ -984,8 +995,6 @@ static inline __attribute__((always_inline)) void item(const job_t *J, long long
         }
         memset(B->acc, 0, sizeof(float) * QB * Dvp);
     }
-    const char *kp = J->kp + (size_t)(b * J->Hkv + hk) * J->nkb * kpack_size(J);
-    const char *vp = J->vp + (size_t)(b * J->Hkv + hk) * J->nkb * vpack_size(J);
     iter_t it = {0, 0, 0, 0, 0, NULL, NULL};
     if (f32) {
         unit_t U;
@@ -1058,20 +1067,24 @@ static inline __attribute__((always_inline)) void item(const job_t *J, long long
     }
 }
 
-static void item_f32(const job_t *J, long long w, char *mem) { item(J, w, mem, 1); }
+static void item_f32(const job_t *J, long long w, char *mem, const char *kp, const char *vp) {
+    item(J, w, mem, kp, vp, 1);
+}
 #ifdef KF_AMX
-static void item_bf16(const job_t *J, long long w, char *mem) { item(J, w, mem, 0); }
+static void item_bf16(const job_t *J, long long w, char *mem, const char *kp, const char *vp) {
+    item(J, w, mem, kp, vp, 0);
+}
 #endif
 #endif
 
-/* The work items in one run per thread, in order: thread i's run is the i-th share of the heads, as
- * its share of the key blocks is what it packed, so a thread reads the keys and values it packed
- * itself (items handed out one at a time in order, OpenMP's dynamic schedule, put both threads on
- * one head, half of whose blocks the other thread had packed: 1.02-1.06x the time at 4k bfloat16
- * causal, 1.01-1.04x dense, one process, both orders). A thread done with its run takes the next item
- * of the run with the most left, the most costly left there (a head's items run from its last rows),
- * as OpenMP's schedule would: with fewer heads than threads that is the schedule. A run is [lo, hi),
- * lo in the low 32 bits of v, hi in the high, taken by compare-and-swap. */
+/* The work items in one run per thread, in order: thread i's run is the i-th share of the (batch, kv
+ * head)s, the ones whose keys and values it packed, so a thread reads what it packed itself (items
+ * handed out one at a time in order, OpenMP's dynamic schedule, put both threads on one head, half
+ * of whose blocks the other thread had packed: 1.02-1.06x the time at 4k bfloat16 causal, 1.01-1.04x
+ * dense, one process, both orders). A thread done with its run takes the next item of the run with
+ * the most left, the most costly left there (a head's items run from its last rows), as OpenMP's
+ * schedule would: with fewer kv heads than threads that is the schedule. A run is [lo, hi), lo in
+ * the low 32 bits of v, hi in the high, taken by compare-and-swap. */
 typedef struct {
     long long v;
     char pad[56];
@@ -1125,26 +1138,32 @@ int kf_prefill(const void *q, const void *k, const void *v, int dtype,
     job_t J = {q, k, v, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, B, Hq, Hkv, D, Dv,
                f32 ? D : (D + 31) / 32 * 32, f32 ? (Dv + 15) / 16 * 16 : (Dv + 31) / 32 * 32,
                (D + 31) / 32, (Dv + 31) / 32 * 2, L, S, (L + QB - 1) / QB, (S + SB - 1) / SB, scale, cap, pieces,
-               np, out_bf16, f32, out, lse, NULL, NULL, 0};
-    const long long blocks = (long long)B * Hkv * J.nkb;
-    /* only the key blocks some piece reads are packed (a window over a long cache reads the window's):
-     * the rest of the buffers is never touched, so the OS never maps it */
-    unsigned char *need = calloc((size_t)J.nkb, 1);
-    J.kp = aligned_alloc(64, (size_t)blocks * kpack_size(&J));
-    J.vp = aligned_alloc(64, (size_t)blocks * vpack_size(&J));
-    if (!need || !J.kp || !J.vp) { free(need); free(J.kp); free(J.vp); return -2; }
-    for (int i = 0; i < np; i++)
-        for (long long u = pieces[i].k0 / SB; u * SB < pieces[i].k1; u++) need[u] = 1;
+               np, out_bf16, f32, out, lse, 0};
     if (threads < 1) threads = 1;
     J.G = !f32 && (long long)B * Hq * ((J.nqb + GMAX - 1) / GMAX) >= 4LL * threads ? GMAX : 8;
-    const long long nbh = (long long)B * Hq, nqg = (J.nqb + J.G - 1) / J.G, items = nbh * nqg;
-    const size_t per = (scratch_bytes(&J) + 63) / 64 * 64;
+    const long long nkv = (long long)B * Hkv, nqg = (J.nqb + J.G - 1) / J.G, per_kv = Hq / Hkv * nqg;
+    const long long items = nkv * per_kv;
+    const size_t ks = kpack_size(&J), vs = vpack_size(&J), per = (scratch_bytes(&J) + 63) / 64 * 64;
+    /* Packed keys and values. With a (batch, kv head) for every thread, each thread packs the heads of
+     * its run into one buffer of its own, a head at a time, before the head's first item: a 4k head, 1
+     * MiB packed, stays in L2 for its items, and the buffers hold a head a thread, not every head (at
+     * 64k keys, 8 heads, bfloat16: 32 MiB, not 128). Against packing every head before the items
+     * (paired A/B, 4k, 16-60 rounds): float32 0.97x the time causal, 0.99x dense; bfloat16 0.99-1.00x.
+     * With fewer heads than threads, the threads pack all of them first, each a share, into one buffer
+     * the items read. Only the key blocks some piece reads are packed (a window over a long cache reads
+     * the window's): the rest of a buffer is never touched, so the OS never maps it. */
+    const int own = nkv >= threads;
+    const long long nbuf = own ? threads : nkv;
+    unsigned char *need = calloc((size_t)J.nkb, 1);
+    char *kp = aligned_alloc(64, (size_t)(nbuf * J.nkb) * ks), *vp = aligned_alloc(64, (size_t)(nbuf * J.nkb) * vs);
     char *scratch = aligned_alloc(64, per * (size_t)threads);
     run_t *runs = aligned_alloc(64, sizeof(run_t) * (size_t)threads);
-    if (!scratch || !runs || items >= (1LL << 31)) {
-        free(need); free(J.kp); free(J.vp); free(scratch); free(runs);
+    if (!need || !kp || !vp || !scratch || !runs || items >= (1LL << 31)) {
+        free(need); free(kp); free(vp); free(scratch); free(runs);
         return items >= (1LL << 31) ? -1 : -2;
     }
+    for (int i = 0; i < np; i++)
+        for (long long u = pieces[i].k0 / SB; u * SB < pieces[i].k1; u++) need[u] = 1;
 #ifdef KF_AMX
     tilecfg_t cfg;
     memset(&cfg, 0, sizeof(cfg));
@@ -1157,30 +1176,43 @@ int kf_prefill(const void *q, const void *k, const void *v, int dtype,
         _mm_setcsr(csr | 0x8000);  /* flush to zero: P underflowing costs no microcode assist */
         const int me = omp_get_thread_num(), nt = omp_get_num_threads();
         char *mem = scratch + per * (size_t)me;
-        /* whole heads (nbh of nqg items) a run, set before the packing's barrier */
-        runs[me].v = nbh * me / nt * nqg | (nbh * (me + 1) / nt * nqg) << 32;
-        if (f32) {
+        runs[me].v = nkv * me / nt * per_kv | (nkv * (me + 1) / nt * per_kv) << 32;  /* whole kv heads */
+        if (own) {
+            #pragma omp barrier
+        } else {  /* every head packed first, then read by any thread */
             #pragma omp for schedule(static)
-            for (long long t = 0; t < blocks; t++)
-                if (need[t % J.nkb]) pack_f32(&J, t);
-            for (long long w; (w = next_item(runs, nt, me)) >= 0;) item_f32(&J, w, mem);
+            for (long long t = 0; t < nkv * J.nkb; t++)
+                if (need[t % J.nkb]) pack_block(&J, t, kp + (size_t)t * ks, vp + (size_t)t * vs);
         }
 #ifdef KF_AMX
-        else {
-            #pragma omp for schedule(static)
-            for (long long t = 0; t < blocks; t++)
-                if (need[t % J.nkb]) pack_bf16(&J, t);
-            _tile_loadconfig(&cfg);
-            for (long long w; (w = next_item(runs, nt, me)) >= 0;) item_bf16(&J, w, mem);
-            _tile_release();
+        if (!f32) _tile_loadconfig(&cfg);
+#endif
+        long long packed = -1;  /* the kv head in this thread's buffer */
+        for (long long w; (w = next_item(runs, nt, me)) >= 0;) {
+            const long long kv = w / per_kv;
+            char *hk = kp + (size_t)((own ? me : kv) * J.nkb) * ks, *hv = vp + (size_t)((own ? me : kv) * J.nkb) * vs;
+            if (own && kv != packed) {
+                for (long long kb = 0; kb < J.nkb; kb++)
+                    if (need[kb]) pack_block(&J, kv * J.nkb + kb, hk + (size_t)kb * ks, hv + (size_t)kb * vs);
+                packed = kv;
+            }
+#ifdef KF_AMX
+            if (!f32) {
+                item_bf16(&J, w, mem, hk, hv);
+                continue;
+            }
+#endif
+            item_f32(&J, w, mem, hk, hv);
         }
+#ifdef KF_AMX
+        if (!f32) _tile_release();
 #endif
         _mm_setcsr(csr);
     }
     free(runs);
     free(need);
-    free(J.kp);
-    free(J.vp);
+    free(kp);
+    free(vp);
     free(scratch);
     return 0;
 #endif
