@@ -312,10 +312,11 @@ static int block_seen(const float *m, long long ml, long long r0, long long r1, 
 
 /* The state of 32 query rows [i0, i0 + nr) in a work item: their q (zero past D and past nr), running
  * max m, sum l (16 partial sums a row, added up at the end: no horizontal sum per step), and O
- * (float32, Dvp columns). */
+ * (float32, Dvp columns; bfloat16: not yet written while `fresh`, the first P V zeroing its tiles in
+ * place of a memset and a load of O, so a block no P V reached has only rows that saw no key). */
 typedef struct {
     long long i0;
-    int nr;
+    int nr, fresh;
     void *qbuf;
     float *acc, *l;
     float m[QB];
@@ -443,10 +444,14 @@ static void scores_amx(const job_t *J, const rows_t *B, float *sbuf, int u, cons
 static void values_amx(const job_t *J, const unit_t *U, const char *vp, int jc) {
     const int Dvp = J->Dvp;
     float *o = U->B->acc;
-    _tile_loadd(0, o + 16 * jc, Dvp * 4);
-    _tile_loadd(1, o + 16 * jc + 16, Dvp * 4);
-    _tile_loadd(2, o + 16 * Dvp + 16 * jc, Dvp * 4);
-    _tile_loadd(3, o + 16 * Dvp + 16 * jc + 16, Dvp * 4);
+    if (U->B->fresh) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    } else {
+        _tile_loadd(0, o + 16 * jc, Dvp * 4);
+        _tile_loadd(1, o + 16 * jc + 16, Dvp * 4);
+        _tile_loadd(2, o + 16 * Dvp + 16 * jc, Dvp * 4);
+        _tile_loadd(3, o + 16 * Dvp + 16 * jc + 16, Dvp * 4);
+    }
     for (int u = 0; u < U->ns; u++) {
         if (!U->seen[u]) continue;
         const uint16_t *vt = (const uint16_t *)(vp + (size_t)(U->u0 + u) * vpack_size(J));
@@ -513,11 +518,12 @@ static void drain(tasks_t *T) {
     while (T->n) pump(T);
 }
 
-/* O = O alpha + P V of unit U */
+/* O = O alpha + P V of unit U (O = P V on its block's first) */
 static void values_unit(const job_t *J, const unit_t *U, const char *vp) {
     if (!U->any) return;
-    rescale_o(J, U);
+    if (!U->B->fresh) rescale_o(J, U);
     for (int jc = 0; jc < J->nj; jc += 2) values_amx(J, U, vp, jc);
+    U->B->fresh = 0;
 }
 #else
 typedef struct { int none; } tasks_t;
@@ -993,7 +999,8 @@ static inline __attribute__((always_inline)) void item(const job_t *J, long long
             B->m[r] = -INFINITY;
             _mm512_store_ps(B->l + 16 * r, _mm512_setzero_ps());
         }
-        memset(B->acc, 0, sizeof(float) * QB * Dvp);
+        B->fresh = !f32;
+        if (f32) memset(B->acc, 0, sizeof(float) * QB * Dvp);
     }
     iter_t it = {0, 0, 0, 0, 0, NULL, NULL};
     if (f32) {
