@@ -29,8 +29,10 @@
  *
  * Keys and values are packed once per call (bfloat16: K^T into the layout of the tile B operand, pairs
  * of head dimensions of 16 keys per 64-byte row, V into pairs of keys per row; float32: K^T as 32-key
- * rows per head dimension, V padded to 16 columns). The packing runs on the same OpenMP threads
- * (torch's libgomp pool, as in decode.c) before the work items.
+ * rows per head dimension, V padded to 16 columns). The packing runs on the same OpenMP threads as
+ * the work items (torch's libgomp pool, as in decode.c): each thread packs a (batch, kv head) of its
+ * run just before the head's first item, or, with fewer kv heads than threads, all of them are packed
+ * before the work items (see kf_prefill).
  *
  * bfloat16 needs AMX-BF16 in the build (-march=native on a CPU with it; else kf_prefill returns -3 for
  * it and keyfold keeps PyTorch's fused op). Linux lets a process use the tile registers once it has
