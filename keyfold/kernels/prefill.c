@@ -410,8 +410,13 @@ static int next_unit(const job_t *J, iter_t *it, unit_t *U, rows_t *blocks, int 
 /* O = O alpha on the rows of unit U whose max moved (NaN alpha included; the one pass leaves most
  * rows' max where it was), before its P V */
 static void rescale_o(const job_t *J, const unit_t *U) {
-    for (int r = 0; r < U->B->nr; r++) {
-        if (U->alpha[r] == 1.0f) continue;
+    const __m512 one = _mm512_set1_ps(1.0f);
+    uint32_t rows = (uint32_t)_mm512_cmp_ps_mask(_mm512_load_ps(U->alpha), one, _CMP_NEQ_UQ)
+                    | (uint32_t)_mm512_cmp_ps_mask(_mm512_load_ps(U->alpha + 16), one, _CMP_NEQ_UQ) << 16;
+    if (U->B->nr < QB) rows &= (1u << U->B->nr) - 1;
+    while (rows) {  /* the rows whose alpha is not 1 (NaN included) */
+        const int r = __builtin_ctz(rows);
+        rows &= rows - 1;
         const __m512 a = _mm512_set1_ps(U->alpha[r]);
         float *o = U->B->acc + r * J->Dvp;
         for (int d = 0; d < J->Dvp; d += 16) _mm512_store_ps(o + d, _mm512_mul_ps(_mm512_load_ps(o + d), a));
@@ -739,9 +744,21 @@ static inline __attribute__((always_inline)) int stale_rows(const job_t *J, unit
     const __m512 tau = _mm512_set1_ps(STALE_P);
     float dm[QB] __attribute__((aligned(64))), rs[QB * 16] __attribute__((aligned(64))), seed[QB];
     int end[QB];  /* keys of the step each row sees: [j0, j0 + end) (all: every key, ns SB) */
-    uint32_t moved = 0, fresh = 0;
-    for (int r = 0; r < nr; r++) {
+    uint32_t moved = 0, fresh = 0, seeds = (uint32_t)-1 >> (QB - nr);  /* rows that may need a seed */
+    if (all) {  /* every row sees the step: the running maxima checked 16 at a time, and only rows
+                 * with none yet (-inf) go on below, for their seed */
+        const __m512 stm = _mm512_set1_ps(STALE_M);
+        const __m512 m0 = _mm512_loadu_ps(B->m), m1 = _mm512_loadu_ps(B->m + 16);
+        const uint32_t none = (uint32_t)_mm512_cmp_ps_mask(m0, ninf, _CMP_EQ_OQ)
+                              | (uint32_t)_mm512_cmp_ps_mask(m1, ninf, _CMP_EQ_OQ) << 16;
+        const uint32_t ok = (uint32_t)_mm512_cmp_ps_mask(_mm512_abs_ps(m0), stm, _CMP_LT_OQ)
+                            | (uint32_t)_mm512_cmp_ps_mask(_mm512_abs_ps(m1), stm, _CMP_LT_OQ) << 16;
+        if (seeds & ~none & ~ok) return 0;  /* NaN, +inf or too large */
+        seeds &= none;
+    }
+    for (int r = all ? (seeds ? __builtin_ctz(seeds) : nr) : 0; r < nr; r++) {
         if (all) {
+            if (!(seeds >> r & 1)) continue;
             end[r] = ns * SB;
         } else {
             long long kr = U->kz;
@@ -793,7 +810,7 @@ static inline __attribute__((always_inline)) int stale_rows(const job_t *J, unit
         const int r = __builtin_ctz(moved);
         moved &= moved - 1;
         const float *pr = U->sbuf + r * KB;
-        const int e = end[r];
+        const int e = all ? ns * SB : end[r];
         __m512 mx = ninf;
         for (int u = 0; u * SB < e; u++) {
             mx = _mm512_mask_max_ps(mx, lanes(0, e - SB * u), mx, _mm512_load_ps(pr + SB * u));
