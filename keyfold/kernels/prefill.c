@@ -115,32 +115,31 @@ static size_t vpack_size(const job_t *J) {
     return J->f32 ? (size_t)SB * J->Dvp * sizeof(float) : (size_t)J->nj * TILE * sizeof(uint16_t);
 }
 
-/* Key block t = ((b * Hkv + h) * nkb + kb): its first key and value (elements of esize bytes), the
- * buffers it is packed into (kp, vp), and how many of its SB keys exist (the last block's run past S). */
+/* Key block t = ((b * Hkv + h) * nkb + kb): its first key and value (elements of esize bytes), and
+ * how many of its SB keys exist (the last block's run past S). */
 typedef struct {
     const char *k, *v;
-    char *kp, *vp;
     long long nk;
 } block_t;
 
-static block_t block_at(const job_t *J, long long t, size_t esize, char *kp, char *vp) {
+static block_t block_at(const job_t *J, long long t, size_t esize) {
     const long long kb = t % J->nkb, bh = t / J->nkb;
     const int b = (int)(bh / J->Hkv), h = (int)(bh % J->Hkv);
     const long long j0 = kb * SB;
     const block_t X = {(const char *)J->k + (b * J->skb + h * J->skh + j0 * J->skn) * (long long)esize,
                        (const char *)J->v + (b * J->svb + h * J->svh + j0 * J->svn) * (long long)esize,
-                       kp, vp,
                        J->S - j0 < SB ? J->S - j0 : SB};
     return X;
 }
 
-/* Key block t = ((b * Hkv + h) * nkb + kb) in float32: K^T, row d = dim d of the block's 32 keys (the
- * vector operand of Q K^T), and V, row j = key j's values, Dvp long. Past S or Dv: zeros. */
-static void pack_f32(const job_t *J, long long t, char *kp_, char *vp_) {
-    const block_t X = block_at(J, t, sizeof(float), kp_, vp_);
+/* Key block t = ((b * Hkv + h) * nkb + kb) in float32, into kp and vp: K^T, row d = dim d of the
+ * block's 32 keys (the vector operand of Q K^T), and V, row j = key j's values, Dvp long. Past S or
+ * Dv: zeros. */
+static void pack_f32(const job_t *J, long long t, char *kpb, char *vpb) {
+    const block_t X = block_at(J, t, sizeof(float));
     const long long nk = X.nk;
     const float *k = (const float *)X.k, *v = (const float *)X.v;
-    float *kp = (float *)X.kp, *vp = (float *)X.vp;
+    float *kp = (float *)kpb, *vp = (float *)vpb;
     for (int j = 0; j < SB; j++)
         for (int d = 0; d < J->D; d++) kp[d * SB + j] = j < nk ? k[j * J->skn + d] : 0.0f;
     for (int j = 0; j < SB; j++)
@@ -150,7 +149,7 @@ static void pack_f32(const job_t *J, long long t, char *kp_, char *vp_) {
         }
 }
 
-/* Key block t = ((b * Hkv + h) * nkb + kb), packed. K: tile (c, n) holds head dims [32c, 32c + 32) of
+/* Key block t = ((b * Hkv + h) * nkb + kb), packed into kp and vp. K: tile (c, n) holds head dims [32c, 32c + 32) of
  * keys [16n, 16n + 16) of the block, row r = the pair of dims (32c + 2r, 32c + 2r + 1) of each key: a
  * 16 x 16 transpose of 32-bit pairs (transpose16; a gather per row took 1.27x the packing time at 4k).
  * V: tile jc holds value dims [16 jc, 16 jc + 16), row r = keys 2r and 2r + 1 interleaved. Past S, D or
@@ -182,11 +181,11 @@ static inline __attribute__((always_inline)) void transpose16(__m512i *x) {
     }
 }
 
-static void pack_bf16(const job_t *J, long long t, char *kp_, char *vp_) {
-    const block_t X = block_at(J, t, sizeof(uint16_t), kp_, vp_);
+static void pack_bf16(const job_t *J, long long t, char *kpb, char *vpb) {
+    const block_t X = block_at(J, t, sizeof(uint16_t));
     const long long nk = X.nk;
     const uint16_t *k = (const uint16_t *)X.k, *v = (const uint16_t *)X.v;
-    uint16_t *kp = (uint16_t *)X.kp, *vp = (uint16_t *)X.vp;
+    uint16_t *kp = (uint16_t *)kpb, *vp = (uint16_t *)vpb;
     const int pairs = J->D / 2;  /* D is even */
     for (int c = 0; c < J->nc; c++) {
         const __mmask16 dm = first(pairs - 16 * c);  /* pairs 16c .. 16c + 15 that exist */
