@@ -665,9 +665,10 @@ static inline __attribute__((always_inline)) __m512 row_p_raw(unit_t *U, int r, 
 
 /* The end of a unit's softmax that took part (U->any): P = 0 for rows past nr (bfloat16: the last
  * block's enter the tile product; float32 never writes them out), alpha = e^dm, l = l alpha + the
- * step's sums rs. A NaN m (or sum) makes alpha (or l) NaN: the row's out and lse. */
+ * step's sums rs on the rows of `rows` (the one pass adds the others' sums to l itself). A NaN m (or
+ * sum) makes alpha (or l) NaN: the row's out and lse. */
 static inline __attribute__((always_inline)) void unit_close(unit_t *U, const float *dm, const float *rs,
-                                                             const int f32) {
+                                                             uint32_t rows, const int f32) {
     rows_t *B = U->B;
     if (!f32)
         for (int r = B->nr; r < QB; r++)
@@ -676,7 +677,10 @@ static inline __attribute__((always_inline)) void unit_close(unit_t *U, const fl
     const __m512 log2e = _mm512_set1_ps(LOG2E);
     for (int r = 0; r < QB; r += 16)
         _mm512_store_ps(U->alpha + r, exp2_16(0xFFFF, _mm512_mul_ps(_mm512_load_ps(dm + r), log2e)));
-    for (int r = 0; r < B->nr; r++) {
+    if (B->nr < QB) rows &= (1u << B->nr) - 1;
+    while (rows) {
+        const int r = __builtin_ctz(rows);
+        rows &= rows - 1;
         float *l = B->l + 16 * r;
         _mm512_store_ps(l, _mm512_fmadd_ps(_mm512_load_ps(l), _mm512_set1_ps(U->alpha[r]), _mm512_load_ps(rs + 16 * r)));
     }
@@ -800,11 +804,18 @@ static inline __attribute__((always_inline)) int stale_rows(const job_t *J, unit
              * no row needs here (P's relative error from it is |y| 2^-24, against bfloat16's 2^-9) */
             sum = stale_row(U, r, pr, e, full, ns, a, _mm512_set1_ps(B->m[r] * LOG2E), 0, f32);
         }
-        _mm512_store_ps(rs + 16 * r, sum);
         /* a P above 2^8 makes its lane's sum so; a lane's 16 P's summing past it otherwise is rare,
-         * and its redo is exact anyway. A NaN sum stays (NaN is the row's answer). */
-        if (_mm512_cmp_ps_mask(sum, tau, _CMP_GT_OQ)) moved |= 1u << r;
+         * and its redo is exact anyway. A NaN sum stays (NaN is the row's answer). A row kept adds
+         * its sum to l here (alpha 1; a seeded row's l is 0); a redone row's l = l alpha + sum at
+         * the close. */
+        if (_mm512_cmp_ps_mask(sum, tau, _CMP_GT_OQ)) {
+            moved |= 1u << r;
+        } else {
+            float *l = B->l + 16 * r;
+            _mm512_store_ps(l, _mm512_add_ps(_mm512_load_ps(l), sum));
+        }
     }
+    const uint32_t redone = moved;
     while (moved) {  /* rare after a row's first steps */
         const int r = __builtin_ctz(moved);
         moved &= moved - 1;
@@ -828,7 +839,7 @@ static inline __attribute__((always_inline)) int stale_rows(const job_t *J, unit
         _mm512_store_ps(rs + 16 * r, stale_row(U, r, pr, e, e / SB, ns, a, _mm512_set1_ps(smax), 1, f32));
     }
     U->any = 1;
-    unit_close(U, dm, rs, f32);
+    unit_close(U, dm, rs, redone, f32);
     return 1;
 }
 
@@ -954,7 +965,7 @@ static inline __attribute__((always_inline)) void softmax(const job_t *J, unit_t
         B->m[r] = mn;
     }
     U->any = any;
-    if (any) unit_close(U, dm, rs, f32);
+    if (any) unit_close(U, dm, rs, (uint32_t)-1, f32);
 }
 
 /* A thread's scratch, from the heap (about 250-370 KiB at head size 64, 670-950 KiB at 256: more than a
