@@ -106,6 +106,13 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     missing = {"avx512f", "avx512bw", "avx512vl"} - cpu_flags()
     if missing:
         return None, f"this CPU lacks {', '.join(sorted(missing))}"
+    return _load(SOURCES, HEADER)
+
+
+def _load(sources: tuple[Path, ...], header: Path) -> tuple[ctypes.CDLL | None, str]:
+    """Compile ``sources`` (decode.c and prefill.c, with ``header``) into the cache unless built
+    already, load the library and declare its entry points. ``benchmarks/kernel_ab.py`` loads
+    changed copies of the sources this way."""
     cc = _compiler()
     if cc is None:
         return None, "no C compiler (cc, gcc or clang) on PATH; set CC to one"
@@ -113,7 +120,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"the C compiler {cc} does not run: {e}"
-    key = hashlib.sha256("\0".join([*(f.read_text() for f in (*SOURCES, HEADER)), " ".join(FLAGS), version,
+    key = hashlib.sha256("\0".join([*(f.read_text() for f in (*sources, header)), " ".join(FLAGS), version,
                                     " ".join(sorted(cpu_flags()))]).encode()).hexdigest()[:16]
     path = _cache_dir() / f"native-{key}.so"
     if not path.exists():
@@ -122,10 +129,10 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=path.parent)
             os.close(fd)
-            res = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
+            res = subprocess.run([cc, *FLAGS, *map(str, sources), "-o", tmp], capture_output=True, text=True,
                                  timeout=120)
             if res.returncode != 0:
-                return None, f"{cc} failed on {', '.join(f.name for f in SOURCES)}: {res.stderr.strip()[-500:]}"
+                return None, f"{cc} failed on {', '.join(f.name for f in sources)}: {res.stderr.strip()[-500:]}"
             os.chmod(tmp, 0o755)  # mkstemp's 0600 would lock other users of a shared cache folder out
             os.replace(tmp, path)  # atomic: another process sees the whole file or none
             tmp = None
@@ -303,6 +310,18 @@ def piece_row(q0: int, q1: int, k0: int, k1: int, causal: bool, mask: torch.Tens
     return row
 
 
+def _prefill_on(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                table: torch.Tensor, cap: float, out: torch.Tensor, lse: torch.Tensor) -> int:
+    """kf_prefill of ``lib`` on tensors :func:`prefill` has checked (rows contiguous), the pieces as an
+    int64 ``(n, PIECE_COLS)`` table, into ``out`` (B, Hq, L, Dv) and ``lse`` (B, Hq, L): its return code."""
+    B, Hq, L, D = q.shape
+    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    return lib.kf_prefill(q.data_ptr(), k.data_ptr(), v.data_ptr(), int(q.dtype is torch.bfloat16), *q.stride()[:3],
+                          *k.stride()[:3], *v.stride()[:3], B, Hq, Hkv, L, S, D, Dv, scale, cap, table.data_ptr(),
+                          len(table), int(out.dtype is torch.bfloat16), out.data_ptr(), lse.data_ptr(),
+                          torch.get_num_threads())
+
+
 def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pieces: list[list[int]],
             cap: float = 0.0, out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of rows ``q (B, Hq, L, D)`` over ``k (B, Hkv, S, D)``, ``v (B, Hkv, S, Dv)``
@@ -319,16 +338,14 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pie
         raise RuntimeError(f"keyfold's prefill kernel runs bfloat16 on a CPU with AMX-BF16 and float32 on one with "
                            f"AVX-512, in a native build; not {q.dtype} here: {why()}")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    B, Hq, L, D = q.shape
-    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    B, Hq, L, _ = q.shape
+    Dv = v.shape[-1]
     table = torch.tensor(pieces, dtype=torch.int64).reshape(-1, PIECE_COLS)
     out = torch.empty(B, Hq, L, Dv, dtype=out_dtype)
     lse = torch.empty(B, Hq, L, dtype=torch.float32)
     if out_dtype is torch.bfloat16 and q.dtype is not torch.bfloat16:
         raise ValueError(f"native.prefill: out_dtype bfloat16 needs bfloat16 inputs (got {q.dtype}); pass float32")
-    rc = _lib.kf_prefill(q.data_ptr(), k.data_ptr(), v.data_ptr(), int(q.dtype is torch.bfloat16), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                         B, Hq, Hkv, L, S, D, Dv, scale, cap, table.data_ptr(), len(table),
-                         int(out_dtype is torch.bfloat16), out.data_ptr(), lse.data_ptr(), torch.get_num_threads())
+    rc = _prefill_on(_lib, q, k, v, scale, table, cap, out, lse)
     prefill_calls += 1
     if rc != 0:
         raise RuntimeError(f"keyfold's prefill kernel refused q {tuple(q.shape)}, k {tuple(k.shape)}, "
