@@ -8,7 +8,7 @@ call after a 2048 x 2048 GEMM of the dtype (the bench's rounds do the same: cach
 call inside a model meets them); the answer is the median over rounds of each build's time over the
 first's, and whether its output is bit for bit the first's::
 
-    cp -r keyfold/kernels /tmp/mine   # then edit /tmp/mine/prefill.c
+    cp -r keyfold/kernels/. /tmp/mine   # then edit /tmp/mine/prefill.c
     .venv/bin/python benchmarks/kernel_ab.py now=keyfold/kernels mine=/tmp/mine --variant causal
 """
 import argparse
