@@ -1,0 +1,61 @@
+"""benchmarks/kernel_ab.py, run as its users run it: builds from source folders, times them side by
+side and says whether each build's output is the first's bit for bit."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from keyfold.kernels import native
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "benchmarks" / "kernel_ab.py"
+KERNELS = ROOT / "keyfold" / "kernels"
+
+pytestmark = pytest.mark.skipif(not native.prefill_available(torch.float32),
+                                reason=f"the prefill kernel needs AVX-512 and a native build ({native.why()})")
+
+
+def _run(*builds: str, cache: Path) -> subprocess.CompletedProcess:
+    """The tool at a tiny size, its builds in ``cache`` (not the user's build cache)"""
+    return subprocess.run([sys.executable, str(TOOL), *builds, "--n", "256", "--heads", "2", "--rounds", "2",
+                           "--no-gemm", "--dtype", "float32"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "KEYFOLD_CACHE": str(cache)})
+
+
+def _copy(tmp_path: Path, name: str) -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    for f in ("decode.c", "prefill.c", "simd.h"):
+        shutil.copy(KERNELS / f, d / f)
+    return d
+
+
+def test_a_copy_is_bit_for_bit_and_a_changed_kernel_is_not(tmp_path):
+    same = _copy(tmp_path, "same")
+    changed = _copy(tmp_path, "changed")
+    src = (changed / "prefill.c").read_text()
+    coef = "1.8671966390684247e-3f"  # float32's 2^x, its degree-5 coefficient
+    assert src.count(coef) == 1
+    (changed / "prefill.c").write_text(src.replace(coef, "1.8671966390684247e-1f"))
+    res = _run(f"now={KERNELS}", f"same={same}", f"changed={changed}", cache=tmp_path / "cache")
+    assert res.returncode == 0, res.stderr
+    lines = {ln.split(":")[0].strip(): ln for ln in res.stdout.splitlines() if ":" in ln}
+    assert "x1.000 of now's time, output bit for bit now's" in lines["now"]
+    assert "output bit for bit now's" in lines["same"]
+    assert "output NOT bit for bit now's" in lines["changed"]
+
+
+def test_a_folder_without_the_sources_is_named(tmp_path):
+    res = _run(f"now={KERNELS}", f"empty={tmp_path}", cache=tmp_path / "cache")
+    assert res.returncode != 0
+    assert "builds: empty lacks" in res.stderr and "prefill.c" in res.stderr
+
+
+def test_a_build_that_is_not_name_equals_folder_is_refused(tmp_path):
+    res = _run(str(KERNELS), cache=tmp_path / "cache")
+    assert res.returncode != 0
+    assert "is not name=folder" in res.stderr
