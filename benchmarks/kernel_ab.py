@@ -10,6 +10,12 @@ first's, and whether its output is bit for bit the first's::
 
     cp -r keyfold/kernels/. /tmp/mine   # then edit /tmp/mine/prefill.c
     .venv/bin/python benchmarks/kernel_ab.py now=keyfold/kernels mine=/tmp/mine --variant causal
+
+With ``--fuzz N`` it times nothing: it runs every build on N random layouts (dense, causal,
+prefix-LM, a window's band and mask tile, a random mask tile, a row shift, softcap; GQA, strided
+keys, head sizes 2 to 256, q scaled up to force the one pass's redo; both dtypes where the build
+runs them) and counts the layouts where a build's output or lse is not the first's bit for bit: a
+change meant to move no arithmetic must show 0.
 """
 import argparse
 import random
@@ -24,20 +30,10 @@ from keyfold.kernels import native
 _VARIANTS = ("causal", "dense")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("builds", nargs="+", metavar="name=folder", help="a build: its name and source folder")
-    ap.add_argument("--variant", choices=_VARIANTS, default="causal")
-    ap.add_argument("--n", type=int, default=4096, help="rows and keys (default 4096)")
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    ap.add_argument("--rounds", type=int, default=60)
-    ap.add_argument("--no-gemm", action="store_true", help="no GEMM between calls")
-    args = ap.parse_args()
-
+def _builds(specs: list[str], dtype: str | None) -> dict:
+    """name -> the library built from each ``name=folder``"""
     libs = {}
-    for spec in args.builds:
+    for spec in specs:
         name, sep, folder = spec.partition("=")
         if not sep or not name:
             raise SystemExit(f"builds: {spec!r} is not name=folder (e.g. now=keyfold/kernels)")
@@ -49,10 +45,13 @@ def main() -> None:
         lib, why = native._load(sources, d / "simd.h")
         if lib is None:
             raise SystemExit(f"builds: {name} did not build: {why}")
-        if args.dtype == "bfloat16" and lib.kf_prefill_init() != 0:
+        if dtype == "bfloat16" and lib.kf_prefill_init() != 0:
             raise SystemExit("bfloat16 needs AMX and the OS's leave to use it; pass --dtype float32")
         libs[name] = lib
+    return libs
 
+
+def _time(libs: dict, args: argparse.Namespace) -> None:
     dt = getattr(torch, args.dtype)
     g = torch.Generator().manual_seed(0)
     H, N, D = args.heads, args.n, args.head_dim
@@ -85,6 +84,97 @@ def main() -> None:
         same = all(torch.equal(x, y) for x, y in zip(outs[n], outs[first]))
         print(f"  {n:>12}: median {statistics.median(times[n]) * 1e3:7.2f} ms, fastest {min(times[n]) * 1e3:7.2f} ms, "
               f"x{ratio:.3f} of {first}'s time, output {'bit for bit' if same else 'NOT bit for bit'} {first}'s")
+
+
+def _layout(rng: random.Random, seed: int, dt: torch.dtype):
+    """One random call: q, k, v, the pieces' table, the tensors it points into, the softcap, a label"""
+    g = torch.Generator().manual_seed(seed)
+    Hkv = rng.choice([1, 2, 3])
+    B, Hq = rng.choice([1, 2]), Hkv * rng.choice([1, 2, 4])
+    D = rng.choice([2, 8, 16, 32, 62, 64, 80, 96, 128, 256])
+    Dv = rng.choice([D, 16, 64, 100])
+    L, S = rng.randint(1, 1200), rng.randint(1, 1200)
+    boost = rng.choice([1, 1, 4, 20])  # large scores: the one pass redoes rows
+    q = (torch.randn(B, Hq, L, D, generator=g) * boost).to(dt)  # (B, Hq, L, D)
+    k = torch.randn(B, Hkv, S + 8, D, generator=g).to(dt)
+    k = k[:, :, 3:3 + S] if rng.random() < 0.3 else k[:, :, :S].contiguous()  # strided keys or not
+    v = torch.randn(B, Hkv, S, Dv, generator=g).to(dt)
+    kind = rng.choice(["dense", "causal", "prefix-lm", "window", "mask", "shift"])
+    m = min(L, S)
+    keep = []
+    if kind == "dense":
+        rows = [native.piece_row(0, L, 0, S, False)]
+    elif kind == "causal":
+        rows = [native.piece_row(0, m, 0, m, True)]
+    elif kind == "prefix-lm":
+        p = rng.randint(1, max(1, m - 1))
+        rows = [native.piece_row(0, m, 0, p, False)] + ([native.piece_row(p, m, p, m, True)] if p < m else [])
+    elif kind == "window":  # rows a..b see keys i - W < j <= i: a mask tile behind the diagonal block
+        W, rows = rng.randint(1, 300), []
+        for a in range(0, m, 256):
+            b, lo = min(m, a + 256), max(0, a - rng.randint(1, 300))
+            if lo < a:
+                i, j = torch.arange(a, b)[:, None], torch.arange(lo, a)[None, :]
+                tile = torch.zeros(1, 1, b - a, a - lo).masked_fill_(i - j >= W, float("-inf"))
+                keep.append(tile)
+                rows.append(native.piece_row(a, b, lo, a, False, tile))
+            rows.append(native.piece_row(a, b, a, b, True))
+    elif kind == "mask":
+        tile = torch.randn(1, 1, L, S, generator=g)
+        tile.masked_fill_(tile < -0.5, float("-inf"))
+        keep.append(tile)
+        rows = [native.piece_row(0, L, 0, S, False, tile)]
+    else:
+        shift = torch.randn(1, Hq, L, generator=g)
+        keep.append(shift)
+        rows = [native.piece_row(0, m, 0, m, rng.random() < 0.5, None, shift)]
+    cap = rng.choice([0.0, 0.0, 0.0, 20.0])
+    label = f"{kind} {dt} B={B} Hq={Hq} Hkv={Hkv} L={L} S={S} D={D} Dv={Dv} q x{boost} cap {cap}"
+    return q, k, v, torch.tensor(rows, dtype=torch.int64), keep, cap, label
+
+
+def _fuzz(libs: dict, n: int) -> None:
+    first, rng, differ = next(iter(libs)), random.Random(0), []
+    dtypes = [dt for dt in (torch.bfloat16, torch.float32) if native.prefill_available(dt)]
+    for i in range(n):
+        dt = dtypes[i % len(dtypes)]
+        q, k, v, table, _keep, cap, label = _layout(rng, i, dt)
+        got = {}
+        for name, lib in libs.items():
+            out, lse = torch.empty(*q.shape[:3], v.shape[-1], dtype=dt), torch.empty(q.shape[:3])
+            rc = native._prefill_on(lib, q, k, v, q.shape[-1] ** -0.5, table, cap, out, lse)
+            if rc != 0:
+                raise SystemExit(f"{name}: the kernel refused layout {i} ({label}; code {rc})")
+            got[name] = (out, lse)
+        for name in libs:
+            if not all(torch.equal(a, b) for a, b in zip(got[name], got[first])):
+                differ.append((name, i, label))
+    print(f"{n} random layouts ({', '.join(map(str, dtypes))}), {torch.get_num_threads()} threads")
+    for name in libs:
+        mine = [(i, label) for who, i, label in differ if who == name]
+        print(f"  {name:>12}: {len(mine)} of {n} not bit for bit {first}'s"
+              + "".join(f"\n      layout {i}: {label}" for i, label in mine[:5]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("builds", nargs="+", metavar="name=folder", help="a build: its name and source folder")
+    ap.add_argument("--variant", choices=_VARIANTS, default="causal")
+    ap.add_argument("--n", type=int, default=4096, help="rows and keys (default 4096)")
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--no-gemm", action="store_true", help="no GEMM between calls")
+    ap.add_argument("--fuzz", type=int, metavar="N", help="compare outputs bit for bit on N random layouts; no timing")
+    args = ap.parse_args()
+    libs = _builds(args.builds, None if args.fuzz else args.dtype)
+    if args.fuzz:
+        for lib in libs.values():
+            lib.kf_prefill_init()  # bfloat16 where this CPU and OS allow it
+        _fuzz(libs, args.fuzz)
+    else:
+        _time(libs, args)
 
 
 if __name__ == "__main__":

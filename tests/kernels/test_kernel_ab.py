@@ -49,6 +49,21 @@ def test_a_copy_is_bit_for_bit_and_a_changed_kernel_is_not(tmp_path):
     assert "output NOT bit for bit now's" in lines["changed"]
 
 
+def test_the_fuzz_finds_no_difference_in_a_copy_and_finds_a_changed_coefficient(tmp_path):
+    same = _copy(tmp_path, "same")
+    changed = _copy(tmp_path, "changed")
+    src = (changed / "prefill.c").read_text()
+    (changed / "prefill.c").write_text(src.replace("1.8671966390684247e-3f", "1.8671966390684247e-1f"))
+    res = subprocess.run([sys.executable, str(TOOL), f"now={KERNELS}", f"same={same}", f"changed={changed}",
+                          "--fuzz", "8"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "KEYFOLD_CACHE": str(tmp_path / "cache")})
+    assert res.returncode == 0, res.stderr
+    lines = {ln.split(":")[0].strip(): ln for ln in res.stdout.splitlines() if "not bit for bit" in ln}
+    assert "same: 0 of 8" in lines["same"]
+    changed_count = int(lines["changed"].split(":")[1].split()[0])
+    assert changed_count > 0
+
+
 def test_a_folder_without_the_sources_is_named(tmp_path):
     res = _run(f"now={KERNELS}", f"empty={tmp_path}", cache=tmp_path / "cache")
     assert res.returncode != 0
