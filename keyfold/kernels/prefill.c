@@ -817,10 +817,8 @@ static inline __attribute__((always_inline)) int stale_rows(const job_t *J, unit
             _mm512_store_ps(l, _mm512_add_ps(_mm512_load_ps(l), sum));
         }
     }
-    const uint32_t redone = moved;
-    while (moved) {  /* rare after a row's first steps */
-        const int r = __builtin_ctz(moved);
-        moved &= moved - 1;
+    for (uint32_t left = moved; left; left &= left - 1) {  /* rare after a row's first steps */
+        const int r = __builtin_ctz(left);
         const float *pr = U->sbuf + r * KB;
         const int e = all ? ns * SB : end[r];
         __m512 mx = ninf;
@@ -841,7 +839,7 @@ static inline __attribute__((always_inline)) int stale_rows(const job_t *J, unit
         _mm512_store_ps(rs + 16 * r, stale_row(U, r, pr, e, e / SB, ns, a, _mm512_set1_ps(smax), 1, f32));
     }
     U->any = 1;
-    unit_close(U, dm, rs, redone, f32);
+    unit_close(U, dm, rs, moved, f32);
     return 1;
 }
 
@@ -1228,7 +1226,8 @@ int kf_prefill(const void *q, const void *k, const void *v, int dtype,
         long long packed = -1;  /* the kv head in this thread's buffer */
         for (long long w; (w = next_item(runs, nt, me)) >= 0;) {
             const long long kv = w / per_kv;
-            char *hk = kp + (size_t)((own ? me : kv) * J.nkb) * ks, *hv = vp + (size_t)((own ? me : kv) * J.nkb) * vs;
+            const long long slot = own ? me : kv;  /* the buffer the head is packed in */
+            char *hk = kp + (size_t)(slot * J.nkb) * ks, *hv = vp + (size_t)(slot * J.nkb) * vs;
             if (own && kv != packed) {
                 for (long long kb = 0; kb < J.nkb; kb++)
                     if (need[kb]) pack_block(&J, kv * J.nkb + kb, hk + (size_t)kb * ks, hv + (size_t)kb * vs);

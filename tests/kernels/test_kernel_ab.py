@@ -19,10 +19,13 @@ pytestmark = pytest.mark.skipif(not native.prefill_available(torch.float32),
                                 reason=f"the prefill kernel needs AVX-512 and a native build ({native.why()})")
 
 
-def _run(*builds: str, cache: Path) -> subprocess.CompletedProcess:
-    """The tool at a tiny size, its builds in ``cache`` (not the user's build cache)"""
-    return subprocess.run([sys.executable, str(TOOL), *builds, "--n", "256", "--heads", "2", "--rounds", "2",
-                           "--no-gemm", "--dtype", "float32"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+#: timing at a tiny size
+TINY = ("--n", "256", "--heads", "2", "--rounds", "2", "--no-gemm", "--dtype", "float32")
+
+
+def _run(*args: str, cache: Path) -> subprocess.CompletedProcess:
+    """The tool with ``args``, its builds in ``cache`` (not the user's build cache)"""
+    return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "KEYFOLD_CACHE": str(cache)})
 
 
@@ -41,7 +44,7 @@ def test_a_copy_is_bit_for_bit_and_a_changed_kernel_is_not(tmp_path):
     coef = "1.8671966390684247e-3f"  # float32's 2^x, its degree-5 coefficient
     assert src.count(coef) == 1
     (changed / "prefill.c").write_text(src.replace(coef, "1.8671966390684247e-1f"))
-    res = _run(f"now={KERNELS}", f"same={same}", f"changed={changed}", cache=tmp_path / "cache")
+    res = _run(f"now={KERNELS}", f"same={same}", f"changed={changed}", *TINY, cache=tmp_path / "cache")
     assert res.returncode == 0, res.stderr
     lines = {ln.split(":")[0].strip(): ln for ln in res.stdout.splitlines() if ":" in ln}
     assert "x1.000 of now's time, output bit for bit now's" in lines["now"]
@@ -54,9 +57,7 @@ def test_the_fuzz_finds_no_difference_in_a_copy_and_finds_a_changed_coefficient(
     changed = _copy(tmp_path, "changed")
     src = (changed / "prefill.c").read_text()
     (changed / "prefill.c").write_text(src.replace("1.8671966390684247e-3f", "1.8671966390684247e-1f"))
-    res = subprocess.run([sys.executable, str(TOOL), f"now={KERNELS}", f"same={same}", f"changed={changed}",
-                          "--fuzz", "8"], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env={**os.environ, "KEYFOLD_CACHE": str(tmp_path / "cache")})
+    res = _run(f"now={KERNELS}", f"same={same}", f"changed={changed}", "--fuzz", "8", cache=tmp_path / "cache")
     assert res.returncode == 0, res.stderr
     lines = {ln.split(":")[0].strip(): ln for ln in res.stdout.splitlines() if "not bit for bit" in ln}
     assert "same: 0 of 8" in lines["same"]
@@ -65,12 +66,12 @@ def test_the_fuzz_finds_no_difference_in_a_copy_and_finds_a_changed_coefficient(
 
 
 def test_a_folder_without_the_sources_is_named(tmp_path):
-    res = _run(f"now={KERNELS}", f"empty={tmp_path}", cache=tmp_path / "cache")
+    res = _run(f"now={KERNELS}", f"empty={tmp_path}", *TINY, cache=tmp_path / "cache")
     assert res.returncode != 0
     assert "builds: empty lacks" in res.stderr and "prefill.c" in res.stderr
 
 
 def test_a_build_that_is_not_name_equals_folder_is_refused(tmp_path):
-    res = _run(str(KERNELS), cache=tmp_path / "cache")
+    res = _run(str(KERNELS), *TINY, cache=tmp_path / "cache")
     assert res.returncode != 0
     assert "is not name=folder" in res.stderr
