@@ -65,6 +65,14 @@ def _fp16_units() -> bool:
 FP16_AS_FP32 = not _fp16_units()
 
 
+def _rows(x):
+    """x with stride 1 in its last dim, the layout PyTorch's fused op assumes of q, k, v, out and dout:
+    it reads any other (a transposed view) from the wrong places with no error, where the public SDPA
+    checks first (found by fuzzing: errors of 0.6 to 1e35 from a transposed k or q, 2026-12-05). A copy
+    only where needed; masks it reads through their strides, so they pass as they are."""
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+
 def _widen(q, k, v):
     """q, k, v in float32 where :data:`FP16_AS_FP32` says so for float16; others pass through."""
     if FP16_AS_FP32 and q.dtype is torch.float16:
@@ -107,7 +115,7 @@ def _by_chunks(q, k, v, scale: float):
     c = -(-n // chunks)  # equal chunks: no sliver at the end
     kb = torch.empty(B, H, c, D, dtype=torch.float32, device=k.device)
     vb = torch.empty(B, H, c, v.shape[-1], dtype=torch.float32, device=v.device)
-    qf = q.float()
+    qf = _rows(q.float())
     states = []
     for a in range(0, n, c):
         e = min(n, a + c)
@@ -192,7 +200,7 @@ def _op(q, k, v, causal: bool, mask, scale: float):
             return native.run(q, k, v, scale)  # _native_pays has checked what attend would
         if _chunks_pay(q.dtype, q.shape[2], k.shape[2]):
             return _by_chunks(q, k, v, scale)
-    q, k, v = _widen(q, k, v)
+    q, k, v = _widen(_rows(q), _rows(k), _rows(v))
     return _FWD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
 
 
@@ -216,9 +224,9 @@ class _Inputs:
         D, Dv = q.shape[-1], v.shape[-1]
         self.D, self.Dv = D, Dv
         self.W = max(D, Dv) + (1 if spare else 0)
-        self.q = _pad(q, self.W)
-        self.k = _pad(k, self.W)
-        self.v = _pad(v, self.W)
+        self.q = _pad(_rows(q), self.W)
+        self.k = _pad(_rows(k), self.W)
+        self.v = _pad(_rows(v), self.W)
         self.g = q.shape[1] // k.shape[1]
 
 
@@ -612,8 +620,8 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     q, k, v = _widen(q, k, v)
     inp = _Inputs(q, k, v, spare=spare)
     W = inp.W
-    o = _pad(out.to(q.dtype), W)
-    do = _pad(dout.to(q.dtype), W)
+    o = _pad(_rows(out.to(q.dtype)), W)
+    do = _pad(_rows(dout.to(q.dtype)), W)
     if spare:
         o = o.clone()
         do = do.clone()
