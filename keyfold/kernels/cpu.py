@@ -885,7 +885,7 @@ def _single_key_rows(inp: _Inputs, pieces, cache, pb: Problem, q, memo: dict):
             c = torch.full((1, 1, L), S, dtype=torch.int64)
             j = torch.zeros(1, 1, L, dtype=torch.int64)
         else:
-            c, j = _seen(tile, folded, inp.g, L, S)
+            c, j = _seen(tile, folded, inp.g, L, S, inp.k.shape[1])
         shape = torch.broadcast_shapes(count.shape, c.shape[:2] + (Nq,))
         count, key = count.expand(shape).clone(), key.expand(shape).clone()
         rows = slice(piece.q0, piece.q1)
@@ -920,17 +920,25 @@ def _hides_above_diagonal(tile: _Tile, L: int, S: int) -> bool:
     return hit
 
 
-def _seen(tile: _Tile, folded: bool, g: int, L: int, S: int):
+def _seen(tile: _Tile, folded: bool, g: int, L: int, S: int, Hkv: int):
     """Per row of a masked tile: how many keys it sees and the first of them (local), counted from
-    the call's own mask (a bias may hide keys too) once per tile: a cached tile keeps them."""
-    at = ("seen", folded, g, L, S)  # a mask of one row (..., 1, S) serves pieces of any height
+    the call's own mask (a bias may hide keys too) once per tile: a cached tile keeps them. Heads
+    ``(b|1, Hq|1, L)``: a folded tile's rows are (member, row), member m of kv head h being query
+    head h g + m. (It took member 0's rows for every member where the tile had one kv head: a mask
+    that differs between the heads of a group, under MQA or one broadcast over kv heads, gave a
+    row's one key to the whole group, and dv, dk, dq silently wrong; found by fuzzing, 2026-12-05.)"""
+    at = ("seen", folded, g, L, S, Hkv)  # a mask of one row (..., 1, S) serves pieces of any height
     hit = tile.later.get(at)
     if hit is not None:
         return hit
-    vis = ~torch.isneginf(tile.mask.cpu())              # (b, h, L|1, S), or folded (b, h, g*L, S)
+    vis = ~torch.isneginf(tile.mask.cpu())              # (b, h, L|1, S), or folded (b, h, g*L|1, S)
     if folded:
-        b_, h_ = vis.shape[:2]
-        vis = vis[:, :, :L] if h_ == 1 else vis.reshape(b_, h_ * g, L, S)
+        b_, h_, r_ = vis.shape[:3]
+        if r_ == 1:  # one row of keys for every row of every member
+            vis = vis if h_ == 1 else vis.repeat_interleave(g, 1)
+        else:
+            c_ = vis.shape[-1]  # S, or 1 for a mask the same for every key (a row term)
+            vis = vis.reshape(b_, h_, g, L, c_).expand(b_, Hkv, g, L, c_).reshape(b_, Hkv * g, L, c_)
     vis = torch.broadcast_to(vis, vis.shape[:2] + (L, S))
     seen = vis.sum(-1), vis.to(torch.int8).argmax(-1).long()
     tile.later[at] = seen
