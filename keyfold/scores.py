@@ -46,8 +46,9 @@ class ScoreMod:
     def separable(self, q0: int, q1: int, k0: int, k1: int, device):
         """For an additive modifier on the rectangle [q0, q1) x [k0, k1) (absolute positions):
         ``(row, key)`` with ``bias == row[..., None] + key``, row ``(1, H|1, L)`` and key
-        ``(1, H|1, 1, S)``, or None. A row term leaves the softmax unchanged and only shifts
-        lse, so the fused kernel gets an O(S) mask instead of an O(L·S) tile."""
+        ``(1, H|1, 1, S)``, in float64 (callers cast to their state dtype), or None. A row term
+        leaves the softmax unchanged and only shifts lse, so the fused kernel gets an O(S) mask
+        instead of an O(L·S) tile."""
         return None
 
     def bias(self, b, h, qp, kp):
@@ -131,7 +132,10 @@ class _Alibi(ScoreMod):
             r = k0
         else:
             return None
-        return -slopes * (qp - r).abs().float(), (-slopes * (kp - r).abs().float()).unsqueeze(2)
+        # in float64 (exact products of a float32 slope and an integer below 2^29): float64 inputs
+        # need it (float32 terms left them 1.6e-5 off; found by fuzzing, 2026-12-05), the others round once
+        slopes = slopes.double()
+        return -slopes * (qp - r).abs().double(), (-slopes * (kp - r).abs().double()).unsqueeze(2)
 
     def check_heads(self, H):
         n = self.slopes.t.shape[-1]

@@ -317,13 +317,19 @@ def _tile(piece: Piece, pb: Problem, q_orig, folded: bool, g: int, memo: dict, c
     sep = score.separable(qa, qa + L, ka, ka + S, q_orig.device) if (
         score is not None and piece.kind is not PieceKind.CAUSAL) else None
     if sep is not None:
-        row_shift, bias = sep[0], sep[1]
+        row_shift, bias = sep[0].to(state_dtype(q_orig.dtype)), sep[1]
         vis = visible(q_orig, piece, pb) if piece.kind is PieceKind.MASKED else None
     else:
         pos = positions(q_orig, piece, pb)
         vis = visible(q_orig, piece, pb, pos) if piece.kind is PieceKind.MASKED else None
         with torch.no_grad():  # a tile is data: never a piece of a tensor's autograd graph
-            bias = score.bias(*pos) if score is not None else None
+            if score is None:
+                bias = None
+            elif q_orig.dtype is torch.float64:  # the modifier's own float64 path (apply adds the
+                # bias to float64 scores in float64; ALiBi's float32 bias left 1.9e-6 errors)
+                bias = score.apply(torch.zeros((), dtype=torch.float64, device=q_orig.device), *pos)
+            else:
+                bias = score.bias(*pos)
     cols = _visible_cols(vis) if vis is not None else None
     if cols is not None:  # keys no row sees are left out of the call (and of the mask)
         vis = vis[..., cols[0]:cols[1]]

@@ -43,13 +43,14 @@ def _visible_cached(q, piece, pb: Problem, plan: Plan):
     return vis
 
 
-def _separable(piece, pb: Problem, device):
+def _separable(piece, pb: Problem, device, dtype):
     """``(row, key)`` terms of an additive bias on this piece (ALiBi with every key on one side
-    of every query), or None: then the bias is applied whole."""
+    of every query) in ``dtype``, or None: then the bias is applied whole."""
     if pb.score is None or not pb.score.additive:
         return None
     qa, ka = pb.q_offset + piece.q0, pb.kv_offset + piece.k0
-    return pb.score.separable(qa, pb.q_offset + piece.q1, ka, pb.kv_offset + piece.k1, device)
+    sep = pb.score.separable(qa, pb.q_offset + piece.q1, ka, pb.kv_offset + piece.k1, device)
+    return None if sep is None else (sep[0].to(dtype), sep[1].to(dtype))
 
 
 def _keep(q, piece, pb: Problem, pos):
@@ -133,7 +134,7 @@ def forward(q, k, v, plan: Plan, pb: Problem, lse_exact: bool = True) -> State:
         pos = positions(q, piece, pb) if pb.score is not None or pb.dropout_p else None
         vs = v[:, :, piece.k0:piece.k1]
         s = _scores(q[:, :, piece.q0:piece.q1], k[:, :, piece.k0:piece.k1], pb)  # (B, Hq, L, S), ours
-        sep = _separable(piece, pb, q.device)
+        sep = _separable(piece, pb, q.device, sd)
         if sep is not None:  # key term into the scores, row term into lse (exact far from the keys)
             s = s.add_(sep[1])
         elif cap is not None:
@@ -224,7 +225,7 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
         qs, ks, vs = q[:, :, rows], k[:, :, keys], v[:, :, keys]
         do = dout[:, :, rows].to(sd)
         L, S = piece.q1 - piece.q0, piece.k1 - piece.k0
-        sep = None if nonadd else _separable(piece, pb, q.device)
+        sep = None if nonadd else _separable(piece, pb, q.device, sd)
         with torch.enable_grad():
             raw = _scores(qs, ks, pb)
             if nonadd:
