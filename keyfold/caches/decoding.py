@@ -318,7 +318,7 @@ def cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix_lengths=None, m
     req = torch.arange(R).repeat_interleave(Nq)
     m, sc = mask, score
     prefix = Span(prefix_k, prefix_v, 0)
-    if m is not None:
+    if m is not None and P > 0:  # an empty prefix has no block to classify (it raised IndexError)
         kind = _kinds(m, int(pos.min()), int(pos.max()) + 1, [prefix])[0]
         m = None if kind is BlockKind.FULL else m
     if m is not None or sc is not None:

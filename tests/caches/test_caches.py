@@ -672,3 +672,17 @@ def test_cascade_ragged_suffixes_read_only_their_own_lengths():
         assert_rows_by_rule(got[r:r + 1], q[r:r + 1], k, v)
     empty_prefix = cascade(q, pk[:, :, :0], pv[:, :, :0], sk, sv)  # no shared prefix at all
     assert_rows_by_rule(empty_prefix[:1], q[:1], sk[:1], sv[:1])
+
+
+def test_cascade_with_an_empty_prefix_and_a_per_request_mask():
+    """An empty shared prefix is no prefix: with a per-request documents mask the prefix's blocks
+    were classified anyway and raised IndexError (fuzzing, 2026-12-05)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 1, 1, 8, generator=g)
+    pk = torch.randn(1, 1, 0, 8)
+    sk, sv = torch.randn(2, 1, 5, 8, generator=g), torch.randn(2, 1, 5, 8, generator=g)
+    ids = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1]])
+    out = cascade(q, pk, pk, sk, sv, mask=keyfold.documents(ids))
+    for r in range(2):
+        want = keyfold.attention(q[r:r + 1], sk[r:r + 1], sv[r:r + 1], mask=keyfold.documents(ids[r]))
+        torch.testing.assert_close(out[r:r + 1], want, atol=1e-6, rtol=1e-5)
