@@ -220,11 +220,18 @@ _UNSURE: "OrderedDict[object, int]" = OrderedDict()  # callables whose samples c
 _UNSURE_CHECKS = 16
 
 
-def _decide(fn, broadcast, element, sample_of, informative, exact):
+def _decide(fn, broadcast, element, sample_of, informative, exact, one=False):
     """Run ``broadcast()``; check it against ``element`` at the tile's sample points; remember
     the mode. An agreement that could not have shown a difference (a mask all True or all False
-    there, a score modifier adding one constant, as a zero-initialised table does) is not
-    remembered: the check runs again on the callable's next tiles, up to 16 times."""
+    there, a score modifier adding one constant, as a zero-initialised table does) is no evidence:
+    the tile is evaluated per element too (Flex's answer, always right), the broadcast answer kept
+    only where it equals that on the whole tile, and the check runs again on the callable's next
+    tiles; after 16 such tiles it stays per element. A tile of one element (``one``)
+    gives both evaluations the same computation: its broadcast answer stands, and it counts for
+    nothing. (Broadcast answers used to stand on agreement alone, and 16 uninformative checks chose
+    broadcast for good: a per-element ``(x[q_idx] * y[kv_idx]).sum() > 0`` reduced over the whole
+    tile to one bool and showed a row every key it must not see, and a score modifier first met on
+    16 one-token tiles added a tile-wide sum to every score after; found by fuzzing, 2026-12-05.)"""
     try:
         out = broadcast()
         err = None
@@ -238,9 +245,18 @@ def _decide(fn, broadcast, element, sample_of, informative, exact):
             return out
         got = sample_of(out)
         if _agree(got, ref, exact):
-            if informative(got) or _unsure_again(fn):
+            if informative(got):
                 _set_mode(fn, Mode.BROADCAST)
-            return out
+                return out
+            if one:
+                return out
+            res = element(sample=False)
+            if not _agree(out, res, exact):  # the whole tile shows the difference the points missed
+                _set_mode(fn, Mode.ELEMENT)
+                return res
+            if _unsure_again(fn):
+                _set_mode(fn, Mode.ELEMENT)
+            return out  # right on this tile (checked whole), in the broadcast result's own shape
     try:
         res = element(sample=False)
     except Exception as e2:  # noqa: BLE001
@@ -314,7 +330,8 @@ def call_mask(fn, b, h, qp, kp) -> torch.Tensor:
                 _check_bool(fn, out)
                 return out
             return _decide(fn, broadcast, element, lambda o: _sample(o, idx, grid),
-                           lambda m: bool(m.any()) and not bool(m.all()), exact=True)
+                           lambda m: bool(m.any()) and not bool(m.all()), exact=True,
+                           one=all(len(v) == 1 for v in vecs))
     vecs = vecs or _vectors(b, h, qp, kp)
     if vecs is None:
         return _flat(fn, (), (b, h, qp, kp), grid, _check_bool)
@@ -335,7 +352,8 @@ def batch_head_dependence(fn, B: int | None, H: int | None) -> tuple[bool, bool]
     (``lengths[b]`` must not see b = 1 when B = 1), at q_idx = kv_idx = 0.
 
     In broadcast mode a callable that never reads b returns no batch dimension. In per-element
-    mode the result always has every dimension, so the probe asks vmap instead: the output of
+    mode, or while the mode is undecided (the probe's answer then came per element), the result
+    always has every dimension, so the probe asks vmap instead: the output of
     the inner levels is batched over b only if it depends on b. A size-1 dimension cannot be
     told apart, and needs no telling: there is only one entry to plan for."""
     Bp = 2 if B is None else max(1, min(B, 2))
@@ -347,9 +365,10 @@ def batch_head_dependence(fn, B: int | None, H: int | None) -> tuple[bool, bool]
         if B is None or H is None:  # an unknown size probed too far: assume it reads both (always correct)
             return True, True
         raise
-    if _get_mode(fn) is not Mode.ELEMENT:
+    if _get_mode(fn) is Mode.BROADCAST:
         shape = (1,) * (4 - out.dim()) + tuple(out.shape)
         return shape[0] != 1, shape[1] != 1
+    # per element, or not decided yet (the probe's answer was per element): ask vmap
     return _reads(fn, vecs, 0) if Bp > 1 else False, _reads(fn, vecs, 1) if Hp > 1 else False
 
 
@@ -433,7 +452,8 @@ def call_score(fn, s, b, h, qp, kp) -> torch.Tensor:
             def informative(o):
                 d = torch.nan_to_num(o.detach().double() - s_at.detach().double())
                 return bool(d.max() != d.min())
-            out = _decide(fn, broadcast, element, lambda o: _sample(o, idx, grid), informative, exact=False)
+            out = _decide(fn, broadcast, element, lambda o: _sample(o, idx, grid), informative, exact=False,
+                          one=all(n == 1 for n in grid))
             return _finish(out, s)
     vecs = vecs or _vectors(b, h, qp, kp)
     if vecs is None:

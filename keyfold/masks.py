@@ -961,6 +961,15 @@ class MaskFn(Mask):
     def evaluate(self, b, h, qp, kp):
         return _callables.call_mask(self.fn, b, h, qp, kp)
 
+    def to_dense(self, Nq: int, Nk: int, q_offset: int | None = None, kv_offset: int = 0,
+                 *, B: int = 1, H: int = 1, device=None) -> torch.Tensor:
+        # evaluated per element, a callable's answer has every dimension: (Nq, Nk) all the same
+        # where it reads neither b nor h, as in broadcast mode
+        dense = super().to_dense(Nq, Nk, q_offset, kv_offset, B=B, H=H, device=device)
+        if dense.dim() == 4 and not any(self.depends_on_batch_head(B, H)):
+            return dense[0, 0].clone()
+        return dense
+
     def depends_on_batch_head(self, B=None, H=None):
         """Probed once per (B > 1, H > 1): a callable that never reads ``b`` / ``h`` gives a
         result without those dimensions, so its plan is built once for all batch entries and

@@ -450,6 +450,40 @@ def test_broadcast_callables_stay_in_broadcast_mode():
     assert _callables.mode_of(rel) is _callables.Mode.BROADCAST
 
 
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+def test_a_per_element_mask_that_reduces_the_grid_to_one_bool(backend):
+    """Called on the whole tile, this Flex-style mask sums over every pair and returns one bool;
+    the spread sample points all saw True, and that bool stood for the tile: row 3, which must see
+    no key, saw all of them (fuzzing, 2026-12-05). Now such a tile takes Flex's own answer."""
+    x = torch.ones(8, 1)
+    x[3] = -1.0
+    y = torch.ones(8, 1)
+
+    def dot_mask(b, h, q_idx, kv_idx):
+        return (x[q_idx] * y[kv_idx]).sum() > 0
+    q, k, v = _qkv(1, 1, 8)
+    out, lse = kf.attention(q, k, v, mask=dot_mask, q_offset=0, backend=backend, return_lse=True)
+    assert bool((out[0, 0, 3] == 0).all()) and lse[0, 0, 3] == float("-inf")
+    torch.testing.assert_close(out, _flex(q, k, v, mask_mod=dot_mask), atol=2e-5, rtol=1e-4)
+
+
+def test_one_token_tiles_do_not_decide_a_per_element_score_for_good():
+    """Sixteen calls of one query over one key cannot tell broadcast from per-element evaluation;
+    they used to choose broadcast for good, and the next full call added a tile-wide sum to every
+    score (error 1.7; fuzzing, 2026-12-05)."""
+    x, y = _rand(8, 3, seed=60), _rand(8, 3, seed=61)
+
+    def dot_score(score, b, h, q_idx, kv_idx):
+        return score + (x[q_idx] * y[kv_idx]).sum()
+    q, k, v = _qkv(1, 1, 8)
+    for i in range(20):
+        j = i % 8
+        kf.attention(q[:, :, j:j + 1], k[:, :, j:j + 1], v[:, :, j:j + 1], score=dot_score, q_offset=j,
+                     kv_offset=j, backend=Backend.TILES)
+    got = kf.attention(q, k, v, score=dot_score, q_offset=0, backend=Backend.TILES)
+    torch.testing.assert_close(got, _flex(q, k, v, score_mod=dot_score), atol=2e-5, rtol=1e-4)
+
+
 # ------------------------------------------------------------------ 9. dtype rules
 
 
