@@ -216,22 +216,18 @@ def _agree(a, b, exact: bool) -> bool:
     return bool(torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6, equal_nan=True))
 
 
-_UNSURE: "OrderedDict[object, int]" = OrderedDict()  # callables whose samples could not tell the modes apart
-_UNSURE_CHECKS = 16
-
-
 def _decide(fn, broadcast, element, sample_of, informative, exact, one=False):
     """Run ``broadcast()``; check it against ``element`` at the tile's sample points; remember
     the mode. An agreement that could not have shown a difference (a mask all True or all False
     there, a score modifier adding one constant, as a zero-initialised table does) is no evidence:
     the tile is evaluated per element too (Flex's answer, always right), the broadcast answer kept
-    only where it equals that on the whole tile, and the check runs again on the callable's next
-    tiles; after 16 such tiles it stays per element. A tile of one element (``one``)
-    gives both evaluations the same computation: its broadcast answer stands, and it counts for
-    nothing. (Broadcast answers used to stand on agreement alone, and 16 uninformative checks chose
-    broadcast for good: a per-element ``(x[q_idx] * y[kv_idx]).sum() > 0`` reduced over the whole
-    tile to one bool and showed a row every key it must not see, and a score modifier first met on
-    16 one-token tiles added a tile-wide sum to every score after; found by fuzzing, 2026-12-05.)"""
+    only where it equals that on the whole tile (else the callable goes per element for good), and
+    the next tiles are checked again, until one can tell (a zero table that has trained). A tile of
+    one element (``one``) gives both evaluations the same computation: its broadcast answer stands.
+    (Broadcast answers used to stand on agreement alone, and 16 uninformative checks chose broadcast
+    for good: a per-element ``(x[q_idx] * y[kv_idx]).sum() > 0`` reduced over the whole tile to one
+    bool and showed a row every key it must not see, and a score modifier first met on 16 one-token
+    tiles added a tile-wide sum to every score after; found by fuzzing, 2026-12-05.)"""
     try:
         out = broadcast()
         err = None
@@ -254,8 +250,6 @@ def _decide(fn, broadcast, element, sample_of, informative, exact, one=False):
             if not _agree(out, res, exact):  # the whole tile shows the difference the points missed
                 _set_mode(fn, Mode.ELEMENT)
                 return res
-            if _unsure_again(fn):
-                _set_mode(fn, Mode.ELEMENT)
             return out  # right on this tile (checked whole), in the broadcast result's own shape
     try:
         res = element(sample=False)
@@ -265,21 +259,6 @@ def _decide(fn, broadcast, element, sample_of, informative, exact, one=False):
         raise
     _set_mode(fn, Mode.ELEMENT)
     return res
-
-
-def _unsure_again(fn) -> bool:
-    """Count an uninformative check; True once there have been enough to stop checking."""
-    key = _mode_key(fn)
-    if key is None:
-        key = id(fn)
-    with _LOCK:
-        n = _UNSURE.pop(key, 0) + 1
-        if n >= _UNSURE_CHECKS:
-            return True
-        _UNSURE[key] = n
-        while len(_UNSURE) > _MODES_MAX:
-            _UNSURE.popitem(last=False)
-    return False
 
 
 # ----------------------------------------------------------------------------- masks
