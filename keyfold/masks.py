@@ -103,6 +103,9 @@ class _TensorKey:
                 and torch.equal(self.t, other.t))
 
 
+_DEPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Mask -> {(Bp, Hp): (reads b, reads h)}
+
+
 class Mask:
     """The mask protocol. A mask of your own subclasses this and implements ``evaluate`` (and,
     when it can, ``classify``); it then plans and runs on every backend (docs/masks.md).
@@ -221,8 +224,35 @@ class Mask:
     def depends_on_batch_head(self, B: int | None = None, H: int | None = None) -> tuple[bool, bool]:
         """Whether the mask can differ between batch entries / heads. ``B``, ``H``: the call's
         batch and head counts, where known (a callable is probed only inside them); an
-        override may ignore them, or leave them out of its signature."""
-        return False, False
+        override may ignore them, or leave them out of its signature.
+
+        The default asks :meth:`evaluate`, once per mask and size: on index grids of b < min(B, 2)
+        and h < min(H, 2) (positions 0 and 1), an answer with a batch or head dimension above one
+        reads it, as broadcasting tensor code gives; a grid it cannot answer counts as reading
+        both, which is always right (the plan is then built per batch entry and head). It
+        answered (False, False) without asking until 2026-12-05: a mask of one's own that read
+        ``h`` was planned from head 0 alone, and rows of the other heads came back 0 (found by
+        fuzzing). Override it where the answer is known without evaluating (every preset does)."""
+        Bp = 2 if B is None else max(1, min(int(B), 2))
+        Hp = 2 if H is None else max(1, min(int(H), 2))
+        if Bp == 1 and Hp == 1:
+            return False, False
+        try:
+            cache = _DEPS.setdefault(self, {})
+        except TypeError:  # not weakly referenceable, or unhashable: asked every time
+            cache = {}
+        hit = cache.get((Bp, Hp))
+        if hit is None:
+            grid = (torch.arange(Bp).view(-1, 1, 1, 1), torch.arange(Hp).view(1, -1, 1, 1),
+                    torch.arange(2).view(1, 1, -1, 1), torch.arange(2).view(1, 1, 1, -1))
+            try:
+                out = torch.as_tensor(self.evaluate(*grid))
+                shape = (1,) * (4 - out.dim()) + tuple(out.shape)
+                hit = (shape[0] > 1, shape[1] > 1)
+            except Exception:  # noqa: BLE001 - a probe it cannot answer: plan per entry and head
+                hit = (True, True)
+            cache[(Bp, Hp)] = hit
+        return hit
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
@@ -271,6 +301,9 @@ def _kind(full, empty):
 class _Full(Mask):
     translation_invariant = True
 
+    def depends_on_batch_head(self, B=None, H=None):  # the same for every batch entry and head
+        return False, False
+
     def evaluate(self, b, h, qp, kp):
         return torch.ones((1, 1, 1, 1), dtype=torch.bool, device=qp.device)
 
@@ -292,6 +325,9 @@ class _Full(Mask):
 
 class _Causal(Mask):
     translation_invariant = True
+
+    def depends_on_batch_head(self, B=None, H=None):  # the same for every batch entry and head
+        return False, False
 
     def evaluate(self, b, h, qp, kp):
         return kp <= qp
@@ -315,6 +351,9 @@ class _Causal(Mask):
 
 class _Window(Mask):
     translation_invariant = True
+
+    def depends_on_batch_head(self, B=None, H=None):  # the same for every batch entry and head
+        return False, False
 
     def __init__(self, left: int | None, right: int | None):
         self.left, self.right = left, right
@@ -692,6 +731,9 @@ class _BlockSparse(Mask):
 class _Dilated(Mask):
     translation_invariant = True
 
+    def depends_on_batch_head(self, B=None, H=None):  # the same for every batch entry and head
+        return False, False
+
     def __init__(self, step: int):
         self.step = _int_arg(step, "step", "dilated", minimum=1)
 
@@ -851,6 +893,9 @@ class Varlen(Mask):
     ``i`` satisfy ``a - left <= j <= a + right`` for ``a = i + Lk_s - Lq_s``: causal and windows
     aligned bottom-right inside each sequence, as FlashAttention does. Built by :func:`varlen`.
     """
+
+    def depends_on_batch_head(self, B=None, H=None):  # the same for every batch entry and head
+        return False, False
 
     packed_queries = True
 

@@ -121,3 +121,37 @@ def test_plan_compares_by_identity_and_exposes_only_public_settings():
     assert a != b and a == a and hash(a) == hash(a) and len({a, b}) == 2
     params = set(inspect.signature(kf.plan).parameters)
     assert params == {"mask", "Nq", "Nk", "q_offset", "kv_offset", "B", "H", "block_size"}
+
+
+class Lookback(Mask):
+    """A user's mask that reads the head and the batch entry: query i sees key i - 300 h - 7 b
+    only, and nothing else (the protocol's minimum: evaluate, ==, hash; no depends_on_batch_head)."""
+
+    def evaluate(self, b, h, qp, kp):
+        return qp - kp == 300 * h + 7 * b
+
+    def __eq__(self, other):
+        return type(other) is Lookback
+
+    def __hash__(self):
+        return hash("Lookback")
+
+
+@pytest.mark.parametrize("backend", [Backend.AUTO, Backend.CPU, Backend.TILES])
+@pytest.mark.parametrize("block_size", [None, 3, 7, 64])
+def test_user_mask_that_reads_the_head_is_planned_per_head(backend, block_size):
+    """Planned from batch 0, head 0 only (the default said the mask read neither), the other heads'
+    rows that see a key came back 0: error 4.1 (fuzzing, 2026-12-05). The default now asks evaluate."""
+    assert Lookback().depends_on_batch_head(2, 2) == (True, True)
+    q, k, v = _qkv(torch.float32, B=2, H=2, N=400)
+    assert_forward_by_rule(q, k, v, mask=Lookback(), q_offset=0, backend=backend, block_size=block_size)
+
+
+def test_a_probe_the_mask_cannot_answer_counts_as_reading_both():
+    lengths = torch.tensor([5])
+
+    class Short(Mask):  # lengths[b] for b = 1 raises: planned per entry and head, always right
+        def evaluate(self, b, h, qp, kp):
+            return kp < lengths[b]
+    assert Short().depends_on_batch_head(2, 2) == (True, True)
+    assert Short().depends_on_batch_head(1, 1) == (False, False)
