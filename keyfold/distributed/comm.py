@@ -55,6 +55,27 @@ def fingerprint(obj) -> str:
     return h.hexdigest()
 
 
+class Described:
+    """A mask or score modifier in an agreement check (:meth:`Comm.agree`): equal by content (its
+    fingerprint), shown by its repr. Its text alone would not do: a class without a ``__repr__``
+    prints its address, which differs between the ranks (ring_attention and tree_decode refused
+    equal custom masks so; found by fuzzing, 2026-12-05)."""
+
+    __slots__ = ("text", "key")
+
+    def __init__(self, x):
+        self.text, self.key = repr(x), fingerprint(x)
+
+    def __eq__(self, other):
+        return isinstance(other, Described) and other.key == self.key
+
+    def __hash__(self):
+        return hash(self.key)
+
+    def __repr__(self):
+        return f"{self.text} #{self.key[:16]}"
+
+
 def _feed(h, x, seen: set) -> None:
     if x is None or isinstance(x, (bool, int, float, complex, str, bytes, enum.Enum, torch.dtype, torch.device)):
         h.update(repr((type(x).__name__, x)).encode())

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..engine import Backend, attend
 from ..state import State, empty_state, merge_all, state_dtype
-from .comm import Comm, fingerprint
+from .comm import Comm, Described
 
 __all__ = ["Reduce", "tree_decode"]
 
@@ -83,8 +83,8 @@ def tree_decode(q, k_local, v_local, group=None, *, mask=None, score=None, scale
     shapes = (tuple(getattr(q, "shape", ())), tuple(getattr(k_local, "shape", ()))[:2],
               tuple(getattr(k_local, "shape", ()))[3:], tuple(getattr(v_local, "shape", ()))[3:],
               str(getattr(q, "dtype", None)), getattr(reduce, "name", reduce),
-              None if mask is None else (repr(mask), fingerprint(mask)),
-              None if score is None else (repr(score), fingerprint(score)))
+              None if mask is None else Described(mask),
+              None if score is None else Described(score))
     comm.agree("tree_decode", shapes, error)
     lengths = comm.all_gather(torch.tensor([k_local.shape[2]], device=q.device), what="cache lengths").wait()
     lengths = [int(x) for x in lengths.view(-1).tolist()]

@@ -25,7 +25,7 @@ from ..engine import Backend, attend
 from ..masks import as_mask
 from ..scores import as_score
 from ..state import State, empty_state, state_dtype
-from .comm import Comm, fingerprint
+from .comm import Comm, Described
 from .layout import Layout, Run, check_length, gather_order
 from .pieces import Job, accumulate, piece_grads
 from .views import piece_args
@@ -281,9 +281,9 @@ def _validate(q, k, v, P, layout, strategy, mask, score, head_groups):
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 
 
-def _describe(x) -> str | None:
+def _describe(x) -> Described | None:
     """A mask or score for the agreement check: readable, and compared by content."""
-    return None if x is None else f"{x!r} #{fingerprint(x)[:16]}"
+    return None if x is None else Described(x)
 
 
 def ring_attention(q, k, v, *, group=None, mask=None, score=None, scale=None,

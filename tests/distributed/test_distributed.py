@@ -356,6 +356,38 @@ def test_a_rank_that_raises_ends_every_rank():
     assert time.monotonic() - t0 < 80
 
 
+class _Band(keyfold.Mask):
+    """A user's mask with the protocol's minimum (evaluate, ==, hash) and no __repr__: its default
+    repr holds its address, which differs between the ranks."""
+
+    def evaluate(self, b, h, qp, kp):
+        return (qp - kp >= 0) & (qp - kp <= 3)
+
+    def __eq__(self, other):
+        return type(other) is _Band
+
+    def __hash__(self):
+        return hash("_Band")
+
+
+def _worker_user_mask(rank, P):
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=g) for _ in range(3))
+    out = ring_attention(*(shard_of(t, P, rank, Layout.CONTIGUOUS) for t in (q, k, v)), mask=_Band())
+    want = shard_of(keyfold.attention(q, k, v, mask=_Band()), P, rank, Layout.CONTIGUOUS)
+    lo = 8 * rank
+    dec = tree_decode(q[:, :, -1:], k[:, :, lo:lo + 8], v[:, :, lo:lo + 8], mask=_Band())
+    return max_err(out, want), max_err(dec, keyfold.attention(q[:, :, -1:], k, v, mask=_Band()))
+
+
+def test_ranks_agree_on_a_user_mask_without_a_repr():
+    """The agreement check compared masks as the text of their repr: equal masks of a class without
+    a __repr__ printed different addresses, and ring_attention and tree_decode raised ShardError on
+    equal inputs (fuzzing, 2026-12-05). They are compared by content now."""
+    for e_ring, e_decode in _values(launch(_worker_user_mask, 2, deadline=90)):
+        assert e_ring < 1e-6 and e_decode < 1e-6
+
+
 # ----------------------------------------------- positions and pieces, in-process (Hypothesis)
 
 
