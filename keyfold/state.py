@@ -74,7 +74,11 @@ def merge(a: State, b: State) -> State:
     lse -inf count as empty whatever their ``out`` holds (weight 0).
     """
     lse, wa, wb = _weights(a.lse, b.lse)
-    out = a.out * wa.unsqueeze(-1) + b.out * wb.unsqueeze(-1)
+    # an empty row's out is zeroed before its weight 0 multiplies it: 0 x NaN (or inf) is NaN, in
+    # value and gradient (a NaN filler made the merged row NaN; found by fuzzing, 2026-12-05)
+    ao = a.out.masked_fill(torch.isneginf(a.lse).unsqueeze(-1), 0.0)
+    bo = b.out.masked_fill(torch.isneginf(b.lse).unsqueeze(-1), 0.0)
+    out = ao * wa.unsqueeze(-1) + bo * wb.unsqueeze(-1)
     return State(out, lse)
 
 

@@ -5,6 +5,7 @@ unnormalised single-state merge, ALiBi in float32 positions, varlen causal in th
 refused inputs, and non-zero gradients where the exact one is 0.
 """
 
+import math
 import os
 
 import numpy as np
@@ -583,3 +584,17 @@ def test_float64_alibi_keeps_float64_accuracy(backend):
     want = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5 + bias, -1) @ v
     got = kf.attention(q, k, v, score=kf.alibi(slopes), q_offset=33, backend=backend)
     assert max_err(got, want) < 1e-9
+
+
+@pytest.mark.parametrize("fill", [float("nan"), float("inf"), -float("inf")])
+def test_merge_ignores_what_an_empty_rows_out_holds(fill):
+    """A row with lse -inf is empty whatever its out holds: merge multiplied that out by its weight
+    0, and 0 x NaN (or inf) made the merged row NaN, in value and gradient (fuzzing, 2026-12-05)."""
+    a_out = torch.tensor([[[[1.0, 2.0]]]], requires_grad=True)
+    a = kf.State(a_out, torch.tensor([[[0.5]]]))
+    b = kf.State(torch.full((1, 1, 1, 2), fill), torch.tensor([[[-math.inf]]]))
+    for got in (kf.merge(a, b).out, kf.merge(b, a).out, kf.merge_all([a, b, b]).out):
+        assert torch.equal(got.detach(), a_out.detach())
+    assert torch.equal(kf.merge(b, b).out, torch.zeros(1, 1, 1, 2))
+    kf.merge(a, b).out.sum().backward()
+    assert torch.equal(a_out.grad, torch.ones(1, 1, 1, 2))
