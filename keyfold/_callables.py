@@ -216,18 +216,28 @@ def _agree(a, b, exact: bool) -> bool:
     return bool(torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6, equal_nan=True))
 
 
-def _decide(fn, broadcast, element, sample_of, informative, exact, one=False):
+def _along_q_kv(x, tol: float = 0.0) -> bool:
+    """Whether the sample points' values ``x`` (b, h, q, kv) vary along q or kv by more than ``tol``
+    in some (b, h): what a tile must show before agreement there tells the two evaluations apart (a
+    reduction over the tile, the mistake broadcasting makes, is constant along both)."""
+    x = x.double()
+    return bool((x.amax(dim=(2, 3)) - x.amin(dim=(2, 3))).max() > tol) if x.numel() else False
+
+
+def _decide(fn, broadcast, element, sample_of, informative, exact):
     """Run ``broadcast()``; check it against ``element`` at the tile's sample points; remember
     the mode. An agreement that could not have shown a difference (a mask all True or all False
     there, a score modifier adding one constant, as a zero-initialised table does) is no evidence:
     the tile is evaluated per element too (Flex's answer, always right), the broadcast answer kept
     only where it equals that on the whole tile (else the callable goes per element for good), and
-    the next tiles are checked again, until one can tell (a zero table that has trained). A tile of
-    one element (``one``) gives both evaluations the same computation: its broadcast answer stands.
-    (Broadcast answers used to stand on agreement alone, and 16 uninformative checks chose broadcast
-    for good: a per-element ``(x[q_idx] * y[kv_idx]).sum() > 0`` reduced over the whole tile to one
-    bool and showed a row every key it must not see, and a score modifier first met on 16 one-token
-    tiles added a tile-wide sum to every score after; found by fuzzing, 2026-12-05.)"""
+    the next tiles are checked again, until one can tell (a zero table that has trained). Telling
+    means values that vary along q or kv beyond rounding (:func:`_along_q_kv`): a tile of one query
+    and one key, however many batch entries and heads, never tells. (Broadcast answers used to stand
+    on agreement alone, 16 uninformative checks chose broadcast for good, and a score's float32
+    rounding counted as variation: a per-element ``(x[q_idx] * y[kv_idx]).sum() > 0`` reduced over
+    the whole tile to one bool and showed a row every key it must not see, and a score modifier
+    first met on one-token tiles, or on one query and key of two batch entries, added a tile-wide
+    sum to every score after (errors 0.5 to 1.7); found by fuzzing, 2026-12-05.)"""
     try:
         out = broadcast()
         err = None
@@ -243,8 +253,6 @@ def _decide(fn, broadcast, element, sample_of, informative, exact, one=False):
         if _agree(got, ref, exact):
             if informative(got):
                 _set_mode(fn, Mode.BROADCAST)
-                return out
-            if one:
                 return out
             res = element(sample=False)
             if not _agree(out, res, exact):  # the whole tile shows the difference the points missed
@@ -308,9 +316,7 @@ def call_mask(fn, b, h, qp, kp) -> torch.Tensor:
                 out = _element_mask(fn, vecs)
                 _check_bool(fn, out)
                 return out
-            return _decide(fn, broadcast, element, lambda o: _sample(o, idx, grid),
-                           lambda m: bool(m.any()) and not bool(m.all()), exact=True,
-                           one=all(len(v) == 1 for v in vecs))
+            return _decide(fn, broadcast, element, lambda o: _sample(o, idx, grid), _along_q_kv, exact=True)
     vecs = vecs or _vectors(b, h, qp, kp)
     if vecs is None:
         return _flat(fn, (), (b, h, qp, kp), grid, _check_bool)
@@ -428,11 +434,13 @@ def call_score(fn, s, b, h, qp, kp) -> torch.Tensor:
                 _check_float(fn, out)
                 return out
 
-            def informative(o):
-                d = torch.nan_to_num(o.detach().double() - s_at.detach().double())
-                return bool(d.max() != d.min())
-            out = _decide(fn, broadcast, element, lambda o: _sample(o, idx, grid), informative, exact=False,
-                          one=all(n == 1 for n in grid))
+            def informative(o):  # what the modifier adds varies along q or kv, beyond float32 rounding
+                o, s0 = o.detach().double(), s_at.detach().double()
+                if not o.numel():
+                    return False
+                scale = float(torch.nan_to_num(o.abs()).max()) + float(torch.nan_to_num(s0.abs()).max())
+                return _along_q_kv(torch.nan_to_num(o - s0), 1e-5 * (1.0 + scale))
+            out = _decide(fn, broadcast, element, lambda o: _sample(o, idx, grid), informative, exact=False)
             return _finish(out, s)
     vecs = vecs or _vectors(b, h, qp, kp)
     if vecs is None:

@@ -467,6 +467,26 @@ def test_a_per_element_mask_that_reduces_the_grid_to_one_bool(backend):
     torch.testing.assert_close(out, _flex(q, k, v, mask_mod=dot_mask), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("first", ["two batch entries", "two heads"])
+def test_float32_rounding_is_not_evidence_for_broadcast(first):
+    """A first call of one query over one key for two batch entries (or heads): s + c rounds
+    differently at two scores, which counted as the modifier varying, and broadcast was chosen for
+    good; the next ordinary call was 0.48 off (fuzzing, 2026-12-05)."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 3, generator=g) * 0.3, torch.randn(64, 3, generator=g)
+
+    def dot_score(score, b, h, q_idx, kv_idx):
+        return score + (x[q_idx] * y[kv_idx]).sum()
+    one = torch.tensor([1.0, 0.0, 3.0, 0.0]).view(2, 1, 1, 2)
+    if first == "two heads":
+        one = one.view(1, 2, 1, 2)
+    kf.attention(one, torch.ones_like(one), torch.ones_like(one), score=dot_score)
+    assert _callables.mode_of(dot_score) is not _callables.Mode.BROADCAST
+    q, k, v = _qkv(1, 2, 40)
+    got = kf.attention(q, k, v, score=dot_score, q_offset=0)
+    torch.testing.assert_close(got, _flex(q, k, v, score_mod=dot_score), atol=2e-5, rtol=1e-4)
+
+
 def test_one_token_tiles_do_not_decide_a_per_element_score_for_good():
     """Sixteen calls of one query over one key cannot tell broadcast from per-element evaluation;
     they used to choose broadcast for good, and the next full call added a tile-wide sum to every
