@@ -216,12 +216,30 @@ def _agree(a, b, exact: bool) -> bool:
     return bool(torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6, equal_nan=True))
 
 
-def _along_q_kv(x, tol: float = 0.0) -> bool:
-    """Whether the sample points' values ``x`` (b, h, q, kv) vary along q or kv by more than ``tol``
-    in some (b, h): what a tile must show before agreement there tells the two evaluations apart (a
-    reduction over the tile, the mistake broadcasting makes, is constant along both)."""
+def _varies(x, tol: float = 0.0) -> bool:
+    """Whether the sample points' values ``x`` (b, h, q, kv) differ by more than ``tol``: what a tile
+    must show before agreement there tells the two evaluations apart (a reduction over the tile, the
+    mistake broadcasting makes, gives one value everywhere)."""
     x = x.double()
-    return bool((x.amax(dim=(2, 3)) - x.amin(dim=(2, 3))).max() > tol) if x.numel() else False
+    return bool(x.max() - x.min() > tol) if x.numel() else False
+
+
+_UNSURE: "OrderedDict[object, int]" = OrderedDict()  # callables whose tiles have not told yet
+_UNSURE_TILES = 16
+
+
+def _unsure_again(fn) -> bool:
+    """Count a tile that could not tell; True once there have been enough to stop checking."""
+    key = _mode_key(fn)
+    key = id(fn) if key is None else key
+    with _LOCK:
+        n = _UNSURE.pop(key, 0) + 1
+        if n >= _UNSURE_TILES:
+            return True
+        _UNSURE[key] = n
+        while len(_UNSURE) > _MODES_MAX:
+            _UNSURE.popitem(last=False)
+    return False
 
 
 def _decide(fn, broadcast, element, sample_of, informative, exact):
@@ -230,14 +248,15 @@ def _decide(fn, broadcast, element, sample_of, informative, exact):
     there, a score modifier adding one constant, as a zero-initialised table does) is no evidence:
     the tile is evaluated per element too (Flex's answer, always right), the broadcast answer kept
     only where it equals that on the whole tile (else the callable goes per element for good), and
-    the next tiles are checked again, until one can tell (a zero table that has trained). Telling
-    means values that vary along q or kv beyond rounding (:func:`_along_q_kv`): a tile of one query
-    and one key, however many batch entries and heads, never tells. (Broadcast answers used to stand
-    on agreement alone, 16 uninformative checks chose broadcast for good, and a score's float32
-    rounding counted as variation: a per-element ``(x[q_idx] * y[kv_idx]).sum() > 0`` reduced over
-    the whole tile to one bool and showed a row every key it must not see, and a score modifier
-    first met on one-token tiles, or on one query and key of two batch entries, added a tile-wide
-    sum to every score after (errors 0.5 to 1.7); found by fuzzing, 2026-12-05.)"""
+    the next tiles are checked again; after 16 tiles that could not tell, the callable goes per
+    element for good (about 2x the broadcast cost, always right). Telling means values that differ
+    beyond float32 rounding (:func:`_varies`). (Broadcast answers used to stand on agreement alone,
+    16 uninformative checks chose broadcast for good, and a score's float32 rounding counted as
+    variation: a per-element ``(x[q_idx] * y[kv_idx]).sum() > 0`` reduced over the whole tile to one
+    bool and showed a row every key it must not see, and a score modifier first met on one-token
+    tiles, or on one query and key of two batch entries, added a tile-wide sum to every score after
+    (errors 0.5 to 1.7); found by fuzzing, 2026-12-05.) Still open: broadcast chosen on a tile that
+    told, for a callable whose captured tensors change later (a table that was zero in part of it)."""
     try:
         out = broadcast()
         err = None
@@ -254,10 +273,15 @@ def _decide(fn, broadcast, element, sample_of, informative, exact):
             if informative(got):
                 _set_mode(fn, Mode.BROADCAST)
                 return out
-            res = element(sample=False)
+            try:
+                res = element(sample=False)
+            except Exception:  # noqa: BLE001 - the whole tile is too much for vmap: as the points said
+                return out
             if not _agree(out, res, exact):  # the whole tile shows the difference the points missed
                 _set_mode(fn, Mode.ELEMENT)
                 return res
+            if _unsure_again(fn):
+                _set_mode(fn, Mode.ELEMENT)
             return out  # right on this tile (checked whole), in the broadcast result's own shape
     try:
         res = element(sample=False)
@@ -316,7 +340,7 @@ def call_mask(fn, b, h, qp, kp) -> torch.Tensor:
                 out = _element_mask(fn, vecs)
                 _check_bool(fn, out)
                 return out
-            return _decide(fn, broadcast, element, lambda o: _sample(o, idx, grid), _along_q_kv, exact=True)
+            return _decide(fn, broadcast, element, lambda o: _sample(o, idx, grid), _varies, exact=True)
     vecs = vecs or _vectors(b, h, qp, kp)
     if vecs is None:
         return _flat(fn, (), (b, h, qp, kp), grid, _check_bool)
@@ -434,12 +458,12 @@ def call_score(fn, s, b, h, qp, kp) -> torch.Tensor:
                 _check_float(fn, out)
                 return out
 
-            def informative(o):  # what the modifier adds varies along q or kv, beyond float32 rounding
+            def informative(o):  # what the modifier adds varies, beyond float32 rounding
                 o, s0 = o.detach().double(), s_at.detach().double()
                 if not o.numel():
                     return False
                 scale = float(torch.nan_to_num(o.abs()).max()) + float(torch.nan_to_num(s0.abs()).max())
-                return _along_q_kv(torch.nan_to_num(o - s0), 1e-5 * (1.0 + scale))
+                return _varies(torch.nan_to_num(o - s0), 1e-5 * (1.0 + scale))
             out = _decide(fn, broadcast, element, lambda o: _sample(o, idx, grid), informative, exact=False)
             return _finish(out, s)
     vecs = vecs or _vectors(b, h, qp, kp)

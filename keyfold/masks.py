@@ -103,7 +103,12 @@ class _TensorKey:
                 and torch.equal(self.t, other.t))
 
 
-_DEPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Mask -> {(Bp, Hp): (reads b, reads h)}
+_DEPS: dict = {}  # id(mask) -> {(Bp, Hp): (reads b, reads h)}, dropped when the mask is collected
+
+
+def _reads_neither(self, B=None, H=None):
+    """``depends_on_batch_head`` of a mask the same for every batch entry and head"""
+    return False, False
 
 
 class Mask:
@@ -232,15 +237,21 @@ class Mask:
         both, which is always right (the plan is then built per batch entry and head). It
         answered (False, False) without asking until 2026-12-05: a mask of one's own that read
         ``h`` was planned from head 0 alone, and rows of the other heads came back 0 (found by
-        fuzzing). Override it where the answer is known without evaluating (every preset does)."""
+        fuzzing). Override it where the answer is known without evaluating (every preset does), and
+        where ``evaluate`` cannot take positions 0 and 1 on the CPU (else the plan is per entry and
+        head: correct, B x H times the classification work)."""
         Bp = 2 if B is None else max(1, min(int(B), 2))
         Hp = 2 if H is None else max(1, min(int(H), 2))
         if Bp == 1 and Hp == 1:
             return False, False
-        try:
-            cache = _DEPS.setdefault(self, {})
-        except TypeError:  # not weakly referenceable, or unhashable: asked every time
+        cache = _DEPS.get(id(self))
+        if cache is None:  # by identity: a user's __eq__ is never called (it may return a tensor)
             cache = {}
+            try:
+                weakref.finalize(self, _DEPS.pop, id(self), None)
+                _DEPS[id(self)] = cache
+            except TypeError:  # not weakly referenceable: asked every time
+                pass
         hit = cache.get((Bp, Hp))
         if hit is None:
             grid = (torch.arange(Bp).view(-1, 1, 1, 1), torch.arange(Hp).view(1, -1, 1, 1),
@@ -300,9 +311,7 @@ def _kind(full, empty):
 
 class _Full(Mask):
     translation_invariant = True
-
-    def depends_on_batch_head(self, B=None, H=None):  # the same for every batch entry and head
-        return False, False
+    depends_on_batch_head = _reads_neither
 
     def evaluate(self, b, h, qp, kp):
         return torch.ones((1, 1, 1, 1), dtype=torch.bool, device=qp.device)
@@ -325,9 +334,7 @@ class _Full(Mask):
 
 class _Causal(Mask):
     translation_invariant = True
-
-    def depends_on_batch_head(self, B=None, H=None):  # the same for every batch entry and head
-        return False, False
+    depends_on_batch_head = _reads_neither
 
     def evaluate(self, b, h, qp, kp):
         return kp <= qp
@@ -351,9 +358,7 @@ class _Causal(Mask):
 
 class _Window(Mask):
     translation_invariant = True
-
-    def depends_on_batch_head(self, B=None, H=None):  # the same for every batch entry and head
-        return False, False
+    depends_on_batch_head = _reads_neither
 
     def __init__(self, left: int | None, right: int | None):
         self.left, self.right = left, right
@@ -730,9 +735,7 @@ class _BlockSparse(Mask):
 
 class _Dilated(Mask):
     translation_invariant = True
-
-    def depends_on_batch_head(self, B=None, H=None):  # the same for every batch entry and head
-        return False, False
+    depends_on_batch_head = _reads_neither
 
     def __init__(self, step: int):
         self.step = _int_arg(step, "step", "dilated", minimum=1)
@@ -894,8 +897,7 @@ class Varlen(Mask):
     aligned bottom-right inside each sequence, as FlashAttention does. Built by :func:`varlen`.
     """
 
-    def depends_on_batch_head(self, B=None, H=None):  # the same for every batch entry and head
-        return False, False
+    depends_on_batch_head = _reads_neither
 
     packed_queries = True
 

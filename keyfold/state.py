@@ -83,7 +83,8 @@ def merge(a: State, b: State) -> State:
 
 
 def merge_into(acc: State, part: State) -> None:
-    """In-place ``acc = merge(acc, part)`` for the engine's accumulators (no autograd)."""
+    """In-place ``acc = merge(acc, part)`` for the engine's accumulators (no autograd), whose empty
+    rows hold out 0 (the engine zeroes them): no masking of what an empty row's out holds."""
     lse, wa, wb = _weights(acc.lse, part.lse)
     acc.out.mul_(wa.unsqueeze(-1)).add_(part.out * wb.unsqueeze(-1))
     acc.lse.copy_(lse)

@@ -326,8 +326,10 @@ def _tile(piece: Piece, pb: Problem, q_orig, folded: bool, g: int, memo: dict, c
             if score is None:
                 bias = None
             elif q_orig.dtype is torch.float64:  # the modifier's own float64 path (apply adds the
-                # bias to float64 scores in float64; ALiBi's float32 bias left 1.9e-6 errors)
-                bias = score.apply(torch.zeros((), dtype=torch.float64, device=q_orig.device), *pos)
+                # bias to float64 scores in float64; ALiBi's float32 bias left 1.9e-6 errors), on
+                # zero scores of the tile's shape, as apply is promised
+                grid = torch.broadcast_shapes(*(t.shape for t in pos))
+                bias = score.apply(torch.zeros(grid, dtype=torch.float64, device=q_orig.device), *pos)
             else:
                 bias = score.bias(*pos)
     cols = _visible_cols(vis) if vis is not None else None
@@ -933,7 +935,7 @@ def _seen(tile: _Tile, folded: bool, g: int, L: int, S: int, Hkv: int):
     head h g + m. (It took member 0's rows for every member where the tile had one kv head: a mask
     that differs between the heads of a group, under MQA or one broadcast over kv heads, gave a
     row's one key to the whole group, and dv, dk, dq silently wrong; found by fuzzing, 2026-12-05.)"""
-    at = ("seen", folded, g, L, S, Hkv)  # a mask of one row (..., 1, S) serves pieces of any height
+    at = ("seen", folded, g, L, S, Hkv)
     hit = tile.later.get(at)
     if hit is not None:
         return hit

@@ -557,3 +557,23 @@ def test_attend_backward_shares_sum_to_the_whole(backend):
     kf.attention(qq, kk, vv, backend=Backend.REFERENCE).backward(dout)
     for got, want in ((dq, qq.grad), (dk, kk.grad), (dv, vv.grad)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_a_per_head_score_decides_broadcast_and_identity_decides_per_element():
+    """What a callable adds may vary along b or h only (a per-head bias): that tells too, so the
+    callable runs broadcast (it was checked whole on every tile, 5-7x the time; review, 2026-12-05).
+    One that adds nothing at all never tells, and goes per element after 16 tiles."""
+    hb = _rand(2, seed=70)
+
+    def head_bias(score, b, h, q_idx, kv_idx):
+        return score + hb[h]
+
+    def same(score, b, h, q_idx, kv_idx):
+        return score
+    q, k, v = _qkv(1, 2, 64)
+    kf.attention(q, k, v, score=head_bias, backend=Backend.TILES, block_size=16)
+    assert _callables.mode_of(head_bias) is _callables.Mode.BROADCAST
+    for _ in range(16):  # a call of one piece is one tile here
+        assert _callables.mode_of(same) is None
+        kf.attention(q[:, :, :8], k[:, :, :8], v[:, :, :8], score=same, backend=Backend.TILES)
+    assert _callables.mode_of(same) is _callables.Mode.ELEMENT

@@ -155,3 +155,51 @@ def test_a_probe_the_mask_cannot_answer_counts_as_reading_both():
             return kp < lengths[b]
     assert Short().depends_on_batch_head(2, 2) == (True, True)
     assert Short().depends_on_batch_head(1, 1) == (False, False)
+
+
+class TensorEq(Mask):
+    """A user's mask whose __eq__ returns a tensor (as a dataclass of tensors would): keyfold must
+    never ask it (review, 2026-12-05: the batch/head probe's cache called it and raised)."""
+
+    def __init__(self, ids):
+        self.ids = ids
+
+    def evaluate(self, b, h, qp, kp):
+        return self.ids[qp] == self.ids[kp]
+
+    def __eq__(self, other):
+        return self.ids == other.ids  # a tensor, not a bool
+
+    def __hash__(self):
+        return id(self)
+
+
+def test_a_mask_whose_eq_returns_a_tensor_runs():
+    ids = torch.arange(300) // 50
+    q, k, v = _qkv(torch.float32, B=1, H=2)
+    m = TensorEq(ids)
+    assert m.depends_on_batch_head(1, 2) == (False, False)
+    assert_forward_by_rule(q, k, v, mask=m, q_offset=0, backend=Backend.CPU)
+
+
+class InPlaceBias(kf.ScoreMod):
+    """An additive modifier whose apply works in place on the scores it is given, which
+    docs/masks.md promises are (B, H, L, S)-broadcastable tiles, never a 0-d scalar."""
+
+    additive = True
+
+    def bias(self, b, h, qp, kp):
+        return 0.01 * (qp - kp).abs().to(torch.float32) * (h + 1)
+
+    def apply(self, s, b, h, qp, kp):
+        out = s.clone()
+        out += self.bias(b, h, qp, kp).to(s.dtype)
+        return out
+
+
+@pytest.mark.parametrize("backend", [Backend.CPU, Backend.TILES])
+def test_float64_additive_user_modifier_with_an_in_place_apply(backend):
+    """float64 inputs take the modifier's bias through apply (in float64, review of 2026-12-05):
+    on a tile of zeros of the tile's shape, not a 0-d tensor, which an in-place apply cannot take."""
+    q, k, v = _qkv(torch.float64, B=1, H=2, N=64)
+    assert_forward_by_rule(q, k, v, score=InPlaceBias(), mask=kf.causal(), backend=backend)

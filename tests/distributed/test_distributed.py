@@ -591,3 +591,25 @@ def test_a_slice_of_heads_sees_its_global_head_index(layout):
                            shard_of(v[:, h0:h1], P, src, layout), job, src, heads=(h0, h1, H))
             outs.append(acc.out)
         assert max_err(unshard_of(outs, layout), ref.out[:, h0:h1]) < 1e-12, (h0, h1)
+
+
+class _Private(keyfold.Mask):
+    """Content in a private attribute, which the fingerprint skips, and shown by its own repr."""
+
+    def __init__(self, ids):
+        self._ids = ids
+
+    def evaluate(self, b, h, qp, kp):
+        return self._ids[qp] == self._ids[kp]
+
+    def __repr__(self):
+        return f"_Private({self._ids.tolist()})"
+
+
+def test_agreement_tells_masks_apart_by_a_repr_of_their_own():
+    """Compared by fingerprint alone, two masks that differ only in a private tensor looked equal
+    (review, 2026-12-05); a repr of the class's own is compared too, a default one (an address) not."""
+    from keyfold.distributed.comm import Described
+    a, b = _Private(torch.tensor([0, 0, 1, 1])), _Private(torch.tensor([0, 1, 1, 1]))
+    assert Described(a) != Described(b) and Described(a) == Described(_Private(torch.tensor([0, 0, 1, 1])))
+    assert Described(_Band()) == Described(_Band())
