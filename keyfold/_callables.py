@@ -75,19 +75,35 @@ def _mode_key(fn):
     return None
 
 
+def _stamp(fn) -> tuple:
+    """The float tensors ``fn`` captures, as they are now (object, version): broadcast mode is kept
+    only while this stays, since a choice made on a table's old values may not hold for its new
+    ones (a per-element term zero when broadcast was chosen, then trained, was 2.9 off; review,
+    2026-12-05). About 3 us a call."""
+    return tuple((id(t), t._version) for t in captured_tensors(fn))
+
+
 def _get_mode(fn) -> Mode | None:
     key = _mode_key(fn)
     with _LOCK:
         if key is not None:
-            return _MODES.get(key)
-        try:
-            return _WEAK_MODES.get(fn)
-        except TypeError:  # not weakly referenceable: decided per use
-            return None
+            got = _MODES.get(key)
+        else:
+            try:
+                got = _WEAK_MODES.get(fn)
+            except TypeError:  # not weakly referenceable: decided per use
+                return None
+    if got is None:
+        return None
+    mode, stamp = got
+    if mode is Mode.BROADCAST and stamp != _stamp(fn):  # captures changed: decide again
+        return None
+    return mode
 
 
 def _set_mode(fn, mode: Mode) -> None:
     key = _mode_key(fn)
+    mode = (mode, _stamp(fn) if mode is Mode.BROADCAST else None)
     with _LOCK:
         if key is not None:
             _MODES[key] = mode
@@ -255,8 +271,8 @@ def _decide(fn, broadcast, element, sample_of, informative, exact):
     variation: a per-element ``(x[q_idx] * y[kv_idx]).sum() > 0`` reduced over the whole tile to one
     bool and showed a row every key it must not see, and a score modifier first met on one-token
     tiles, or on one query and key of two batch entries, added a tile-wide sum to every score after
-    (errors 0.5 to 1.7); found by fuzzing, 2026-12-05.) Still open: broadcast chosen on a tile that
-    told, for a callable whose captured tensors change later (a table that was zero in part of it)."""
+    (errors 0.5 to 1.7); found by fuzzing, 2026-12-05.) Broadcast holds while the callable's captured
+    float tensors stay as they were (:func:`_stamp`); a change, such as a training step, checks again."""
     try:
         out = broadcast()
         err = None

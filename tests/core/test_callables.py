@@ -577,3 +577,19 @@ def test_a_per_head_score_decides_broadcast_and_identity_decides_per_element():
         assert _callables.mode_of(same) is None
         kf.attention(q[:, :, :8], k[:, :, :8], v[:, :, :8], score=same, backend=Backend.TILES)
     assert _callables.mode_of(same) is _callables.Mode.ELEMENT
+
+
+def test_broadcast_is_checked_again_when_a_captured_table_changes():
+    """Broadcast chosen while a per-element term's table was zero (the softcap part told), then the
+    table trained in place: the broadcast answer was 2.9 off (review, 2026-12-05)."""
+    x, y = torch.zeros(16, 4), _rand(16, 4, seed=80)
+
+    def pair_score(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / 5) * 5 + (x[q_idx] * y[kv_idx]).sum()
+    q, k, v = _qkv(1, 2, 16)
+    kf.attention(q, k, v, score=pair_score, q_offset=0)
+    assert _callables.mode_of(pair_score) is _callables.Mode.BROADCAST
+    x.copy_(_rand(16, 4, seed=81))
+    got = kf.attention(q, k, v, score=pair_score, q_offset=0)
+    torch.testing.assert_close(got, _flex(q, k, v, score_mod=pair_score), atol=2e-5, rtol=1e-4)
+    assert _callables.mode_of(pair_score) is _callables.Mode.ELEMENT
