@@ -372,6 +372,12 @@ def _check_bool(fn, out):
                         f"return a comparison such as `q_idx >= kv_idx` (a score callable goes in score=)")
 
 
+def probe_sizes(B: int | None, H: int | None) -> tuple[int, int]:
+    """How many batch entries and heads a batch/head probe may use: up to 2 each, never past the
+    call's own B and H (``lengths[b]`` must not see b = 1 when B = 1); 2 where unknown."""
+    return (2 if B is None else max(1, min(int(B), 2))), (2 if H is None else max(1, min(int(H), 2)))
+
+
 def batch_head_dependence(fn, B: int | None, H: int | None) -> tuple[bool, bool]:
     """Whether mask ``fn`` reads ``b`` / ``h``, probed with b < min(B, 2), h < min(H, 2) only
     (``lengths[b]`` must not see b = 1 when B = 1), at q_idx = kv_idx = 0.
@@ -381,8 +387,7 @@ def batch_head_dependence(fn, B: int | None, H: int | None) -> tuple[bool, bool]
     always has every dimension, so the probe asks vmap instead: the output of
     the inner levels is batched over b only if it depends on b. A size-1 dimension cannot be
     told apart, and needs no telling: there is only one entry to plan for."""
-    Bp = 2 if B is None else max(1, min(B, 2))
-    Hp = 2 if H is None else max(1, min(H, 2))
+    Bp, Hp = probe_sizes(B, H)
     vecs, grid = _probe_grid(Bp, Hp)
     try:
         out = call_mask(fn, *grid)

@@ -209,7 +209,9 @@ class Mask:
         b, h, qp, kp = grid_positions(B, H, q_offset, Nq, kv_offset, Nk, device)
         dense = self.evaluate(b, h, qp, kp)
         dense = torch.broadcast_to(dense, torch.broadcast_shapes(dense.shape, (1, 1, Nq, Nk)))
-        if dense.shape[0] == 1 and dense.shape[1] == 1:
+        # (an answer may carry b and h dimensions that it does not depend on: a callable evaluated
+        # per element has every dimension)
+        if dense.shape[0] == dense.shape[1] == 1 or not any(self.depends_on_batch_head(B, H)):
             return dense[0, 0].clone()
         return dense.expand(B, H, Nq, Nk).clone()
 
@@ -240,8 +242,7 @@ class Mask:
         fuzzing). Override it where the answer is known without evaluating (every preset does), and
         where ``evaluate`` cannot take positions 0 and 1 on the CPU (else the plan is per entry and
         head: correct, B x H times the classification work)."""
-        Bp = 2 if B is None else max(1, min(int(B), 2))
-        Hp = 2 if H is None else max(1, min(int(H), 2))
+        Bp, Hp = _callables.probe_sizes(B, H)
         if Bp == 1 and Hp == 1:
             return False, False
         cache = _DEPS.get(id(self))
@@ -1008,21 +1009,12 @@ class MaskFn(Mask):
     def evaluate(self, b, h, qp, kp):
         return _callables.call_mask(self.fn, b, h, qp, kp)
 
-    def to_dense(self, Nq: int, Nk: int, q_offset: int | None = None, kv_offset: int = 0,
-                 *, B: int = 1, H: int = 1, device=None) -> torch.Tensor:
-        # evaluated per element, a callable's answer has every dimension: (Nq, Nk) all the same
-        # where it reads neither b nor h, as in broadcast mode
-        dense = super().to_dense(Nq, Nk, q_offset, kv_offset, B=B, H=H, device=device)
-        if dense.dim() == 4 and not any(self.depends_on_batch_head(B, H)):
-            return dense[0, 0].clone()
-        return dense
-
     def depends_on_batch_head(self, B=None, H=None):
         """Probed once per (B > 1, H > 1): a callable that never reads ``b`` / ``h`` gives a
         result without those dimensions, so its plan is built once for all batch entries and
         heads (Flex's ``B=None, H=None``). The probe stays inside the real B and H (indices
         b < min(B, 2), h < min(H, 2)), so ``lengths[b]`` with B = 1 never sees b = 1."""
-        key = (2 if B is None else min(B, 2), 2 if H is None else min(H, 2))
+        key = _callables.probe_sizes(B, H)
         deps = self._deps.get(key)
         if deps is None:
             deps = self._deps[key] = _callables.batch_head_dependence(self.fn, B, H)

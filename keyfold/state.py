@@ -65,6 +65,12 @@ def _weights(lse_a: torch.Tensor, lse_b: torch.Tensor):
     return lse, ea / t, eb / t
 
 
+def _zero_empty(st: State) -> torch.Tensor:
+    """``st.out`` with 0 on its empty rows (lse -inf), whatever they held: multiplied by a weight of
+    0, a NaN or inf there would still be NaN, in value and gradient"""
+    return st.out.masked_fill(torch.isneginf(st.lse).unsqueeze(-1), 0.0)
+
+
 def merge(a: State, b: State) -> State:
     """Merge two partial states over disjoint key sets (commutative, associative).
 
@@ -74,11 +80,8 @@ def merge(a: State, b: State) -> State:
     lse -inf count as empty whatever their ``out`` holds (weight 0).
     """
     lse, wa, wb = _weights(a.lse, b.lse)
-    # an empty row's out is zeroed before its weight 0 multiplies it: 0 x NaN (or inf) is NaN, in
-    # value and gradient (a NaN filler made the merged row NaN; found by fuzzing, 2026-12-05)
-    ao = a.out.masked_fill(torch.isneginf(a.lse).unsqueeze(-1), 0.0)
-    bo = b.out.masked_fill(torch.isneginf(b.lse).unsqueeze(-1), 0.0)
-    out = ao * wa.unsqueeze(-1) + bo * wb.unsqueeze(-1)
+    # (a NaN filler in an empty row made the merged row NaN; found by fuzzing, 2026-12-05)
+    out = _zero_empty(a) * wa.unsqueeze(-1) + _zero_empty(b) * wb.unsqueeze(-1)
     return State(out, lse)
 
 
@@ -100,8 +103,7 @@ def merge_all(states: Iterable[State]) -> State:
     if not states:
         raise ValueError("merge_all needs at least one State; use empty_state(...) for attention over no key")
     if len(states) == 1:
-        out, lse = states[0]
-        return State(out.masked_fill(torch.isneginf(lse).unsqueeze(-1), 0.0), lse)
+        return State(_zero_empty(states[0]), states[0].lse)
     # Pairwise tree: depth log2(n), which keeps rounding growth logarithmic in the piece count.
     while len(states) > 1:
         nxt = [merge(states[i], states[i + 1]) for i in range(0, len(states) - 1, 2)]

@@ -939,14 +939,10 @@ def _seen(tile: _Tile, folded: bool, g: int, L: int, S: int, Hkv: int):
     hit = tile.later.get(at)
     if hit is not None:
         return hit
-    vis = ~torch.isneginf(tile.mask.cpu())              # (b, h, L|1, S), or folded (b, h, g*L|1, S)
-    if folded:
-        b_, h_, r_ = vis.shape[:3]
-        if r_ == 1:  # one row of keys for every row of every member
-            vis = vis if h_ == 1 else vis.repeat_interleave(g, 1)
-        else:
-            c_ = vis.shape[-1]  # S, or 1 for a mask the same for every key (a row term)
-            vis = vis.reshape(b_, h_, g, L, c_).expand(b_, Hkv, g, L, c_).reshape(b_, Hkv * g, L, c_)
+    vis = ~torch.isneginf(tile.mask.cpu())              # (b, h, L|1, S), or folded (b, h, g*L, S|1)
+    if folded:  # _fold_mask gives every member its L rows
+        b_, h_, c_ = vis.shape[0], vis.shape[1], vis.shape[-1]  # c_: S, or 1 for a row term
+        vis = vis.reshape(b_, h_, g, L, c_).expand(b_, Hkv, g, L, c_).reshape(b_, Hkv * g, L, c_)
     vis = torch.broadcast_to(vis, vis.shape[:2] + (L, S))
     seen = vis.sum(-1), vis.to(torch.int8).argmax(-1).long()
     tile.later[at] = seen
