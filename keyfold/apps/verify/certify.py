@@ -344,7 +344,8 @@ EXP, RECIP, RSQRT, SQUARE, RELU = _Exp(), _Recip(), _Rsqrt(), _Square(), _Relu()
 
 
 def _softmax(s: Abstract, vis: torch.Tensor) -> Abstract:
-    """Row softmax of scores ``(H, N, N)`` over visible keys ``vis`` ``(N, N)``; hidden p = 0 exactly."""
+    """Row softmax of scores ``(H, N, N)`` over visible keys ``vis`` ``(N, N)`` or ``(H, N, N)``;
+    hidden p = 0 exactly."""
     if s.G is None:
         return _softmax_interval(s, vis)
     # p_j = 1 / sum_k exp(s_k - s_j): the differences keep the shared part of the scores exact
@@ -381,7 +382,7 @@ def _softmax_interval(s: Abstract, vis: torch.Tensor) -> Abstract:
     hidden = torch.tensor(float("-inf"), dtype=torch.float64)
     # p_j >= 1 / (1 + sum_{k != j} exp(u_k - l_j)),  p_j <= 1 / (1 + sum_{k != j} exp(l_k - u_j))
     eye = torch.eye(vis.shape[-1], dtype=torch.bool)
-    others = vis.unsqueeze(-2) & ~eye                                   # (N, j, k)
+    others = vis.unsqueeze(-2) & ~eye                                   # ([H,] N, j, k)
     lse_lo = torch.logsumexp(torch.where(others, hi.unsqueeze(-2) - lo.unsqueeze(-1), hidden), -1)
     lse_hi = torch.logsumexp(torch.where(others, lo.unsqueeze(-2) - hi.unsqueeze(-1), hidden), -1)
     p_lo, p_hi = torch.sigmoid(-lse_lo), torch.sigmoid(-lse_hi)
@@ -516,21 +517,25 @@ def _with_layer(layer_mask, mask):
     return layer_mask & mask
 
 
-def _visible(mask, N: int) -> torch.Tensor:
+def _visible(mask, N: int, H: int = 1) -> torch.Tensor:
+    """Which keys each row sees: ``(N, N)``, or ``(H, N, N)`` for a mask that reads the head (each
+    head certified under its own rows, as the layer runs them; head 0's for every head certified
+    intervals that the layer's other heads left, 2026-12-06)"""
     mask = as_mask(mask)
     if mask is None:
         return torch.ones(N, N, dtype=torch.bool)
-    return mask.to_dense(N, N, 0, 0)
+    dense = mask.to_dense(N, N, 0, 0, H=H)
+    return dense[0] if dense.dim() == 4 else dense
 
 
 def value_range(v_lo: torch.Tensor, v_hi: torch.Tensor, vis: torch.Tensor):
     """The free fact: attention output ``(H, N, dh)`` lies in the per-column range of the values
     its row sees: ``[min_{j visible} v_lo[j], max_{j visible} v_hi[j]]`` (rows seeing none: 0)."""
     inf = torch.tensor(float("inf"), dtype=torch.float64)
-    m = vis.unsqueeze(-1)                                                   # (N, N, 1)
+    m = vis.unsqueeze(-1)                                                   # ([H,] N, N, 1)
     lo = torch.where(m, v_lo.unsqueeze(-3), inf).amin(-2)                   # (H, N, dh)
     hi = torch.where(m, v_hi.unsqueeze(-3), -inf).amax(-2)
-    empty = ~vis.any(-1).view(1, -1, 1)
+    empty = ~vis.any(-1).unsqueeze(-1)                                      # ([H,] N, 1)
     return torch.where(empty, 0.0, lo), torch.where(empty, 0.0, hi)
 
 
@@ -631,7 +636,7 @@ def certify_attention(x: torch.Tensor, weights: AttentionWeights, *, eps: float 
     """
     _check_x(x, weights.wq.shape[1])
     box = Abstract.box(*_input_box(x, eps, lo, hi), method)
-    y = _attention(box, weights, _visible(_with_layer(weights.mask, mask), x.shape[0]))
+    y = _attention(box, weights, _visible(_with_layer(weights.mask, mask), x.shape[0], weights.heads))
     return _result(y, method)
 
 
@@ -642,7 +647,7 @@ def certify_block(x: torch.Tensor, weights: BlockWeights, *, eps: float | None =
     LayerNorms) for all inputs in a box. Arguments as :func:`certify_attention`."""
     _check_x(x, weights.attn.wq.shape[1])
     box = Abstract.box(*_input_box(x, eps, lo, hi), method)
-    y = _block(box, weights, _visible(_with_layer(weights.attn.mask, mask), x.shape[0]))
+    y = _block(box, weights, _visible(_with_layer(weights.attn.mask, mask), x.shape[0], weights.attn.heads))
     return _result(y, method)
 
 

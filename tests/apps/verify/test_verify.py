@@ -125,7 +125,12 @@ def test_error_bound_refuses_unknown_score_mods_clearly():
 
 from keyfold.apps.verify import certify as C  # noqa: E402
 
-MASKS = {"none": None, "causal": keyfold.causal(), "window": keyfold.causal() & keyfold.window(2)}
+def _per_head(b, h, q, k):  # Flex-style: head 0 sees only itself, head 1 is causal
+    return (k <= q) & ((h == 1) | (k == q))
+
+
+MASKS = {"none": None, "causal": keyfold.causal(), "window": keyfold.causal() & keyfold.window(2),
+         "per head": _per_head}
 
 
 @given(N=st.integers(1, 6), E=st.sampled_from([4, 8]), H=st.sampled_from([1, 2]),
@@ -156,6 +161,25 @@ def test_no_sampled_block_output_escapes_the_certified_bounds(N, norm_first, eps
     assert b.contains(ys)
 
 
+@pytest.mark.parametrize("method", list(C.Method))
+def test_a_mask_that_reads_the_head_is_certified_per_head(method):
+    """Each head's rows under its own mask, as the layer runs them. Head 0's mask was taken for every
+    head: at eps 0 the certified points missed 32 of 40 outputs by up to 17 (2026-12-06)."""
+    x = torch.randn(5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    w = C.AttentionWeights.random(8, 2, seed=3, gain=3.0)
+    assert C.certify_attention(x, w, eps=0.0, mask=_per_head, method=method).contains(
+        C.attention_forward(x, w, _per_head))
+    bw = C.BlockWeights.random(8, 2, 16, seed=2, norm_first=True)
+    assert C.certify_block(x, bw, eps=0.0, mask=_per_head, method=method).contains(
+        C.block_forward(x, bw, _per_head))
+    knn = pytest.importorskip("keyfold.nn")
+    torch.manual_seed(0)
+    layer = knn.MultiheadAttention(8, 2, batch_first=True, mask=_per_head).double().eval()
+    with torch.no_grad():
+        y = layer(x[None], x[None], x[None], need_weights=False)[0][0]
+    assert C.certify_attention(x, C.AttentionWeights.from_module(layer), eps=1e-3, method=method).contains(y)
+
+
 def test_linear_relaxation_is_tighter_than_ibp_for_small_boxes():
     w = C.AttentionWeights.random(16, 2, seed=3)
     bw = C.BlockWeights.random(16, 2, 32, seed=3, norm_first=True)
@@ -179,7 +203,7 @@ def test_free_fact_each_output_lies_in_the_visible_values_column_range(Nq, Nk, m
     v = torch.randn(1, 2, Nk, 8, generator=g).to(dtype)
     m = MASKS[mask]
     out = keyfold.attend(q, k, v, mask=m, q_offset=0).out.double()                # (1, 2, Nq, 8)
-    vis = C._visible(m, max(Nq, Nk))[:Nq, :Nk]
+    vis = C._visible(m, max(Nq, Nk), 2)[..., :Nq, :Nk]
     lo, hi = C.value_range(v[0].double(), v[0].double(), vis)                     # (2, Nq, 8)
     # exact in real arithmetic; in floating point the convex combination may round by a few ulps
     slack = 4 * bounds.roundoff(dtype).w * v.double().abs().amax()
