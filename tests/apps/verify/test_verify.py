@@ -314,6 +314,18 @@ def test_verify_command_writes_its_json(tmp_path):
         report.main(["--budget-ms", "0"])
 
 
+def test_the_verify_command_fails_on_every_piece_of_evidence(tmp_path, monkeypatch):
+    """A stream that differs from the whole sequence, or a kernel exp worse than the bound assumes,
+    fails the run: both were printed and never checked, so the run passed with either (2026-12-06)."""
+    from keyfold.apps.verify import report
+    real = S.full_forward
+    monkeypatch.setattr(S, "full_forward", lambda *a, **k: real(*a, **k) + 1e-9)
+    assert report.main(["--quick", "--only", "stream", "--steps", "100", "--out", str(tmp_path / "s")]) == 1
+    assert report._failures({"error": dict(violations=0, kernel_exp={"float32": dict(measured=1.0, assumed=1e-6)})})
+    assert report._failures({"certify": dict(escapes=0, free_fact=dict(violations=2))})
+    assert not report._failures({"stream": dict(equal_max_abs=1e-15), "fuzz": dict(by_outcome={"failure": 0})})
+
+
 def test_report_renders_markdown_and_plot_from_a_stored_run(tmp_path):
     import json
     import pathlib
