@@ -38,10 +38,18 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def empty_state(B: int, H: int, Nq: int, Dv: int, *, dtype=torch.float32, device=None) -> State:
-    """The identity of :func:`merge`: attention over no key (out 0, lse -inf)."""
+def empty_state(B: int, H: int, Nq: int, Dv: int, *, dtype=torch.float32, device=None, of=()) -> State:
+    """The identity of :func:`merge`: attention over no key (out 0, lse -inf).
+
+    of: tensors (q, k, v) whose autograd graph the state joins, with zero gradient, as attention
+    over keys that are all hidden does: a result of no key then still takes ``backward()``.
+    """
     out = torch.zeros(B, H, Nq, Dv, dtype=dtype, device=device)
     lse = torch.full((B, H, Nq), float("-inf"), dtype=dtype, device=device)
+    live = [t for t in of if t.requires_grad]
+    if live:  # a sum over no element: exactly 0 whatever the tensor holds (NaN too), gradient 0
+        zero = sum(t.narrow(-1, 0, 0).sum() for t in live).to(dtype)
+        out, lse = out + zero, lse + zero
     return State(out, lse)
 
 

@@ -133,7 +133,8 @@ def _group_state(q, group: Group, mask, score, scale, splits, backend, Dv: int) 
         m = None if kind is BlockKind.FULL else mask
         states += _span_states(q, span, m, score, scale, q_offset, splits, backend)
     if not states:  # every key hidden: the identity, out 0 and lse -inf
-        return empty_state(b, Hq, Nq, Dv, dtype=state_dtype(q.dtype), device=q.device)
+        return empty_state(b, Hq, Nq, Dv, dtype=state_dtype(q.dtype), device=q.device,
+                           of=(q, *(t for s in group.spans for t in (s.k, s.v))))
     return states[0] if len(states) == 1 else merge_all(states)
 
 
@@ -326,7 +327,8 @@ def cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix_lengths=None, m
         m = None if m is None else MaskView(m, rows)
         sc = None if sc is None else ScoreView(sc, rows)
     if P == 0 or (m is not None and _kinds(m, 0, R * Nq, [prefix])[0] is BlockKind.EMPTY):
-        pre = empty_state(1, Hq, R * Nq, prefix_v.shape[-1], dtype=state_dtype(dtype), device=q.device)
+        pre = empty_state(1, Hq, R * Nq, prefix_v.shape[-1], dtype=state_dtype(dtype), device=q.device,
+                          of=(qf, prefix_k, prefix_v))
     else:
         pre = merge_all(_span_states(qf, prefix, m, sc, scale, 0, splits, backend))
     Dv = prefix_v.shape[-1]

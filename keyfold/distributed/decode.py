@@ -92,7 +92,8 @@ def tree_decode(q, k_local, v_local, group=None, *, mask=None, score=None, scale
     q_offset = total - q.shape[2] if q_offset is None else q_offset
     B, Hq, Nq, _ = q.shape
     if k_local.shape[2] == 0:
-        st = empty_state(B, Hq, Nq, v_local.shape[-1], dtype=state_dtype(q.dtype), device=q.device)
+        st = empty_state(B, Hq, Nq, v_local.shape[-1], dtype=state_dtype(q.dtype), device=q.device,
+                         of=(q, k_local, v_local))
     else:
         st = attend(q, k_local, v_local, mask=mask, score=score, scale=scale, q_offset=q_offset,
                     kv_offset=kv_offset, backend=backend)

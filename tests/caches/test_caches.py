@@ -686,3 +686,24 @@ def test_cascade_with_an_empty_prefix_and_a_per_request_mask():
     for r in range(2):
         want = keyfold.attention(q[r:r + 1], sk[r:r + 1], sv[r:r + 1], mask=keyfold.documents(ids[r]))
         torch.testing.assert_close(out[r:r + 1], want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("where", ["empty cache", "every key hidden", "cascade, every key hidden"])
+def test_a_result_of_no_visible_key_takes_backward_with_zero_gradients(where):
+    """As attention over keys that are all hidden does: out 0, and backward gives q (and the
+    prefix's k and v) zero gradients. decode, attend_cache and cascade returned an out outside the
+    graph there, and backward raised (fuzzing, 2026-12-06)."""
+    q = torch.randn(1, 2, 1, 8, requires_grad=True)
+    if where == "empty cache":
+        out, grads = decode(q, KVCache(1, 2, 8, 4)), (q,)
+    elif where == "every key hidden":
+        cache = KVCache(1, 2, 8, 4)
+        cache.append(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8))
+        out, grads = decode(q, cache, mask=keyfold.sinks(0)), (q,)
+    else:
+        pk, pv = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(2))
+        out = cascade(q, pk, pv, torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8), mask=keyfold.sinks(0))
+        grads = (q, pk, pv)
+    assert bool((out == 0).all())
+    for g in torch.autograd.grad(out.sum(), grads):
+        assert bool((g == 0).all())
