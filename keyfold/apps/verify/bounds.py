@@ -244,10 +244,14 @@ def observed_error(state_out, exact_out, exact_lse):
 def measure_kernel_exp(dtype: torch.dtype, points: int = 4096) -> float:
     """Measured relative error of the exp that the fused CPU kernel uses for ``dtype`` inputs.
 
-    Sixteen keys with equal scores ``d`` on a grid over [-4, 4] give ``lse = d + log 16`` exactly
-    (the sum is exact), so ``|lse - exact|`` is the kernel's exp error (its rounding of exp(0)).
-    Returns 0.0 where the fused kernel is unavailable. The bound assumes :data:`EXP_REDUCED`
-    (16-bit inputs) and ``C_EXP * w`` (32-bit) are at least this.
+    At 0: sixteen keys with equal scores ``d`` on a grid over [-4, 4] give ``lse = d + log 16``
+    exactly (the sum is exact), so ``|lse - exact|`` is the kernel's rounding of exp(0). Away from
+    0: two keys with scores 0 and ``-x`` (exact in ``dtype``) give ``lse = log(1 + e^-x)``, and an
+    exp off by ``r`` relative moves it by ``r e^-x / (1 + e^-x)``: the error of lse divided by that
+    factor bounds ``r`` from above (the sum's and log's roundings count against the exp), for x
+    over [0, 4] (16-bit) or [0, 1] (float32, whose roundings the wider factor would swamp).
+    Returns the larger of the two; 0.0 where the fused kernel is unavailable. The bound assumes
+    :data:`EXP_REDUCED` (16-bit inputs) and ``C_EXP * w`` (32-bit) are at least this.
     """
     from keyfold.kernels import cpu as _cpu
     if not _cpu.AVAILABLE:
@@ -258,5 +262,13 @@ def measure_kernel_exp(dtype: torch.dtype, points: int = 4096) -> float:
     k = torch.zeros(1, 1, 16, 16, dtype=dtype)
     k[0, 0, :, 0] = 1                                                    # every score equals d
     _, lse = _cpu._FWD(q, k, torch.zeros_like(k), 0.0, False, attn_mask=None, scale=1.0)
-    exact = d.double() + math.log(16.0)
-    return float((lse.double()[0, 0] - exact).abs().max())
+    at_zero = float((lse.double()[0, 0] - (d.double() + math.log(16.0))).abs().max())
+    x = torch.linspace(0, 1.0 if dtype == torch.float32 else 4.0, points).to(dtype).double()
+    q = torch.zeros(1, 1, points, 16, dtype=dtype)
+    q[0, 0, :, 1] = (-x).to(dtype)                                      # scores 0 and -x
+    k = torch.zeros(1, 1, 2, 16, dtype=dtype)
+    k[0, 0, 0, 0] = k[0, 0, 1, 1] = 1
+    _, lse = _cpu._FWD(q, k, torch.zeros_like(k), 0.0, False, attn_mask=None, scale=1.0)
+    e = torch.exp(-x)
+    away = float(((lse.double()[0, 0] - torch.log1p(e)).abs() * (1 + e) / e).max())
+    return max(at_zero, away)
