@@ -127,6 +127,26 @@ def test_views_with_strided_rows_hold_the_rule(dt):
     _ran(lambda: assert_forward_by_rule(q, k, v, mask=kf.causal()))
 
 
+@pytest.mark.parametrize("case", ["fuzz 5738", "integer scores"])
+@pytest.mark.parametrize("scale", [None, 0.3, 1 / 3])
+def test_a_scale_that_is_not_a_power_of_two_is_applied_to_the_scores(case, scale, dt, monkeypatch):
+    """y = S scale rounded once, as the naive implementation rounds it. float32 once multiplied q by
+    the scale as it copied q: a rounding of every q element the naive scores never have, 2.1x the
+    naive error on a fuzz case (head size 80, scores x10, a window: at the rule's edge here) and 7.8x
+    on integer scores, which the naive product gets exactly (those fail on the code before). A
+    power-of-two scale still pre-scales q (exact)."""
+    monkeypatch.setattr(cpu, "PREFILL_F32_DENSE_MAX_HEAD", native.PREFILL_MAX_HEAD)
+    g = torch.Generator().manual_seed(5738)
+    if case == "fuzz 5738":  # the random case that found it: 533 rows, head size 80, q x10, a window
+        q, k, v = (torch.randn(1, 2, 533, 80, generator=g) for _ in range(3))
+        q, mask = q * 10, kf.window(100)
+    else:  # small integers: every S exact in float32, so only the scale's rounding is left
+        q, k = (torch.randint(-4, 5, (1, 2, 300, 80), generator=g).float() for _ in range(2))
+        v, mask = torch.randn(1, 2, 300, 80, generator=g), kf.causal()
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    _ran(lambda: assert_forward_by_rule(q, k, v, mask=mask, scale=scale))
+
+
 @pytest.mark.parametrize("shape", [(300, 300), (1, 300), (300, 1), (1, 2, 300, 300), (2, 1, 1, 300)])
 @pytest.mark.parametrize("kind", ["bool", "float"])
 def test_tensor_masks_hold_the_rule(kind, shape, dt):
