@@ -19,7 +19,7 @@ from .dense import tensor_mask
 from .masks import as_mask, default_q_offset
 from .planner import Plan, _plan
 from .scores import as_score
-from .state import State
+from .state import State, empty_state, state_dtype
 
 __all__ = ["attend", "attention", "attend_backward", "Backend"]
 
@@ -47,7 +47,7 @@ def _check(q, k, v, scale, q_offset, kv_offset, check_inputs):
         raise ValueError(f"batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
     if k.shape[1] != v.shape[1]:
         raise ValueError(f"k has {k.shape[1]} heads but v has {v.shape[1]}; they must match")
-    if k.shape[1] == 0 or Hq % k.shape[1] != 0:
+    if (k.shape[1] == 0 and Hq != 0) or (k.shape[1] and Hq % k.shape[1] != 0):  # 0 and 0: an empty output
         raise ValueError(f"q has {Hq} heads and k/v have {k.shape[1]}: query heads must be a multiple "
                          f"of key/value heads (GQA/MQA); repeat k/v heads or change the head counts")
     if k.shape[-1] != D:
@@ -241,6 +241,9 @@ class _AttendFn(torch.autograd.Function):
 def _run(q, k, v, call: _Call, in_dtype: bool = False, lse_exact: bool = True) -> State:
     """The call's State; ``in_dtype``: out may come back in the input dtype (see _AttendFn);
     ``lse_exact``: as in :meth:`_Call.forward` (a backward always needs it)."""
+    if q.shape[1] == 0:  # no heads (and k, v have none): an empty output, as SDPA gives
+        return empty_state(q.shape[0], 0, q.shape[2], v.shape[-1], dtype=state_dtype(q.dtype), device=q.device,
+                           of=(q, k, v))
     if call.backend is Backend.REFERENCE:
         return _reference.attend_reference(q, k, v, call.pb)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or call.score_tensors):
@@ -350,7 +353,7 @@ def _plain_fused(q, k, v, backend, block_size, check_inputs, scale, q_offset, kv
         return False
     qs, ks, vs = q.shape, k.shape, v.shape
     if not (len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and qs[0] == ks[0] == vs[0] and qs[1] == ks[1] == vs[1]
-            and qs[3] == ks[3] == vs[3] and ks[2] == vs[2] and qs[2] > 0 and ks[2] > 0):
+            and qs[3] == ks[3] == vs[3] and ks[2] == vs[2] and qs[2] > 0 and ks[2] > 0 and qs[1] > 0):
         return False
     if not (scale is None or (type(scale) in (int, float) and math.isfinite(scale))):
         return False

@@ -527,7 +527,8 @@ def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State
     sd = state_dtype(q.dtype)
     B, Hq, Nq, _ = q.shape
     Dv = v.shape[-1]
-    if Nq == 0 or k.shape[2] == 0:  # nothing to attend (the fused op dies of SIGFPE on an empty sequence)
+    if Nq == 0 or k.shape[2] == 0 or Hq == 0:  # nothing to attend (the fused op dies of SIGFPE on an empty
+        # sequence, or on no heads)
         return empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
     st = prefill(q, k, v, plan, pb, keep_dtype)  # the prefill kernel: the whole plan in one call
     if st is not None:
@@ -621,7 +622,7 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     gd = sd if grad_dtype is None else grad_dtype
     B, Hq, Nq, D = q.shape
     Dv = v.shape[-1]
-    if Nq == 0 or k.shape[2] == 0:  # no pair: every gradient is zero (and the fused op refuses empty input)
+    if Nq == 0 or k.shape[2] == 0 or Hq == 0:  # no pair: every gradient is zero (and the fused op refuses empty input)
         return (torch.zeros(q.shape, dtype=gd, device=q.device), torch.zeros(k.shape, dtype=gd, device=q.device),
                 torch.zeros(v.shape, dtype=gd, device=q.device))
     spare = dlse is not None

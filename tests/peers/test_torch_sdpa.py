@@ -385,3 +385,20 @@ def test_enable_gqa_errors():
             fn(q, k3, k3, enable_gqa=True)
         with pytest.raises(RuntimeError):
             fn(q, k2, k2)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_zero_heads_give_an_empty_output(is_causal):
+    """SDPA returns an empty (B, 0, L, Ev) output for zero heads. keyfold's one-fused-call path
+    handed them to the fused op, which killed the process with SIGFPE, and the planned path raised
+    (fuzzing, 2026-12-06)."""
+    q = torch.randn(2, 0, 5, 8, requires_grad=True)
+    k, v = torch.randn(2, 0, 7, 8), torch.randn(2, 0, 7, 4)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    got = keyfold.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    assert got.shape == want.shape == (2, 0, 5, 4)
+    (g,) = torch.autograd.grad(got.sum(), q)
+    assert g.shape == q.shape
+    for backend in keyfold.Backend:
+        if backend in (keyfold.Backend.AUTO, keyfold.Backend.REFERENCE, keyfold.Backend.CPU, keyfold.Backend.TILES):
+            assert keyfold.attention(q, k, v, backend=backend).shape == (2, 0, 5, 4)
