@@ -71,6 +71,13 @@ class KeyfoldMask(BlockMask):
     def shape(self):
         return self._shape
 
+    @property
+    def ndim(self):  # models that flatten a 2-d padding mask ask (GPT-2: `attention_mask.ndim < 4`)
+        return len(self._shape)
+
+    def dim(self):
+        return len(self._shape)
+
     def __repr__(self):
         return f"KeyfoldMask({self.mask!r}, q_offset={self.q_offset}, kv_offset={self.kv_offset}, shape={self._shape})"
 

@@ -30,6 +30,9 @@ def _decoder(name):
     if name == "gemma2":
         return t.Gemma2ForCausalLM(t.Gemma2Config(**common, head_dim=8, sliding_window=5, attn_logit_softcapping=0.3,
                                                   final_logit_softcapping=None, query_pre_attn_scalar=5))
+    if name == "gpt2":  # asks the mask for .ndim (a static cache's generate crashed there, 2026-12-06)
+        return t.GPT2LMHeadModel(t.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256,
+                                              pad_token_id=0, bos_token_id=1, eos_token_id=2))
     raise ValueError(name)
 
 
@@ -45,7 +48,7 @@ def _encoder(name):
     raise ValueError(name)
 
 
-DECODERS = ["llama", "mistral", "gemma2", "qwen2"]
+DECODERS = ["llama", "mistral", "gemma2", "qwen2", "gpt2"]
 ENCODERS = ["bert", "modernbert"]
 
 
