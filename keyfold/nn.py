@@ -367,7 +367,7 @@ _WEIGHT_CHUNK_ELEMS = 1 << 22  # scores per row chunk of need_weights (B * H * r
 
 
 def _weights(q, k, lse, mask, score, offset, p, seed, average):
-    """Attention weights ``exp(s - lse)`` (dropped like the output when ``p``) in row chunks:
+    """Attention weights ``exp(s - lse)``, normalised per row (dropped like the output when ``p``) in row chunks:
     ``(B, L, S)`` averaged over heads or ``(B, H, L, S)``; differentiable through q, k and lse."""
     B, H, L, hd = q.shape
     S = k.shape[2]
@@ -385,6 +385,11 @@ def _weights(q, k, lse, mask, score, offset, p, seed, average):
             s = s.masked_fill(~mask.evaluate(b, h, qp, kp), float("-inf"))
         ls = lse[:, :, r0:r1].unsqueeze(-1)
         w = torch.exp(s - torch.where(torch.isneginf(ls), torch.zeros_like(ls), ls))  # empty rows: 0
+        # normalised by its own sum: lse came from the attention call's scores, rounded otherwise
+        # (float32 rows summed to 1 +- 1.4e-5, 24x torch's error), and a bias of finfo.min on every
+        # key rounds log(S) out of lse (each weight was 1, rows summed to S; found by fuzzing)
+        total = w.sum(-1, keepdim=True)
+        w = w / torch.where(total > 0, total, torch.ones_like(total))
         if p:
             w = w * dropout_keep(seed, p, b, h, qp, kp, H) / (1.0 - p)
         chunks.append(w.mean(1) if average else w)
