@@ -165,6 +165,12 @@ class _DenseBias(ScoreMod):
         return hash(("tensor_bias", self.table, self.q0, self.k0))
 
 
+#: A row of an additive mask whose largest entry is larger than this in magnitude is shifted by it
+#: (see tensor_mask): above 2^15 a float32 lse keeps the log of a row's key count to less than
+#: 2^-9, and float16's finfo.min (65504) is past it; HF's -10000 for a hidden key is not.
+HUGE_BIAS = 2.0 ** 15
+
+
 def tensor_mask(t: torch.Tensor, *, B: int, H: int, Nq: int, Nk: int, q_offset: int = 0, kv_offset: int = 0,
                 name: str = "mask") -> tuple[Mask | None, ScoreMod | None]:
     """SDPA's ``attn_mask`` as ``(keyfold mask, additive score modifier)``.
@@ -172,6 +178,9 @@ def tensor_mask(t: torch.Tensor, *, B: int, H: int, Nq: int, Nk: int, q_offset: 
     t: bool ``(B|1, H|1, Nq|1, Nk|1)`` (True = attend) or float of that shape (added to the scaled
     scores; ``-inf`` = hidden). Fewer dims broadcast from the left, as in SDPA. Entry ``[.., i, j]``
     is the pair ``(q_offset + i, kv_offset + j)``. A float tensor with +inf or NaN is refused.
+    A row whose largest entry exceeds :data:`HUGE_BIAS` in magnitude is shifted by that entry
+    (the softmax is the same); the bias's ``lse_shift`` ``(B|1, H|1, Nq|1)`` (or None) is what
+    the row's lse must get back.
 
     >>> m, s = tensor_mask(torch.tensor([[True, False]]), B=1, H=1, Nq=1, Nk=2)
     >>> m.to_dense(1, 2, q_offset=0).tolist(), s
@@ -193,4 +202,17 @@ def tensor_mask(t: torch.Tensor, *, B: int, H: int, Nq: int, Nk: int, q_offset: 
         return _DenseMask(~hidden, q_offset, kv_offset), _DenseBias(t4, q_offset, kv_offset)
     check_additive(det, name)
     mask = _DenseMask(~hidden, q_offset, kv_offset) if bool(hidden.any()) else None
-    return mask, _DenseBias(t4, q_offset, kv_offset)
+    # a row whose largest bias is huge (finfo.min on every key it sees: HF's fully masked rows) is
+    # shifted by it, and the shift goes to lse alone (the softmax does not change): its lse would
+    # otherwise hold no log of the key count (ulp(3e38) = 2e31), and pieces of the row merged by
+    # lse weighed each piece, not each key (errors of 1.1-1.7 beyond 2048 keys or 520 causal rows,
+    # found by fuzzing 2026-12-06), and a backward recomputing P from lse scaled it by the count
+    top = det.amax(-1, keepdim=True)                                    # -inf on a hidden row
+    huge = torch.isfinite(top) & (top.abs() > HUGE_BIAS)
+    shift = None
+    if bool(huge.any()):
+        shift = torch.where(huge, top, torch.zeros((), dtype=top.dtype))
+        t4 = t4 - shift
+    bias = _DenseBias(t4, q_offset, kv_offset)
+    bias.lse_shift = None if shift is None else shift[..., 0]          # (B|1, H|1, Nq|1)
+    return mask, bias

@@ -81,10 +81,13 @@ class _Call:
         B, Hq, Nq, D = q.shape
         Nk = k.shape[2]
         q_offset = Nk - Nq if q_offset is None else q_offset
+        #: what lse gets back of a huge additive mask's row shift (dense.tensor_mask), or None
+        self.lse_shift = None
         if isinstance(mask, torch.Tensor):  # SDPA's attn_mask: bool (True = attend) or additive float
             mask, bias = tensor_mask(mask, B=B, H=Hq, Nq=Nq, Nk=Nk, q_offset=q_offset, kv_offset=kv_offset)
             if bias is not None:
                 score = [score, bias]
+                self.lse_shift = bias.lse_shift
         mask = as_mask(mask)
         score = as_score(score)
         if score is not None:
@@ -318,7 +321,14 @@ def _attend(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_siz
     dropout_p, dropout_seed = _dropout_args(dropout_p, dropout_seed, generator)
     call = _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs,
                  dropout_p, dropout_seed)
-    return _run(q, k, v, call, in_dtype, lse_exact)
+    st = _run(q, k, v, call, in_dtype, lse_exact)
+    return st if call.lse_shift is None else with_lse_shift(st, call.lse_shift)
+
+
+def with_lse_shift(st: State, shift: torch.Tensor) -> State:
+    """``st`` with ``shift`` (broadcast over its rows) added to lse: a row shift of an additive mask
+    that the softmax never saw (dense.tensor_mask)"""
+    return State(st.out, st.lse + shift.to(st.lse.dtype))
 
 
 def _mask_object(mask):

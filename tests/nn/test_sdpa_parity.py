@@ -180,6 +180,36 @@ def test_float_mask_gradient():
         assert torch.allclose(gg, gw, atol=1e-10)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("shape", ["1 row over 2049 keys", "520 causal rows", "520 rows, (L, 1) mask"])
+def test_a_row_whose_every_key_carries_a_huge_bias_is_the_softmax_of_its_scores(dtype, shape):
+    """finfo.min on every key a row sees (HF's fully masked rows): a float32 lse near 3e38 holds no
+    log of the key count, so pieces merged by it weighed each piece, not each key (error 1.1-1.7),
+    and a backward from it scaled the gradients by the count; the answer also changed with the path
+    (511 vs 520 rows). The row is shifted by its largest bias: softmax(s) of its keys, on every
+    path, its gradients those of the unbiased row, its lse the unbiased one plus the bias
+    (fuzzing, 2026-12-06)."""
+    g = torch.Generator().manual_seed(0)
+    L, S, causal = {"1 row over 2049 keys": (1, 2049, False), "520 causal rows": (520, 600, True),
+                    "520 rows, (L, 1) mask": (520, 600, False)}[shape]
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g).to(dtype) for n in (L, S, S))
+    big = torch.finfo(dtype).min
+    m = torch.full((L, 1) if "(L, 1)" in shape else (L, S), big, dtype=dtype)
+    if causal:
+        m = m.masked_fill(torch.ones(L, S, dtype=torch.bool).triu(S - L + 1), float("-inf"))
+    plain = keyfold.causal() if causal else None
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    got, lse = keyfold.attention(q, k, v, mask=m, return_lse=True)
+    want, want_lse = keyfold.attention(q, k, v, mask=plain, return_lse=True)
+    tol = dict(atol=2e-2, rtol=0) if dtype is torch.bfloat16 else dict(atol=1e-5, rtol=0)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(lse.double(), want_lse.double() + float(big), atol=0, rtol=1e-6)
+    dout = torch.randn(got.shape, generator=g).to(dtype)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
+        torch.testing.assert_close(a, b, **tol)
+    torch.testing.assert_close(kf_sdpa(q, k, v, attn_mask=m), want, **tol)
+
+
 # ----------------------------------------------------------------------------------- dropout
 
 
