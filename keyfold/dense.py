@@ -130,6 +130,8 @@ class _DenseBias(ScoreMod):
     gets its gradient through autograd of :meth:`apply`."""
 
     additive = True
+    #: what lse gets back of a huge row's shift (set by tensor_mask; None: no row was shifted)
+    lse_shift = None
 
     def __init__(self, t: torch.Tensor, q0: int, k0: int):
         self.live = t                                    # the caller's tensor (may require grad)
@@ -207,12 +209,13 @@ def tensor_mask(t: torch.Tensor, *, B: int, H: int, Nq: int, Nk: int, q_offset: 
     # otherwise hold no log of the key count (ulp(3e38) = 2e31), and pieces of the row merged by
     # lse weighed each piece, not each key (errors of 1.1-1.7 beyond 2048 keys or 520 causal rows,
     # found by fuzzing 2026-12-06), and a backward recomputing P from lse scaled it by the count
-    top = det.amax(-1, keepdim=True)                                    # -inf on a hidden row
-    huge = torch.isfinite(top) & (top.abs() > HUGE_BIAS)
     shift = None
-    if bool(huge.any()):
+    top = det.amax(-1, keepdim=True) if det.shape[-1] else None         # -inf on a hidden row
+    huge = None if top is None else torch.isfinite(top) & (top.abs() > HUGE_BIAS)
+    if huge is not None and bool(huge.any()):
         shift = torch.where(huge, top, torch.zeros((), dtype=top.dtype))
         t4 = t4 - shift
     bias = _DenseBias(t4, q_offset, kv_offset)
-    bias.lse_shift = None if shift is None else shift[..., 0]          # (B|1, H|1, Nq|1)
+    if shift is not None:
+        bias.lse_shift = shift[..., 0]                                  # (B|1, H|1, Nq|1)
     return mask, bias

@@ -420,7 +420,11 @@ def attend_backward(q, k, v, out, lse, dout, *, mask=None, score=None, scale=Non
         raise ValueError(f"attend_backward: the score modifier {call.pb.score!r} reads "
                          f"{len(call.score_tensors)} tensor(s) with requires_grad; pass score_grads=True "
                          f"and add the returned gradients to them, or detach them")
-    dq, dk, dv, dts = call.backward(q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
+    lse = lse.detach()
+    if call.lse_shift is not None:  # the lse attend gave holds the huge mask rows' shift; the call's
+        # bias is shifted again, so its P is recomputed against the unshifted lse
+        lse = lse - call.lse_shift.to(lse.dtype)
+    dq, dk, dv, dts = call.backward(q.detach(), k.detach(), v.detach(), out.detach(), lse,
                                     dout.detach(), None if dlse is None else dlse.detach(), whole_rows=False)
     if score_grads:
         return dq, dk, dv, tuple(zip(call.score_tensors, dts))

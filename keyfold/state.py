@@ -79,8 +79,9 @@ def _zero_empty(st: State) -> torch.Tensor:
     torch.compile, a state with no empty row (the common case) is returned as it is: asking costs a
     pass over lse, not a copy of out (a device would wait for the answer, so there it always copies)."""
     empty = torch.isneginf(st.lse)
-    if st.out.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(empty.any()):
-        return st.out
+    if (st.out.device.type == "cpu" and not torch.compiler.is_compiling()
+            and not torch._C._functorch.is_functorch_wrapped_tensor(empty) and not bool(empty.any())):
+        return st.out  # (vmap's tensors cannot answer a data-dependent question)
     return st.out.masked_fill(empty.unsqueeze(-1), 0.0)
 
 
@@ -96,8 +97,11 @@ def merge(a: State, b: State) -> State:
     # (a NaN filler in an empty row made the merged row NaN; found by fuzzing, 2026-12-05)
     # one new tensor, not three: each fresh (B, H, N, Dv) buffer costs its page faults (4k rows, 8
     # heads: 18 ms a merge with three, against 2 ms of arithmetic)
-    out = (_zero_empty(a) * wa.unsqueeze(-1)).addcmul_(_zero_empty(b), wb.unsqueeze(-1))
-    return State(out, lse)
+    x, y, w = _zero_empty(a) * wa.unsqueeze(-1), _zero_empty(b), wb.unsqueeze(-1)
+    if (torch.broadcast_shapes(x.shape, y.shape, w.shape) == x.shape
+            and not torch._C._functorch.is_functorch_wrapped_tensor(x)):  # (vmap has no in-place rule)
+        return State(x.addcmul_(y, w), lse)
+    return State(torch.addcmul(x, y, w), lse)  # b's out broadcasts wider than a's
 
 
 def merge_into(acc: State, part: State) -> None:

@@ -730,7 +730,7 @@ static inline __attribute__((always_inline)) __m512 stale_row(unit_t *U, int r, 
     return _mm512_add_ps(s0, s1);
 }
 
-/* The one-pass softmax of a unit with plain scores (no mask tile, shift or softcap; bfloat16: scale >
+/* The one-pass softmax of a unit with plain scores (no mask tile, shift or softcap; S unscaled: scale >
  * 0) whose rows all lie in the piece and see the step from its first key (a causal row may stop
  * inside it: the diagonal). P is taken against the row's running max as it stands (FlashAttention-4
  * keeps it until a P would pass 2^8); a row whose P's in a lane sum past 2^8 (so any row with a P past

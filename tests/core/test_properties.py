@@ -111,3 +111,20 @@ def test_gqa_equals_repeated_key_value_heads(seed, heads, mask_name):
     a = kf.attention(q, k, v, mask=mask, block_size=4)
     b = kf.attention(q, k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1), mask=mask, block_size=4)
     torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_merge_broadcasts_and_runs_under_vmap():
+    """merge builds its out in place for speed: a b wider than a (broadcast) and vmap's tensors
+    (no in-place or data-dependent rule) take the out-of-place way (review of 2026-12-06)."""
+    from keyfold.state import State, merge
+    g = torch.Generator().manual_seed(0)
+    a = State(torch.randn(1, 2, 3, 4, generator=g), torch.randn(1, 2, 3, generator=g))
+    b = State(torch.randn(2, 2, 3, 4, generator=g), torch.randn(2, 2, 3, generator=g))
+    got = merge(a, b)
+    lse = torch.logaddexp(a.lse, b.lse)
+    want = a.out * (a.lse - lse).exp().unsqueeze(-1) + b.out * (b.lse - lse).exp().unsqueeze(-1)
+    torch.testing.assert_close(got.out, want)
+    bb = State(b.out[:1].expand(2, 2, 3, 4).clone(), b.lse[:1].expand(2, 2, 3).clone())
+    mapped = torch.vmap(lambda ao, al, bo, bl: merge(State(ao, al), State(bo, bl)).out)(
+        a.out.expand(2, 2, 3, 4), a.lse.expand(2, 2, 3), bb.out, bb.lse)
+    torch.testing.assert_close(mapped, merge(State(a.out.expand(2, 2, 3, 4), a.lse.expand(2, 2, 3)), bb).out)

@@ -210,6 +210,29 @@ def test_a_row_whose_every_key_carries_a_huge_bias_is_the_softmax_of_its_scores(
     torch.testing.assert_close(kf_sdpa(q, k, v, attn_mask=m), want, **tol)
 
 
+@pytest.mark.parametrize("big", [1e6, -1e6])
+def test_attend_backward_takes_a_huge_rows_shift_off_the_lse_it_is_given(big):
+    """attend gives lse with the huge rows' shift; attend_backward shifts the bias again, so it
+    must take the shift off that lse (it did not: dq/dk/dv off by O(1), NaN for -1e6; review of
+    2026-12-06). A float mask over no key, and one seen while compiling, still run."""
+    from unittest import mock
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, n, 8, generator=g, dtype=F64) for n in (4, 6, 6))
+    m = torch.zeros(4, 6, dtype=F64)
+    m[0] = big
+    m[1, :3], m[1, 3:] = big, float("-inf")
+    st = keyfold.attend(q, k, v, mask=m)
+    dout = torch.randn(st.out.shape, generator=g, dtype=F64)
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    want = torch.autograd.grad(keyfold.attend(qq, kk, vv, mask=m).out, (qq, kk, vv), dout)
+    got = keyfold.attend_backward(q, k, v, st.out, st.lse, dout, mask=m)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=0)
+    assert keyfold.attention(q, k[:, :, :0], v[:, :, :0], mask=torch.zeros(4, 0, dtype=F64)).shape == q.shape
+    with mock.patch.object(torch.compiler, "is_compiling", lambda: True):  # tensor_mask's traced branch
+        keyfold.attend_backward(q, k, v, st.out, st.lse, dout, mask=torch.zeros(4, 6, dtype=F64))
+
+
 # ----------------------------------------------------------------------------------- dropout
 
 
