@@ -749,7 +749,7 @@ static inline __attribute__((always_inline)) int stale_rows(const job_t *J, unit
     rows_t *B = U->B;
     const piece_t *P = U->P;
     const int nr = B->nr, ns = U->ns;
-    const float sc = J->qs ? 1.0f : J->scale;  /* y = S sc (1 where q came pre-scaled) */
+    const float sc = f32 && J->qs ? 1.0f : J->scale;  /* y = S sc (1 where q came pre-scaled) */
     const __m512 a = _mm512_set1_ps(sc * LOG2E), ninf = _mm512_set1_ps(-INFINITY);
     const __m512 tau = _mm512_set1_ps(STALE_P);
     /* per row: m_old - m_new, a redone row's step sum (16 lanes), a first step's seed */
@@ -876,6 +876,7 @@ static inline __attribute__((always_inline)) void softmax(const job_t *J, unit_t
     const __m512 ninf = _mm512_set1_ps(-INFINITY), log2e = _mm512_set1_ps(LOG2E);
     const __m512 scale = _mm512_set1_ps(J->scale);
     const int plain = !pm && !ps && J->cap == 0.0f;  /* scores as they come (q pre-scaled: y = S) */
+    const int qs = f32 && J->qs;  /* (f32 is a constant here: bfloat16's branches on it fold away) */
     /* per row: dm = m_old - m_new and the step's sum of P; alpha = e^dm and l = l alpha + sum are
      * taken for all rows at once after the loop (a row that takes no part: dm = 0, sum = 0) */
     float dm[QB] __attribute__((aligned(64))), rs[QB * 16] __attribute__((aligned(64)));
@@ -901,8 +902,8 @@ static inline __attribute__((always_inline)) void softmax(const job_t *J, unit_t
         __m512 m0 = ninf, m1 = ninf;  /* two chains of the max (in registers: a row's latency is short) */
         /* pass 1: y in place of S, its max. Where q came pre-scaled, S is y unless a softcap, mask or
          * shift applies */
-        const int raw = !J->qs && full && plain && J->scale > 0.0f;  /* the buffer keeps S */
-        if (full && plain && (J->qs || raw)) {  /* no mask: every sub-block up to ns is seen, every lane.
+        const int raw = !qs && full && plain && J->scale > 0.0f;  /* the buffer keeps S */
+        if (full && plain && (qs || raw)) {  /* no mask: every sub-block up to ns is seen, every lane.
                                                * raw: y = S scale is taken in pass 2, and y's max is
                                                * S's times scale (rounding is monotone) */
             m1 = row_max(pr, ns);  /* second operand of the max below: a NaN lane stays NaN */
@@ -918,8 +919,8 @@ static inline __attribute__((always_inline)) void softmax(const job_t *J, unit_t
                 /* y rounded once here and kept: the row's largest y minus the max is exactly 0 (a
                  * product fused into the later subtraction would not be) */
                 if (cap > 0.0f)
-                    t = softcap16(J->qs ? t : _mm512_mul_ps(t, scale), cap);
-                else if (!J->qs)
+                    t = softcap16(qs ? t : _mm512_mul_ps(t, scale), cap);
+                else if (!qs)
                     t = _mm512_mul_round_ps(t, scale, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
                 if (mr) {  /* a pair the mask hides (-inf) is out of vis: its P is exactly 0 */
                     const __m512 add = _mm512_maskz_loadu_ps(vis[x], mr + jx);
