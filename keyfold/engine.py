@@ -238,6 +238,8 @@ class _AttendFn(torch.autograd.Function):
         if dlse is not None and q.device.type == "cpu" and not bool(dlse.any()):
             dlse = None  # (on a GPU this check would cost a sync; the kernels take dlse = 0 as is)
         dq, dk, dv, dts = call.backward(q, k, v, out, lse, dout, dlse)
+        # a score tensor no piece read (a float mask that hides every pair) gets zeros, as in SDPA
+        dts = tuple(torch.zeros_like(t) if d is None else d for t, d in zip(call.score_tensors, dts))
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, *dts)
 
 

@@ -233,6 +233,16 @@ def test_attend_backward_takes_a_huge_rows_shift_off_the_lse_it_is_given(big):
         keyfold.attend_backward(q, k, v, st.out, st.lse, dout, mask=torch.zeros(4, 6, dtype=F64))
 
 
+def test_a_float_mask_that_hides_every_pair_gets_a_zero_gradient():
+    """SDPA gives such a mask a zero gradient; keyfold gave None, and code that zeroes or steps it
+    broke (fuzzing, 2026-12-06)."""
+    q = torch.randn(1, 2, 3, 8, requires_grad=True)
+    k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    m = torch.full((3, 5), float("-inf"), requires_grad=True)
+    kf_sdpa(q, k, v, attn_mask=m).sum().backward()
+    assert m.grad is not None and bool((m.grad == 0).all())
+
+
 # ----------------------------------------------------------------------------------- dropout
 
 
