@@ -204,18 +204,34 @@ def tensor_mask(t: torch.Tensor, *, B: int, H: int, Nq: int, Nk: int, q_offset: 
         return _DenseMask(~hidden, q_offset, kv_offset), _DenseBias(t4, q_offset, kv_offset)
     check_additive(det, name)
     mask = _DenseMask(~hidden, q_offset, kv_offset) if bool(hidden.any()) else None
-    # a row whose largest bias is huge (finfo.min on every key it sees: HF's fully masked rows) is
-    # shifted by it, and the shift goes to lse alone (the softmax does not change): its lse would
-    # otherwise hold no log of the key count (ulp(3e38) = 2e31), and pieces of the row merged by
-    # lse weighed each piece, not each key (errors of 1.1-1.7 beyond 2048 keys or 520 causal rows,
-    # found by fuzzing 2026-12-06), and a backward recomputing P from lse scaled it by the count
+    return mask, shifted_bias(t4, q_offset, kv_offset)
+
+
+def shifted_bias(t4: torch.Tensor, q0: int, k0: int) -> _DenseBias:
+    """The additive mask ``t4`` as a bias, each row whose largest entry passes :data:`HUGE_BIAS`
+    shifted by it, the shift kept as ``lse_shift`` for lse alone (the softmax does not change).
+
+    Such a row (finfo.min on every key it sees: HF's fully masked rows) would otherwise have an lse
+    that holds no log of its key count (ulp(3e38) = 2e31): pieces of the row merged by lse weighed
+    each piece, not each key (errors of 1.1-1.7 beyond 2048 keys or 520 causal rows, found by
+    fuzzing 2026-12-06), and a backward recomputing P from lse scaled it by the count. Reads the
+    values: not while dynamo traces (the compiled op calls it where the data is known)."""
+    det = t4.detach()
     shift = None
     top = det.amax(-1, keepdim=True) if det.shape[-1] else None         # -inf on a hidden row
     huge = None if top is None else torch.isfinite(top) & (top.abs() > HUGE_BIAS)
     if huge is not None and bool(huge.any()):
         shift = torch.where(huge, top, torch.zeros((), dtype=top.dtype))
         t4 = t4 - shift
-    bias = _DenseBias(t4, q_offset, kv_offset)
+    bias = _DenseBias(t4, q0, k0)
     if shift is not None:
         bias.lse_shift = shift[..., 0]                                  # (B|1, H|1, Nq|1)
-    return mask, bias
+    return bias
+
+
+def lse_shift_of(score) -> torch.Tensor | None:
+    """The ``lse_shift`` of the shifted bias in ``score`` (itself or one link of a chain), or None"""
+    for m in getattr(score, "mods", (score,)):
+        if isinstance(m, _DenseBias) and m.lse_shift is not None:
+            return m.lse_shift
+    return None

@@ -32,7 +32,7 @@ import torch
 
 from . import masks as M
 from . import scores as S
-from .dense import _DenseBias, _DenseMask, check_additive, tensor_mask
+from .dense import _DenseBias, _DenseMask, check_additive, lse_shift_of, shifted_bias, tensor_mask
 from .state import State
 
 __all__ = ["attend_op", "flatten", "unflatten"]
@@ -207,7 +207,7 @@ def _build_score(node, tensors, grads):
         where, i = args[0]
         live = grads[i] if where == "g" else tensors[i]
         check_additive(live, "attn_mask")  # (traced, tensor_mask could not look at the values)
-        return _DenseBias(live, args[1], args[2])
+        return shifted_bias(live, args[1], args[2])
     if op == "spec":
         kind, p = S.ScoreKind(args[0]), _args(args[1], tensors)
         if kind is S.ScoreKind.ALIBI:
@@ -296,6 +296,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[tor
     with torch.no_grad():
         st = (_reference.attend_reference(q, k, v, call.pb) if call.backend is Backend.REFERENCE
               else call.forward(q, k, v))
+    shift = lse_shift_of(call.pb.score)  # a huge row's shift of a dense float mask: lse gets it back
+    if shift is not None:
+        st = State(st.out, st.lse + shift.to(st.lse.dtype))
     # contiguous, as the fake ones say; a custom op's outputs may not alias its inputs or each other
     out, lse = st.out.contiguous(), st.lse.contiguous()
     return (out.clone() if out._base is not None else out), (lse.clone() if lse._base is not None else lse)
@@ -342,7 +345,9 @@ def _attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
         if call.backend is Backend.REFERENCE:  # the reference's backward is autograd through its own forward
             dq, dk, dv, dts = _reference_backward(q, k, v, dout, dlse, call)
         else:
-            dq, dk, dv, dts = call.backward(q, k, v, out, lse, dout, dlse)
+            shift = lse_shift_of(call.pb.score)  # the forward gave lse the shift; the bias has it again
+            dq, dk, dv, dts = call.backward(q, k, v, out, lse if shift is None else lse - shift.to(lse.dtype),
+                                            dout, dlse)
     dts = [d.to(t.dtype).contiguous() for d, t in zip(dts, grad_tensors)]
     return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(), dts
 

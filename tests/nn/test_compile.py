@@ -297,6 +297,30 @@ def test_dense_masks_compile_whole_and_the_float_mask_gets_its_gradient():
             assert torch.equal(a, b)
 
 
+def _huge_lse(q, k, v, m):
+    out, lse = kf.attention(q, k, v, mask=m, return_lse=True)
+    return out, lse
+
+
+def test_a_huge_bias_row_is_shifted_inside_the_compiled_op_too():
+    """A row whose every key carries finfo.min is shifted by it in eager calls (dense.tensor_mask);
+    the compiled op, which sees the mask as data, did not, and gave the old per-piece answer
+    (eager and compiled differed by O(1)). Out, lse and the gradients (the mask's too) are eager's."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g, requires_grad=True) for n in (6, 9, 9))
+    m = torch.randn(6, 9, generator=g)
+    m[2] = torch.finfo(torch.float32).min
+    m[4, :5], m[4, 5:] = -1e9, float("-inf")
+    m.requires_grad_(True)
+    compiled = torch.compile(_huge_lse, fullgraph=True, backend="aot_eager")
+    got, want = compiled(q, k, v, m), _huge_lse(q, k, v, m)
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(got[1], want[1], atol=0, rtol=1e-6)
+    dout = torch.randn(want[0].shape, generator=g)
+    for a, b in zip(torch.autograd.grad(got[0], (q, k, v, m), dout), torch.autograd.grad(want[0], (q, k, v, m), dout)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
 def test_multihead_attention_with_tensor_masks_compiles_whole():
     """nn.MultiheadAttention with torch's masks (bool attn_mask, float key_padding_mask that trains),
     with and without the attention weights: 0 breaks, eager's outputs and gradients."""
