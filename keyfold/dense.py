@@ -167,9 +167,9 @@ class _DenseBias(ScoreMod):
         return hash(("tensor_bias", self.table, self.q0, self.k0))
 
 
-#: A row of an additive mask whose largest entry is larger than this in magnitude is shifted by it
-#: (see tensor_mask): above 2^15 a float32 lse keeps the log of a row's key count to less than
-#: 2^-9, and float16's finfo.min (65504) is past it; HF's -10000 for a hidden key is not.
+#: A row of an additive mask whose largest entry is below minus this is shifted by it (see
+#: shifted_bias): past 2^15 a float32 lse keeps the log of a row's key count to less than 2^-9,
+#: and float16's finfo.min (65504) is past it; HF's -10000 for a hidden key is not.
 HUGE_BIAS = 2.0 ** 15
 
 
@@ -180,7 +180,7 @@ def tensor_mask(t: torch.Tensor, *, B: int, H: int, Nq: int, Nk: int, q_offset: 
     t: bool ``(B|1, H|1, Nq|1, Nk|1)`` (True = attend) or float of that shape (added to the scaled
     scores; ``-inf`` = hidden). Fewer dims broadcast from the left, as in SDPA. Entry ``[.., i, j]``
     is the pair ``(q_offset + i, kv_offset + j)``. A float tensor with +inf or NaN is refused.
-    A row whose largest entry exceeds :data:`HUGE_BIAS` in magnitude is shifted by that entry
+    A row whose largest entry is below -:data:`HUGE_BIAS` is shifted by that entry
     (the softmax is the same); the bias's ``lse_shift`` ``(B|1, H|1, Nq|1)`` (or None) is what
     the row's lse must get back.
 
@@ -208,7 +208,7 @@ def tensor_mask(t: torch.Tensor, *, B: int, H: int, Nq: int, Nk: int, q_offset: 
 
 
 def shifted_bias(t4: torch.Tensor, q0: int, k0: int) -> _DenseBias:
-    """The additive mask ``t4`` as a bias, each row whose largest entry passes :data:`HUGE_BIAS`
+    """The additive mask ``t4`` as a bias, each row whose largest entry is below -:data:`HUGE_BIAS`
     shifted by it, the shift kept as ``lse_shift`` for lse alone (the softmax does not change).
 
     Such a row (finfo.min on every key it sees: HF's fully masked rows) would otherwise have an lse
@@ -219,7 +219,9 @@ def shifted_bias(t4: torch.Tensor, q0: int, k0: int) -> _DenseBias:
     det = t4.detach()
     shift = None
     top = det.amax(-1, keepdim=True) if det.shape[-1] else None         # -inf on a hidden row
-    huge = None if top is None else torch.isfinite(top) & (top.abs() > HUGE_BIAS)
+    # (a huge positive top is left alone: taken from a key another mask hides, it would push the
+    # row's visible keys down to where their scores round; fuzzing, 2026-12-06)
+    huge = None if top is None else torch.isfinite(top) & (top < -HUGE_BIAS)
     if huge is not None and bool(huge.any()):
         shift = torch.where(huge, top, torch.zeros((), dtype=top.dtype))
         t4 = t4 - shift
