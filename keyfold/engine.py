@@ -395,13 +395,13 @@ def attention(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_o
     return (out, st.lse) if return_lse else out
 
 
-def _unshifted_lse(q, k, v, call: _Call, lse: torch.Tensor) -> torch.Tensor:
+def unshifted_lse(q, k, v, call: _Call, lse: torch.Tensor, lse_shift: torch.Tensor) -> torch.Tensor:
     """The lse ``attend_backward`` recomputes P against, for a call whose dense mask had huge rows
     shifted (dense.shifted_bias): the given lse minus the shift. Where the given lse is the shift
     plus a number its own rounding cannot hold (a float32 lse of finfo.min + log 16 is finfo.min;
     the row's own keys made it), the piece's own lse is taken: subtracting gave nothing of it back
     (gradients off by 10-170, found by fuzzing 2026-12-06)."""
-    shift = torch.broadcast_to(call.lse_shift.to(torch.float64), lse.shape)
+    shift = torch.broadcast_to(lse_shift.to(torch.float64), lse.shape)
     rel = lse.double() - shift
     ulp = torch.nextafter(shift.abs().to(lse.dtype), torch.tensor(math.inf, dtype=lse.dtype)).double() - shift.abs()
     coarse = (shift != 0) & (ulp > 2.0 ** -20) & (rel.abs() <= 2.0 ** 10)
@@ -441,7 +441,7 @@ def attend_backward(q, k, v, out, lse, dout, *, mask=None, score=None, scale=Non
                          f"and add the returned gradients to them, or detach them")
     lse = lse.detach()
     if call.lse_shift is not None:
-        lse = _unshifted_lse(q, k, v, call, lse)
+        lse = unshifted_lse(q, k, v, call, lse, call.lse_shift)
     dq, dk, dv, dts = call.backward(q.detach(), k.detach(), v.detach(), out.detach(), lse,
                                     dout.detach(), None if dlse is None else dlse.detach(), whole_rows=False)
     if score_grads:

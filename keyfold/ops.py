@@ -116,7 +116,8 @@ def _flat_score(s, tensors: list, grads) -> str:
         return '["spec","' + kind.value + '",' + _params(params, tensors) + "]"
     if type(s) is _DenseBias:  # an additive float mask: data; one that trains is named among the grad tensors
         i = next((i for i, g in enumerate(grads) if g is s.live), None)
-        slot = _slot(s.table.t, tensors) if i is None else '["g",' + str(i) + ']'
+        # (the tensor as given, -inf included: the op finds a huge row's shift over the keys it shows)
+        slot = _slot(s.live.detach(), tensors) if i is None else '["g",' + str(i) + ']'
         return '["bias",' + slot + ',' + str(s.q0) + ',' + str(s.k0) + ']'
     if type(s) is S.ScoreFn:
         return '["fn",' + str(_callable_key(s.fn)) + ']'
@@ -346,8 +347,10 @@ def _attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
             dq, dk, dv, dts = _reference_backward(q, k, v, dout, dlse, call)
         else:
             shift = lse_shift_of(call.pb.score)  # the forward gave lse the shift; the bias has it again
-            dq, dk, dv, dts = call.backward(q, k, v, out, lse if shift is None else lse - shift.to(lse.dtype),
-                                            dout, dlse)
+            if shift is not None:
+                from .engine import unshifted_lse
+                lse = unshifted_lse(q, k, v, call, lse, shift)
+            dq, dk, dv, dts = call.backward(q, k, v, out, lse, dout, dlse)
     dts = [d.to(t.dtype).contiguous() for d, t in zip(dts, grad_tensors)]
     return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(), dts
 

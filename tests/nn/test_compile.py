@@ -309,16 +309,18 @@ def test_a_huge_bias_row_is_shifted_inside_the_compiled_op_too():
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, n, 8, generator=g, requires_grad=True) for n in (6, 9, 9))
     m = torch.randn(6, 9, generator=g)
-    m[2] = torch.finfo(torch.float32).min
-    m[4, :5], m[4, 5:] = -1e9, float("-inf")
-    m.requires_grad_(True)
+    m[2] = torch.finfo(torch.float32).min  # float32's lse cannot hold the row's own log-sum: the
+    m[4, :5], m[4, 5:] = -1e9, float("-inf")  # backward op takes the piece's own lse there
     compiled = torch.compile(_huge_lse, fullgraph=True, backend="aot_eager")
-    got, want = compiled(q, k, v, m), _huge_lse(q, k, v, m)
-    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=0)
-    torch.testing.assert_close(got[1], want[1], atol=0, rtol=1e-6)
-    dout = torch.randn(want[0].shape, generator=g)
-    for a, b in zip(torch.autograd.grad(got[0], (q, k, v, m), dout), torch.autograd.grad(want[0], (q, k, v, m), dout)):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    dout = torch.randn(1, 2, 6, 8, generator=g)
+    for trains in (False, True):  # the fused backward (lse taken apart) and the score-tensor one
+        m = m.detach().requires_grad_(trains)
+        got, want = compiled(q, k, v, m), _huge_lse(q, k, v, m)
+        torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=0)
+        torch.testing.assert_close(got[1], want[1], atol=0, rtol=1e-6)
+        wrt = (q, k, v, m) if trains else (q, k, v)
+        for a, b in zip(torch.autograd.grad(got[0], wrt, dout), torch.autograd.grad(want[0], wrt, dout)):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
 def test_multihead_attention_with_tensor_masks_compiles_whole():
