@@ -130,7 +130,7 @@ class _DenseBias(ScoreMod):
     gets its gradient through autograd of :meth:`apply`."""
 
     additive = True
-    #: what lse gets back of a huge row's shift (set by tensor_mask; None: no row was shifted)
+    #: what lse gets back of a huge row's shift (set by shifted_bias; None: no row was shifted)
     lse_shift = None
 
     def __init__(self, t: torch.Tensor, q0: int, k0: int):
@@ -199,8 +199,9 @@ def tensor_mask(t: torch.Tensor, *, B: int, H: int, Nq: int, Nk: int, q_offset: 
     det = t4.detach()
     hidden = torch.isneginf(det)
     if torch.compiler.is_compiling():
-        # traced: no data-dependent branch. keyfold.ops checks the values and drops an all-visible
-        # companion mask when it rebuilds these objects inside the op, where the data is known.
+        # traced: no data-dependent branch. keyfold.ops checks the values, drops an all-visible
+        # companion mask and shifts huge rows (shifted_bias) when it rebuilds these objects inside
+        # the op, where the data is known.
         return _DenseMask(~hidden, q_offset, kv_offset), _DenseBias(t4, q_offset, kv_offset)
     check_additive(det, name)
     mask = _DenseMask(~hidden, q_offset, kv_offset) if bool(hidden.any()) else None

@@ -398,9 +398,10 @@ def attention(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_o
 def unshifted_lse(q, k, v, call: _Call, lse: torch.Tensor, lse_shift: torch.Tensor) -> torch.Tensor:
     """The lse ``attend_backward`` recomputes P against, for a call whose dense mask had huge rows
     shifted (dense.shifted_bias): the given lse minus the shift. Where the given lse is the shift
-    plus a number its own rounding cannot hold (a float32 lse of finfo.min + log 16 is finfo.min;
-    the row's own keys made it), the piece's own lse is taken: subtracting gave nothing of it back
-    (gradients off by 10-170, found by fuzzing 2026-12-06)."""
+    plus a number its own rounding cannot hold (a float32 lse of finfo.min + log 16 is finfo.min)
+    and equals this piece's own lse to that rounding, the piece's own lse is taken: subtracting gave
+    nothing of it back (gradients off by 10-170, found by fuzzing 2026-12-06). An lse merged over
+    chunks of such a row that rounding cannot tell from one chunk's stays wrong (README)."""
     shift = torch.broadcast_to(lse_shift.to(torch.float64), lse.shape)
     rel = lse.double() - shift
     ulp = torch.nextafter(shift.abs().to(lse.dtype), torch.tensor(math.inf, dtype=lse.dtype)).double() - shift.abs()
@@ -408,7 +409,11 @@ def unshifted_lse(q, k, v, call: _Call, lse: torch.Tensor, lse_shift: torch.Tens
     if bool(coarse.any()):
         with torch.no_grad():
             own = call.forward(q.detach(), k.detach(), v.detach()).lse.double()
-        rel = torch.where(coarse, own, rel)
+        # only where the given lse is this piece's own, to its rounding: an lse merged over other
+        # chunks of the row differs by more than that, and is taken apart by subtraction (review of
+        # 2026-12-06: the own lse for a merged one put each chunk at 1, gradients off by 0.1-1.6)
+        mine = coarse & ((own + shift - lse.double()).abs() <= ulp)
+        rel = torch.where(mine, own, rel)
     return rel.to(lse.dtype)
 
 

@@ -323,6 +323,21 @@ def test_a_huge_bias_row_is_shifted_inside_the_compiled_op_too():
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
+def _sdpa_only(q, k, v, m):
+    return kf.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+
+def test_a_float_mask_hiding_every_pair_gets_a_zero_gradient_when_compiled():
+    """As in eager calls (and SDPA): the op's backward turned the None of a tensor no piece read
+    into an AttributeError (review of 2026-12-06)."""
+    q = torch.randn(1, 2, 3, 8, requires_grad=True)
+    k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    m = torch.full((3, 5), float("-inf"), requires_grad=True)
+    compiled = torch.compile(_sdpa_only, fullgraph=True, backend="aot_eager")
+    (gm,) = torch.autograd.grad(compiled(q, k, v, m).sum(), m)
+    assert bool((gm == 0).all())
+
+
 def test_multihead_attention_with_tensor_masks_compiles_whole():
     """nn.MultiheadAttention with torch's masks (bool attn_mask, float key_padding_mask that trains),
     with and without the attention weights: 0 breaks, eager's outputs and gradients."""

@@ -312,6 +312,29 @@ def test_dropout_backend_errors_and_bad_p():
         keyfold.attention(q, q, q, dropout_p=1.0)
 
 
+@pytest.mark.parametrize("big", [-1e5, -65504.0])
+def test_attend_backward_over_merged_chunks_of_a_huge_row(big):
+    """Ring-style: two key chunks attended, merged, then each chunk's attend_backward given the
+    merged out and lse. A float32 lse at -65504 still holds the row's log-sum to 0.004, so the shift
+    comes off by subtraction; taking a chunk's own lse there put each chunk at 1 (gradients off by
+    0.1-1.6; review of 2026-12-06)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, n, 8, generator=g) for n in (4, 8, 8))
+    m = torch.randn(4, 8, generator=g)
+    m[1] = big
+    dout = torch.randn(1, 1, 4, 8, generator=g)
+    x64 = [t.double().requires_grad_(True) for t in (q, k, v)]
+    want = torch.autograd.grad(keyfold.attend(*x64, mask=m.double(), q_offset=0).out, x64, dout.double())
+    halves = (slice(0, 4), slice(4, 8))
+    st = keyfold.merge(*[keyfold.attend(q, k[:, :, h], v[:, :, h], mask=m[:, h], q_offset=0, kv_offset=h.start)
+                         for h in halves])
+    parts = [keyfold.attend_backward(q, k[:, :, h], v[:, :, h], st.out, st.lse, dout, mask=m[:, h], q_offset=0,
+                                     kv_offset=h.start) for h in halves]
+    got = (parts[0][0] + parts[1][0], torch.cat([p[1] for p in parts], 2), torch.cat([p[2] for p in parts], 2))
+    for a, b in zip(got, want):
+        assert float((a.double() - b).abs().max()) < 5e-3
+
+
 def test_a_huge_positive_entry_shifts_nothing():
     """A row's huge positive entry may sit on a key another mask hides (is_causal): shifting by it
     pushed the visible keys to -7e5, where their scores round (gradients 3-6x the naive error;
