@@ -330,7 +330,13 @@ def _attend(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_siz
 def with_lse_shift(st: State, shift: torch.Tensor) -> State:
     """``st`` with ``shift`` (broadcast over its rows) added to lse: a row shift of an additive mask
     that the softmax never saw (dense.tensor_mask)"""
-    return State(st.out, st.lse + shift.to(st.lse.dtype))
+    return State(st.out, st.lse + shift_in(shift, st.lse.dtype))
+
+
+def shift_in(shift: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A row shift in ``dtype``, held at its most negative number: a float64 mask's finfo.min
+    on float32 inputs would overflow to -inf and call a row that sees keys empty"""
+    return shift.double().clamp(min=torch.finfo(dtype).min).to(dtype)
 
 
 def _mask_object(mask):
@@ -402,7 +408,7 @@ def unshifted_lse(q, k, v, call: _Call, lse: torch.Tensor, lse_shift: torch.Tens
     and equals this piece's own lse to that rounding, the piece's own lse is taken: subtracting gave
     nothing of it back (gradients off by 10-170, found by fuzzing 2026-12-06). An lse merged over
     chunks of such a row that rounding cannot tell from one chunk's stays wrong (README)."""
-    shift = torch.broadcast_to(lse_shift.to(torch.float64), lse.shape)
+    shift = torch.broadcast_to(shift_in(lse_shift, lse.dtype).double(), lse.shape)
     rel = lse.double() - shift
     ulp = torch.nextafter(shift.abs().to(lse.dtype), torch.tensor(math.inf, dtype=lse.dtype)).double() - shift.abs()
     coarse = (shift != 0) & (ulp > 2.0 ** -20) & (rel.abs() <= 2.0 ** 10)

@@ -299,7 +299,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[tor
               else call.forward(q, k, v))
     shift = lse_shift_of(call.pb.score)  # a huge row's shift of a dense float mask: lse gets it back
     if shift is not None:
-        st = State(st.out, st.lse + shift.to(st.lse.dtype))
+        from .engine import with_lse_shift
+        st = with_lse_shift(st, shift)
     # contiguous, as the fake ones say; a custom op's outputs may not alias its inputs or each other
     out, lse = st.out.contiguous(), st.lse.contiguous()
     return (out.clone() if out._base is not None else out), (lse.clone() if lse._base is not None else lse)

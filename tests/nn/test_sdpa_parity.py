@@ -335,6 +335,25 @@ def test_attend_backward_over_merged_chunks_of_a_huge_row(big):
         assert float((a.double() - b).abs().max()) < 5e-3
 
 
+def test_a_float64_masks_huge_row_on_float32_inputs_keeps_a_finite_lse():
+    """The shift of a float64 finfo.min row, cast to a float32 lse, overflowed to -inf: a row that
+    sees keys read as empty (merges drop it). It is held at float32's finfo.min (review of
+    2026-12-06); out and attend_backward's gradients are those of the unbiased row."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, n, 8, generator=g) for n in (3, 5, 5))
+    m = torch.zeros(3, 5, dtype=F64)
+    m[1] = torch.finfo(F64).min
+    st = keyfold.attend(q, k, v, mask=m)
+    assert bool(torch.isfinite(st.lse).all())
+    x = [t.double().requires_grad_(True) for t in (q, k, v)]
+    ref = torch.softmax(x[0] @ x[1].transpose(-1, -2) * 8 ** -0.5, -1) @ x[2]
+    torch.testing.assert_close(st.out.double(), ref.detach(), atol=1e-6, rtol=0)
+    dout = torch.randn(st.out.shape, generator=g)
+    for a, b in zip(keyfold.attend_backward(q, k, v, st.out, st.lse, dout, mask=m),
+                    torch.autograd.grad(ref, x, dout.double())):
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=0)
+
+
 def test_a_huge_positive_entry_shifts_nothing():
     """A row's huge positive entry may sit on a key another mask hides (is_causal): shifting by it
     pushed the visible keys to -7e5, where their scores round (gradients 3-6x the naive error;
