@@ -141,8 +141,10 @@ class _Call:
         runs the backward's pieces through the tile path (torch ops), which differentiates the
         score modifier tile by tile; the forward stays fused."""
         if self.score_tensors:
-            return _tiles.backward_with_score(q, k, v, out, lse, dout, dlse, self.plan, self.pb, self.score_tensors,
-                                              whole_rows)
+            dq, dk, dv, dts = _tiles.backward_with_score(q, k, v, out, lse, dout, dlse, self.plan, self.pb,
+                                                         self.score_tensors, whole_rows)
+            # a score tensor no piece read (a float mask that hides every pair) gets zeros, as in SDPA
+            return dq, dk, dv, tuple(torch.zeros_like(t) if d is None else d for t, d in zip(self.score_tensors, dts))
         if self.backend is Backend.CPU:
             # the engine's own backward takes the gradients in the input dtype (a one-piece plan's
             # come from the op as they are); attend_backward's stay float32 as documented
@@ -238,8 +240,6 @@ class _AttendFn(torch.autograd.Function):
         if dlse is not None and q.device.type == "cpu" and not bool(dlse.any()):
             dlse = None  # (on a GPU this check would cost a sync; the kernels take dlse = 0 as is)
         dq, dk, dv, dts = call.backward(q, k, v, out, lse, dout, dlse)
-        # a score tensor no piece read (a float mask that hides every pair) gets zeros, as in SDPA
-        dts = tuple(torch.zeros_like(t) if d is None else d for t, d in zip(call.score_tensors, dts))
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, *dts)
 
 

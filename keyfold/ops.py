@@ -352,8 +352,7 @@ def _attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
                 from .engine import unshifted_lse
                 lse = unshifted_lse(q, k, v, call, lse, shift)
             dq, dk, dv, dts = call.backward(q, k, v, out, lse, dout, dlse)
-    # a score tensor no piece read (a float mask hiding every pair) gets zeros, as in eager calls
-    dts = [torch.zeros_like(t) if d is None else d.to(t.dtype).contiguous() for d, t in zip(dts, grad_tensors)]
+    dts = [d.to(t.dtype).contiguous() for d, t in zip(dts, grad_tensors)]
     return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(), dts
 
 
