@@ -198,12 +198,15 @@ def _limits(src: torch.Tensor, max_len: int | None, model: Transformer) -> tuple
 
 
 def _force_eos(logits: torch.Tensor, at_limit: torch.Tensor) -> torch.Tensor:
-    """Rows ``at_limit`` (bool, leading dims of ``logits``) may only emit EOS."""
+    """Rows ``at_limit`` (bool, leading dims of ``logits``) may only emit EOS, at its own score: every
+    other token gets -inf. Beam search adds these log-probabilities to a hypothesis's score, so the
+    forced EOS costs its real log P(EOS | prefix), as fairseq's limit does (it had cost 0: a
+    hypothesis cut at the limit outranked a finished one whose log P(Y|X) / lp(|Y|) was higher)."""
     if not bool(at_limit.any()):
         return logits
-    only_eos = torch.full_like(logits, -math.inf)
-    only_eos[..., EOS] = 0.0
-    return torch.where(at_limit.unsqueeze(-1), only_eos, logits)
+    others = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
+    others[EOS] = False
+    return logits.masked_fill(at_limit.unsqueeze(-1) & others, -math.inf)
 
 
 @torch.no_grad()

@@ -270,6 +270,31 @@ def test_length_penalty_and_beam_output():
     assert length_penalty(torch.tensor(7), 0.6).item() == pytest.approx((12 / 6) ** 0.6)
 
 
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_beam_wider_than_every_hypothesis_finds_the_best_score_at_the_limit(seed):
+    """With a beam wider than every hypothesis up to the limit, beam search is exhaustive: it must
+    return the argmax of log P(Y|X) / lp(|Y|) over every Y ending in EOS, the EOS forced at the
+    limit counted at its real log-probability (it had cost 0, so a cut hypothesis outranked a
+    finished one with a higher score)."""
+    torch.manual_seed(seed)
+    cfg = dataclasses.replace(TINY, vocab_size=8, d_model=16, n_heads=2, d_ff=32, n_encoder_layers=1,
+                              n_decoder_layers=1, dropout=0.0)
+    m = Transformer(cfg).eval()
+    src, limit, alpha = torch.tensor([[5, 6, 7, EOS]]), 3, 0.6
+    words = [t for t in range(cfg.vocab_size) if t not in (PAD, BOS, EOS)]
+    hyps = [[EOS]] + [[a, EOS] for a in words] + [[a, b, EOS] for a in words for b in words]
+    with torch.no_grad():
+        mem, sm = m.encode(src)
+
+        def score(y):
+            lp = torch.log_softmax(m.decode(torch.tensor([[BOS] + y[:-1]]), mem, sm)[0].double(), -1)
+            return float(lp[torch.arange(len(y)), torch.tensor(y)].sum()) / ((5 + len(y)) / 6) ** alpha
+
+        want = max(hyps, key=score)
+        got = beam_search(m, src, beam=len(hyps), alpha=alpha, max_len=limit)[0].tolist()
+    assert got[:got.index(EOS) + 1] == want
+
 # ---------------------------------------------------------------------------- training
 
 
