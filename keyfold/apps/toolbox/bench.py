@@ -117,6 +117,11 @@ class Preset:
             raise ValueError("Preset.mixers must name at least one mixer")
         for m in tuple(self.mixers) + tuple(self.scale_mixers):
             mixer_name(m)  # raises for what is neither a built-in name nor a factory
+        # a built-in named by its string is that MixerKind: the rows that tell built-ins from your own
+        # mixers (the TCN's fixed field on selective copying, the scaling rows) compare kinds
+        for name in ("mixers", "scale_mixers"):
+            object.__setattr__(self, name, tuple(MixerKind.parse(m) if isinstance(m, str) else m
+                                                 for m in getattr(self, name)))
         if not 0 <= self.min_delta < 1 or not 0 < self.solved <= 1:
             raise ValueError(f"Preset.min_delta must be in [0, 1) and solved in (0, 1], got "
                              f"{self.min_delta}, {self.solved}")
@@ -552,9 +557,6 @@ def run(preset: Preset, *, progress: bool = True, on_row: Callable[[dict], None]
     finished = {(r["task"], r["mixer"]): r for r in done}
     from tqdm import tqdm
 
-    for m in preset.mixers:
-        if not isinstance(m, MixerKind):
-            check_mixer(m, preset.width)
     names = [_kind_name(m) for m in preset.mixers]
     if len(set(names)) != len(names):
         raise ValueError(f"Preset.mixers: two mixers report the same name ({names}); give each factory a "
@@ -567,6 +569,13 @@ def run(preset: Preset, *, progress: bool = True, on_row: Callable[[dict], None]
     load0 = _loadavg()
     try:
         probs = [p for p in _problems(preset) if groups is None or p.group in groups or p.name.split()[0] in groups]
+        # your own mixers, checked at the longest sequence they will see (a mixer reading a steps
+        # ahead passes a shorter check)
+        longest = max([p.seq_len for p in probs] + [f * preset.induction_length for f in preset.induction_factors
+                                                      if any(p.name.startswith("induction") for p in probs)])
+        for m in preset.mixers:
+            if not isinstance(m, MixerKind):
+                check_mixer(m, preset.width, seq_len=longest)
         jobs = [(i, j) for i, p in enumerate(probs) for j, k in enumerate(p.kinds)
                 if (p.name, _kind_name(k)) not in finished]
 

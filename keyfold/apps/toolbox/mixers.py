@@ -542,10 +542,12 @@ def make_mixer(kind: MixerSpec, dim: int, *, seq_len: int | None = None, **kwarg
 
 
 @torch.no_grad()
-def check_mixer(mixer: "MixerSpec | nn.Module", dim: int, *, batch: int = 2, seq_len: int = 7,
+def check_mixer(mixer: "MixerSpec | nn.Module", dim: int, *, batch: int = 2, seq_len: int = 64,
                 atol: float = 1e-6, **kwargs) -> None:
     """Hold a mixer to the protocol: output ``(B, N, dim)``, streaming ``step`` equal to the
-    full-sequence form, and causality (changing the last position changes no earlier output).
+    full-sequence form, and causality (changing position j changes no output before j: every j up
+    to N = 32, else 32 positions spread over the sequence, the last among them). Check at the
+    length the mixer will run at: a mixer that reads a steps ahead passes at N <= a.
 
     ``mixer``: an ``nn.Module`` instance (checked on a float64 copy) or a spec built with
     :func:`make_mixer`. Runs in eval mode on inputs from a private generator (the global RNG
@@ -572,12 +574,14 @@ def check_mixer(mixer: "MixerSpec | nn.Module", dim: int, *, batch: int = 2, seq
         raise ValueError(f"mixer {name!r}: forward must map (B, N, dim) = {(batch, seq_len, dim)} to the same "
                          f"shape, got {got}")
     scale = 1.0 + float(full.abs().max())
-    x2 = x.clone()
-    x2[:, -1] += 1.0
-    leak = float((m(x2)[:, :-1] - full[:, :-1]).abs().max()) if seq_len > 1 else 0.0
-    if not leak <= atol * scale:  # checked first: a mixer that peeks ahead cannot stream either
-        raise ValueError(f"mixer {name!r} is not causal: changing the last position moves earlier outputs "
-                         f"by {leak:.3g}; output t may depend on inputs 0..t only")
+    for j in sorted({round(1 + i * (seq_len - 2) / 31) for i in range(32)} if seq_len > 33 else range(1, seq_len),
+                    reverse=True):
+        x2 = x.clone()
+        x2[:, j] += 1.0
+        leak = float((m(x2)[:, :j] - full[:, :j]).abs().max())
+        if not leak <= atol * scale:  # checked first: a mixer that peeks ahead cannot stream either
+            raise ValueError(f"mixer {name!r} is not causal: changing position {j} of {seq_len} moves earlier "
+                             f"outputs by {leak:.3g}; output t may depend on inputs 0..t only")
     st, ys = m.init_state(batch), []
     for t in range(seq_len):
         out = m.step(x[:, t], st)

@@ -85,7 +85,9 @@ class SequenceModel(nn.Module):
         self.embed = nn.Embedding(vocab, width) if vocab is not None else nn.Linear(d_in, width)
         mixers = [make_mixer(mixer, width, seq_len=seq_len, **mixer_kw) for _ in range(depth)]
         if not builtin and check:
-            check_mixer(mixers[0], width)  # a float64 copy; the built-ins are held to this by the tests
+            # a float64 copy, at the model's length (a mixer reading a steps ahead passes below a + 1);
+            # the built-ins are held to this by the tests
+            check_mixer(mixers[0], width, **({"seq_len": seq_len} if seq_len else {}))
         self.blocks = nn.ModuleList(Block(m, width) for m in mixers)
         self.norm = nn.LayerNorm(width)
         self.readout = nn.Linear(width, d_out)

@@ -105,6 +105,39 @@ def test_own_mixer_is_held_to_the_streaming_and_causality_checks():
         SequenceModel("transformer", vocab=5, d_out=5)
 
 
+class _PeeksAhead(DecayMixer):
+    """Output t also reads input t + 8 (a dilated convolution padded on both sides, say): its
+    step cannot see that far, so it streams as a causal mixer would only where t + 8 is past the end."""
+
+    def forward(self, x):
+        ahead = torch.nn.functional.pad(x[:, 8:], (0, 0, 0, min(8, x.shape[1])))
+        return super().forward(x) + ahead @ self.proj.weight.T
+
+
+def test_a_mixer_that_reads_ahead_is_caught_at_the_length_it_runs_at():
+    """The check had run at N = 7 whatever the model's length: a mixer reading 8 steps ahead passed
+    it, and SequenceModel(seq_len=48) trained on the future (an input 8 ahead moved outputs by 0.25)."""
+    with pytest.raises(ValueError, match="_PeeksAhead.*not causal: changing position"):
+        check_mixer(_PeeksAhead, 8)
+    with pytest.raises(ValueError, match="_PeeksAhead.*not causal"):
+        SequenceModel(_PeeksAhead, d_in=2, d_out=2, width=8, seq_len=48)
+    tiny = dataclasses.replace(B.PRESETS["tiny"], mixers=(_PeeksAhead,), forecast_sets=(), ucr_sets=(),
+                               probe_widths=(), induction_factors=())
+    with pytest.raises(ValueError, match="_PeeksAhead.*not causal"):
+        B.run(tiny, progress=False, groups=("mqar",))
+    check_mixer(_PeeksAhead, 8, seq_len=8)  # what a shorter check cannot see (why the length matters)
+
+
+def test_bench_mixers_named_by_string_are_the_built_in_kinds():
+    """Preset(mixers=("tcn",)) ran the selective-copy row with a TCN that sees the whole sequence
+    (field 253) under the label of the fixed field 29, and names skipped Preset.scale_mixers."""
+    by_name = dataclasses.replace(B.PRESETS["quick"], mixers=("tcn", "mlp"), scale_mixers=("gru",))
+    assert by_name.mixers == (MixerKind.TCN, MixerKind.MLP) and by_name.scale_mixers == (MixerKind.GRU,)
+    copy = next(p for p in B._problems(by_name) if p.name.startswith("selective"))
+    model = copy.make(copy.kinds[0], 0)
+    assert [blk.mixer.levels for blk in model.blocks] == [by_name.copy_tcn_levels] * by_name.depth
+
+
 def test_check_mixer_leaves_the_global_rng_alone():
     torch.manual_seed(3)
     want = torch.rand(3)
