@@ -213,6 +213,19 @@ def _resolve(backend: Backend, q, score, dropout_p: float = 0.0) -> Backend:
 # --------------------------------------------------------------------------- autograd
 
 
+def _no_double_backward(what: str, *inputs) -> None:
+    """Raise where a backward runs under create_graph=True for inputs that need gradients. Every
+    backend's backward recomputes P from detached scores: a graph of it held half the second-order
+    terms (TILES: a gradient penalty's d/dq off by 0.67 where it is at most 0.55), and a backward
+    that only detached (once_differentiable) would hand back a gradient with no graph, which a
+    penalty summed with other terms silently drops."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        raise RuntimeError(f"{what} has no double backward (create_graph=True, e.g. a gradient penalty or a "
+                           f"Hessian-vector product, through it): backend=Backend.REFERENCE runs plain torch "
+                           f"ops that differentiate twice (it holds the N x N scores); or take the first "
+                           f"gradient without create_graph")
+
+
 class _AttendFn(torch.autograd.Function):
     """Forward: merged (out, lse) in float32. Backward: per piece with the global (out, lse).
 
@@ -235,6 +248,7 @@ class _AttendFn(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         call: _Call = ctx.call
+        _no_double_backward("keyfold attention", q, k, v, *call.score_tensors)
         if dout is None:
             dout = torch.zeros_like(out)
         if dlse is not None and q.device.type == "cpu" and not bool(dlse.any()):

@@ -21,7 +21,7 @@ import enum
 
 import torch
 
-from ..engine import Backend, attend
+from ..engine import Backend, _no_double_backward, attend
 from ..masks import as_mask
 from ..scores import as_score
 from ..state import State, empty_state, state_dtype
@@ -117,6 +117,7 @@ class _RingFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
+        _no_double_backward("ring_attention", q, k, v)
         dout = torch.zeros_like(out) if dout is None else dout
         dlse = None if dlse is None or not bool(dlse.any()) else dlse
         dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, dlse, ctx.job, ctx.comm)
@@ -158,6 +159,7 @@ class _GatherFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
+        _no_double_backward("all-gather attention", q, k, v)
         job, comm = ctx.job, ctx.comm
         sd = state_dtype(q.dtype)
         dout = torch.zeros_like(out) if dout is None else dout

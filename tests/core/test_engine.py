@@ -171,6 +171,31 @@ def test_gradcheck_through_lse():
         assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend,score", [(Backend.TILES, None), (Backend.TILES, kf.softcap(2.0)),
+                                           (Backend.AUTO, kf.softcap(2.0)), (Backend.CPU, None)])
+def test_a_second_backward_raises_instead_of_dropping_terms(backend, score):
+    """create_graph=True through attention (a gradient penalty): the backward recomputes P from
+    detached scores, so its graph held half the second-order terms (TILES: d/dq off by 0.67 where it
+    is at most 0.55; softcap's d/dq and d/dv None). It raises, naming REFERENCE, which is exact."""
+    q, k, v = (t.double().requires_grad_(True) for t in _qkv(B=1, Hq=2, Hkv=2, Nq=5, Nk=5, D=4))
+    out = kf.attention(q, k, v, score=score, backend=backend)
+    with pytest.raises(RuntimeError, match="no double backward.*Backend.REFERENCE"):
+        torch.autograd.grad(out.sin().sum(), q, create_graph=True)
+    gq, = torch.autograd.grad(kf.attention(q, k, v, score=score, backend=backend).sin().sum(), q)  # first order: fine
+
+    def penalty(fn):
+        g, = torch.autograd.grad(fn(q, k, v).sin().sum(), q, create_graph=True)
+        return torch.autograd.grad((g ** 2).sum(), (q, k, v))
+
+    cap = (lambda s: 2.0 * torch.tanh(s / 2.0)) if score is not None else (lambda s: s)  # noqa: E731
+    naive = lambda a, b, c: torch.softmax(cap(a @ b.transpose(-1, -2) / 2.0), -1) @ c  # noqa: E731
+    ref = kf.attention(q, k, v, score=score, backend=Backend.REFERENCE)
+    torch.testing.assert_close(torch.autograd.grad(ref.sin().sum(), q)[0], gq)
+    for got, want in zip(penalty(lambda a, b, c: kf.attention(a, b, c, score=score, backend=Backend.REFERENCE)),
+                         penalty(naive)):
+        torch.testing.assert_close(got, want)
+
+
 def test_attend_backward_matches_autograd_per_piece():
     q, k, v = _qkv(B=1, Nq=40, Nk=40, D=16)
     q, k, v = (t.double() for t in (q, k, v))
