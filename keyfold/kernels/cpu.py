@@ -606,6 +606,18 @@ def _rows_disjoint(pieces) -> bool:
     return True
 
 
+def _fp16_down(dtype, dout, dlse) -> float:
+    """The power of two a float16 backward divides dO and dlse by so that both fit the op's input
+    with room (largest magnitude at most 2^14): 1 for other dtypes, for values that fit, and for
+    non-finite ones (they stay what they are)."""
+    if dtype != torch.float16:
+        return 1.0
+    big = max([float(t.abs().max()) for t in (dout, dlse) if t is not None and t.numel()] or [0.0])
+    if not math.isfinite(big) or big <= 2.0 ** 14:
+        return 1.0
+    return 2.0 ** math.ceil(math.log2(big / 2.0 ** 14))
+
+
 def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows: bool = True, grad_dtype=None):
     """Per-piece gradients with the global (out, lse), summed in float32 (docs/math.md §2).
 
@@ -629,6 +641,14 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     q, k, v = _widen(q, k, v)
     inp = _Inputs(q, k, v, spare=spare)
     W = inp.W
+    # dO (and -dlse beside it) go to the op in q's dtype; every gradient is linear in them, so
+    # float16 takes them divided by a power of two where they pass 2^14 (a z-loss on lse, a loss
+    # scale): cast as they were, dlse = 7e4 made every dq and dk of the call NaN, though all of them
+    # fit float16 (a helper's fuzz)
+    down = _fp16_down(q.dtype, dout, dlse)
+    if down != 1.0:
+        dout = dout / down
+        dlse = None if dlse is None else dlse / down
     o = _pad(_rows(out.to(q.dtype)), W)
     do = _pad(_rows(dout.to(q.dtype)), W)
     if spare:
@@ -685,6 +705,8 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     del acc
     if single is not None:
         _add_single_key_rows(single, q, k, dout, dlse, dq, dk, dv, pb.scale)
+    if down != 1.0:  # exact (a power of two); inf only where the gradient itself passes float16
+        dq, dk, dv = dq.mul_(down), dk.mul_(down), dv.mul_(down)
     dq = _trim(dq, D, gd)  # one at a time: a float32 sum is freed as soon as its cast exists
     dk = _trim(dk, D, gd)
     return dq, dk, _trim(dv, Dv, gd)

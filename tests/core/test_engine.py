@@ -5,7 +5,7 @@ import torch
 
 import keyfold as kf
 from keyfold import Backend
-from tests.helpers import assert_backward_by_rule, assert_forward_by_rule
+from tests.helpers import assert_backward_by_rule, assert_close_by_rule, assert_forward_by_rule
 
 N_DOC = 97
 
@@ -300,3 +300,32 @@ def test_reference_has_no_piece_backward_and_its_op_backward_is_its_own():
         grads.append((a.grad, b.grad, c.grad))
     for x, y in zip(*grads):
         torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("backend", [Backend.CPU, Backend.TILES])
+def test_float16_gradients_of_a_huge_lse_gradient_stay_finite(backend):
+    """-dlse reaches the fused op beside dO in q's dtype: float16 made dlse = 7e4 (a z-loss, a loss
+    scale) inf, and every dq and dk of the call NaN, though all fit float16 (at most 2.1e4). dO and
+    dlse go down by a power of two and the gradients back up; the rule holds against a naive float16
+    attention whose lse is taken in float32."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 32, dtype=torch.float16) for _ in range(3))
+    dout = torch.randn(1, 2, 16, 32, dtype=torch.float64)
+    dlse = torch.full((1, 2, 16), 7e4, dtype=torch.float64)
+
+    def grads(fn, dt):
+        xs = [t.to(dt).clone().requires_grad_(True) for t in (q, k, v)]
+        out, lse = fn(*xs)
+        torch.autograd.backward([out, lse], [dout.to(out.dtype), dlse.to(lse.dtype)])
+        return [x.grad for x in xs]
+
+    def naive(a, b, c):
+        s = (a @ b.transpose(-1, -2)) * 32 ** -0.5
+        return torch.softmax(s.float(), -1).to(a.dtype) @ c, torch.logsumexp(s.float(), -1)
+
+    got = grads(lambda a, b, c: kf.attention(a, b, c, backend=backend, return_lse=True), torch.float16)
+    ref = grads(lambda a, b, c: kf.attention(a, b, c, backend=Backend.REFERENCE, return_lse=True), torch.float64)
+    nai = grads(naive, torch.float16)
+    for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, nai):
+        assert torch.isfinite(g).all(), f"{name} has {int((~torch.isfinite(g)).sum())} non-finite entries"
+        assert_close_by_rule(g, r, n, None, factor=3.0, what=name)
