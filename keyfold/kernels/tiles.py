@@ -263,6 +263,13 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
             else:  # ... and only rows with exactly one visible key (where it makes dS cancel):
                 # elsewhere dO.O gives the more accurate gradients (Flex's rel_bias and learned-ALiBi ports)
                 own = own & ((vis.sum(-1) == 1) if vis is not None else torch.tensor(S == 1, device=q.device))
+                if bool(own.any()):  # their P is exactly 1: exp(s - lse) is 1 only up to lse's
+                    # rounding (ALiBi's row term taken off lse rounds), and P's excess times dP left
+                    # dq and dk of 1e-5 where they are 0 (a helper's fuzz)
+                    total = p.sum(-1, keepdim=True)
+                    p = torch.where(own.unsqueeze(-1) & (total > 0),
+                                    p / torch.where(total > 0, total, torch.ones_like(total)), p)
+                    pv = p if keep is None else p * z
         if bool(own.any()):
             local = (p * dp).sum(-1) - (dlse[:, :, rows].to(sd) if dlse is not None else 0)
             d_rows = torch.where(own, local, d_rows)
