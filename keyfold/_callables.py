@@ -553,7 +553,12 @@ def _walk(x, depth, found, visited):
         _walk(x.__self__, nxt, found, visited)
         _walk(x.__func__, nxt, found, visited)
     elif isinstance(x, types.FunctionType):
-        for c in x.__closure__ or ():
+        try:
+            cells = x.__closure__ or ()
+        except AttributeError:  # dynamo's stand-in for a function made inside the traced one
+            raise TypeError(f"torch.compile cannot read what {fn_name(x)} captures (a callable made inside the "
+                            f"compiled function): make score callables outside it") from None
+        for c in cells:
             try:
                 _walk(c.cell_contents, nxt, found, visited)
             except ValueError:  # an empty cell

@@ -98,8 +98,9 @@ def merge(a: State, b: State) -> State:
     # one new tensor, not three: each fresh (B, H, N, Dv) buffer costs its page faults (4k rows, 8
     # heads: 18 ms a merge with three, against 2 ms of arithmetic)
     x, y, w = _zero_empty(a) * wa.unsqueeze(-1), _zero_empty(b), wb.unsqueeze(-1)
-    if (torch.broadcast_shapes(x.shape, y.shape, w.shape) == x.shape
-            and not torch._C._functorch.is_functorch_wrapped_tensor(x)):  # (vmap has no in-place rule)
+    if (torch.broadcast_shapes(x.shape, y.shape, w.shape) == x.shape and not torch.compiler.is_compiling()
+            and not torch._C._functorch.is_functorch_wrapped_tensor(x)):  # (vmap has no in-place rule;
+        # Dynamo cannot trace the check, and fuses the out-of-place form anyway)
         return State(x.addcmul_(y, w), lse)
     return State(torch.addcmul(x, y, w), lse)  # b's out broadcasts wider than a's
 

@@ -378,3 +378,35 @@ def test_dense_mask_values_are_checked_inside_the_op():
     g = torch.compile(lambda q, m, pos: kf.attention(q, q, q, mask=m, q_offset=pos), fullgraph=True, backend="eager")
     with pytest.raises(Exception, match="q_offset / kv_offset must be ints"):
         g(q, torch.ones(5, 5, dtype=torch.bool), torch.tensor(0))
+
+
+def _two_halves_merged(q, k, v):
+    a = kf.attend(q, k[:, :, :8], v[:, :, :8], q_offset=0)
+    b = kf.attend(q, k[:, :, 8:], v[:, :, 8:], q_offset=0, kv_offset=8)
+    return kf.merge(a, b).out
+
+
+def test_merge_compiles_whole():
+    """merge's in-place path asked functorch whether its tensor was wrapped, which dynamo cannot
+    trace: a merge inside a compiled function failed under fullgraph=True (a helper's fuzz)."""
+    q, k, v, _ = inputs()
+    got = torch.compile(_two_halves_merged, fullgraph=True, backend="aot_eager")(q, k, v)
+    torch.testing.assert_close(got, _two_halves_merged(q, k, v))
+    torch.testing.assert_close(got, kf.attend(q, k, v).out)
+
+
+def _score_made_inside(q, k, v):
+    return kf.attention(q, k, v, score=lambda s, b, h, qi, ki: s - 0.1 * (qi - ki).abs())
+
+
+def test_a_score_callable_made_inside_the_compiled_function_is_named_in_the_error():
+    """dynamo cannot read the closure of a function made inside the traced one, so keyfold cannot
+    see which tensors it captures: fullgraph=True raises saying to make it outside (it raised an
+    AttributeError from inside dynamo); without fullgraph the call breaks the graph and runs eagerly."""
+    q, k, v, _ = inputs()
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="make score callables outside it"):
+        torch.compile(_score_made_inside, fullgraph=True, backend="aot_eager")(q, k, v)
+    torch._dynamo.reset()
+    got = torch.compile(_score_made_inside, backend="aot_eager")(q, k, v)
+    torch.testing.assert_close(got, _score_made_inside(q, k, v))
