@@ -213,17 +213,37 @@ def _resolve(backend: Backend, q, score, dropout_p: float = 0.0) -> Backend:
 # --------------------------------------------------------------------------- autograd
 
 
-def _no_double_backward(what: str, *inputs) -> None:
-    """Raise where a backward runs under create_graph=True for inputs that need gradients. Every
-    backend's backward recomputes P from detached scores: a graph of it held half the second-order
-    terms (TILES: a gradient penalty's d/dq off by 0.67 where it is at most 0.55), and a backward
-    that only detached (once_differentiable) would hand back a gradient with no graph, which a
-    penalty summed with other terms silently drops."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-        raise RuntimeError(f"{what} has no double backward (create_graph=True, e.g. a gradient penalty or a "
-                           f"Hessian-vector product, through it): backend=Backend.REFERENCE runs plain torch "
-                           f"ops that differentiate twice (it holds the N x N scores); or take the first "
-                           f"gradient without create_graph")
+class _NoSecondOrder(torch.autograd.Function):
+    """Identity on a backward's gradients, whose own backward raises: a second derivative through
+    attention stops here, loudly. Every backend's backward recomputes P from detached scores, so
+    the graph a backward under create_graph=True records holds no term through P's dependence on
+    q, k and the score's tensors (TILES: a gradient penalty's d/dq off by 0.67 where it is at most
+    0.55). q, k and those tensors are inputs, so a penalty summed with other terms still reaches
+    this node; a backward(create_graph=True) that nobody differentiates again runs as before."""
+
+    @staticmethod
+    def forward(ctx, message: str, n: int, *tensors):
+        ctx.message = message
+        return tuple(t.clone() for t in tensors[len(tensors) - n:])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(ctx.message)
+
+
+_SECOND_ORDER = ("keyfold attention has no second derivative through q, k or a score's tensors (a gradient "
+                 "penalty or Hessian-vector product over attention): backend=Backend.REFERENCE runs plain "
+                 "torch ops that differentiate twice (it holds the N x N scores)")
+
+
+def refuse_second_order(grads: tuple, watched: tuple, message: str = _SECOND_ORDER) -> tuple:
+    """``grads`` as they are, unless this backward runs under create_graph=True for ``watched``
+    tensors that need gradients: then behind :class:`_NoSecondOrder` (None entries pass)."""
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in watched):
+        return grads
+    live = [g for g in grads if g is not None]
+    out = iter(_NoSecondOrder.apply(message, len(live), *watched, *live))
+    return tuple(None if g is None else next(out) for g in grads)
 
 
 class _AttendFn(torch.autograd.Function):
@@ -248,13 +268,14 @@ class _AttendFn(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         call: _Call = ctx.call
-        _no_double_backward("keyfold attention", q, k, v, *call.score_tensors)
         if dout is None:
             dout = torch.zeros_like(out)
         if dlse is not None and q.device.type == "cpu" and not bool(dlse.any()):
             dlse = None  # (on a GPU this check would cost a sync; the kernels take dlse = 0 as is)
         dq, dk, dv, dts = call.backward(q, k, v, out, lse, dout, dlse)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, *dts)
+        dq, dk, dv, *dts = refuse_second_order((dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *dts),
+                                               (q, k, *call.score_tensors))
+        return (dq, dk, dv, None, None, *dts)
 
 
 def _run(q, k, v, call: _Call, in_dtype: bool = False, lse_exact: bool = True) -> State:

@@ -21,7 +21,7 @@ import enum
 
 import torch
 
-from ..engine import Backend, _no_double_backward, attend
+from ..engine import Backend, attend, refuse_second_order
 from ..masks import as_mask
 from ..scores import as_score
 from ..state import State, empty_state, state_dtype
@@ -106,6 +106,12 @@ def _ring_backward(q, k, v, out, lse, dout, dlse, job: Job, comm: Comm):
     return dq, dk, dv
 
 
+#: the ring's and all-gather's backward recompute P per shard from detached scores, as the engine's do
+_SECOND_ORDER = ("ring and all-gather attention have no second derivative through q or k (a gradient penalty "
+                 "or Hessian-vector product over attention): Strategy.ALL_TO_ALL with backend=Backend.REFERENCE "
+                 "differentiates twice (each rank holds its heads' N x N scores)")
+
+
 class _RingFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, job: Job, comm: Comm):
@@ -117,11 +123,11 @@ class _RingFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        _no_double_backward("ring_attention", q, k, v)
         dout = torch.zeros_like(out) if dout is None else dout
         dlse = None if dlse is None or not bool(dlse.any()) else dlse
         dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, dlse, ctx.job, ctx.comm)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        dq, dk, dv = refuse_second_order((dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)), (q, k), _SECOND_ORDER)
+        return dq, dk, dv, None, None
 
 
 # --------------------------------------------------------------------------- all-gather
@@ -159,7 +165,6 @@ class _GatherFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        _no_double_backward("all-gather attention", q, k, v)
         job, comm = ctx.job, ctx.comm
         sd = state_dtype(q.dtype)
         dout = torch.zeros_like(out) if dout is None else dout
@@ -186,7 +191,8 @@ class _GatherFn(torch.autograd.Function):
             shape_k = (k.shape[0], b - a) + tuple(k.shape[2:])
             shape_v = (v.shape[0], b - a) + tuple(v.shape[2:])
             dk[:, a:b], dv[:, a:b] = _unpack(pending.wait(), shape_k, shape_v)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        dq, dk, dv = refuse_second_order((dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)), (q, k), _SECOND_ORDER)
+        return dq, dk, dv, None, None, None
 
 
 # ---------------------------------------------------------------------- all-to-all (Ulysses)

@@ -612,7 +612,8 @@ def _fp16_down(dtype, dout, dlse) -> float:
     non-finite ones (they stay what they are)."""
     if dtype != torch.float16:
         return 1.0
-    big = max([float(t.abs().max()) for t in (dout, dlse) if t is not None and t.numel()] or [0.0])
+    big = max([float(torch.linalg.vector_norm(t.detach(), math.inf)) for t in (dout, dlse)
+               if t is not None and t.numel()] or [0.0])
     if not math.isfinite(big) or big <= 2.0 ** 14:
         return 1.0
     return 2.0 ** math.ceil(math.log2(big / 2.0 ** 14))
@@ -646,9 +647,9 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     # scale): cast as they were, dlse = 7e4 made every dq and dk of the call NaN, though all of them
     # fit float16 (a helper's fuzz)
     down = _fp16_down(q.dtype, dout, dlse)
-    if down != 1.0:
-        dout = dout / down
-        dlse = None if dlse is None else dlse / down
+    if down != 1.0:  # in float32: dout's small entries keep their bits (single-key rows read it)
+        dout = dout.float() / down
+        dlse = None if dlse is None else dlse.float() / down
     o = _pad(_rows(out.to(q.dtype)), W)
     do = _pad(_rows(dout.to(q.dtype)), W)
     if spare:

@@ -173,15 +173,24 @@ def test_gradcheck_through_lse():
 
 @pytest.mark.parametrize("backend,score", [(Backend.TILES, None), (Backend.TILES, kf.softcap(2.0)),
                                            (Backend.AUTO, kf.softcap(2.0)), (Backend.CPU, None)])
-def test_a_second_backward_raises_instead_of_dropping_terms(backend, score):
+def test_a_second_derivative_through_attention_raises_instead_of_dropping_terms(backend, score):
     """create_graph=True through attention (a gradient penalty): the backward recomputes P from
     detached scores, so its graph held half the second-order terms (TILES: d/dq off by 0.67 where it
-    is at most 0.55; softcap's d/dq and d/dv None). It raises, naming REFERENCE, which is exact."""
+    is at most 0.55; softcap's d/dq and d/dv None). Differentiating it again raises, naming
+    REFERENCE, which is exact; a backward(create_graph=True) nobody differentiates again still runs,
+    and a second derivative through v alone (exact on TILES: dq and dk are linear in v) too."""
     q, k, v = (t.double().requires_grad_(True) for t in _qkv(B=1, Hq=2, Hkv=2, Nq=5, Nk=5, D=4))
-    out = kf.attention(q, k, v, score=score, backend=backend)
-    with pytest.raises(RuntimeError, match="no double backward.*Backend.REFERENCE"):
-        torch.autograd.grad(out.sin().sum(), q, create_graph=True)
-    gq, = torch.autograd.grad(kf.attention(q, k, v, score=score, backend=backend).sin().sum(), q)  # first order: fine
+    want = torch.autograd.grad(kf.attention(q, k, v, score=score, backend=backend).sin().sum(), (q, k, v))
+    got = torch.autograd.grad(kf.attention(q, k, v, score=score, backend=backend).sin().sum(), (q, k, v),
+                              create_graph=True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.detach(), b)
+    gq = got[0]
+    with pytest.raises(RuntimeError, match="no second derivative.*Backend.REFERENCE"):
+        torch.autograd.grad((gq ** 2).sum(), (q, k, v))
+    gq, = torch.autograd.grad(kf.attention(q, k, v, score=score, backend=backend).sin().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="no second derivative"):  # summed with terms of its own: not dropped
+        torch.autograd.grad((gq ** 2).sum() + (q ** 2).sum(), q)
 
     def penalty(fn):
         g, = torch.autograd.grad(fn(q, k, v).sin().sum(), q, create_graph=True)
@@ -189,11 +198,21 @@ def test_a_second_backward_raises_instead_of_dropping_terms(backend, score):
 
     cap = (lambda s: 2.0 * torch.tanh(s / 2.0)) if score is not None else (lambda s: s)  # noqa: E731
     naive = lambda a, b, c: torch.softmax(cap(a @ b.transpose(-1, -2) / 2.0), -1) @ c  # noqa: E731
-    ref = kf.attention(q, k, v, score=score, backend=Backend.REFERENCE)
-    torch.testing.assert_close(torch.autograd.grad(ref.sin().sum(), q)[0], gq)
     for got, want in zip(penalty(lambda a, b, c: kf.attention(a, b, c, score=score, backend=Backend.REFERENCE)),
                          penalty(naive)):
         torch.testing.assert_close(got, want)
+
+
+def test_a_second_derivative_through_v_alone_stays_exact_on_tiles():
+    q, k = (t.double() for t in _qkv(B=1, Hq=2, Hkv=2, Nq=5, Nk=5, D=4)[:2])
+    v = torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True)
+
+    def penalty(fn):
+        g, = torch.autograd.grad(fn(q, k, v).sin().sum(), v, create_graph=True)
+        return torch.autograd.grad((g ** 2).sum(), v)[0]
+
+    torch.testing.assert_close(penalty(lambda a, b, c: kf.attention(a, b, c, backend=Backend.TILES)),
+                               penalty(lambda a, b, c: torch.softmax(a @ b.transpose(-1, -2) / 2.0, -1) @ c))
 
 
 def test_attend_backward_matches_autograd_per_piece():

@@ -388,6 +388,29 @@ def test_ranks_agree_on_a_user_mask_without_a_repr():
         assert e_ring < 1e-6 and e_decode < 1e-6
 
 
+def _worker_second_derivative(rank, P):
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (shard_of(torch.randn(1, 2, 16, 8, generator=g, dtype=torch.float64), P, rank, Layout.CONTIGUOUS)
+               .requires_grad_(True) for _ in range(3))
+    said = []
+    for strategy in (Strategy.RING, Strategy.ALL_GATHER):
+        gq, = torch.autograd.grad(ring_attention(q, k, v, strategy=strategy).sin().sum(), q, create_graph=True)
+        try:
+            torch.autograd.grad((gq ** 2).sum() + (q ** 2).sum(), q)
+            said.append("no error")
+        except RuntimeError as e:
+            said.append(str(e))
+    return said
+
+
+def test_a_second_derivative_through_ring_attention_raises():
+    """The ring's and all-gather's backward recompute P per shard from detached scores: a gradient
+    penalty through them lost its terms through P. Differentiating the gradient again raises on
+    every rank, naming what does differentiate twice (ALL_TO_ALL over REFERENCE)."""
+    for said in _values(launch(_worker_second_derivative, 2, deadline=90)):
+        assert all("no second derivative" in m and "Strategy.ALL_TO_ALL" in m for m in said), said
+
+
 # ----------------------------------------------- positions and pieces, in-process (Hypothesis)
 
 

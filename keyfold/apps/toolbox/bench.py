@@ -43,7 +43,7 @@ from torch import nn
 
 from . import data as _data
 from . import tasks as _tasks
-from .mixers import MixerKind, MixerSpec, check_mixer, mixer_name
+from .mixers import CHECK_MAX_LEN, MixerKind, MixerSpec, check_mixer, mixer_name
 from .model import SequenceModel
 
 __all__ = ["Preset", "PRESETS", "Baseline", "run", "main", "markdown", "plot", "plot_curves", "parse_mixer"]
@@ -572,10 +572,11 @@ def run(preset: Preset, *, progress: bool = True, on_row: Callable[[dict], None]
         # your own mixers, checked at the longest sequence they will see (a mixer reading a steps
         # ahead passes a shorter check)
         longest = max([p.seq_len for p in probs] + [f * preset.induction_length for f in preset.induction_factors
-                                                      if any(p.name.startswith("induction") for p in probs)])
+                                                      if any(p.name.startswith("induction") for p in probs)],
+                      default=0)
         for m in preset.mixers:
-            if not isinstance(m, MixerKind):
-                check_mixer(m, preset.width, seq_len=longest)
+            if not isinstance(m, MixerKind) and longest:
+                check_mixer(m, preset.width, seq_len=min(longest, CHECK_MAX_LEN))
         jobs = [(i, j) for i, p in enumerate(probs) for j, k in enumerate(p.kinds)
                 if (p.name, _kind_name(k)) not in finished]
 

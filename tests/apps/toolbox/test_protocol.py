@@ -126,6 +126,8 @@ def test_a_mixer_that_reads_ahead_is_caught_at_the_length_it_runs_at():
     with pytest.raises(ValueError, match="_PeeksAhead.*not causal"):
         B.run(tiny, progress=False, groups=("mqar",))
     check_mixer(_PeeksAhead, 8, seq_len=8)  # what a shorter check cannot see (why the length matters)
+    nothing = B.run(tiny, progress=False, groups=("no such task",))  # no task left: nothing to check at
+    assert nothing["rows"] == []
 
 
 def test_bench_mixers_named_by_string_are_the_built_in_kinds():
