@@ -386,8 +386,8 @@ def _dropout_args(p, seed, generator):
         return 0.0, 0
     if seed is None:
         seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator))
-    elif isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"dropout_seed must be an int >= 0 or None, got {seed!r}")
+    elif isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64:
+        raise ValueError(f"dropout_seed must be an int in [0, 2**64) or None, got {seed!r}")
     return float(p), seed
 
 

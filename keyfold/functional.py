@@ -57,6 +57,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     >>> torch.allclose(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-5)
     True
     """
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise SDPAInputError(f"dropout_p must be a number in [0, 1), got {dropout_p!r} (torch's SDPA gives zeros "
+                             f"at 1.0; keyfold refuses it)")
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() < 2:
             raise SDPAInputError(f"{name} must be a tensor of shape (..., seq, feature) with at least 2 dims, got "

@@ -73,18 +73,33 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
+def _mix32_int(x: int) -> int:
+    """:func:`_mix32` on a Python int below 2**32"""
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    return (x >> 16) ^ x
+
+
 def dropout_keep(seed: int, p: float, b, h, qp, kp, H: int) -> torch.Tensor:
     """Bool ``(B, H, L, S)``: which attention probabilities dropout keeps (each with probability 1 - p).
 
     A counter-based draw: a hash of (seed, batch b, head h, absolute query qp, absolute key kp), so
     the forward and the backward regenerate the same mask tile by tile, any tiling gives the same
     mask, and no N x N mask is ever stored. b, h, qp, kp broadcast as in :func:`positions`.
+
+    The seed (below 2**64) is hashed on its own before it meets the indices, and every row carries
+    two independent 32-bit states whose key hashes are xored: seeds that differ in low bits had
+    given the same masks on other (batch, head) slots (s and s ^ d for d < B H: the seed was xored
+    into the slot index before one bijection), and two rows whose one state differed by d < S had
+    keep masks that were permutations of each other (a helper's fuzz, 2026-12-06).
     """
-    s_lo, s_hi = seed & _M32, (seed >> 32) & _M32
-    row = _mix32(((b * H + h) & _M32) ^ s_lo)                  # (B, H, 1, 1)
-    row = _mix32(row ^ s_hi)
-    row = _mix32(row ^ (qp & _M32))                            # (B, H, L, 1)
-    x = _mix32(_mix32(row ^ (kp & _M32)))                      # (B, H, L, S)
+    st_a = _mix32_int(_mix32_int(seed & _M32) ^ ((seed >> 32) & _M32))
+    st_b = _mix32_int(st_a ^ 0x9E3779B9)
+    bh = (b * H + h) & _M32
+    q32, k32 = qp & _M32, kp & _M32
+    row_a = _mix32(_mix32(bh ^ st_a) ^ q32)                    # (B, H, L, 1)
+    row_b = _mix32(_mix32(bh ^ st_b) ^ q32)
+    x = _mix32(_mix32(row_a ^ k32)) ^ _mix32(row_b ^ ((k32 * 0x6C8E9CF5) & _M32))  # (B, H, L, S): < 2**63
     return x >= int(p * 4294967296.0)
 
 

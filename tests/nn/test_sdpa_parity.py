@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import keyfold
 from keyfold import scaled_dot_product_attention as kf_sdpa
+from keyfold.functional import SDPAInputError
 from keyfold.kernels._common import dropout_keep
 from keyfold.masks import grid_positions
 
@@ -304,12 +305,45 @@ def test_dropout_expectation_is_the_plain_output():
     assert (mean - base).abs().max() < 0.05
 
 
+def test_dropout_masks_of_nearby_seeds_and_of_rows_are_independent():
+    """Seeds s and s ^ d (d below B H) gave the same masks on other (batch, head) slots: the seed was
+    xored into the slot index before one bijection, so dropout_seed=step reused a mask set for 16
+    steps at 16 heads (240 of 496 seed pairs aliased); and two rows whose one 32-bit state differed
+    by d < S had keep masks that were permutations of each other (a helper's fuzz)."""
+    H, N = 16, 32
+    pos = grid_positions(1, H, 0, N, 0, N, None)
+    masks = torch.stack([dropout_keep(s, 0.5, *pos, H)[0] for s in range(32)]).flatten(0, 1)  # (32 H, N, N)
+    flat = masks.flatten(1).double()
+    agree = (flat @ flat.T + (1 - flat) @ (1 - flat).T) / flat.shape[1]  # share of equal entries
+    agree.fill_diagonal_(0.5)
+    assert float(agree.max()) < 0.6 and float(agree.min()) > 0.4  # 1024 entries: 6 standard deviations
+    # rows of 64 keys (16 seeds x 16 heads x 64 rows): no row is another's keys xor-permuted (by
+    # chance: 16384^2 / 2^64 pairs); each row packed into two 32-bit words
+    S = 64
+    rows = torch.stack([dropout_keep(s, 0.5, *grid_positions(1, H, 0, S, 0, S, None), H)[0]
+                        for s in range(16)]).flatten(0, 2).long()   # (16 H S, S)
+    bits = 2 ** torch.arange(32)
+
+    def packed(r):
+        return set(zip((r[:, :32] * bits).sum(1).tolist(), (r[:, 32:] * bits).sum(1).tolist()))
+
+    plain = packed(rows)
+    assert len(plain) == rows.shape[0]
+    for d in (1, 2, 3, 5, 8, 13, 21, 31, 63):
+        assert not plain & packed(rows[:, torch.arange(S) ^ d]), d
+    with pytest.raises(ValueError, match="dropout_seed"):
+        keyfold.attention(*(torch.randn(1, 1, 4, 8),) * 3, dropout_p=0.1, dropout_seed=2 ** 64)
+
+
 def test_dropout_backend_errors_and_bad_p():
     q = torch.randn(1, 1, 4, 8)
     with pytest.raises(ValueError, match="TILES"):
         keyfold.attention(q, q, q, dropout_p=0.1, backend=keyfold.Backend.TRITON)
     with pytest.raises(ValueError, match="dropout_p"):
         keyfold.attention(q, q, q, dropout_p=1.0)
+    for p in (1.0, -0.5, float("nan")):  # the drop-in raises its own error type, as for every bad argument
+        with pytest.raises(SDPAInputError, match="dropout_p"):
+            kf_sdpa(q, q, q, dropout_p=p)
 
 
 @pytest.mark.parametrize("big", [-1e5, -65504.0])
