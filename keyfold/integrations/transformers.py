@@ -81,6 +81,8 @@ class KeyfoldMask(BlockMask):
     def __repr__(self):
         return f"KeyfoldMask({self.mask!r}, q_offset={self.q_offset}, kv_offset={self.kv_offset}, shape={self._shape})"
 
+    __str__ = __repr__  # BlockMask's __str__ reads block tables this mask does not have
+
 
 # ------------------------------------------------------------------ mask functions -> masks
 
@@ -421,10 +423,14 @@ def mask_interface(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
         # forward: keep a copy of today's value. While compiling (or for a compiled forward that
         # receives this mask), a tensor is data of the graph: no recompile at every decoding step.
         q_offset = q_offset.detach().clone()
-    # (traced by torch.compile, the all-real check would break the graph: keep the mask, it is exact)
-    if attention_mask is not None and (torch.compiler.is_compiling() or not bool(attention_mask.all())):
+    # (traced by torch.compile, the all-real check would break the graph: keep the mask, it is exact).
+    # A mask shorter than the keys is kept even when all real: a static cache's slots past it hold
+    # no key yet, and a mask that is not causal would see them (a bidirectional one averaged the
+    # empty slots in: logits off by 1.7, a helper's fuzz); transformers pads them False too
+    need = kv_offset + kv_length
+    if attention_mask is not None and (torch.compiler.is_compiling() or attention_mask.shape[-1] < need
+                                       or not bool(attention_mask.all())):
         valid = attention_mask.bool()
-        need = kv_offset + kv_length
         if valid.shape[-1] < need:  # a static cache's slots past the prompt: not real keys yet
             valid = torch.nn.functional.pad(valid, (0, need - valid.shape[-1]), value=False)
         pad = M.padding(keys=valid)

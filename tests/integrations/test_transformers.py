@@ -376,3 +376,21 @@ def test_unreadable_mask_function_compiles_as_a_dense_mask():
     with torch.compiler.set_stance("fail_on_recompile"):
         left2, am2 = torch.tensor([1, 0]), am.flip(0)
         assert (compiled(q, k, v, left2, am2) - chunked(q, k, v, left2, am2)).abs().max() <= 1e-6
+
+
+@pytest.mark.parametrize("fn", ["bidirectional_mask_function", "causal_mask_function"])
+def test_a_static_caches_empty_slots_are_hidden_from_masks_that_are_not_causal(fn):
+    """A StaticCache's slots past the 2-D attention_mask hold no key yet. The padding was only
+    built when the mask had a padded entry, so with an all-real mask a bidirectional mask function
+    saw the empty slots and averaged them in (a Gemma 3 with use_bidirectional_attention: logits
+    off by 1.7, a helper's fuzz); transformers pads them False."""
+    mu = transformers.masking_utils
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, n, 8, generator=g) for n in (1, 4, 4))
+    k[:, :, 1:] = 0  # the cache's empty slots
+    v[:, :, 1:] = 0
+    m = kft.mask_interface(1, 1, 4, q_offset=0, kv_offset=0, mask_function=getattr(mu, fn),
+                           attention_mask=torch.ones(1, 1, dtype=torch.bool))
+    out = kft.attention_forward(None, q, k, v, m)[0]
+    torch.testing.assert_close(out[0, 0, 0], v[0, 0, 0])
+    assert str(m) == repr(m)  # (BlockMask's __str__ raised AttributeError)
