@@ -149,6 +149,11 @@ class _DenseBias(ScoreMod):
         if self.live.requires_grad and torch.is_grad_enabled():
             t = self.live
             t = torch.where(torch.isneginf(t.detach()), torch.zeros((), dtype=t.dtype, device=t.device), t)
+            # the values taken when the call began (the backward re-runs this), the gradient to the
+            # live tensor: a bias changed in place between the forward and the backward (an
+            # optimizer step, a clamp) had moved the backward's scores (gradients off by 1-2, a
+            # helper's fuzz); torch's SDPA differentiates the values its forward saw too
+            t = self.table.on(t.device) + (t - t.detach())
             add = _gather(t.to(qp.device), b, h, qp, kp, self.q0, self.k0)
         else:
             add = self.bias(b, h, qp, kp)

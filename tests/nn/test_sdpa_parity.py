@@ -398,3 +398,22 @@ def test_a_huge_positive_entry_shifts_nothing():
     m[1] = torch.finfo(torch.float32).min
     _, bias = tensor_mask(m, B=1, H=1, Nq=3, Nk=4)
     assert bias.lse_shift.flatten().tolist() == [0.0, float(torch.finfo(torch.float32).min), -2e5]
+
+
+@pytest.mark.parametrize("backend", [keyfold.Backend.AUTO, keyfold.Backend.TILES])
+def test_a_float_mask_changed_in_place_before_backward_gets_the_forwards_gradients(backend):
+    """A learnable bias changed in place between the forward and the backward (an optimizer step,
+    a clamp): the backward re-read the live tensor, so its scores moved (gradients off by 1-2, a
+    helper's fuzz). It differentiates the values the forward saw, as torch's SDPA does."""
+    g = torch.Generator().manual_seed(0)
+    q0, k0, v0, do = (torch.randn(2, 2, 16, 8, generator=g, dtype=F64) for _ in range(4))
+    bias0 = torch.randn(1, 2, 16, 16, generator=g, dtype=F64)
+    x = [t.clone().requires_grad_(True) for t in (q0, k0, v0, bias0)]
+    want = torch.autograd.grad(torch.softmax(x[0] @ x[1].transpose(-1, -2) / 8 ** 0.5 + x[3], -1) @ x[2], x, do)
+    bias = torch.nn.Parameter(bias0.clone())
+    q, k, v = (t.clone().requires_grad_(True) for t in (q0, k0, v0))
+    out = keyfold.attention(q, k, v, mask=bias, backend=backend)
+    with torch.no_grad():
+        bias.mul_(3.0)
+    for got, ref in zip(torch.autograd.grad(out, (q, k, v, bias), do), want):
+        torch.testing.assert_close(got, ref)
