@@ -272,7 +272,8 @@ class _AttendFn(torch.autograd.Function):
             dout = torch.zeros_like(out)
         if dlse is not None and q.device.type == "cpu" and not bool(dlse.any()):
             dlse = None  # (on a GPU this check would cost a sync; the kernels take dlse = 0 as is)
-        dq, dk, dv, dts = call.backward(q, k, v, out, lse, dout, dlse)
+        with torch.autocast(q.device.type, enabled=False):  # a backward run inside an autocast region
+            dq, dk, dv, dts = call.backward(q, k, v, out, lse, dout, dlse)
         dq, dk, dv, *dts = refuse_second_order((dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *dts),
                                                (q, k, *call.score_tensors))
         return (dq, dk, dv, None, None, *dts)
@@ -338,11 +339,49 @@ def attend(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offs
                    dropout_seed, generator, in_dtype=False, lse_exact=True)
 
 
+_AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def autocast_dtype(t) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` casts attention's inputs to on ``t``'s device, or None where it
+    is off (SDPA is on autocast's lower-precision list: float32, float16 and bfloat16 inputs go to
+    its dtype, float64 stays)."""
+    if not isinstance(t, torch.Tensor) or not torch.is_autocast_enabled(t.device.type):
+        return None
+    return torch.get_autocast_dtype(t.device.type)
+
+
+def autocast_inputs(dt: torch.dtype | None, *ts):
+    """``ts`` cast as autocast casts SDPA's inputs to ``dt`` (None: as they are)"""
+    if dt is None:
+        return ts
+    return tuple(t.to(dt) if isinstance(t, torch.Tensor) and t.dtype in _AUTOCAST_ELIGIBLE else t for t in ts)
+
+
 def _attend(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs, dropout_p,
             dropout_seed, generator, in_dtype: bool, lse_exact: bool) -> State:
     """:func:`attend`; with ``in_dtype`` (``attention``, which casts out to the input dtype) out
     may already come back in it, sparing a float32 copy of out (see _AttendFn); ``lse_exact=False``
-    when the caller drops lse (see :meth:`_Call.forward`)."""
+    when the caller drops lse (see :meth:`_Call.forward`).
+
+    Under ``torch.autocast`` the inputs are cast as SDPA's are (to the autocast dtype; float64
+    stays) and the call runs with autocast off: the tile path's products, meant in float32, had
+    run in bfloat16 under it, its lse from those scores against a backward recomputing them in
+    float32 (dv 4.4x torch's error, a helper's fuzz), and q, k, v of two dtypes (float32 q and k
+    after RoPE, bfloat16 v) were refused where torch casts them."""
+    dt = autocast_dtype(q)
+    if dt is None:
+        return _attend_here(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs,
+                            dropout_p, dropout_seed, generator, in_dtype, lse_exact)
+    q, k, v = autocast_inputs(dt, q, k, v)
+    with torch.autocast(q.device.type, enabled=False):
+        return _attend_here(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs,
+                            dropout_p, dropout_seed, generator, in_dtype, lse_exact)
+
+
+def _attend_here(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs, dropout_p,
+                 dropout_seed, generator, in_dtype: bool, lse_exact: bool) -> State:
+    """:func:`_attend` with autocast settled"""
     if torch.compiler.is_compiling():  # one opaque custom op: dynamo never traces the planner
         if dropout_p:
             raise NotImplementedError("keyfold: dropout_p > 0 inside torch.compile is not supported yet; "
@@ -430,6 +469,7 @@ def attention(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_o
     >>> out.shape
     torch.Size([1, 8, 128, 64])
     """
+    q, k, v = autocast_inputs(autocast_dtype(q), q, k, v)  # out in autocast's dtype, as SDPA's
     st = _attend(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs, dropout_p,
                  dropout_seed, generator, in_dtype=True, lse_exact=return_lse)
     out = st.out.to(q.dtype)

@@ -16,7 +16,7 @@ import math
 import torch
 
 from .dense import tensor_mask
-from .engine import attention
+from .engine import attention, autocast_dtype, autocast_inputs
 from .masks import causal
 
 __all__ = ["scaled_dot_product_attention", "SDPAInputError"]
@@ -60,6 +60,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise SDPAInputError(f"dropout_p must be a number in [0, 1), got {dropout_p!r} (torch's SDPA gives zeros "
                              f"at 1.0; keyfold refuses it)")
+    # under torch.autocast, cast as SDPA's inputs are (float32 q and k after RoPE beside a bfloat16 v
+    # had been refused as two dtypes)
+    query, key, value = autocast_inputs(autocast_dtype(query), query, key, value)
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() < 2:
             raise SDPAInputError(f"{name} must be a tensor of shape (..., seq, feature) with at least 2 dims, got "

@@ -417,3 +417,33 @@ def test_a_float_mask_changed_in_place_before_backward_gets_the_forwards_gradien
         bias.mul_(3.0)
     for got, ref in zip(torch.autograd.grad(out, (q, k, v, bias), do), want):
         torch.testing.assert_close(got, ref)
+
+
+@pytest.mark.parametrize("score", [None, "softcap"])
+def test_autocast_casts_inputs_as_sdpas_are_and_runs_keyfold_without_it(score):
+    """Under torch.autocast the tile path's products, meant in float32, ran in bfloat16, its lse
+    from those scores against a backward recomputing them in float32 (dv 4.4x torch's error); and
+    float32 q, k beside a bfloat16 v (RoPE models) raised. Now the inputs are cast as SDPA's are
+    and the call runs as it does on bfloat16 inputs, backward included; float64 stays float64."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 24, 16, generator=g) for _ in range(3))
+    do = torch.randn(2, 2, 24, 16, generator=g).bfloat16()
+    kw = {"score": keyfold.softcap(5.0)} if score else {}
+
+    def run(fn, *xs, autocast):
+        xs = [x.clone().requires_grad_(True) for x in xs]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = fn(*xs)
+        return out, torch.autograd.grad(out, xs, do.to(out.dtype))
+
+    want, wgrads = run(lambda a, b, c: keyfold.attention(a, b, c, **kw), q.bfloat16(), k.bfloat16(), v.bfloat16(),
+                       autocast=False)
+    for inputs in ((q, k, v), (q, k, v.bfloat16())):  # float32, and float32 q, k beside a bfloat16 v
+        got, grads = run(lambda a, b, c: keyfold.attention(a, b, c, **kw), *inputs, autocast=True)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+        for a, b in zip(grads, wgrads):
+            torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=0)
+    if score is None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert kf_sdpa(q, k, v.bfloat16()).dtype == torch.bfloat16
+            assert kf_sdpa(q.double(), k.double(), v.double()).dtype == F64
