@@ -559,7 +559,8 @@ def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State
             out, lse = _op(qs, ks, vs, causal, tile.mask, pb.scale)
         if folded:
             out, lse = _unfold(out, inp.g, Hq), _unfold(lse, inp.g, Hq)
-        if out.shape[-1] != Dv:
+        trimmed = out.shape[-1] != Dv
+        if trimmed:
             out = out[..., :Dv]
         if out.dtype != sd and not ((single or direct) and keep_dtype):  # upcast before any merge
             out = out.to(sd)
@@ -570,8 +571,10 @@ def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State
         if tile.empty is not None:  # the op reports lse = 0 for rows it saw no key in
             lse = lse.masked_fill(tile.empty, NEG_INF)
             out = out.masked_fill(tile.empty.unsqueeze(-1), 0.0)
-        if single:  # one piece covers every row: it is the whole state, no accumulator
-            return State(out, lse)
+        if single:  # one piece covers every row: it is the whole state, no accumulator (v's head
+            # size below q's leaves out a slice of the op's padded rows: made contiguous, as SDPA's
+            # out is, or out.view(...) raised where torch's works)
+            return State(out.contiguous() if trimmed else out, lse)
         rows = slice(piece.q0, piece.q1)
         if direct:  # no other piece has these rows (copy_ casts a float32 piece, e.g. the native kernel's)
             acc.out[:, :, rows] = out

@@ -447,3 +447,13 @@ def test_autocast_casts_inputs_as_sdpas_are_and_runs_keyfold_without_it(score):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert kf_sdpa(q, k, v.bfloat16()).dtype == torch.bfloat16
             assert kf_sdpa(q.double(), k.double(), v.double()).dtype == F64
+
+
+def test_an_output_with_vs_own_head_size_is_contiguous():
+    """v's head size below q's: out was a slice of the op's padded rows, so out.view(...) raised
+    where torch's works (a helper's check, 24 of 168 layouts)."""
+    q, k = torch.randn(2, 4, 7, 16), torch.randn(2, 4, 9, 16)
+    v = torch.randn(2, 4, 9, 8)
+    for out in (keyfold.attention(q, k, v), kf_sdpa(q, k, v)):
+        assert out.is_contiguous()
+        torch.testing.assert_close(out.view(2, -1), F.scaled_dot_product_attention(q, k, v).view(2, -1))
