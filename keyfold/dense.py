@@ -123,6 +123,18 @@ class _DenseMask(Mask):
         return hash(("tensor_mask", self.table, self.q0, self.k0))
 
 
+class _ValuesOf(torch.autograd.Function):
+    """``values`` in the forward, the gradient straight to ``live`` (same shape) in the backward"""
+
+    @staticmethod
+    def forward(ctx, live, values):
+        return values.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
 class _DenseBias(ScoreMod):
     """An additive float tensor ``(B|1, H|1, Nq|1, Nk|1)`` (its -inf entries are zeroed here and
     hidden by a companion :class:`_DenseMask`). The bias keeps its dtype (float64 stays float64) and
@@ -147,14 +159,13 @@ class _DenseBias(ScoreMod):
 
     def apply(self, s, b, h, qp, kp):
         if self.live.requires_grad and torch.is_grad_enabled():
-            t = self.live
-            t = torch.where(torch.isneginf(t.detach()), torch.zeros((), dtype=t.dtype, device=t.device), t)
-            # the values taken when the call began (the backward re-runs this), the gradient to the
-            # live tensor: a bias changed in place between the forward and the backward (an
-            # optimizer step, a clamp) had moved the backward's scores (gradients off by 1-2, a
-            # helper's fuzz); torch's SDPA differentiates the values its forward saw too
-            t = self.table.on(t.device) + (t - t.detach())
-            add = _gather(t.to(qp.device), b, h, qp, kp, self.q0, self.k0)
+            # the tile's values as they were when the call began (the backward re-runs this), its
+            # gradient into the live tensor: a bias changed in place between the forward and the
+            # backward (an optimizer step, a clamp) had moved the backward's scores (gradients off
+            # by 1-2, a helper's fuzz); torch's SDPA differentiates the values its forward saw too.
+            # A key hidden then (-inf) has P = 0, so its gradient is 0 whatever the entry is now
+            live = _gather(self.live.to(qp.device), b, h, qp, kp, self.q0, self.k0)
+            add = _ValuesOf.apply(live, self.bias(b, h, qp, kp))
         else:
             add = self.bias(b, h, qp, kp)
         return s + add.to(s.dtype)

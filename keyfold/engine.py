@@ -6,6 +6,8 @@ turns them into pieces; a backend computes the pieces; :mod:`keyfold.state` merg
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 
 import torch
@@ -272,7 +274,7 @@ class _AttendFn(torch.autograd.Function):
             dout = torch.zeros_like(out)
         if dlse is not None and q.device.type == "cpu" and not bool(dlse.any()):
             dlse = None  # (on a GPU this check would cost a sync; the kernels take dlse = 0 as is)
-        with torch.autocast(q.device.type, enabled=False):  # a backward run inside an autocast region
+        with no_autocast(q):  # a backward run inside an autocast region
             dq, dk, dv, dts = call.backward(q, k, v, out, lse, dout, dlse)
         dq, dk, dv, *dts = refuse_second_order((dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *dts),
                                                (q, k, *call.score_tensors))
@@ -345,10 +347,18 @@ _AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
 def autocast_dtype(t) -> torch.dtype | None:
     """The dtype ``torch.autocast`` casts attention's inputs to on ``t``'s device, or None where it
     is off (SDPA is on autocast's lower-precision list: float32, float16 and bfloat16 inputs go to
-    its dtype, float64 stays)."""
-    if not isinstance(t, torch.Tensor) or not torch.is_autocast_enabled(t.device.type):
+    its dtype, float64 stays). A device autocast does not know (meta) has none."""
+    if (not isinstance(t, torch.Tensor) or not torch.amp.is_autocast_available(t.device.type)
+            or not torch.is_autocast_enabled(t.device.type)):
         return None
     return torch.get_autocast_dtype(t.device.type)
+
+
+def no_autocast(t: torch.Tensor):
+    """A context with autocast off on ``t``'s device (nothing to turn off where it has none)"""
+    if not torch.amp.is_autocast_available(t.device.type):
+        return contextlib.nullcontext()
+    return torch.autocast(t.device.type, enabled=False)
 
 
 def autocast_inputs(dt: torch.dtype | None, *ts):
@@ -374,7 +384,7 @@ def _attend(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_siz
         return _attend_here(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs,
                             dropout_p, dropout_seed, generator, in_dtype, lse_exact)
     q, k, v = autocast_inputs(dt, q, k, v)
-    with torch.autocast(q.device.type, enabled=False):
+    with no_autocast(q):
         return _attend_here(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs,
                             dropout_p, dropout_seed, generator, in_dtype, lse_exact)
 

@@ -57,9 +57,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     >>> torch.allclose(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-5)
     True
     """
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+    try:  # any real number SDPA takes (a numpy scalar, a 0-d tensor), not a bool
+        p = None if isinstance(dropout_p, bool) else float(dropout_p)
+    except (TypeError, ValueError, RuntimeError):
+        p = None
+    if p is None or not 0.0 <= p < 1.0:
         raise SDPAInputError(f"dropout_p must be a number in [0, 1), got {dropout_p!r} (torch's SDPA gives zeros "
                              f"at 1.0; keyfold refuses it)")
+    dropout_p = p
     # under torch.autocast, cast as SDPA's inputs are (float32 q and k after RoPE beside a bfloat16 v
     # had been refused as two dtypes)
     query, key, value = autocast_inputs(autocast_dtype(query), query, key, value)

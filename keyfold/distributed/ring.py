@@ -21,7 +21,7 @@ import enum
 
 import torch
 
-from ..engine import Backend, attend, refuse_second_order
+from ..engine import Backend, attend, autocast_dtype, autocast_inputs, no_autocast, refuse_second_order
 from ..masks import as_mask
 from ..scores import as_score
 from ..state import State, empty_state, state_dtype
@@ -125,7 +125,8 @@ class _RingFn(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout
         dlse = None if dlse is None or not bool(dlse.any()) else dlse
-        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, dlse, ctx.job, ctx.comm)
+        with no_autocast(q):
+            dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, dlse, ctx.job, ctx.comm)
         dq, dk, dv = refuse_second_order((dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)), (q, k), _SECOND_ORDER)
         return dq, dk, dv, None, None
 
@@ -175,18 +176,19 @@ class _GatherFn(torch.autograd.Function):
         dk = torch.zeros(k.shape, dtype=sd, device=q.device)
         dv = torch.zeros(v.shape, dtype=sd, device=q.device)
         scatters = []
-        for a, b, shards in _gathered(k, v, comm, ctx.groups, "all-gather backward"):
-            h = slice(a * g, b * g)
-            per_src = []
-            for src, (kt, vt) in enumerate(shards):
-                gk = torch.zeros(kt.shape, dtype=sd, device=q.device)
-                gv = torch.zeros(vt.shape, dtype=sd, device=q.device)
-                piece_grads(q[:, h], kt, vt, out[:, h], lse[:, h], dout[:, h],
-                            None if dlse is None else dlse[:, h], job, src, dq[:, h], gk, gv,
-                            heads=(a * g, b * g, Hq))
-                per_src.append(_pack(gk, gv))
-            # each shard's dK/dV summed over the ranks and delivered to its owner
-            scatters.append((a, b, comm.reduce_scatter(torch.stack(per_src), what=f"dK/dV heads {a}:{b}")))
+        with no_autocast(q):  # a backward run inside an autocast region
+            for a, b, shards in _gathered(k, v, comm, ctx.groups, "all-gather backward"):
+                h = slice(a * g, b * g)
+                per_src = []
+                for src, (kt, vt) in enumerate(shards):
+                    gk = torch.zeros(kt.shape, dtype=sd, device=q.device)
+                    gv = torch.zeros(vt.shape, dtype=sd, device=q.device)
+                    piece_grads(q[:, h], kt, vt, out[:, h], lse[:, h], dout[:, h],
+                                None if dlse is None else dlse[:, h], job, src, dq[:, h], gk, gv,
+                                heads=(a * g, b * g, Hq))
+                    per_src.append(_pack(gk, gv))
+                # each shard's dK/dV summed over the ranks and delivered to its owner
+                scatters.append((a, b, comm.reduce_scatter(torch.stack(per_src), what=f"dK/dV heads {a}:{b}")))
         for a, b, pending in scatters:
             shape_k = (k.shape[0], b - a) + tuple(k.shape[2:])
             shape_v = (v.shape[0], b - a) + tuple(v.shape[2:])
@@ -335,11 +337,16 @@ def ring_attention(q, k, v, *, group=None, mask=None, score=None, scale=None,
         sizes = [d for n in ("q", "k", "v") for d in (list(meta[n]) + [0] * 4)[:4]]
         comm.agree_sizes("ring_attention", sizes + [_DTYPES.get(getattr(q, "dtype", None), -1)], error)
     job = Job(mask, score, scale, backend, layout, q.shape[2] * comm.size, comm.size, comm.rank)
-    if strategy is Strategy.RING:
-        out, lse = _RingFn.apply(q, k, v, job, comm)
-    elif strategy is Strategy.ALL_GATHER:
-        out, lse = _GatherFn.apply(q, k, v, job, comm, _head_groups(k.shape[1], head_groups))
-    else:
-        out, lse = _ulysses(q, k, v, job, comm)
+    # under torch.autocast: the inputs cast as SDPA's are, every piece run without it (a piece's
+    # forward in bfloat16 against a backward recomputing it in float32 gave dv 2.9x torch's error;
+    # review of 2026-12-06)
+    q, k, v = autocast_inputs(autocast_dtype(q), q, k, v)
+    with no_autocast(q):
+        if strategy is Strategy.RING:
+            out, lse = _RingFn.apply(q, k, v, job, comm)
+        elif strategy is Strategy.ALL_GATHER:
+            out, lse = _GatherFn.apply(q, k, v, job, comm, _head_groups(k.shape[1], head_groups))
+        else:
+            out, lse = _ulysses(q, k, v, job, comm)
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out

@@ -403,6 +403,30 @@ def _worker_second_derivative(rank, P):
     return said
 
 
+def _worker_autocast(rank, P):
+    g = torch.Generator().manual_seed(3)
+    full = [torch.randn(1, 2, 32, 16, generator=g) * 2 for _ in range(4)]
+    q, k, v, do = (shard_of(t, P, rank, Layout.CONTIGUOUS) for t in full)
+    errs = []
+    for strategy in (Strategy.RING, Strategy.ALL_GATHER):
+        def run(xs, autocast):
+            xs = [x.clone().requires_grad_(True) for x in xs]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = ring_attention(*xs, mask=keyfold.causal(), strategy=strategy)
+            return [out.float()] + [t.float() for t in torch.autograd.grad(out, xs, do.to(out.dtype))]
+        got, want = run((q, k, v), True), run((q.bfloat16(), k.bfloat16(), v.bfloat16()), False)
+        errs.append(max(float((a - b).abs().max()) for a, b in zip(got, want)))
+    return errs
+
+
+def test_ring_attention_under_autocast_is_ring_attention_on_cast_inputs():
+    """Under autocast the pieces' forward ran in bfloat16 (attend casts) while the ring's backward
+    recomputed them from the float32 inputs: dv 2.9x torch's error (review of 2026-12-06). The
+    inputs are cast as SDPA's are and every piece runs without autocast, forward and backward."""
+    for errs in _values(launch(_worker_autocast, 2, deadline=90)):
+        assert errs == [0.0, 0.0], errs
+
+
 def test_a_second_derivative_through_ring_attention_raises():
     """The ring's and all-gather's backward recompute P per shard from detached scores: a gradient
     penalty through them lost its terms through P. Differentiating the gradient again raises on

@@ -5,6 +5,7 @@ scale, causal with L != S, batch dims), forward and backward; tensor masks and d
 from __future__ import annotations
 
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -341,9 +342,21 @@ def test_dropout_backend_errors_and_bad_p():
         keyfold.attention(q, q, q, dropout_p=0.1, backend=keyfold.Backend.TRITON)
     with pytest.raises(ValueError, match="dropout_p"):
         keyfold.attention(q, q, q, dropout_p=1.0)
-    for p in (1.0, -0.5, float("nan")):  # the drop-in raises its own error type, as for every bad argument
+    for p in (1.0, -0.5, float("nan"), True):  # the drop-in raises its own error type, as for every bad argument
         with pytest.raises(SDPAInputError, match="dropout_p"):
             kf_sdpa(q, q, q, dropout_p=p)
+    for p in (np.float32(0.0), np.int64(0), torch.tensor(0.0)):  # numbers SDPA takes
+        torch.testing.assert_close(kf_sdpa(q, q, q, dropout_p=p), kf_sdpa(q, q, q))
+
+
+def test_meta_tensors_run_with_autocast_off_and_on():
+    """A shape dry run on meta tensors: the autocast check asked torch about a device autocast
+    does not know and raised (review of 2026-12-06)."""
+    q = torch.empty(1, 2, 8, 16, device="meta")
+    assert keyfold.attention(q, q, q).shape == (1, 2, 8, 16)
+    assert kf_sdpa(q, q, q).shape == (1, 2, 8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert keyfold.attention(q, q, q).device.type == "meta"
 
 
 @pytest.mark.parametrize("big", [-1e5, -65504.0])
@@ -415,6 +428,7 @@ def test_a_float_mask_changed_in_place_before_backward_gets_the_forwards_gradien
     out = keyfold.attention(q, k, v, mask=bias, backend=backend)
     with torch.no_grad():
         bias.mul_(3.0)
+        bias[0, 0, 3, 5] = float("-inf")  # hidden now, seen by the forward: its gradient is still the forward's
     for got, ref in zip(torch.autograd.grad(out, (q, k, v, bias), do), want):
         torch.testing.assert_close(got, ref)
 
