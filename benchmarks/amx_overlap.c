@@ -15,7 +15,13 @@
  *                       products, 4 tile stores) with K's 4 KiB in L1, or swept over 1 MiB (in L2), or
  *                       swept with the next block's K prefetched a step ahead; and with K in L1, the
  *                       scores' rows stored 1088 bytes apart instead of the kernel's 1024, or not
- *                       stored at all (what the four tile stores cost) */
+ *                       stored at all (what the four tile stores cost)
+ *   ports               96 independent instructions of one kind alone and after 4 products: which
+ *                       wait for the tile unit (the multiplier's: FMA, mul, vreduceps, vscalefps,
+ *                       max) and which run beside it (adds, integer adds, logic); "hidden" is the
+ *                       share of the shorter of the two that overlapped
+ *   a 32 x 32 block     its softmax (64 vectors) with its 16 products spread through it, y - m as
+ *                       the kernel's FMA or as a subtraction (q pre-scaled; the kernel does not) */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,6 +65,101 @@ static inline __m512 softmax_row(int r, __m512 a, __m512 b) {
 }
 
 #define TDP4() do { _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7); } while (0)
+
+/* ---------------------------------------------------------------------- ports and the block */
+
+#define N_PORTS 20000
+#define EACH(OP) OP(v0) OP(v1) OP(v2) OP(v3) OP(v4) OP(v5) OP(v6) OP(v7) OP(v8) OP(v9) OP(v10) OP(v11)
+#define KEEP __asm__ volatile("" : "+v"(v0), "+v"(v1), "+v"(v2), "+v"(v3), "+v"(v4), "+v"(v5), "+v"(v6), "+v"(v7), \
+                              "+v"(v8), "+v"(v9), "+v"(v10), "+v"(v11))
+#define OP_FMA(X) X = _mm512_fmadd_ps(X, a, b);
+#define OP_MUL(X) X = _mm512_mul_ps(X, a);
+#define OP_ADD(X) X = _mm512_add_ps(X, a);
+#define OP_MAX(X) X = _mm512_max_ps(X, a);
+#define OP_REDUCE(X) X = _mm512_reduce_ps(X, 0x09);
+#define OP_SCALEF(X) X = _mm512_scalef_ps(X, z);
+#define OP_ADDI(X) X = (__m512)_mm512_add_epi32((__m512i)X, (__m512i)a);
+#define OP_LOGIC(X) X = (__m512)_mm512_ternarylogic_epi32((__m512i)X, (__m512i)a, (__m512i)b, 0x96);
+#define OP_PERM(X) X = _mm512_permutexvar_ps(idx, X);
+#define OP_FMA256(X) X = _mm512_castps256_ps512(_mm256_fmadd_ps(_mm512_castps512_ps256(X), a8, b8));
+
+#define PROBE(NAME, OP) do { \
+        unsigned long long t = __rdtsc(); \
+        for (int i = 0; i < N_PORTS; i++) { for (int j = 0; j < 8; j++) { EACH(OP) } KEEP; } \
+        const double alone = (double)(__rdtsc() - t) / N_PORTS; \
+        t = __rdtsc(); \
+        for (int i = 0; i < N_PORTS; i++) { TDP4(); for (int j = 0; j < 8; j++) { EACH(OP) } KEEP; } \
+        _tile_stored(0, sink, 64); \
+        const double both = (double)(__rdtsc() - t) / N_PORTS, lo = alone < tdp ? alone : tdp; \
+        printf("  %-24s %6.1f   %6.1f   %4.0f%%\n", NAME, alone, both, 100.0 * (alone + tdp - both) / lo); \
+    } while (0)
+
+/* ports: one instruction kind at a time, beside the products or not */
+
+static void ports(float *sink) {
+    const __m512 a = _mm512_set1_ps(0.5f), b = _mm512_set1_ps(1.0f), z = _mm512_setzero_ps();
+    const __m256 a8 = _mm256_set1_ps(0.5f), b8 = _mm256_set1_ps(1.0f);
+    const __m512i idx = _mm512_set_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 v0 = a, v1 = b, v2 = a, v3 = b, v4 = a, v5 = b, v6 = a, v7 = b, v8 = a, v9 = b, v10 = a, v11 = b;
+    unsigned long long t = __rdtsc();
+    for (int i = 0; i < N_PORTS; i++) TDP4();
+    _tile_stored(0, sink, 64);
+    const double tdp = (double)(__rdtsc() - t) / N_PORTS;
+    printf("4 products alone: %.1f\n  96 instructions          alone   +4 tdp   hidden\n", tdp);
+    PROBE("vfmadd (zmm)", OP_FMA);
+    PROBE("vmulps (zmm)", OP_MUL);
+    PROBE("vreduceps (zmm)", OP_REDUCE);
+    PROBE("vscalefps (zmm)", OP_SCALEF);
+    PROBE("vmaxps (zmm)", OP_MAX);
+    PROBE("vaddps (zmm)", OP_ADD);
+    PROBE("vpaddd (zmm)", OP_ADDI);
+    PROBE("vpternlogd (zmm)", OP_LOGIC);
+    PROBE("vpermps (zmm)", OP_PERM);
+    PROBE("vfmadd (ymm)", OP_FMA256);
+    float keep[16];
+    _mm512_storeu_ps(keep, _mm512_add_ps(_mm512_add_ps(v0, v5), v11));
+    sink[0] += keep[0];
+}
+
+/* a block: its softmax with its products */
+
+static inline __m512 block_row(int r, __m512 a, __m512 b, const int sub) {
+    const float *s = scores + r * 32;
+    const __m512 s0 = _mm512_load_ps(s), s1 = _mm512_load_ps(s + 16);
+    const __m512 p0 = exp2_bf(sub ? _mm512_sub_ps(s0, b) : _mm512_fmsub_ps(s0, a, b));
+    const __m512 p1 = exp2_bf(sub ? _mm512_sub_ps(s1, b) : _mm512_fmsub_ps(s1, a, b));
+    _mm512_store_si512(probs + r * 32, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    return _mm512_add_ps(p0, p1);
+}
+
+static void block_softmax(float *sink) {
+    const __m512 a = _mm512_set1_ps(1.1f), b = _mm512_set1_ps(3.0f);
+    __m512 acc = _mm512_setzero_ps();
+    unsigned long long t = __rdtsc();
+    for (int i = 0; i < N_PORTS; i++) { TDP4(); TDP4(); TDP4(); TDP4(); }
+    _tile_stored(0, sink, 64);
+    printf("\na 32 x 32 block: 16 products alone %.0f\n  softmax                  alone   +16 tdp\n",
+           (double)(__rdtsc() - t) / N_PORTS);
+    for (int sub = 0; sub < 2; sub++) {
+        t = __rdtsc();
+        for (int i = 0; i < N_PORTS; i++)
+            for (int r = 0; r < 32; r++) acc = _mm512_add_ps(acc, block_row(r, a, b, sub));
+        const double alone = (double)(__rdtsc() - t) / N_PORTS;
+        t = __rdtsc();
+        for (int i = 0; i < N_PORTS; i++)
+            for (int r = 0; r < 32; r++) {
+                if (r % 8 == 0) { _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); }
+                if (r % 8 == 4) { _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7); }
+                acc = _mm512_add_ps(acc, block_row(r, a, b, sub));
+            }
+        _tile_stored(0, sink, 64);
+        printf("  %-24s %6.0f   %6.0f\n", sub ? "x = S - b (vsubps)" : "x = S a - b (vfmsub)", alone,
+               (double)(__rdtsc() - t) / N_PORTS);
+    }
+    float keep[16];
+    _mm512_storeu_ps(keep, acc);
+    sink[1] += keep[0] + probs[5];
+}
 
 int main(void) {
     if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */)) {
@@ -155,6 +256,9 @@ int main(void) {
         printf("Q K^T block, %-30s %7.1f\n", where[pass], (double)(__rdtsc() - t) / N);
     }
     _tile_stored(0, S2, 64);
+    puts("");
+    ports(S2);
+    block_softmax(S2);
     _tile_release();
     float sink[16];
     _mm512_storeu_ps(sink, _mm512_add_ps(_mm512_add_ps(x0, x1), _mm512_add_ps(_mm512_add_ps(x2, x3), acc)));
