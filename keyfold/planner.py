@@ -444,16 +444,16 @@ def _classify_exact(mask, B, H, Nq, Nk, q_offset, kv_offset, bq, bk) -> torch.Te
     rows_per_chunk = max(bq, ((1 << 23) // max(1, Nk * Be * He)) // bq * bq)
     cols = torch.full((nkb,), bk, dtype=torch.int32)
     cols[-1] = Nk - (nkb - 1) * bk
-    small = max(abs(q_offset), abs(q_offset + Nq), kv_offset + Nk) < 2**31
-    pos_dtype = torch.int32 if small else torch.int64
     out = []
     for r0 in range(0, Nq, rows_per_chunk):
         r1 = min(Nq, r0 + rows_per_chunk)
         R = r1 - r0
         nrb = -(-R // bq)
-        # int32 positions, as FlexAttention passes them: half the bytes of int64 arithmetic (int64
-        # past 2^31, where int32 would wrap around and misclassify tiles)
-        b, h, qp, kp = grid_positions(Be, He, q_offset + r0, R, kv_offset, Nk, None, dtype=pos_dtype)
+        # int64 positions, as the tiles evaluate the mask: int32 ones (half the bytes) wrapped a
+        # mask's own parameter past 2^31 (dilated(2**32 + 1), window(2**32 + 5) & ...) to 32 bits
+        # here, and tiles were called FULL or EMPTY that the mask is not (errors 0.5-3.8, a helper's
+        # fuzz). A callable still gets the int32 positions Flex passes it (_callables)
+        b, h, qp, kp = grid_positions(Be, He, q_offset + r0, R, kv_offset, Nk, None)
         m = torch.broadcast_to(mask.evaluate(b, h, qp, kp), (Be, He, R, Nk))
         if pad or nrb * bq != R:
             m = torch.nn.functional.pad(m, (0, pad, 0, nrb * bq - R), value=False)

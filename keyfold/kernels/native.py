@@ -289,6 +289,10 @@ def prefill_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torc
         return f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match"
     if (D % 2 and (dtype or q.dtype) is torch.bfloat16) or max(D, v.shape[-1]) > PREFILL_MAX_HEAD:
         return f"head sizes {D}/{v.shape[-1]}: both at most {PREFILL_MAX_HEAD}, q and k's even in bfloat16"
+    if (dtype is None or k.dtype == dtype) and not 1 <= k.stride(2) <= 1 << 26:
+        # as kf_prefill checks it (keys expanded along the sequence, stride 0: it returned -1 and the
+        # call raised where SDPA runs; a helper's fuzz)
+        return f"k's sequence stride {k.stride(2)}: from 1 to 2^26"
     return None
 
 

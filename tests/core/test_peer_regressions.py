@@ -598,3 +598,33 @@ def test_merge_ignores_what_an_empty_rows_out_holds(fill):
     assert torch.equal(kf.merge(b, b).out, torch.zeros(1, 1, 1, 2))
     kf.merge(a, b).out.sum().backward()
     assert torch.equal(a_out.grad, torch.ones(1, 1, 1, 2))
+
+
+@pytest.mark.parametrize("mask,same_as", [
+    (lambda: kf.dilated(2 ** 32 + 1), lambda: kf.dilated(2 ** 33)),            # only the diagonal
+    (lambda: kf.window(2 ** 32 + 5) & kf.dilated(2), lambda: kf.causal() & kf.dilated(2)),
+    (lambda: kf.window(None, 2 ** 32 + 5) & (lambda b, h, q, k: (q - k) % 2 == 0),
+     lambda: (lambda b, h, q, k: (q - k) % 2 == 0)),
+    (lambda: kf.window(None, 2 ** 63 - 1), lambda: None),                        # sys.maxsize: no bound
+])
+@pytest.mark.parametrize("backend", [Backend.AUTO, Backend.TILES])
+def test_mask_parameters_past_two_to_the_31_are_not_cut_to_32_bits(mask, same_as, backend):
+    """Tiles of masks without a closed form were classified on int32 positions, where a mask's own
+    parameter past 2^31 wraps to 32 bits: tiles called FULL or EMPTY that are not (errors 0.5-3.8);
+    and window(None, sys.maxsize) wrapped qp + right around int64 (a helper's fuzz)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 600, 16, generator=g) for _ in range(3))
+    want = kf.attention(q, k, v, mask=same_as(), backend=Backend.REFERENCE)
+    torch.testing.assert_close(kf.attention(q, k, v, mask=mask(), backend=Backend.REFERENCE), want)
+    torch.testing.assert_close(kf.attention(q, k, v, mask=mask(), backend=backend), want, atol=2e-6, rtol=2e-6)
+
+
+def test_keys_expanded_along_the_sequence_run_as_sdpa_runs_them():
+    """k and v with stride 0 along the sequence: the prefill kernel refuses such keys (-1), and the
+    call raised instead of going to the fused op (a helper's fuzz)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 600, 64, generator=g)
+    k, v = (torch.randn(1, 2, 1, 64, generator=g).expand(1, 2, 3000, 64) for _ in range(2))
+    for mask in (None, kf.causal()):  # every key alike: out is v's row, up to a sum of 2400-3000 roundings
+        for out in (kf.attention(q, k, v, mask=mask), kf.scaled_dot_product_attention(q, k, v)):
+            torch.testing.assert_close(out, v[:, :, :600], atol=1e-4, rtol=0)
