@@ -434,6 +434,23 @@ def _bounded(spans, max_span):
     return out
 
 
+def _int32_evaluates(mask, reach: int) -> bool:
+    """Whether ``mask`` gives on int32 positions (below ``reach`` in magnitude) what it gives on
+    int64 ones: its presets' integer parameters plus ``reach`` stay below 2^31 (a Python int beside
+    an int32 tensor is taken mod 2^32); a callable is handed int32 positions anyway (_callables); a
+    mask class of one's own, whose numbers are its own, is not."""
+    ops = mask.operands()
+    if ops is not None:
+        return all(_int32_evaluates(m, reach) for m in ops[1])
+    if isinstance(mask, MaskFn):
+        return reach < 2 ** 31
+    spec = mask.spec()
+    if spec is None:
+        return False
+    ints = [abs(v) for v in spec[1].values() if isinstance(v, int) and not isinstance(v, bool)]
+    return reach + max(ints, default=0) < 2 ** 31
+
+
 def _classify_exact(mask, B, H, Nq, Nk, q_offset, kv_offset, bq, bk) -> torch.Tensor:
     """Evaluate the mask on every pair, a few query blocks at a time (never Nq x Nk at once),
     and count the visible pairs of every tile in one reduction: EMPTY at 0, FULL at all."""
@@ -444,16 +461,19 @@ def _classify_exact(mask, B, H, Nq, Nk, q_offset, kv_offset, bq, bk) -> torch.Te
     rows_per_chunk = max(bq, ((1 << 23) // max(1, Nk * Be * He)) // bq * bq)
     cols = torch.full((nkb,), bk, dtype=torch.int32)
     cols[-1] = Nk - (nkb - 1) * bk
+    # int32 positions (half the bytes of int64 arithmetic: planning a 16k callable mask took 1.45x
+    # the time in int64) where they give what the tiles' int64 ones give: positions and the mask's
+    # own integers summed below 2^31. A parameter past it (dilated(2**32 + 1), window(2**32 + 5)
+    # & ...) had wrapped to 32 bits here: tiles called FULL or EMPTY that are not (errors 0.5-3.8,
+    # a helper's fuzz)
+    reach = max(abs(q_offset), abs(q_offset + Nq), abs(kv_offset), abs(kv_offset + Nk))
+    pos_dtype = torch.int32 if _int32_evaluates(mask, reach) else torch.int64
     out = []
     for r0 in range(0, Nq, rows_per_chunk):
         r1 = min(Nq, r0 + rows_per_chunk)
         R = r1 - r0
         nrb = -(-R // bq)
-        # int64 positions, as the tiles evaluate the mask: int32 ones (half the bytes) wrapped a
-        # mask's own parameter past 2^31 (dilated(2**32 + 1), window(2**32 + 5) & ...) to 32 bits
-        # here, and tiles were called FULL or EMPTY that the mask is not (errors 0.5-3.8, a helper's
-        # fuzz). A callable still gets the int32 positions Flex passes it (_callables)
-        b, h, qp, kp = grid_positions(Be, He, q_offset + r0, R, kv_offset, Nk, None)
+        b, h, qp, kp = grid_positions(Be, He, q_offset + r0, R, kv_offset, Nk, None, dtype=pos_dtype)
         m = torch.broadcast_to(mask.evaluate(b, h, qp, kp), (Be, He, R, Nk))
         if pad or nrb * bq != R:
             m = torch.nn.functional.pad(m, (0, pad, 0, nrb * bq - R), value=False)
