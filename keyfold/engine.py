@@ -368,6 +368,14 @@ def autocast_inputs(dt: torch.dtype | None, *ts):
     return tuple(t.to(dt) if isinstance(t, torch.Tensor) and t.dtype in _AUTOCAST_ELIGIBLE else t for t in ts)
 
 
+def settle_autocast(q, k, v):
+    """``(q, k, v, context)``: the inputs cast as autocast casts SDPA's, and a context to compute
+    them in with autocast off (nothing to turn off where autocast is)"""
+    dt = autocast_dtype(q)
+    q, k, v = autocast_inputs(dt, q, k, v)
+    return q, k, v, (no_autocast(q) if dt is not None else contextlib.nullcontext())
+
+
 def _attend(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs, dropout_p,
             dropout_seed, generator, in_dtype: bool, lse_exact: bool) -> State:
     """:func:`attend`; with ``in_dtype`` (``attention``, which casts out to the input dtype) out
@@ -379,12 +387,8 @@ def _attend(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_siz
     run in bfloat16 under it, its lse from those scores against a backward recomputing them in
     float32 (dv 4.4x torch's error, a helper's fuzz), and q, k, v of two dtypes (float32 q and k
     after RoPE, bfloat16 v) were refused where torch casts them."""
-    dt = autocast_dtype(q)
-    if dt is None:
-        return _attend_here(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs,
-                            dropout_p, dropout_seed, generator, in_dtype, lse_exact)
-    q, k, v = autocast_inputs(dt, q, k, v)
-    with no_autocast(q):
+    q, k, v, settled = settle_autocast(q, k, v)
+    with settled:
         return _attend_here(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs,
                             dropout_p, dropout_seed, generator, in_dtype, lse_exact)
 

@@ -24,7 +24,7 @@ from torch.nn import functional as F
 from .caches import KVCache, decode
 from .dense import tensor_mask
 from .engine import attention
-from .kernels._common import dropout_keep
+from .kernels._common import dropout_keep, row_divisor
 from .masks import Mask, as_mask, causal, documents, grid_positions, sinks
 from .scores import as_score
 
@@ -388,8 +388,7 @@ def _weights(q, k, lse, mask, score, offset, p, seed, average):
         # normalised by its own sum: lse came from the attention call's scores, rounded otherwise
         # (float32 rows summed to 1 +- 1.4e-5, 24x torch's error), and a bias of finfo.min on every
         # key rounds log(S) out of lse (each weight was 1, rows summed to S; found by fuzzing)
-        total = w.sum(-1, keepdim=True)
-        w = w / torch.where(total > 0, total, torch.ones_like(total))
+        w = w / row_divisor(w.sum(-1, keepdim=True))
         if p:
             w = w * dropout_keep(seed, p, b, h, qp, kp, H) / (1.0 - p)
         chunks.append(w.mean(1) if average else w)

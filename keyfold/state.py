@@ -73,15 +73,21 @@ def _weights(lse_a: torch.Tensor, lse_b: torch.Tensor):
     return lse, ea / t, eb / t
 
 
+def _eager(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a plain tensor outside torch.compile: one whose values may be asked about
+    and that may be written in place (vmap's tensors can neither answer a data-dependent question
+    nor take an in-place op; Dynamo cannot trace the check, and fuses the out-of-place form)"""
+    return not torch.compiler.is_compiling() and not torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
 def _zero_empty(st: State) -> torch.Tensor:
     """``st.out`` with 0 on its empty rows (lse -inf), whatever they held: multiplied by a weight of
     0, a NaN or inf there would still be NaN, in value and gradient. On the CPU, outside
     torch.compile, a state with no empty row (the common case) is returned as it is: asking costs a
     pass over lse, not a copy of out (a device would wait for the answer, so there it always copies)."""
     empty = torch.isneginf(st.lse)
-    if (st.out.device.type == "cpu" and not torch.compiler.is_compiling()
-            and not torch._C._functorch.is_functorch_wrapped_tensor(empty) and not bool(empty.any())):
-        return st.out  # (vmap's tensors cannot answer a data-dependent question)
+    if st.out.device.type == "cpu" and _eager(empty) and not bool(empty.any()):
+        return st.out
     return st.out.masked_fill(empty.unsqueeze(-1), 0.0)
 
 
@@ -98,9 +104,7 @@ def merge(a: State, b: State) -> State:
     # one new tensor, not three: each fresh (B, H, N, Dv) buffer costs its page faults (4k rows, 8
     # heads: 18 ms a merge with three, against 2 ms of arithmetic)
     x, y, w = _zero_empty(a) * wa.unsqueeze(-1), _zero_empty(b), wb.unsqueeze(-1)
-    if (torch.broadcast_shapes(x.shape, y.shape, w.shape) == x.shape and not torch.compiler.is_compiling()
-            and not torch._C._functorch.is_functorch_wrapped_tensor(x)):  # (vmap has no in-place rule;
-        # Dynamo cannot trace the check, and fuses the out-of-place form anyway)
+    if torch.broadcast_shapes(x.shape, y.shape, w.shape) == x.shape and _eager(x):
         return State(x.addcmul_(y, w), lse)
     return State(torch.addcmul(x, y, w), lse)  # b's out broadcasts wider than a's
 

@@ -21,7 +21,7 @@ import enum
 
 import torch
 
-from ..engine import Backend, attend, autocast_dtype, autocast_inputs, no_autocast, refuse_second_order
+from ..engine import Backend, attend, no_autocast, refuse_second_order, settle_autocast
 from ..masks import as_mask
 from ..scores import as_score
 from ..state import State, empty_state, state_dtype
@@ -340,8 +340,8 @@ def ring_attention(q, k, v, *, group=None, mask=None, score=None, scale=None,
     # under torch.autocast: the inputs cast as SDPA's are, every piece run without it (a piece's
     # forward in bfloat16 against a backward recomputing it in float32 gave dv 2.9x torch's error;
     # review of 2026-12-06)
-    q, k, v = autocast_inputs(autocast_dtype(q), q, k, v)
-    with no_autocast(q):
+    q, k, v, settled = settle_autocast(q, k, v)
+    with settled:
         if strategy is Strategy.RING:
             out, lse = _RingFn.apply(q, k, v, job, comm)
         elif strategy is Strategy.ALL_GATHER:

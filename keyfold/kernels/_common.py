@@ -54,6 +54,11 @@ def visible(q: torch.Tensor, piece: Piece, pb: Problem, pos=None) -> torch.Tenso
     return m.view((1,) * (4 - m.dim()) + tuple(m.shape)) if m.dim() < 4 else m
 
 
+def row_divisor(total: torch.Tensor) -> torch.Tensor:
+    """A row's sum to divide by: 1 where it is 0 (a row that sees no key keeps its zeros)"""
+    return torch.where(total > 0, total, torch.ones_like(total))
+
+
 def empty_rows(vis: torch.Tensor | None):
     """``(B|1, H|1, L)`` bool: rows of the tile with no visible key (None if there are none)."""
     if vis is None:

@@ -11,7 +11,7 @@ import torch
 
 from ..masks import grid_positions
 from ..state import State, state_dtype
-from ._common import NEG_INF, Problem, dropout_keep
+from ._common import NEG_INF, Problem, dropout_keep, row_divisor
 
 __all__ = ["attend_reference"]
 
@@ -41,7 +41,7 @@ def attend_reference(q, k, v, pb: Problem) -> State:
         keep = dropout_keep(pb.dropout_seed, pb.dropout_p, b, h, qp, kp, Hq)
         p = p * keep / (1.0 - pb.dropout_p)
     out = p.reshape(B, Hkv, g, Nq, Nk) @ v.to(sd).unsqueeze(2)  # (B, Hkv, g, Nq, Dv)
-    out = out.reshape(B, Hq, Nq, Dv) / torch.where(total > 0, total, torch.ones_like(total))
+    out = out.reshape(B, Hq, Nq, Dv) / row_divisor(total)
     return State(out, lse)
 
 

@@ -10,7 +10,7 @@ import torch
 
 from ..planner import Plan
 from ..state import State, empty_state, merge_into, state_dtype
-from ._common import NEG_INF, Problem, dropout_keep, positions, softcap_cap, visible
+from ._common import NEG_INF, Problem, dropout_keep, positions, row_divisor, softcap_cap, visible
 
 __all__ = ["forward", "backward", "backward_with_score"]
 
@@ -161,7 +161,7 @@ def forward(q, k, v, plan: Plan, pb: Problem, lse_exact: bool = True) -> State:
             if keep is not None:  # SDPA's dropout: drop probabilities after softmax; lse is unchanged
                 p = p.masked_fill_(~keep, 0.0)
                 total = total * (1.0 - pb.dropout_p)                         # kept ones scale by 1/(1-p)
-            total = torch.where(total > 0, total, torch.ones_like(total))
+            total = row_divisor(total)
         else:
             # torch.softmax keeps each row in cache and its exp fast for every argument: ~1.6x faster
             # than the exp pass above. lse, read from P at the row max (exp(m - lse)), is as accurate,
@@ -249,28 +249,21 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
             dp, pv = dp * z, p * z
         d_rows = delta[:, :, rows]
         own = alone[rows].to(q.device)
+        if bool(own.any()) and not score_tensors:
+            # without trained score tensors only rows with exactly one visible key (where it makes dS
+            # cancel): elsewhere dO.O gives the more accurate gradients (Flex's rel_bias and
+            # learned-ALiBi ports)
+            own = own & ((vis.sum(-1) == 1) if vis is not None else torch.tensor(S == 1, device=q.device))
         if bool(own.any()):
-            if score_tensors:
-                # Captured tensors that train sum dS over many pairs (a clamped relative-position bin
-                # gathers most of each row), so dS must cancel along the row as softmax's own backward
-                # makes it: P renormalized to sum 1 and D_i = sum_j P_ij dP_ij. exp(s - lse) alone sums
-                # to 1 only up to lse's rounding, which the bins add up (local_window's table: 5.7x
-                # naive's error with it, 2.8x without). Only rows one piece covers can do this.
-                total = p.sum(-1, keepdim=True)
-                p = torch.where(own.view(1, 1, L, 1) & (total > 0),
-                                p / torch.where(total > 0, total, torch.ones_like(total)), p)
-                pv = p if keep is None else p * z
-            else:  # ... and only rows with exactly one visible key (where it makes dS cancel):
-                # elsewhere dO.O gives the more accurate gradients (Flex's rel_bias and learned-ALiBi ports)
-                own = own & ((vis.sum(-1) == 1) if vis is not None else torch.tensor(S == 1, device=q.device))
-                if bool(own.any()):  # their P is exactly 1: exp(s - lse) is 1 only up to lse's
-                    # rounding (ALiBi's row term taken off lse rounds), and P's excess times dP left
-                    # dq and dk of 1e-5 where they are 0 (a helper's fuzz)
-                    total = p.sum(-1, keepdim=True)
-                    p = torch.where(own.unsqueeze(-1) & (total > 0),
-                                    p / torch.where(total > 0, total, torch.ones_like(total)), p)
-                    pv = p if keep is None else p * z
-        if bool(own.any()):
+            # P renormalized to sum 1 on those rows. Captured tensors that train sum dS over many pairs
+            # (a clamped relative-position bin gathers most of each row), so dS must cancel along the
+            # row as softmax's own backward makes it, with D_i = sum_j P_ij dP_ij: exp(s - lse) sums to
+            # 1 only up to lse's rounding, which the bins add up (local_window's table: 5.7x naive's
+            # error with it, 2.8x without); only rows one piece covers can do this. A row with one
+            # key has P = 1 exactly: ALiBi's row term taken off lse rounds, and P's excess times dP
+            # left dq and dk of 1e-5 where they are 0 (a helper's fuzz)
+            p = torch.where(own.unsqueeze(-1), p / row_divisor(p.sum(-1, keepdim=True)), p)
+            pv = p if keep is None else p * z
             local = (p * dp).sum(-1) - (dlse[:, :, rows].to(sd) if dlse is not None else 0)
             d_rows = torch.where(own, local, d_rows)
         ds = p * (dp - d_rows.unsqueeze(-1))
