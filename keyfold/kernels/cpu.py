@@ -980,11 +980,14 @@ def _add_single_key_rows(single, q, k, dout, dlse, dq, dk, dv, scale: float) -> 
     """The exact gradients of rows with one visible key j (P = 1): dv_j += dO_i, and with an lse
     gradient dS = dlse_i, so dq_i += scale dlse_i k_j and dk_j += scale dlse_i q_i.
 
-    The gradients may be the op's own 16-bit tensors (a one-piece plan): the rows' terms are then
-    summed in float32 and each touched gradient row is rounded once more, not once per term."""
+    The gradients may be the op's own 16-bit tensors (a one-piece plan) or float32 ones: the rows'
+    terms are summed in float64 and each touched gradient row is rounded once more, not once per term."""
     (b, h, i), (at_k, groups_k) = single[1], single[2]
     D, Dv = q.shape[-1], dout.shape[-1]
-    sd = state_dtype(q.dtype)
+    # the terms are summed in float64 and each gradient row rounded once: a key that is the one key of
+    # many rows (one key per document, a GQA group over a one-key cache) took their float32 terms one
+    # by one, dv 3-4x the naive error (its sum is blocked)
+    sd = torch.float64
     _add_rows(dv[..., :Dv], at_k, dout[b, h, i].to(sd), groups_k)
     if dlse is not None:
         w = (scale * dlse[b, h, i].to(sd)).unsqueeze(-1)
