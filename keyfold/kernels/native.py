@@ -56,10 +56,10 @@ import torch
 from ._common import cpu_flags
 
 __all__ = ["available", "why", "bf16_dot", "pays", "attend", "run", "prefill_available", "prefill",
-           "MAX_ROWS", "FEW_ROWS", "MIN_KEYS"]
+           "backward_takes", "backward", "MAX_ROWS", "FEW_ROWS", "MIN_KEYS"]
 
 #: The sources, compiled into one library, and the header they share (part of the build's hash).
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("decode.c", "prefill.c"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("decode.c", "prefill.c", "backward.c"))
 HEADER = Path(__file__).with_name("simd.h")
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast",
          "-fPIC", "-shared", "-fopenmp")
@@ -83,6 +83,8 @@ _why: str | None = None  # None: not tried yet
 calls = 0
 #: Calls that ran on the prefill kernel so far in this process.
 prefill_calls = 0
+#: Calls :func:`backward` has made (tests check the CPU backend's float32 backward runs on it).
+backward_calls = 0
 _amx: bool | None = None  # the prefill kernel is built with AMX and the OS lets this process use it
 
 
@@ -110,7 +112,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
 
 
 def _load(sources: tuple[Path, ...], header: Path) -> tuple[ctypes.CDLL | None, str]:
-    """Compile ``sources`` (decode.c and prefill.c, with ``header``) into the cache unless built
+    """Compile ``sources`` (decode.c, prefill.c and backward.c, with ``header``) into the cache unless built
     already, load the library and declare its entry points. ``benchmarks/kernel_ab.py`` loads
     changed copies of the sources this way."""
     cc = _compiler()
@@ -153,6 +155,9 @@ def _load(sources: tuple[Path, ...], header: Path) -> tuple[ctypes.CDLL | None, 
     lib.kf_prefill.restype = I
     lib.kf_prefill.argtypes = [P, P, P, I, *[LL] * 9, I, I, I, LL, LL, I, I, ctypes.c_float, ctypes.c_float, P, I, I, P,
                                P, I]
+    if any(f.name == "backward.c" for f in sources):  # benchmarks/kernel_ab.py builds the forward kernels alone
+        lib.kf_backward.restype = I
+        lib.kf_backward.argtypes = [*[P] * 7, I, I, LL, LL, LL, I, I, I, LL, LL, I, I, ctypes.c_float, P, P, P, I]
     return lib, f"built at {path}"
 
 
@@ -355,3 +360,76 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pie
         raise RuntimeError(f"keyfold's prefill kernel refused q {tuple(q.shape)}, k {tuple(k.shape)}, "
                            f"v {tuple(v.shape)}, {len(table)} pieces (code {rc})")
     return out, lse
+
+
+#: The largest head size (the common width W of q, k, v and dO) the backward kernel takes.
+BACKWARD_MAX_HEAD = 256
+
+
+def backward_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> str | None:
+    """None when :func:`backward` can run these float32 tensors here, else what it cannot take."""
+    if not available():
+        return f"keyfold's native kernels are not built here: {why()}"
+    if not (q.dim() == k.dim() == v.dim() == 4):
+        return f"q, k, v must be 4-d (B, H, N, W); got {q.dim()}, {k.dim()}, {v.dim()} dims"
+    if not (q.device.type == k.device.type == v.device.type == "cpu"):
+        return f"CPU tensors only; got {q.device}, {k.device}, {v.device}"
+    if not q.dtype == k.dtype == v.dtype == torch.float32:
+        return f"float32 q, k and v; got {q.dtype}, {k.dtype}, {v.dtype}"
+    B, Hq, _, W = q.shape
+    if k.shape[0] != B or v.shape != k.shape or k.shape[-1] != W or k.shape[1] < 1 or Hq % k.shape[1]:
+        return f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match"
+    if not 1 <= W <= BACKWARD_MAX_HEAD:
+        return f"head size {W}: from 1 to {BACKWARD_MAX_HEAD}"
+    if mask is not None and (mask.dtype not in (torch.bool, torch.float32) or mask.dim() > 4):
+        return f"mask: bool or float32, at most 4-d; got {mask.dtype}, {mask.dim()}-d"
+    return None
+
+
+def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+             lse: torch.Tensor, causal: bool, mask: torch.Tensor | None, scale: float
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` in float32 as PyTorch's fused CPU backward gives them for these arguments (its
+    ``_scaled_dot_product_flash_attention_for_cpu_backward`` with ``dropout_p = 0``), with P recomputed
+    by an e^x of about 1 ulp (the op's loses precision: see backward.c). q, dout, out ``(B, Hq, L, W)``,
+    k, v ``(B, Hkv, S, W)`` with ``Hq`` a multiple of ``Hkv`` (a GQA group's dk and dv summed), lse
+    ``(B, Hq, L)``; ``causal``: row t sees keys 0..t; ``mask`` bool (True shows) or float32 additive,
+    broadcastable to ``(B, Hq | Hkv, L, S)``.
+
+    Raises RuntimeError where :func:`backward_takes` refuses the arguments."""
+    global backward_calls
+    refused = backward_takes(q, k, v, mask)
+    if refused is not None:
+        raise RuntimeError(f"native.backward: {refused}; use the fused op for these")
+    B, Hq, L, W = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    q, k, v, out, dout, lse = (x.float().contiguous() for x in (q, k, v, out, dout, lse))
+    mkind, mhd, ms = 0, 1, (0, 0, 0)
+    if mask is not None:
+        m = mask
+        while m.dim() < 4:
+            m = m.unsqueeze(0)
+        mh = m.shape[1]
+        if mh not in (1, Hq, Hkv):
+            raise RuntimeError(f"native.backward: mask {tuple(mask.shape)} has {mh} heads; 1, {Hq} or {Hkv} broadcast")
+        m = m.expand(B, mh, L, S)
+        if m.stride(-1) != 1:
+            m = m.contiguous()
+        mask = m.view(torch.uint8) if m.dtype is torch.bool else m
+        mkind = 1 if m.dtype is torch.bool else 2
+        mhd = Hq // mh
+        ms = tuple(m.stride(i) if m.shape[i] > 1 else 0 for i in range(3))
+    Wp = -(-W // 16) * 16
+    dq = torch.zeros(B, Hq, L, Wp, dtype=torch.float32)
+    dk = torch.empty(B, Hkv, S, Wp, dtype=torch.float32)
+    dv = torch.empty(B, Hkv, S, Wp, dtype=torch.float32)
+    rc = _lib.kf_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(), lse.data_ptr(),
+                          None if mask is None else mask.data_ptr(), mkind, mhd, *ms, B, Hq, Hkv, L, S, W,
+                          int(bool(causal)), scale, dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                          torch.get_num_threads())
+    backward_calls += 1
+    if rc != 0:
+        raise RuntimeError(f"keyfold's backward kernel refused q {tuple(q.shape)}, k {tuple(k.shape)} (code {rc})")
+    if Wp != W:
+        dq, dk, dv = (x[..., :W].contiguous() for x in (dq, dk, dv))
+    return dq, dk, dv

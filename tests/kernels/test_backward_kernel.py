@@ -1,0 +1,146 @@
+"""keyfold's float32 backward kernel (keyfold/kernels/backward.c, ``native.backward``): the gradients
+of one fused call as PyTorch's op gives them, held to the 3x rule where the op's e^x was not.
+
+Before it, the CPU backend's float32 backward was PyTorch's fused op, bit for bit SDPA's: dv at
+3.5x the naive float32 error at score std 1, 7.8x at 3, 9.6x at 6 (a window mask, 130 rows),
+past the rule (3x plus 1e-6) in every float32 case the 2026-12-06 fuzz ran at score std >= 3."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import keyfold as kf
+from keyfold.kernels import native
+from tests.helpers import assert_backward_by_rule
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why()}")
+
+_OP = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _case(B, Hq, Hkv, L, S, W, causal, mask_kind, std=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, L, W, generator=g) * std ** 0.5
+    k = torch.randn(B, Hkv, S, W, generator=g) * std ** 0.5
+    v, do = torch.randn(B, Hkv, S, W, generator=g), torch.randn(B, Hq, L, W, generator=g)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(L, S, generator=g) > 0.3
+        mask[:, 0] = True  # every row sees a key (the op's lse of an empty row is not ours to match)
+    elif mask_kind == "float":  # a bias per query head, -inf hiding some pairs
+        mask = torch.where(torch.rand(1, Hq, L, S, generator=g) > 0.3, torch.randn(1, Hq, L, S, generator=g),
+                           -math.inf)
+        mask[..., 0] = 0.0
+    elif mask_kind == "float per kv head":
+        mask = torch.randn(B, Hkv, L, S, generator=g)
+    return q, k, v, do, mask
+
+
+SHAPES = {  # B, Hq, Hkv, L, S, W, causal, mask
+    "dense": (1, 2, 2, 64, 64, 64, False, None),
+    "tails": (1, 2, 2, 37, 53, 64, False, None),           # fewer rows and keys than a tile
+    "causal": (2, 2, 2, 100, 100, 64, True, None),
+    "causal, more keys": (1, 2, 2, 50, 130, 32, True, None),  # top-left: keys past the rows unseen
+    "gqa, bool mask": (2, 4, 2, 100, 130, 40, False, "bool"),
+    "mqa, causal, float mask, spare column": (1, 4, 1, 70, 70, 65, True, "float"),
+    "bias per kv head": (2, 6, 3, 45, 77, 48, False, "float per kv head"),
+    "wide": (1, 3, 3, 33, 200, 128, False, None),
+    "widest": (1, 2, 2, 40, 97, 256, False, "float"),
+    "one head (key blocks split among threads)": (1, 1, 1, 300, 700, 16, True, None),
+    "three heads (do not divide two threads)": (1, 3, 3, 150, 333, 64, False, "bool"),
+}
+
+
+def _op_grads(q, k, v, do, causal, mask, scale):
+    """the fused op's forward and backward, k and v repeated for a GQA group, dk and dv summed back"""
+    g = q.shape[1] // k.shape[1]
+    ke, ve = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    m = mask
+    if m is not None and m.dtype is torch.bool:  # the op takes the additive form only
+        m = torch.zeros(m.shape).masked_fill(~m, -math.inf)
+    if m is not None and m.dim() == 4 and m.shape[1] == k.shape[1] and g > 1:
+        m = m.repeat_interleave(g, 1)
+    out, lse = _OP(q, ke, ve, 0.0, causal, attn_mask=m, scale=scale)[:2]
+    dq, dk, dv = _BWD(do, q, ke, ve, out, lse, 0.0, causal, attn_mask=m, scale=scale)
+    B, Hkv = k.shape[:2]
+    return out, lse, (dq, dk.reshape(B, Hkv, g, *dk.shape[2:]).sum(2), dv.reshape(B, Hkv, g, *dv.shape[2:]).sum(2))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_backward_kernel_gives_the_fused_ops_gradients(shape, threads):
+    """Same arguments as the op, same gradients to float32 rounding: every tail of the 32-row and
+    64-key tiles and of the 16-column vectors, GQA groups summed, both ways of sharing the work."""
+    B, Hq, Hkv, L, S, W, causal, mk = SHAPES[shape]
+    q, k, v, do, mask = _case(B, Hq, Hkv, L, S, W, causal, mk)
+    scale = W ** -0.5
+    out, lse, ref = _op_grads(q, k, v, do, causal, mask, scale)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = native.backward(do, q, k, v, out, lse, causal, mask, scale)
+    finally:
+        torch.set_num_threads(before)
+    for name, a, b in zip(("dq", "dk", "dv"), got, ref):
+        assert a.shape == b.shape and a.dtype == torch.float32 and a.is_contiguous(), name
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5, msg=f"{name} of {shape}")
+
+
+@pytest.mark.parametrize("std", [1.0, 3.0, 6.0])
+def test_float32_cpu_backward_holds_the_rule_where_the_fused_op_did_not(std):
+    """The regression: dv (and dq, dk) within 3x the naive float32 error plus 1e-6 on the case the
+    README's known limits named (a causal window, 130 rows, head size 32). On the fused op this
+    failed at std 3 and 6."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 4, 130, 32, generator=g) * (std ** 0.5 if i < 2 else 1.0) for i in range(3))
+    before = native.backward_calls
+    assert_backward_by_rule(q, k, v, mask=kf.causal() & kf.window(9), backend=kf.Backend.CPU)
+    assert native.backward_calls > before, "the CPU backend's float32 backward ran on the kernel"
+
+
+@settings(max_examples=25, deadline=None)
+@given(B=st.integers(1, 2), Hkv=st.integers(1, 3), g=st.sampled_from([1, 2, 4]), L=st.integers(1, 90),
+       S=st.integers(1, 150), W=st.sampled_from([8, 16, 24, 64, 80]), causal=st.booleans(),
+       std=st.sampled_from([0.5, 2.0, 6.0]), seed=st.integers(0, 2 ** 16))
+def test_backward_kernel_holds_the_rule_on_any_shape(B, Hkv, g, L, S, W, causal, std, seed):
+    """Any shape, GQA group and score spread through the CPU backend: the gradients keep the rule."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hkv * g, L, W, generator=gen) * std ** 0.5
+    k = torch.randn(B, Hkv, S, W, generator=gen) * std ** 0.5
+    v = torch.randn(B, Hkv, S, W, generator=gen)
+    mask = kf.causal() if causal else None
+    assert_backward_by_rule(q, k, v, mask=mask, backend=kf.Backend.CPU, q_offset=S - L if causal else 0)
+
+
+def test_rows_that_see_no_key_get_zero_gradients_and_nan_scores_reach_them():
+    """A row every key of the mask hides (the backend gives it lse 0) contributes nothing; a NaN in q
+    reaches that row's gradients as in the op, not as silent zeros."""
+    q, k, v, do, _ = _case(1, 2, 2, 40, 70, 64, False, None)
+    mask = torch.ones(40, 70, dtype=torch.bool)
+    mask[7] = False
+    out, lse, _ = _op_grads(q, k, v, do, False, mask, 0.125)
+    lse = lse.clone()
+    lse[:, :, 7] = 0.0
+    dq, dk, dv = native.backward(do, q, k, v, out, lse, False, mask, 0.125)
+    assert (dq[:, :, 7] == 0).all()
+    q[0, 1, 3, 5] = math.nan
+    dq, dk, dv = native.backward(do, q, k, v, out, lse, False, mask, 0.125)
+    assert dq[0, 1, 3].isnan().all() and dv[0, 1].isnan().any()
+    assert not dq[0, 0].isnan().any() and not dq[0, 1, 4].isnan().any()
+
+
+def test_backward_kernel_names_what_it_refuses():
+    q = torch.randn(1, 2, 8, 16)
+    assert "float32" in native.backward_takes(q.double(), q.double(), q.double())
+    assert "head size" in native.backward_takes(torch.randn(1, 1, 4, 300), torch.randn(1, 1, 4, 300),
+                                                torch.randn(1, 1, 4, 300))
+    assert "shapes" in native.backward_takes(q, torch.randn(1, 3, 8, 16), torch.randn(1, 3, 8, 16))
+    with pytest.raises(RuntimeError, match="use the fused op"):
+        native.backward(q, q.double(), q, q, q, q[..., 0], False, None, 0.25)
+    with pytest.raises(RuntimeError, match="heads"):
+        native.backward(q, q, q, q, q, q[..., 0], False, torch.ones(1, 5, 8, 8, dtype=torch.bool), 0.25)
+
