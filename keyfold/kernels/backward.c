@@ -1,10 +1,20 @@
 /* keyfold's float32 attention backward on AVX-512 FMAs: the gradients of one fused call (a piece of a
  * plan: its rows, its keys, a causal flag or a mask tile), from the global out and lse, as PyTorch's
- * fused CPU op gives them, with P recomputed by a polynomial e^x of about 1 ulp.
+ * fused CPU op gives them, with P recomputed by an e^x of about 1 ulp.
  *
  * Why keyfold has its own: the op's exponential loses precision (dv 3.5x the naive float32 error at
- * score std 1, 7.8x at 3, 9.6x at 6: every float32 case past the 3x rule of docs/math.md from a
- * score spread of 3 on), where P = exp(s - lse) in float32 with an exact-to-1-ulp e^x keeps the rule.
+ * score std 1, 7.8x at 3, 9.6x at 6, past the 3x rule of docs/math.md from a score spread of 3 on).
+ *
+ * What P is recomputed against matters as much as e^x. The naive softmax normalises with its own
+ * scores, so their rounding cancels between a P and its row's sum; a backward takes the forward's lse,
+ * and its P is off by the difference between the two computations of a score. Here a score is summed
+ * as the prefill kernel and the op's GEMM sum it, one FMA a head dimension in order, so a forward on
+ * either gives the same sums bit for bit (summed exactly in float64 instead, gradients broke the rule
+ * 4x as often in a 700-case fuzz). Where the forward summed otherwise (the decode kernel's few rows, a
+ * small GEMM), the caller first asks for `sums`: each row's sum of P and of P dP over the call's keys,
+ * from the backward's own scores; over all of a row's pieces they give lse + log(sum P) and
+ * delta = sum P dP / sum P, which the caller passes back (`lse`, `delta`) for the gradients: P and
+ * delta as the naive backward takes them.
  *
  * The math (FlashAttention-2's backward, docs/math.md section 2), for a row r and a key c:
  *     P = exp(scale q_r.k_c + m_rc - lse_r)      delta_r = dO_r . O_r  (minus dlse_r: the caller's spare column)
@@ -16,60 +26,74 @@
  * (batch, kv head) items when they divide among the threads (dQ then has one writer); otherwise it
  * takes (item, key block) pairs and adds dQ into a buffer of its own, summed at the end.
  *
- * Products are register tiles of RR rows by one chunk of up to 64 columns (four vectors): RR
- * broadcasts and four loads feed 4 RR FMAs. Hidden keys (the causal flag, a bool mask, padding past
- * the call's keys) get P = 0 exactly; a tile whose P is all 0 does none of the four products after
- * its scores. A NaN or infinite score reaches the gradients as it does in the op. */
+ * Products are register tiles of RR rows (scores, dP, dQ) or CK keys (dK, dV) by a chunk of up to 64
+ * columns (four vectors). Hidden keys (the causal flag, a bool mask, padding past the call's keys) get
+ * P = 0 exactly; a tile whose P is all 0 does none of the four products after its scores. A NaN or
+ * infinite score reaches the gradients as it does in the op. */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 #include "simd.h"
 
-#define BR 32  /* query rows per tile */
+#define BR 48  /* query rows per tile */
 #define BC 64  /* keys per tile: four vectors */
-#define RR 4   /* rows of a register tile (scores, dP, dQ) */
+#define RR 6   /* rows of a register tile (scores, dP, dQ): 6 x 4 accumulators */
 #define CK 4   /* keys of a register tile (dK, dV) */
 
 typedef struct {
     const float *q, *k, *v, *o, *dout, *lse;  /* q, o, dout (B, Hq, L, W); k, v (B, Hkv, S, W); lse (B, Hq, L) */
+    const float *lse_lo;                      /* NULL, or what lse leaves of a float64 lse (lse + lse_lo) */
     const unsigned char *mask;                /* NULL, bool (kind 1) or float32 additive (kind 2) */
     int mkind, mhd;                           /* mask head of query head h: h / mhd */
     long long msb, msh, msl;                  /* mask element strides (the key's is 1) */
     int B, Hq, Hkv, W, Wp, causal;            /* Wp: W rounded up to 16 (the stride of dq, dk, dv) */
+    int wide;                                 /* s and dP summed in float64 (else float32, in order) */
     long long L, S;
     float scale;
-    float *dq, *dk, *dv, *delta;              /* dq (B, Hq, L, Wp); dk, dv (B, Hkv, S, Wp); delta (B, Hq, L) */
+    float *dq, *dk, *dv;                      /* dq (B, Hq, L, Wp); dk, dv (B, Hkv, S, Wp) */
+    float *delta;                             /* (B, Hq, L) */
 } bjob_t;
 
 typedef struct {
-    float *kt, *vt, *kn, *qp, *dop, *p, *ds, *dka, *dva;
+    float *kt, *vt, *kn, *qp, *dop, *p, *ds, *dka, *dva;  /* kt, vt: float64 when wide */
+    double *qd, *dod;                                     /* wide: the tile's q and dO rows in float64 */
 } scratch_t;
 
-static size_t scratch_floats(const bjob_t *J) {
-    return (size_t)J->W * BC * 2 + (size_t)BC * J->Wp * 3 + (size_t)BR * J->Wp * 2 + (size_t)BR * BC * 2 + 64;
+static size_t scratch_bytes(const bjob_t *J) {
+    return sizeof(float) * ((size_t)J->W * BC * 4 + (size_t)BC * J->Wp * 3 + (size_t)BR * J->Wp * 2 +
+                            (size_t)BR * BC * 2 + (size_t)BR * J->W * 4) + 64 * 12;
 }
 
-static scratch_t carve(const bjob_t *J, float *m) {
+/* a 64-byte aligned slice of one heap block */
+static float *slice(char **m, size_t floats) {
+    char *at = (char *)(((size_t)*m + 63) & ~(size_t)63);
+    *m = at + sizeof(float) * floats;
+    return (float *)at;
+}
+
+static scratch_t carve(const bjob_t *J, char *m) {
     scratch_t s;
-    m = (float *)(((size_t)m + 63) & ~(size_t)63);
-    s.kt = m;  m += (size_t)J->W * BC;
-    s.vt = m;  m += (size_t)J->W * BC;
-    s.kn = m;  m += (size_t)BC * J->Wp;
-    s.dka = m; m += (size_t)BC * J->Wp;
-    s.dva = m; m += (size_t)BC * J->Wp;
-    s.qp = m;  m += (size_t)BR * J->Wp;
-    s.dop = m; m += (size_t)BR * J->Wp;
-    s.p = m;   m += (size_t)BR * BC;
-    s.ds = m;
+    s.kt = slice(&m, (size_t)J->W * BC * 2);
+    s.vt = slice(&m, (size_t)J->W * BC * 2);
+    s.qd = (double *)slice(&m, (size_t)BR * J->W * 2);
+    s.dod = (double *)slice(&m, (size_t)BR * J->W * 2);
+    s.kn = slice(&m, (size_t)BC * J->Wp);
+    s.dka = slice(&m, (size_t)BC * J->Wp);
+    s.dva = slice(&m, (size_t)BC * J->Wp);
+    s.qp = slice(&m, (size_t)BR * J->Wp);
+    s.dop = slice(&m, (size_t)BR * J->Wp);
+    s.p = slice(&m, (size_t)BR * BC);
+    s.ds = slice(&m, (size_t)BR * BC);
     return s;
 }
 
 /* the first n lanes of 16, for any n (none below 1) */
 static inline __mmask16 upto(long long n) { return n <= 0 ? 0 : first(n >= 16 ? 16 : (int)n); }
 
-/* rows [0, n) of x (row stride W) into dst (row stride Wp), zero past W and past n up to `rows` */
-static void pack_rows(float *dst, const float *x, long long n, int rows, int W, int Wp) {
+/* rows [0, n) of x (row stride W) into dst (row stride Wp), zero past W and past n up to `rows`; and
+ * into dd (row stride W, float64) unless it is NULL */
+static void pack_rows(float *dst, double *dd, const float *x, long long n, int rows, int W, int Wp) {
     for (int r = 0; r < rows; r++) {
         float *d = dst + (size_t)r * Wp;
         if (r < n) {
@@ -78,19 +102,27 @@ static void pack_rows(float *dst, const float *x, long long n, int rows, int W, 
         } else {
             memset(d, 0, sizeof(float) * Wp);
         }
+        if (dd)
+            for (int w = 0; w < W; w++) dd[(size_t)r * W + w] = d[w];
     }
 }
 
-/* keys [0, n) of x (row stride W) transposed into dst (W x BC), zero past n */
-static void pack_t(float *dst, const float *x, long long n, int W) {
+/* keys [0, n) of x (row stride W) transposed into dst (W x BC; float64 when wide), zero past n */
+static void pack_t(float *dst, const float *x, long long n, int W, int wide) {
     for (int c = 0; c < BC; c++)
-        for (int w = 0; w < W; w++)
-            dst[(size_t)w * BC + c] = c < n ? x[(size_t)c * W + w] : 0.0f;
+        for (int w = 0; w < W; w++) {
+            const float e = c < n ? x[(size_t)c * W + w] : 0.0f;
+            if (wide)
+                ((double *)dst)[(size_t)w * BC + c] = e;
+            else
+                dst[(size_t)w * BC + c] = e;
+        }
 }
 
-/* acc[r][0..3] = sum over w < W of a[r][w] * bt[w][0..63] for nr rows (row stride lda) */
-static inline __attribute__((always_inline)) void dot_tile(const int nr, const float *a, int lda, const float *bt,
-                                                          int W, __m512 acc[RR][4]) {
+/* acc[r][0..3] = sum over w < W of a[r][w] * bt[w][0..63], one FMA a term in order of w (as the
+ * prefill kernel's and the GEMM's scores), for nr rows (row stride lda) */
+static inline __attribute__((always_inline)) void dot(const int nr, const float *a, int lda, const float *bt,
+                                                     int W, __m512 acc[RR][4]) {
     for (int r = 0; r < nr; r++)
         for (int x = 0; x < 4; x++) acc[r][x] = _mm512_setzero_ps();
     for (int w = 0; w < W; w++) {
@@ -107,8 +139,53 @@ static inline __attribute__((always_inline)) void dot_tile(const int nr, const f
     }
 }
 
-/* the key lanes of vector x in a row r of the tile that the call shows it: inside the call's keys, at
- * or left of the diagonal under the causal flag, true in a bool mask */
+/* acc[r][0..7] = sum over w < W of a[r][w] * bt[w][0..63] in float64, for nr <= 3 rows (row stride W) */
+static inline __attribute__((always_inline)) void dot64(const int nr, const double *a, const double *bt, int W,
+                                                       __m512d acc[3][8]) {
+    for (int r = 0; r < nr; r++)
+        for (int x = 0; x < 8; x++) acc[r][x] = _mm512_setzero_pd();
+    for (int w = 0; w < W; w++) {
+        const double *b = bt + (size_t)w * BC;
+        __m512d s[3];
+        for (int r = 0; r < nr; r++) s[r] = _mm512_set1_pd(a[(size_t)r * W + w]);
+        for (int x = 0; x < 8; x++) {
+            const __m512d bx = _mm512_load_pd(b + 8 * x);
+            for (int r = 0; r < nr; r++) acc[r][x] = _mm512_fmadd_pd(s[r], bx, acc[r][x]);
+        }
+    }
+}
+
+/* 16 float32 lanes from two float64 vectors (lanes 0-7, 8-15), each rounded once */
+static inline __m512 narrow(__m512d lo, __m512d hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm512_cvtpd_ps(lo))),
+                                               _mm256_castps_pd(_mm512_cvtpd_ps(hi)), 1));
+}
+
+/* lanes 0-7 (half 0) or 8-15 (half 1) of x in float64 */
+static inline __m512d half(__m512 x, int h) {
+    return _mm512_cvtps_pd(h ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)) : _mm512_castps512_ps256(x));
+}
+
+/* e^x to about 1 ulp (simd.h's exp16 polynomial), 0 below -87 and at -inf, NaN kept: one compare
+ * (true for NaN) masks the result, and 2^n is vscalefps */
+static inline __m512 exp_p(__m512 x) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_scalef_ps(keep, p, n);
+}
+
+/* the key lanes of vector x in row gr that the call shows it: inside the call's keys, at or left of
+ * the diagonal under the causal flag, true in a bool mask */
 static inline __mmask16 seen(const bjob_t *J, const unsigned char *mrow, long long gr, long long c0, int x, long long nc) {
     __mmask16 k = upto(nc - 16 * x);
     if (J->causal)
@@ -120,14 +197,14 @@ static inline __mmask16 seen(const bjob_t *J, const unsigned char *mrow, long lo
     return k;
 }
 
-/* scores, P and dS of nr rows (tile rows r0.. of the row block at global row i0; key block at c0 of nc keys).
- * Returns whether any P is not 0. */
+/* P of nr rows (tile rows r0.. of the row block at global row i0; key block at c0 of nc keys) into
+ * T->p; whether any P is not 0 */
 static inline __attribute__((always_inline)) int rows_p(const int nr, const bjob_t *J, const scratch_t *T, int r0,
                                                        long long i0, long long c0, long long nc, const float *lse,
-                                                       const float *delta, const unsigned char *mrow0) {
+                                                       const float *lo, const unsigned char *mrow0) {
     __m512 acc[RR][4];
     int any = 0;
-    dot_tile(nr, T->qp + (size_t)r0 * J->Wp, J->Wp, T->kt, J->W, acc);
+    dot(nr, T->qp + (size_t)r0 * J->Wp, J->Wp, T->kt, J->W, acc);
     const __m512 sc = _mm512_set1_ps(J->scale);
     for (int r = 0; r < nr; r++) {
         const long long gr = i0 + r0 + r;
@@ -136,13 +213,13 @@ static inline __attribute__((always_inline)) int rows_p(const int nr, const bjob
         for (int x = 0; x < 4; x++) {
             const __mmask16 k = seen(J, mrow, gr, c0, x, nc);
             __m512 t;
-            if (J->mkind == 2) {
-                const __m512 m = _mm512_maskz_loadu_ps(k, (const float *)mrow + c0 + 16 * x);
-                t = _mm512_add_ps(_mm512_fmadd_ps(acc[r][x], sc, m), nl);
-            } else {
+            if (J->mkind == 2)
+                t = _mm512_add_ps(_mm512_fmadd_ps(acc[r][x], sc, _mm512_maskz_loadu_ps(k, (const float *)mrow + c0 + 16 * x)), nl);
+            else
                 t = _mm512_fmadd_ps(acc[r][x], sc, nl);
-            }
-            const __m512 p = _mm512_maskz_mov_ps(k, exp16(t));
+            if (lo)  /* the exponent is near 0 where P matters: the low part keeps its bits there */
+                t = _mm512_sub_ps(t, _mm512_set1_ps(lo[gr]));
+            const __m512 p = _mm512_maskz_mov_ps(k, exp_p(t));
             any |= _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _MM_CMPINT_NE) != 0;
             _mm512_store_ps(T->p + (size_t)(r0 + r) * BC + 16 * x, p);
         }
@@ -150,19 +227,138 @@ static inline __attribute__((always_inline)) int rows_p(const int nr, const bjob
     return any;
 }
 
+/* dS = scale P (dP - delta) of nr rows into T->ds; with `sums`, instead sigma_r += sum P and
+ * tau_r += sum P dP (float64) */
 static inline __attribute__((always_inline)) void rows_ds(const int nr, const bjob_t *J, const scratch_t *T, int r0,
-                                                         long long i0, const float *delta) {
+                                                         long long i0, const float *delta, double *sigma, double *tau) {
     __m512 acc[RR][4];
-    dot_tile(nr, T->dop + (size_t)r0 * J->Wp, J->Wp, T->vt, J->W, acc);
+    dot(nr, T->dop + (size_t)r0 * J->Wp, J->Wp, T->vt, J->W, acc);
     const __m512 sc = _mm512_set1_ps(J->scale);
     for (int r = 0; r < nr; r++) {
+        const float *pr = T->p + (size_t)(r0 + r) * BC;
+        if (sigma) {
+            __m512d s = _mm512_setzero_pd(), t = _mm512_setzero_pd();
+            for (int x = 0; x < 4; x++) {
+                const __m512 p = _mm512_load_ps(pr + 16 * x);
+                const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(p));
+                const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1)));
+                const __m512 d = acc[r][x];
+                s = _mm512_add_pd(s, _mm512_add_pd(lo, hi));
+                t = _mm512_fmadd_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(d)), t);
+                t = _mm512_fmadd_pd(hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(d), 1))), t);
+            }
+            sigma[i0 + r0 + r] += _mm512_reduce_add_pd(s);
+            tau[i0 + r0 + r] += _mm512_reduce_add_pd(t);
+            continue;
+        }
         const __m512 dl = _mm512_set1_ps(delta[i0 + r0 + r]);
-        for (int x = 0; x < 4; x++) {
-            const __m512 p = _mm512_load_ps(T->p + (size_t)(r0 + r) * BC + 16 * x);
+        for (int x = 0; x < 4; x++)
             _mm512_store_ps(T->ds + (size_t)(r0 + r) * BC + 16 * x,
-                            _mm512_mul_ps(_mm512_mul_ps(p, sc), _mm512_sub_ps(acc[r][x], dl)));
+                            _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(pr + 16 * x), sc), _mm512_sub_ps(acc[r][x], dl)));
+    }
+}
+
+/* rows_p with s summed in float64 and the exponent scale s + m - (lse + lo) taken in float64, rounded once */
+static inline __attribute__((always_inline)) int rows_p64(const int nr, const bjob_t *J, const scratch_t *T, int r0,
+                                                         long long i0, long long c0, long long nc, const float *lse,
+                                                         const float *lo, const unsigned char *mrow0) {
+    __m512d acc[3][8];
+    int any = 0;
+    dot64(nr, T->qd + (size_t)r0 * J->W, (const double *)T->kt, J->W, acc);
+    const __m512d sc = _mm512_set1_pd(J->scale);
+    for (int r = 0; r < nr; r++) {
+        const long long gr = i0 + r0 + r;
+        const unsigned char *mrow = J->mask ? mrow0 + (size_t)gr * J->msl * (J->mkind == 2 ? 4 : 1) : NULL;
+        const __m512d nl = _mm512_set1_pd(-((double)lse[gr] + (lo ? (double)lo[gr] : 0.0)));
+        for (int x = 0; x < 4; x++) {
+            const __mmask16 k = seen(J, mrow, gr, c0, x, nc);
+            __m512d a = nl, b = nl;
+            if (J->mkind == 2) {
+                const __m512 m = _mm512_maskz_loadu_ps(k, (const float *)mrow + c0 + 16 * x);
+                a = _mm512_add_pd(nl, half(m, 0));
+                b = _mm512_add_pd(nl, half(m, 1));
+            }
+            const __m512 t = narrow(_mm512_fmadd_pd(acc[r][2 * x], sc, a), _mm512_fmadd_pd(acc[r][2 * x + 1], sc, b));
+            const __m512 p = _mm512_maskz_mov_ps(k, exp_p(t));
+            any |= _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _MM_CMPINT_NE) != 0;
+            _mm512_store_ps(T->p + (size_t)(r0 + r) * BC + 16 * x, p);
         }
     }
+    return any;
+}
+
+/* rows_ds with dP summed in float64 and dP - delta taken in float64, rounded once */
+static inline __attribute__((always_inline)) void rows_ds64(const int nr, const bjob_t *J, const scratch_t *T, int r0,
+                                                           long long i0, const float *delta, double *sigma,
+                                                           double *tau) {
+    __m512d acc[3][8];
+    dot64(nr, T->dod + (size_t)r0 * J->W, (const double *)T->vt, J->W, acc);
+    const __m512 sc = _mm512_set1_ps(J->scale);
+    for (int r = 0; r < nr; r++) {
+        const float *pr = T->p + (size_t)(r0 + r) * BC;
+        if (sigma) {
+            __m512d s = _mm512_setzero_pd(), t = _mm512_setzero_pd();
+            for (int x = 0; x < 4; x++) {
+                const __m512 p = _mm512_load_ps(pr + 16 * x);
+                s = _mm512_add_pd(s, _mm512_add_pd(half(p, 0), half(p, 1)));
+                t = _mm512_fmadd_pd(half(p, 0), acc[r][2 * x], t);
+                t = _mm512_fmadd_pd(half(p, 1), acc[r][2 * x + 1], t);
+            }
+            sigma[i0 + r0 + r] += _mm512_reduce_add_pd(s);
+            tau[i0 + r0 + r] += _mm512_reduce_add_pd(t);
+            continue;
+        }
+        const __m512d dl = _mm512_set1_pd(delta[i0 + r0 + r]);
+        for (int x = 0; x < 4; x++) {
+            const __m512 d = narrow(_mm512_sub_pd(acc[r][2 * x], dl), _mm512_sub_pd(acc[r][2 * x + 1], dl));
+            _mm512_store_ps(T->ds + (size_t)(r0 + r) * BC + 16 * x,
+                            _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(pr + 16 * x), sc), d));
+        }
+    }
+}
+
+/* P, then dS (or the renormalisation's sums) of the tile's nr rows; whether any P is not 0 */
+static int scores(const bjob_t *J, const scratch_t *T, int nr, long long i0, long long c0, long long nc,
+                  const float *lse, const float *lo, const float *delta, const unsigned char *mrow0, const float *dout,
+                  double *sigma, double *tau) {
+    int any = 0, r0 = 0;
+    if (J->wide) {
+        for (; r0 + 3 <= nr; r0 += 3) any |= rows_p64(3, J, T, r0, i0, c0, nc, lse, lo, mrow0);
+        if (nr - r0 == 2)
+            any |= rows_p64(2, J, T, r0, i0, c0, nc, lse, lo, mrow0);
+        else if (nr - r0 == 1)
+            any |= rows_p64(1, J, T, r0, i0, c0, nc, lse, lo, mrow0);
+    } else {
+        for (; r0 + RR <= nr; r0 += RR) any |= rows_p(RR, J, T, r0, i0, c0, nc, lse, lo, mrow0);
+        switch (nr - r0) {
+        case 5: any |= rows_p(5, J, T, r0, i0, c0, nc, lse, lo, mrow0); break;
+        case 4: any |= rows_p(4, J, T, r0, i0, c0, nc, lse, lo, mrow0); break;
+        case 3: any |= rows_p(3, J, T, r0, i0, c0, nc, lse, lo, mrow0); break;
+        case 2: any |= rows_p(2, J, T, r0, i0, c0, nc, lse, lo, mrow0); break;
+        case 1: any |= rows_p(1, J, T, r0, i0, c0, nc, lse, lo, mrow0); break;
+        }
+    }
+    if (!any)
+        return 0;
+    pack_rows(T->dop, J->wide ? T->dod : NULL, dout, nr, BR, J->W, J->Wp);
+    r0 = 0;
+    if (J->wide) {
+        for (; r0 + 3 <= nr; r0 += 3) rows_ds64(3, J, T, r0, i0, delta, sigma, tau);
+        if (nr - r0 == 2)
+            rows_ds64(2, J, T, r0, i0, delta, sigma, tau);
+        else if (nr - r0 == 1)
+            rows_ds64(1, J, T, r0, i0, delta, sigma, tau);
+    } else {
+        for (; r0 + RR <= nr; r0 += RR) rows_ds(RR, J, T, r0, i0, delta, sigma, tau);
+        switch (nr - r0) {
+        case 5: rows_ds(5, J, T, r0, i0, delta, sigma, tau); break;
+        case 4: rows_ds(4, J, T, r0, i0, delta, sigma, tau); break;
+        case 3: rows_ds(3, J, T, r0, i0, delta, sigma, tau); break;
+        case 2: rows_ds(2, J, T, r0, i0, delta, sigma, tau); break;
+        case 1: rows_ds(1, J, T, r0, i0, delta, sigma, tau); break;
+        }
+    }
+    return 1;
 }
 
 /* acc (BC keys x Wp, row stride Wp) += pt^T a: keys [0, nc) (in groups of CK), rows [0, nr) of a (row
@@ -200,7 +396,7 @@ static void outer(float *dacc, const float *pt, const float *a, int nr, long lon
     }
 }
 
-/* dq rows (row stride Wp) += ds kn: nr rows (r0.. of the tile), keys [0, nc), one column chunk */
+/* dq rows (row stride Wp) += ds kn: nr rows, keys [0, nc), one column chunk of nv vectors at w0 */
 static inline __attribute__((always_inline)) void dq_chunk(const int nv, const int nr, float *dq, const float *ds,
                                                           const float *kn, long long nc, int Wp, int w0) {
     __m512 acc[RR][4];
@@ -233,124 +429,165 @@ static inline __attribute__((always_inline)) void dq_rows(const int nr, float *d
     }
 }
 
-/* one tile: the row block at i0 (nr rows) of query head h against the packed key block at c0 (nc keys) */
+/* one tile: the row block at i0 (nr rows) of query head h against the packed key block at c0 (nc
+ * keys); with sigma, only the renormalisation's sums of its rows */
 static void tile(const bjob_t *J, const scratch_t *T, int b, int h, long long i0, int nr, long long c0,
-                 long long nc, float *dq) {
+                 long long nc, float *dq, double *sigma, double *tau) {
     const size_t bh = (size_t)b * J->Hq + h;
-    const float *lse = J->lse + bh * J->L, *delta = J->delta + bh * J->L;
     const unsigned char *mrow0 = NULL;
     if (J->mask)
         mrow0 = J->mask + ((size_t)b * J->msb + (size_t)(h / J->mhd) * J->msh) * (J->mkind == 2 ? 4 : 1);
-    pack_rows(T->qp, J->q + (bh * J->L + i0) * J->W, nr, BR, J->W, J->Wp);
-    int any = 0, r0 = 0;
-    for (; r0 + RR <= nr; r0 += RR) any |= rows_p(RR, J, T, r0, i0, c0, nc, lse, delta, mrow0);
-    switch (nr - r0) {
-    case 3: any |= rows_p(3, J, T, r0, i0, c0, nc, lse, delta, mrow0); break;
-    case 2: any |= rows_p(2, J, T, r0, i0, c0, nc, lse, delta, mrow0); break;
-    case 1: any |= rows_p(1, J, T, r0, i0, c0, nc, lse, delta, mrow0); break;
-    }
-    if (!any)
+    pack_rows(T->qp, J->wide ? T->qd : NULL, J->q + (bh * J->L + i0) * J->W, nr, BR, J->W, J->Wp);
+    if (!scores(J, T, nr, i0, c0, nc, J->lse + bh * J->L, J->lse_lo ? J->lse_lo + bh * J->L : NULL,
+                J->delta ? J->delta + bh * J->L : NULL, mrow0,
+                J->dout + (bh * J->L + i0) * J->W, sigma ? sigma + bh * J->L : NULL, tau ? tau + bh * J->L : NULL) ||
+        sigma)
         return;
-    pack_rows(T->dop, J->dout + (bh * J->L + i0) * J->W, nr, BR, J->W, J->Wp);
-    for (r0 = 0; r0 + RR <= nr; r0 += RR) rows_ds(RR, J, T, r0, i0, delta);
-    switch (nr - r0) {
-    case 3: rows_ds(3, J, T, r0, i0, delta); break;
-    case 2: rows_ds(2, J, T, r0, i0, delta); break;
-    case 1: rows_ds(1, J, T, r0, i0, delta); break;
-    }
     outer(T->dva, T->p, T->dop, nr, nc, J->Wp);
     outer(T->dka, T->ds, T->qp, nr, nc, J->Wp);
     float *dqr = dq + (bh * J->L + i0) * J->Wp;
-    for (r0 = 0; r0 + RR <= nr; r0 += RR)
+    int r0 = 0;
+    for (; r0 + RR <= nr; r0 += RR)
         dq_rows(RR, dqr + (size_t)r0 * J->Wp, T->ds + (size_t)r0 * BC, T->kn, nc, J->Wp);
+    float *d = dqr + (size_t)r0 * J->Wp;
+    const float *s = T->ds + (size_t)r0 * BC;
     switch (nr - r0) {
-    case 3: dq_rows(3, dqr + (size_t)r0 * J->Wp, T->ds + (size_t)r0 * BC, T->kn, nc, J->Wp); break;
-    case 2: dq_rows(2, dqr + (size_t)r0 * J->Wp, T->ds + (size_t)r0 * BC, T->kn, nc, J->Wp); break;
-    case 1: dq_rows(1, dqr + (size_t)r0 * J->Wp, T->ds + (size_t)r0 * BC, T->kn, nc, J->Wp); break;
+    case 5: dq_rows(5, d, s, T->kn, nc, J->Wp); break;
+    case 4: dq_rows(4, d, s, T->kn, nc, J->Wp); break;
+    case 3: dq_rows(3, d, s, T->kn, nc, J->Wp); break;
+    case 2: dq_rows(2, d, s, T->kn, nc, J->Wp); break;
+    case 1: dq_rows(1, d, s, T->kn, nc, J->Wp); break;
     }
+}
+
+static void pack_keys(const bjob_t *J, const scratch_t *T, size_t bk, long long nc) {
+    pack_t(T->kt, J->k + bk * J->W, nc, J->W, J->wide);
+    pack_t(T->vt, J->v + bk * J->W, nc, J->W, J->wide);
 }
 
 /* the key block at c0 of (b, kv head hk) against every row of its group's query heads; dQ into dq */
 static void key_block(const bjob_t *J, const scratch_t *T, int b, int hk, long long c0, float *dq) {
     const long long nc = J->S - c0 < BC ? J->S - c0 : BC;
     const size_t bk = ((size_t)b * J->Hkv + hk) * J->S + c0;
-    pack_t(T->kt, J->k + bk * J->W, nc, J->W);
-    pack_t(T->vt, J->v + bk * J->W, nc, J->W);
-    pack_rows(T->kn, J->k + bk * J->W, nc, BC, J->W, J->Wp);
+    pack_keys(J, T, bk, nc);
+    pack_rows(T->kn, NULL, J->k + bk * J->W, nc, BC, J->W, J->Wp);
     memset(T->dka, 0, sizeof(float) * BC * J->Wp);
     memset(T->dva, 0, sizeof(float) * BC * J->Wp);
     const int g = J->Hq / J->Hkv;
-    const long long first = J->causal ? c0 / BR * BR : 0;
+    const long long first_row = J->causal ? c0 / BR * BR : 0;
     for (int h = hk * g; h < (hk + 1) * g; h++)
-        for (long long i0 = first; i0 < J->L; i0 += BR)
-            tile(J, T, b, h, i0, J->L - i0 < BR ? (int)(J->L - i0) : BR, c0, nc, dq);
+        for (long long i0 = first_row; i0 < J->L; i0 += BR)
+            tile(J, T, b, h, i0, J->L - i0 < BR ? (int)(J->L - i0) : BR, c0, nc, dq, NULL, NULL);
     memcpy(J->dk + bk * J->Wp, T->dka, sizeof(float) * nc * J->Wp);
     memcpy(J->dv + bk * J->Wp, T->dva, sizeof(float) * nc * J->Wp);
 }
 
-/* dO . O of every row (the caller's spare column, if any, makes it dO . O - dlse) */
-static void deltas(const bjob_t *J, long long row) {
-    const float *a = J->dout + row * J->W, *o = J->o + row * J->W;
-    __m512 s = _mm512_setzero_ps();
-    int w = 0;
-    for (; w + 16 <= J->W; w += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(a + w), _mm512_loadu_ps(o + w), s);
-    const __mmask16 t = first(J->W - w);
-    if (t && w < J->W)
-        s = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(t, a + w), _mm512_maskz_loadu_ps(t, o + w), s);
-    J->delta[row] = _mm512_reduce_add_ps(s);
+/* the renormalisation's sums of rows [i0, i1) (i0 a multiple of BR) of every query head of (b, kv head hk)
+ * over every key, each key block packed once */
+static void row_sums(const bjob_t *J, const scratch_t *T, int b, int hk, long long i0, long long i1, double *sigma,
+                     double *tau) {
+    const int g = J->Hq / J->Hkv;
+    const long long last = J->causal ? (i1 < J->S ? i1 : J->S) : J->S;  /* keys the rows can see */
+    for (long long c0 = 0; c0 < last; c0 += BC) {
+        const long long nc = J->S - c0 < BC ? J->S - c0 : BC;
+        pack_keys(J, T, ((size_t)b * J->Hkv + hk) * J->S + c0, nc);
+        const long long first_row = J->causal && c0 / BR * BR > i0 ? c0 / BR * BR : i0;
+        for (int h = hk * g; h < (hk + 1) * g; h++)
+            for (long long r = first_row; r < i1; r += BR)
+                tile(J, T, b, h, r, i1 - r < BR ? (int)(i1 - r) : BR, c0, nc, NULL, sigma, tau);
+    }
 }
 
+/* dO . O of a row in float64, rounded once (the caller's spare column, if any, makes it dO . O - dlse) */
+static double dot_row(const float *a, const float *o, int W) {
+    __m512d s = _mm512_setzero_pd();
+    int w = 0;
+    for (; w + 8 <= W; w += 8)
+        s = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_loadu_ps(a + w)), _mm512_cvtps_pd(_mm256_loadu_ps(o + w)), s);
+    double t = _mm512_reduce_add_pd(s);
+    for (; w < W; w++) t += (double)a[w] * o[w];
+    return t;
+}
+
+/* The gradients into dq (zeros), dk, dv (row stride Wp); delta_in: each row's delta (NULL: dO . O);
+ * lse_lo: NULL, or the low part of a float64 lse (lse + lse_lo); wide: s and dP in float64.
+ * With sums (2 x B x Hq x L float64): instead each row's sum of P, then of P dP, over these keys. */
 int kf_backward(const float *q, const float *k, const float *v, const float *o, const float *dout,
-                const float *lse, const void *mask, int mkind, int mhd, long long msb, long long msh, long long msl,
-                int B, int Hq, int Hkv, long long L, long long S, int W, int causal, float scale,
-                float *dq, float *dk, float *dv, int threads) {
+                const float *lse, const float *lse_lo, const float *delta_in, const void *mask, int mkind, int mhd,
+                long long msb, long long msh, long long msl, int B, int Hq, int Hkv, long long L, long long S, int W, int causal,
+                float scale, int wide, double *sums, float *dq, float *dk, float *dv, int threads) {
     if (W < 1 || W > 256 || Hkv < 1 || Hq % Hkv || (mask && mhd < 1))
         return 1;
-    bjob_t J = {q, k, v, o, dout, lse, (const unsigned char *)mask, mask ? mkind : 0, mhd > 0 ? mhd : 1,
-                msb, msh, msl, B, Hq, Hkv, W, (W + 15) / 16 * 16, causal, L, S, scale, dq, dk, dv, NULL};
     const long long rows = (long long)B * Hq * L, items = (long long)B * Hkv, blocks = (S + BC - 1) / BC;
-    J.delta = (float *)malloc(sizeof(float) * (rows > 0 ? rows : 1));
-    if (!J.delta)
+    const int Wp = (W + 15) / 16 * 16;
+    if (sums)
+        memset(sums, 0, sizeof(double) * 2 * rows);
+    if (rows == 0 || S == 0) {  /* no pair: dq (the caller's zeros) stays 0, dk and dv are 0 */
+        if (items > 0 && S > 0 && !sums) {
+            memset(dk, 0, sizeof(float) * items * S * Wp);
+            memset(dv, 0, sizeof(float) * items * S * Wp);
+        }
+        return 0;
+    }
+    bjob_t J = {q, k, v, o, dout, lse, lse_lo, (const unsigned char *)mask, mask ? mkind : 0, mhd > 0 ? mhd : 1,
+                msb, msh, msl, B, Hq, Hkv, W, Wp, causal, wide != 0, L, S, scale, dq, dk, dv, NULL};
+    float *own = delta_in || sums ? NULL : (float *)malloc(sizeof(float) * rows);  /* delta = dO . O */
+    if (!delta_in && !sums && !own)
         return 2;
+    J.delta = delta_in ? (float *)delta_in : own;
     if (threads < 1)
         threads = 1;
     /* whole items per thread where they divide evenly (or are many); else (item, key block) pairs with a
      * dq buffer for each thread but the first */
     const int whole = items % threads == 0 || items >= 4LL * threads || threads == 1;
-    const size_t dqn = (size_t)rows * J.Wp;
+    const size_t dqn = (size_t)rows * Wp;
+    const long long row_blocks = (L + BR - 1) / BR;
     float **bufs = (float **)calloc((size_t)threads, sizeof(float *));
     int err = bufs == NULL;
-    const size_t sf = scratch_floats(&J);
+    const size_t sb = scratch_bytes(&J);
     #pragma omp parallel num_threads(threads)
     {
         const int me = omp_get_thread_num(), nt = omp_get_num_threads();
-        #pragma omp for schedule(static)
-        for (long long r = 0; r < rows; r++) deltas(&J, r);
-        float *mem = (float *)malloc(sizeof(float) * sf);
+        char *mem = (char *)malloc(sb);
         float *mine = dq;
-        if (!whole && me > 0 && bufs) {
-            mine = bufs[me] = (float *)calloc(dqn ? dqn : 1, sizeof(float));
-        }
-        if (!mem || !mine || !bufs) {
+        if (!whole && !sums && me > 0 && bufs)
+            mine = bufs[me] = (float *)calloc(dqn, sizeof(float));
+        if (!mem || (!sums && !mine) || !bufs) {
             #pragma omp atomic write
             err = 1;
         }
         #pragma omp barrier
         if (!err) {
             const scratch_t T = carve(&J, mem);
-            if (whole) {
+            if (sums && whole) {
                 #pragma omp for schedule(static)
                 for (long long it = 0; it < items; it++)
-                    for (long long c0 = 0; c0 < S; c0 += BC) key_block(&J, &T, (int)(it / Hkv), (int)(it % Hkv), c0, dq);
-            } else {
+                    row_sums(&J, &T, (int)(it / Hkv), (int)(it % Hkv), 0, L, sums, sums + rows);
+            } else if (sums) {
                 #pragma omp for schedule(dynamic, 1)
-                for (long long w = 0; w < items * blocks; w++) {
-                    const long long it = w % items, c0 = w / items * BC;
-                    key_block(&J, &T, (int)(it / Hkv), (int)(it % Hkv), c0, mine);
+                for (long long u = 0; u < items * row_blocks; u++) {
+                    const long long i0 = u % row_blocks * BR;
+                    row_sums(&J, &T, (int)(u / row_blocks / Hkv), (int)(u / row_blocks % Hkv), i0,
+                             i0 + BR < L ? i0 + BR : L, sums, sums + rows);
                 }
-                #pragma omp for schedule(static)
-                for (long long i = 0; i < (long long)dqn; i++)
-                    for (int t = 1; t < nt; t++) dq[i] += bufs[t][i];
+            } else {
+                if (own) {
+                    #pragma omp for schedule(static)
+                    for (long long r = 0; r < rows; r++) own[r] = (float)dot_row(dout + r * W, o + r * W, W);
+                }
+                if (whole) {
+                    #pragma omp for schedule(static)
+                    for (long long it = 0; it < items; it++)
+                        for (long long c0 = 0; c0 < S; c0 += BC)
+                            key_block(&J, &T, (int)(it / Hkv), (int)(it % Hkv), c0, dq);
+                } else {
+                    #pragma omp for schedule(dynamic, 1)
+                    for (long long w = 0; w < items * blocks; w++)
+                        key_block(&J, &T, (int)(w % items / Hkv), (int)(w % items % Hkv), w / items * BC, mine);
+                    #pragma omp for schedule(static)
+                    for (long long i = 0; i < (long long)dqn; i++)
+                        for (int t = 1; t < nt; t++) dq[i] += bufs[t][i];
+                }
             }
         }
         free(mem);
@@ -359,6 +596,6 @@ int kf_backward(const float *q, const float *k, const float *v, const float *o, 
             free(mine);
     }
     free(bufs);
-    free(J.delta);
+    free(own);
     return err ? 2 : 0;
 }

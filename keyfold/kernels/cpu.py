@@ -675,23 +675,20 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     # pieces on rows apart (a band each): every dq row comes from one call, so it is kept as that
     # call gives it (16-bit: rounded once, by the op), with no float32 sum and cast after
     acc = _Grads(q, k, W, sd, gd if alone else sd, gd if alone or _rows_disjoint(pieces) else sd)
+    # keyfold's own float32 backward (backward.c) where it runs: P to about 1 ulp, where the op's e^x
+    # put dv at 3.5-11x the naive float32 error (docs/math.md's rule is 3x)
+    own = q.dtype is torch.float32 and native.backward_takes(inp.q, inp.k, inp.v) is None
+    delta = lse_lo = None
+    if own and whole_rows and Nq * inp.g < PREFILL_MIN_ROWS:
+        # the forward of so few rows ran on the op or the decode kernel, which sum scores in another
+        # order than the kernel: P and delta renormalised by the kernel's own scores (backward.c)
+        lse_safe, lse_lo, delta = _renormalised(inp, pieces, pb, q, memo, plan.tiles, lse_safe, o, do, spare)
     for piece in pieces:
-        qs, ks, vs, causal, tile, folded, keys = _piece_args(inp, piece, pb, q, memo, plan.tiles)
-        # the op skips those blocks. Here, not in _piece_args: its `causal` means "no mask, top-left
-        # causal", which _single_key_rows counts by formula; a masked piece must be counted by its mask
-        causal = causal or _hides_above_diagonal(tile, qs.shape[-2], ks.shape[-2])
-        rows = slice(piece.q0, piece.q1)
-        o_p, do_p, l_p = o[:, :, rows], do[:, :, rows], lse_safe[:, :, rows]
-        if tile.row_shift is not None:  # the op sees scores without the row term
-            l_p = l_p - tile.row_shift
-        if folded:
-            o_p, do_p, l_p = _fold(o_p, inp.g), _fold(do_p, inp.g), _fold(l_p, inp.g)
-        if qs.dtype is torch.float32 and native.backward_takes(qs.flatten(1, 2) if qs.dim() == 5 else qs, ks, vs,
-                                                             tile.mask) is None:
-            # keyfold's own float32 backward (a GQA group's members in one call): P to about 1 ulp,
-            # where the op's e^x put dv at 3.5-11x the naive float32 error (docs/math.md's rule is 3x)
+        qs, ks, vs, causal, tile, folded, keys, rows, o_p, do_p, l_p, d_p, lo_p = _backward_args(
+            inp, piece, pb, q, memo, plan.tiles, o, do, lse_safe, delta, lse_lo)
+        if own:  # a GQA group's members in one call
             gq, gk, gv = native.backward(do_p, qs.flatten(1, 2) if qs.dim() == 5 else qs, ks, vs, o_p, l_p, causal,
-                                         tile.mask, pb.scale)
+                                         tile.mask, pb.scale, delta=d_p, lse_lo=lo_p, wide=delta is not None)
         elif qs.dim() == 5:  # GQA under the causal flag: per member, dk / dv summed over the group
             o5, do5, l5 = (_members(t.contiguous(), inp.g) for t in (o_p, do_p, l_p))
             gq = qs.new_empty(qs.shape)  # (B, Hkv, g, L, W), in the dtype the op returns
@@ -720,6 +717,51 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     dq = _trim(dq, D, gd)  # one at a time: a float32 sum is freed as soon as its cast exists
     dk = _trim(dk, D, gd)
     return dq, dk, _trim(dv, Dv, gd)
+
+
+def _backward_args(inp: _Inputs, piece: Piece, pb: Problem, q, memo: dict, cache, o, do, lse, delta, lse_lo=None):
+    """One piece's backward call: :func:`_piece_args` and the piece's rows of ``o``, ``do``, ``lse``,
+    ``delta`` and ``lse_lo`` (None: the call takes dO.O, lse alone), folded with its q and lse shifted
+    by its row term."""
+    qs, ks, vs, causal, tile, folded, keys = _piece_args(inp, piece, pb, q, memo, cache)
+    # the op skips those blocks. Here, not in _piece_args: its `causal` means "no mask, top-left
+    # causal", which _single_key_rows counts by formula; a masked piece must be counted by its mask
+    causal = causal or _hides_above_diagonal(tile, qs.shape[-2], ks.shape[-2])
+    rows = slice(piece.q0, piece.q1)
+    o_p, do_p, l_p = o[:, :, rows], do[:, :, rows], lse[:, :, rows]
+    d_p, lo_p = (None if x is None else x[:, :, rows] for x in (delta, lse_lo))
+    if tile.row_shift is not None:  # the op sees scores without the row term
+        l_p = l_p - tile.row_shift
+    if folded:
+        o_p, do_p, l_p = _fold(o_p, inp.g), _fold(do_p, inp.g), _fold(l_p, inp.g)
+        d_p, lo_p = (None if x is None else _fold(x, inp.g) for x in (d_p, lo_p))
+    return qs, ks, vs, causal, tile, folded, keys, rows, o_p, do_p, l_p, d_p, lo_p
+
+
+def _renormalised(inp: _Inputs, pieces, pb: Problem, q, memo: dict, cache, lse, o, do, spare: bool):
+    """``(lse, lse_lo, delta)`` float32 ``(B, Hq, Nq)`` of every row as the float32 backward kernel's own
+    scores give them: lse + log(sum P) (in two parts, lse + lse_lo: float32 alone would round it by
+    half an ulp of lse, a relative error of every P) and sum P dP / sum P over all the row's pieces
+    (``native.backward_sums``), minus dlse with the ``spare`` column. Rows whose sum is 0 or not finite
+    (no key, single-key rows taken out of the op, NaN) keep their lse."""
+    B, Hq, Nq = lse.shape
+    sums = torch.zeros(2, B, Hq, Nq, dtype=torch.float64)
+    for piece in pieces:
+        qs, ks, vs, causal, tile, folded, _, rows, _, do_p, l_p, _, _ = _backward_args(
+            inp, piece, pb, q, memo, cache, o, do, lse, None)
+        part = native.backward_sums(do_p, qs.flatten(1, 2) if qs.dim() == 5 else qs, ks, vs, l_p, causal, tile.mask,
+                                    pb.scale)
+        if folded:
+            part = torch.stack([_unfold(x, inp.g, Hq) for x in part])
+        sums[:, :, :, rows] += part
+    sigma, tau = sums
+    ok = (sigma > 0) & torch.isfinite(sigma)
+    one = torch.where(ok, sigma, torch.ones((), dtype=torch.float64))
+    wide = torch.where(ok, lse.double() + torch.log(one), lse.double())
+    hi = wide.float()
+    extra = (do[..., -1].double() * o[..., -1].double()) if spare else 0.0
+    # delta of a row whose sum is 0 meets only P = 0 (and one that is not finite, NaN P's): any will do
+    return hi, (wide - hi.double()).float(), torch.where(ok, tau / one + extra, 0.0).float()
 
 
 #: Key span above which the backward cuts a FULL piece of a many-piece plan (see _backward_pieces)

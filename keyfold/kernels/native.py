@@ -56,7 +56,7 @@ import torch
 from ._common import cpu_flags
 
 __all__ = ["available", "why", "bf16_dot", "pays", "attend", "run", "prefill_available", "prefill",
-           "backward_takes", "backward", "MAX_ROWS", "FEW_ROWS", "MIN_KEYS"]
+           "backward_takes", "backward", "backward_sums", "MAX_ROWS", "FEW_ROWS", "MIN_KEYS"]
 
 #: The sources, compiled into one library, and the header they share (part of the build's hash).
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("decode.c", "prefill.c", "backward.c"))
@@ -157,7 +157,7 @@ def _load(sources: tuple[Path, ...], header: Path) -> tuple[ctypes.CDLL | None, 
                                P, I]
     if any(f.name == "backward.c" for f in sources):  # benchmarks/kernel_ab.py builds the forward kernels alone
         lib.kf_backward.restype = I
-        lib.kf_backward.argtypes = [*[P] * 7, I, I, LL, LL, LL, I, I, I, LL, LL, I, I, ctypes.c_float, P, P, P, I]
+        lib.kf_backward.argtypes = [*[P] * 9, I, I, LL, LL, LL, I, I, I, LL, LL, I, I, ctypes.c_float, I, P, P, P, P, I]
     return lib, f"built at {path}"
 
 
@@ -386,15 +386,36 @@ def backward_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     return None
 
 
+def _mask_args(mask, B, Hq, Hkv, L, S):
+    """(mask tensor for the kernel or None, kind, head divisor, (batch, head, row) strides)"""
+    if mask is None:
+        return None, 0, 1, (0, 0, 0)
+    m = mask
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    mh = m.shape[1]
+    if mh not in (1, Hq, Hkv):
+        raise RuntimeError(f"native.backward: mask {tuple(mask.shape)} has {mh} heads; 1, {Hq} or {Hkv} broadcast")
+    m = m.expand(B, mh, L, S)
+    if m.stride(-1) != 1:
+        m = m.contiguous()
+    strides = tuple(m.stride(i) if m.shape[i] > 1 else 0 for i in range(3))
+    return (m.view(torch.uint8) if m.dtype is torch.bool else m), (1 if m.dtype is torch.bool else 2), Hq // mh, strides
+
+
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-             lse: torch.Tensor, causal: bool, mask: torch.Tensor | None, scale: float
+             lse: torch.Tensor, causal: bool, mask: torch.Tensor | None, scale: float,
+             delta: torch.Tensor | None = None, lse_lo: torch.Tensor | None = None, wide: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` in float32 as PyTorch's fused CPU backward gives them for these arguments (its
     ``_scaled_dot_product_flash_attention_for_cpu_backward`` with ``dropout_p = 0``), with P recomputed
     by an e^x of about 1 ulp (the op's loses precision: see backward.c). q, dout, out ``(B, Hq, L, W)``,
     k, v ``(B, Hkv, S, W)`` with ``Hq`` a multiple of ``Hkv`` (a GQA group's dk and dv summed), lse
     ``(B, Hq, L)``; ``causal``: row t sees keys 0..t; ``mask`` bool (True shows) or float32 additive,
-    broadcastable to ``(B, Hq | Hkv, L, S)``.
+    broadcastable to ``(B, Hq | Hkv, L, S)``. ``delta``: each row's ``dO . O`` (``(B, Hq, L)``; by
+    default taken from ``dout`` and ``out``) and ``lse_lo`` (the low part of a float64 lse, ``lse +
+    lse_lo``), for a caller that renormalises (:func:`backward_sums`); ``wide``: scores and dP summed in
+    float64 (else in float32, in the order of the prefill kernel's and the GEMM's sums).
 
     Raises RuntimeError where :func:`backward_takes` refuses the arguments."""
     global backward_calls
@@ -404,32 +425,42 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     B, Hq, L, W = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     q, k, v, out, dout, lse = (x.float().contiguous() for x in (q, k, v, out, dout, lse))
-    mkind, mhd, ms = 0, 1, (0, 0, 0)
-    if mask is not None:
-        m = mask
-        while m.dim() < 4:
-            m = m.unsqueeze(0)
-        mh = m.shape[1]
-        if mh not in (1, Hq, Hkv):
-            raise RuntimeError(f"native.backward: mask {tuple(mask.shape)} has {mh} heads; 1, {Hq} or {Hkv} broadcast")
-        m = m.expand(B, mh, L, S)
-        if m.stride(-1) != 1:
-            m = m.contiguous()
-        mask = m.view(torch.uint8) if m.dtype is torch.bool else m
-        mkind = 1 if m.dtype is torch.bool else 2
-        mhd = Hq // mh
-        ms = tuple(m.stride(i) if m.shape[i] > 1 else 0 for i in range(3))
+    delta, lse_lo = (None if x is None else x.float().contiguous() for x in (delta, lse_lo))
+    m, mkind, mhd, ms = _mask_args(mask, B, Hq, Hkv, L, S)
     Wp = -(-W // 16) * 16
     dq = torch.zeros(B, Hq, L, Wp, dtype=torch.float32)
     dk = torch.empty(B, Hkv, S, Wp, dtype=torch.float32)
     dv = torch.empty(B, Hkv, S, Wp, dtype=torch.float32)
     rc = _lib.kf_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(), lse.data_ptr(),
-                          None if mask is None else mask.data_ptr(), mkind, mhd, *ms, B, Hq, Hkv, L, S, W,
-                          int(bool(causal)), scale, dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-                          torch.get_num_threads())
+                          None if lse_lo is None else lse_lo.data_ptr(), None if delta is None else delta.data_ptr(), None if m is None else m.data_ptr(), mkind,
+                          mhd, *ms, B, Hq, Hkv, L, S, W, int(bool(causal)), scale, int(wide), None, dq.data_ptr(),
+                          dk.data_ptr(), dv.data_ptr(), torch.get_num_threads())
     backward_calls += 1
     if rc != 0:
         raise RuntimeError(f"keyfold's backward kernel refused q {tuple(q.shape)}, k {tuple(k.shape)} (code {rc})")
     if Wp != W:
         dq, dk, dv = (x[..., :W].contiguous() for x in (dq, dk, dv))
     return dq, dk, dv
+
+
+def backward_sums(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+                  causal: bool, mask: torch.Tensor | None, scale: float, wide: bool = True) -> torch.Tensor:
+    """``(2, B, Hq, L)`` float64: each row's sum of P = exp(s - lse) over these keys, then of P dP
+    (dP = dO . v), from the kernel's own scores (arguments as :func:`backward`). Summed over all of a
+    row's pieces they give ``lse + log(sum P)`` and ``delta = sum P dP / sum P``: P and delta
+    normalised as the naive backward's are (backward.c says why)."""
+    refused = backward_takes(q, k, v, mask)
+    if refused is not None:
+        raise RuntimeError(f"native.backward_sums: {refused}; use the fused op for these")
+    B, Hq, L, W = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    q, k, v, dout, lse = (x.float().contiguous() for x in (q, k, v, dout, lse))
+    m, mkind, mhd, ms = _mask_args(mask, B, Hq, Hkv, L, S)
+    sums = torch.empty(2, B, Hq, L, dtype=torch.float64)
+    rc = _lib.kf_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), None, dout.data_ptr(), lse.data_ptr(), None, None,
+                          None if m is None else m.data_ptr(), mkind, mhd, *ms, B, Hq, Hkv, L, S, W,
+                          int(bool(causal)), scale, int(wide), sums.data_ptr(), None, None, None,
+                          torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"keyfold's backward kernel refused q {tuple(q.shape)}, k {tuple(k.shape)} (code {rc})")
+    return sums
