@@ -166,24 +166,6 @@ static inline __m512d half(__m512 x, int h) {
     return _mm512_cvtps_pd(h ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)) : _mm512_castps512_ps256(x));
 }
 
-/* e^x to about 1 ulp (simd.h's exp16 polynomial), 0 below -87 and at -inf, NaN kept: one compare
- * (true for NaN) masks the result, and 2^n is vscalefps */
-static inline __m512 exp_p(__m512 x) {
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_maskz_scalef_ps(keep, p, n);
-}
-
 /* the key lanes of vector x in row gr that the call shows it: inside the call's keys, at or left of
  * the diagonal under the causal flag, true in a bool mask */
 static inline __mmask16 seen(const bjob_t *J, const unsigned char *mrow, long long gr, long long c0, int x, long long nc) {
@@ -195,6 +177,13 @@ static inline __mmask16 seen(const bjob_t *J, const unsigned char *mrow, long lo
         k &= _mm512_test_epi32_mask(_mm512_cvtepu8_epi32(b), _mm512_cvtepu8_epi32(b));
     }
     return k;
+}
+
+/* P = e^t on the lanes of k (0 elsewhere) stored at dst; whether any is not 0 */
+static inline int put_p(float *dst, __mmask16 k, __m512 t) {
+    const __m512 p = _mm512_maskz_mov_ps(k, exp16(t));
+    _mm512_store_ps(dst, p);
+    return _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _MM_CMPINT_NE) != 0;
 }
 
 /* P of nr rows (tile rows r0.. of the row block at global row i0; key block at c0 of nc keys) into
@@ -219,38 +208,20 @@ static inline __attribute__((always_inline)) int rows_p(const int nr, const bjob
                 t = _mm512_fmadd_ps(acc[r][x], sc, nl);
             if (lo)  /* the exponent is near 0 where P matters: the low part keeps its bits there */
                 t = _mm512_sub_ps(t, _mm512_set1_ps(lo[gr]));
-            const __m512 p = _mm512_maskz_mov_ps(k, exp_p(t));
-            any |= _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _MM_CMPINT_NE) != 0;
-            _mm512_store_ps(T->p + (size_t)(r0 + r) * BC + 16 * x, p);
+            any |= put_p(T->p + (size_t)(r0 + r) * BC + 16 * x, k, t);
         }
     }
     return any;
 }
 
-/* dS = scale P (dP - delta) of nr rows into T->ds; with `sums`, instead sigma_r += sum P and
- * tau_r += sum P dP (float64) */
+/* dS = scale P (dP - delta) of nr rows into T->ds */
 static inline __attribute__((always_inline)) void rows_ds(const int nr, const bjob_t *J, const scratch_t *T, int r0,
-                                                         long long i0, const float *delta, double *sigma, double *tau) {
+                                                         long long i0, const float *delta) {
     __m512 acc[RR][4];
     dot(nr, T->dop + (size_t)r0 * J->Wp, J->Wp, T->vt, J->W, acc);
     const __m512 sc = _mm512_set1_ps(J->scale);
     for (int r = 0; r < nr; r++) {
         const float *pr = T->p + (size_t)(r0 + r) * BC;
-        if (sigma) {
-            __m512d s = _mm512_setzero_pd(), t = _mm512_setzero_pd();
-            for (int x = 0; x < 4; x++) {
-                const __m512 p = _mm512_load_ps(pr + 16 * x);
-                const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(p));
-                const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1)));
-                const __m512 d = acc[r][x];
-                s = _mm512_add_pd(s, _mm512_add_pd(lo, hi));
-                t = _mm512_fmadd_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(d)), t);
-                t = _mm512_fmadd_pd(hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(d), 1))), t);
-            }
-            sigma[i0 + r0 + r] += _mm512_reduce_add_pd(s);
-            tau[i0 + r0 + r] += _mm512_reduce_add_pd(t);
-            continue;
-        }
         const __m512 dl = _mm512_set1_ps(delta[i0 + r0 + r]);
         for (int x = 0; x < 4; x++)
             _mm512_store_ps(T->ds + (size_t)(r0 + r) * BC + 16 * x,
@@ -279,15 +250,14 @@ static inline __attribute__((always_inline)) int rows_p64(const int nr, const bj
                 b = _mm512_add_pd(nl, half(m, 1));
             }
             const __m512 t = narrow(_mm512_fmadd_pd(acc[r][2 * x], sc, a), _mm512_fmadd_pd(acc[r][2 * x + 1], sc, b));
-            const __m512 p = _mm512_maskz_mov_ps(k, exp_p(t));
-            any |= _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _MM_CMPINT_NE) != 0;
-            _mm512_store_ps(T->p + (size_t)(r0 + r) * BC + 16 * x, p);
+            any |= put_p(T->p + (size_t)(r0 + r) * BC + 16 * x, k, t);
         }
     }
     return any;
 }
 
-/* rows_ds with dP summed in float64 and dP - delta taken in float64, rounded once */
+/* rows_ds with dP summed in float64 and dP - delta taken in float64, rounded once; with `sigma`,
+ * instead sigma_r += sum P and tau_r += sum P dP (float64; the sums of a call asked for `sums`) */
 static inline __attribute__((always_inline)) void rows_ds64(const int nr, const bjob_t *J, const scratch_t *T, int r0,
                                                            long long i0, const float *delta, double *sigma,
                                                            double *tau) {
@@ -349,13 +319,13 @@ static int scores(const bjob_t *J, const scratch_t *T, int nr, long long i0, lon
         else if (nr - r0 == 1)
             rows_ds64(1, J, T, r0, i0, delta, sigma, tau);
     } else {
-        for (; r0 + RR <= nr; r0 += RR) rows_ds(RR, J, T, r0, i0, delta, sigma, tau);
+        for (; r0 + RR <= nr; r0 += RR) rows_ds(RR, J, T, r0, i0, delta);
         switch (nr - r0) {
-        case 5: rows_ds(5, J, T, r0, i0, delta, sigma, tau); break;
-        case 4: rows_ds(4, J, T, r0, i0, delta, sigma, tau); break;
-        case 3: rows_ds(3, J, T, r0, i0, delta, sigma, tau); break;
-        case 2: rows_ds(2, J, T, r0, i0, delta, sigma, tau); break;
-        case 1: rows_ds(1, J, T, r0, i0, delta, sigma, tau); break;
+        case 5: rows_ds(5, J, T, r0, i0, delta); break;
+        case 4: rows_ds(4, J, T, r0, i0, delta); break;
+        case 3: rows_ds(3, J, T, r0, i0, delta); break;
+        case 2: rows_ds(2, J, T, r0, i0, delta); break;
+        case 1: rows_ds(1, J, T, r0, i0, delta); break;
         }
     }
     return 1;
@@ -511,7 +481,7 @@ static double dot_row(const float *a, const float *o, int W) {
 
 /* The gradients into dq (zeros), dk, dv (row stride Wp); delta_in: each row's delta (NULL: dO . O);
  * lse_lo: NULL, or the low part of a float64 lse (lse + lse_lo); wide: s and dP in float64.
- * With sums (2 x B x Hq x L float64): instead each row's sum of P, then of P dP, over these keys. */
+ * With sums (2 x B x Hq x L float64): instead each row's sum of P, then of P dP, over these keys (wide). */
 int kf_backward(const float *q, const float *k, const float *v, const float *o, const float *dout,
                 const float *lse, const float *lse_lo, const float *delta_in, const void *mask, int mkind, int mhd,
                 long long msb, long long msh, long long msl, int B, int Hq, int Hkv, long long L, long long S, int W, int causal,
@@ -530,7 +500,7 @@ int kf_backward(const float *q, const float *k, const float *v, const float *o, 
         return 0;
     }
     bjob_t J = {q, k, v, o, dout, lse, lse_lo, (const unsigned char *)mask, mask ? mkind : 0, mhd > 0 ? mhd : 1,
-                msb, msh, msl, B, Hq, Hkv, W, Wp, causal, wide != 0, L, S, scale, dq, dk, dv, NULL};
+                msb, msh, msl, B, Hq, Hkv, W, Wp, causal, wide || sums, L, S, scale, dq, dk, dv, NULL};
     float *own = delta_in || sums ? NULL : (float *)malloc(sizeof(float) * rows);  /* delta = dO . O */
     if (!delta_in && !sums && !own)
         return 2;

@@ -1,20 +1,19 @@
-/* What keyfold's native kernels (decode.c, prefill.c) share: float32 e^x on 16 lanes, a transposing
+/* What keyfold's native kernels (decode.c, prefill.c, backward.c) share: float32 e^x on 16 lanes, a transposing
  * reduction of 16 vectors, lane masks. Each kernel is compiled with AVX-512 F, BW and VL (keyfold/kernels/native.py). */
 #ifndef KEYFOLD_SIMD_H
 #define KEYFOLD_SIMD_H
 #include <immintrin.h>
 
 /* e^x for x <= 0 (a score minus its row's running max): x = n ln2 + r, |r| <= ln2/2, with ln2 in two
- * parts so r is exact; e^r by Cephes' degree-6 polynomial (about 1 ulp); 2^n in the exponent bits.
- * Below -87 (and at -inf) it gives 0: e^-87 is at the bottom of float32's normal range. NaN gives NaN
- * (a NaN or infinite input must reach the output, as in PyTorch's op, never vanish as 0). */
+ * parts so r is exact; e^r by Cephes' degree-6 polynomial (about 1 ulp); 2^n by vscalefps. Below -87
+ * (and at -inf) it gives 0: e^-87 is at the bottom of float32's normal range. NaN gives NaN (a NaN or
+ * infinite input must reach the output, as in PyTorch's op, never vanish as 0): one compare, true
+ * for NaN, keeps the lanes. */
 static inline __m512 exp16(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.0f);
-    __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
-    __m512 xc = _mm512_max_ps(x, lo);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
     r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
     __m512 p = _mm512_set1_ps(1.9875691500e-4f);
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
@@ -23,9 +22,7 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    const __m512 y = _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
-    return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);  /* NaN stays NaN */
+    return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
 /* Lane j of the result = the sum of t[j]'s lanes: a transpose-and-add tree, 15 shuffle-and-add steps
