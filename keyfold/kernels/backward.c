@@ -22,9 +22,10 @@
  *
  * Layout of the work: one key block of BC keys at a time is packed (K and V transposed for the score
  * and dP products, K as rows for dQ) and its dK, dV accumulated in scratch over every row block of
- * every query head of its group; dQ is accumulated in place over the key blocks. A thread takes whole
- * (batch, kv head) items when they divide among the threads (dQ then has one writer); otherwise it
- * takes (item, key block) pairs and adds dQ into a buffer of its own, summed at the end.
+ * every query head of its group; dQ is accumulated in place over the key blocks, in their order. A
+ * thread takes whole (batch, kv head) items; fewer than SPLIT items are cut in two at the key block
+ * that halves their work, the second half's dQ summed in a buffer and added after. Which thread runs
+ * what never changes a bit: the gradients are the same run to run and at any thread count.
  *
  * Products are register tiles of RR rows (scores, dP, dQ) or CK keys (dK, dV) by a chunk of up to 64
  * columns (four vectors). Hidden keys (the causal flag, a bool mask, padding past the call's keys) get
@@ -40,6 +41,7 @@
 #define BC 64  /* keys per tile: four vectors */
 #define RR 6   /* rows of a register tile (scores, dP, dQ): 6 x 4 accumulators */
 #define CK 4   /* keys of a register tile (dK, dV) */
+#define SPLIT 4 /* (batch, kv head) items from which each is one thread's work, not cut in two */
 
 typedef struct {
     const float *q, *k, *v, *o, *dout, *lse;  /* q, o, dout (B, Hq, L, W); k, v (B, Hkv, S, W); lse (B, Hq, L) */
@@ -468,6 +470,11 @@ static void row_sums(const bjob_t *J, const scratch_t *T, int b, int hk, long lo
     }
 }
 
+/* the rows that see key block j (its work): all, or under the causal flag those at or past it */
+static double block_rows(const bjob_t *J, long long j) {
+    return J->causal ? (double)(J->L > j * BC ? J->L - j * BC : 0) : (double)J->L;
+}
+
 /* dO . O of a row in float64, rounded once (the caller's spare column, if any, makes it dO . O - dlse) */
 static double dot_row(const float *a, const float *o, int W) {
     __m512d s = _mm512_setzero_pd();
@@ -507,33 +514,30 @@ int kf_backward(const float *q, const float *k, const float *v, const float *o, 
     J.delta = delta_in ? (float *)delta_in : own;
     if (threads < 1)
         threads = 1;
-    /* whole items per thread where they divide evenly (or are many); else (item, key block) pairs with a
-     * dq buffer for each thread but the first */
-    const int whole = items % threads == 0 || items >= 4LL * threads || threads == 1;
-    const size_t dqn = (size_t)rows * Wp;
     const long long row_blocks = (L + BR - 1) / BR;
-    float **bufs = (float **)calloc((size_t)threads, sizeof(float *));
-    int err = bufs == NULL;
+    const int whole = items >= SPLIT || blocks < 2 || sums;
+    const size_t dqn = (size_t)rows * Wp;
+    float *part = whole ? NULL : (float *)calloc(dqn, sizeof(float));  /* dQ of the items' second halves */
+    long long cut = blocks;  /* the key block that halves an item's work */
+    if (!whole) {
+        double total = 0, run = 0;
+        for (long long j = 0; j < blocks; j++) total += block_rows(&J, j);
+        for (cut = 1; cut < blocks - 1 && run + block_rows(&J, cut - 1) < total / 2; cut++)
+            run += block_rows(&J, cut - 1);
+    }
+    int err = !whole && !part;
     const size_t sb = scratch_bytes(&J);
     #pragma omp parallel num_threads(threads)
     {
-        const int me = omp_get_thread_num(), nt = omp_get_num_threads();
         char *mem = (char *)malloc(sb);
-        float *mine = dq;
-        if (!whole && !sums && me > 0 && bufs)
-            mine = bufs[me] = (float *)calloc(dqn, sizeof(float));
-        if (!mem || (!sums && !mine) || !bufs) {
+        if (!mem) {
             #pragma omp atomic write
             err = 1;
         }
         #pragma omp barrier
         if (!err) {
             const scratch_t T = carve(&J, mem);
-            if (sums && whole) {
-                #pragma omp for schedule(static)
-                for (long long it = 0; it < items; it++)
-                    row_sums(&J, &T, (int)(it / Hkv), (int)(it % Hkv), 0, L, sums, sums + rows);
-            } else if (sums) {
+            if (sums) {
                 #pragma omp for schedule(dynamic, 1)
                 for (long long u = 0; u < items * row_blocks; u++) {
                     const long long i0 = u % row_blocks * BR;
@@ -545,27 +549,21 @@ int kf_backward(const float *q, const float *k, const float *v, const float *o, 
                     #pragma omp for schedule(static)
                     for (long long r = 0; r < rows; r++) own[r] = (float)dot_row(dout + r * W, o + r * W, W);
                 }
-                if (whole) {
+                #pragma omp for schedule(dynamic, 1)
+                for (long long u = 0; u < items * (whole ? 1 : 2); u++) {
+                    const long long it = whole ? u : u / 2, half = whole ? 0 : u % 2;
+                    for (long long j = half ? cut : 0; j < (half ? blocks : cut); j++)
+                        key_block(&J, &T, (int)(it / Hkv), (int)(it % Hkv), j * BC, half ? part : dq);
+                }
+                if (!whole) {
                     #pragma omp for schedule(static)
-                    for (long long it = 0; it < items; it++)
-                        for (long long c0 = 0; c0 < S; c0 += BC)
-                            key_block(&J, &T, (int)(it / Hkv), (int)(it % Hkv), c0, dq);
-                } else {
-                    #pragma omp for schedule(dynamic, 1)
-                    for (long long w = 0; w < items * blocks; w++)
-                        key_block(&J, &T, (int)(w % items / Hkv), (int)(w % items % Hkv), w / items * BC, mine);
-                    #pragma omp for schedule(static)
-                    for (long long i = 0; i < (long long)dqn; i++)
-                        for (int t = 1; t < nt; t++) dq[i] += bufs[t][i];
+                    for (long long i = 0; i < (long long)dqn; i++) dq[i] += part[i];
                 }
             }
         }
         free(mem);
-        #pragma omp barrier
-        if (mine != dq)
-            free(mine);
     }
-    free(bufs);
+    free(part);
     free(own);
     return err ? 2 : 0;
 }
