@@ -269,9 +269,10 @@ def cases(preset: str) -> list[Case]:
     lowp += [Case(v.name, 4096, 64, "bfloat16", "fwd+bwd") for v in VARIANTS if v.differentiable]
     if preset == "lowp":  # only the 16-bit rows of standard: ~20 min
         return lowp
-    if preset == "backward":  # the ≤ 1.10x SDPA backward target at every N and D the full sweep has below 16k: ~2 min
-        return [Case(v.name, N, D, "bfloat16", "fwd+bwd") for N in (1024, 4096) for D in (64, 128)
-                for v in VARIANTS if v.differentiable]
+    if preset == "backward":  # the ≤ 1.10x SDPA backward target at every N and D the full sweep has below 16k,
+        # in bfloat16 (the issue's) and float32 (keyfold's own backward kernel): ~5 min
+        return [Case(v.name, N, D, dt, "fwd+bwd") for dt in ("bfloat16", "float32") for N in (1024, 4096)
+                for D in (64, 128) for v in VARIANTS if v.differentiable]
     if preset == "standard":  # every variant vs N with Flex (the plot), backward, 16-bit at 4k and 16k, memory: ~35-50 min
         out = [Case(v.name, N, 64, "float32", "fwd") for N in (1024, 4096, 16384) for v in VARIANTS]
         out += [Case(v.name, 4096, 64, "float32", "fwd+bwd") for v in VARIANTS if v.differentiable]
@@ -457,8 +458,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m keyfold bench kernels", description=__doc__)
     ap.add_argument("--preset", choices=("tiny", "quick", "lowp", "backward", "standard", "full"), default="standard",
                     help="quick: the issue's targets (< 3 min); lowp: every variant in bfloat16 and float16 at 4096 and "
-                         "16384, and bfloat16 backward (~20 min); backward: bfloat16 forward+backward of every "
-                         "differentiable variant at N 1024 and 4096, D 64 and 128 (~2 min); standard: every variant vs N, plus lowp "
+                         "16384, and bfloat16 backward (~20 min); backward: bfloat16 and float32 forward+backward of every "
+                         "differentiable variant at N 1024 and 4096, D 64 and 128 (~5 min); standard: every variant vs N, plus lowp "
                          "and the memory table (~35-50 min); full: N x D x dtype x mode (50 min on the Intel Xeon with AMX, ~2 h on the AMD EPYC)")
     ap.add_argument("--quick", action="store_const", const="quick", dest="preset", help="the issue's targets, < 3 min")
     ap.add_argument("--out", type=Path, default=None, help="output directory (default: the repository's benchmarks/results)")

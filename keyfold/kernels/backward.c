@@ -216,14 +216,37 @@ static inline __attribute__((always_inline)) int rows_p(const int nr, const bjob
     return any;
 }
 
-/* dS = scale P (dP - delta) of nr rows into T->ds */
+/* sigma += sum P, tau += sum P dP of one row (float64), dP in float64 as two vectors a 16 keys */
+static inline void add_sums(const float *pr, const __m512d *dp, double *sigma, double *tau) {
+    __m512d s = _mm512_setzero_pd(), t = _mm512_setzero_pd();
+    for (int x = 0; x < 4; x++) {
+        const __m512 p = _mm512_load_ps(pr + 16 * x);
+        s = _mm512_add_pd(s, _mm512_add_pd(half(p, 0), half(p, 1)));
+        t = _mm512_fmadd_pd(half(p, 0), dp[2 * x], t);
+        t = _mm512_fmadd_pd(half(p, 1), dp[2 * x + 1], t);
+    }
+    *sigma += _mm512_reduce_add_pd(s);
+    *tau += _mm512_reduce_add_pd(t);
+}
+
+/* dS = scale P (dP - delta) of nr rows into T->ds; with `sigma`, instead the row sums (add_sums) */
 static inline __attribute__((always_inline)) void rows_ds(const int nr, const bjob_t *J, const scratch_t *T, int r0,
-                                                         long long i0, const float *delta) {
+                                                         long long i0, const float *delta, double *sigma,
+                                                         double *tau) {
     __m512 acc[RR][4];
     dot(nr, T->dop + (size_t)r0 * J->Wp, J->Wp, T->vt, J->W, acc);
     const __m512 sc = _mm512_set1_ps(J->scale);
     for (int r = 0; r < nr; r++) {
         const float *pr = T->p + (size_t)(r0 + r) * BC;
+        if (sigma) {
+            __m512d dp[8];
+            for (int x = 0; x < 4; x++) {
+                dp[2 * x] = half(acc[r][x], 0);
+                dp[2 * x + 1] = half(acc[r][x], 1);
+            }
+            add_sums(pr, dp, sigma + i0 + r0 + r, tau + i0 + r0 + r);
+            continue;
+        }
         const __m512 dl = _mm512_set1_ps(delta[i0 + r0 + r]);
         for (int x = 0; x < 4; x++)
             _mm512_store_ps(T->ds + (size_t)(r0 + r) * BC + 16 * x,
@@ -258,8 +281,7 @@ static inline __attribute__((always_inline)) int rows_p64(const int nr, const bj
     return any;
 }
 
-/* rows_ds with dP summed in float64 and dP - delta taken in float64, rounded once; with `sigma`,
- * instead sigma_r += sum P and tau_r += sum P dP (float64; the sums of a call asked for `sums`) */
+/* rows_ds with dP summed in float64 and dP - delta taken in float64, rounded once */
 static inline __attribute__((always_inline)) void rows_ds64(const int nr, const bjob_t *J, const scratch_t *T, int r0,
                                                            long long i0, const float *delta, double *sigma,
                                                            double *tau) {
@@ -269,15 +291,7 @@ static inline __attribute__((always_inline)) void rows_ds64(const int nr, const 
     for (int r = 0; r < nr; r++) {
         const float *pr = T->p + (size_t)(r0 + r) * BC;
         if (sigma) {
-            __m512d s = _mm512_setzero_pd(), t = _mm512_setzero_pd();
-            for (int x = 0; x < 4; x++) {
-                const __m512 p = _mm512_load_ps(pr + 16 * x);
-                s = _mm512_add_pd(s, _mm512_add_pd(half(p, 0), half(p, 1)));
-                t = _mm512_fmadd_pd(half(p, 0), acc[r][2 * x], t);
-                t = _mm512_fmadd_pd(half(p, 1), acc[r][2 * x + 1], t);
-            }
-            sigma[i0 + r0 + r] += _mm512_reduce_add_pd(s);
-            tau[i0 + r0 + r] += _mm512_reduce_add_pd(t);
+            add_sums(pr, acc[r], sigma + i0 + r0 + r, tau + i0 + r0 + r);
             continue;
         }
         const __m512d dl = _mm512_set1_pd(delta[i0 + r0 + r]);
@@ -321,13 +335,13 @@ static int scores(const bjob_t *J, const scratch_t *T, int nr, long long i0, lon
         else if (nr - r0 == 1)
             rows_ds64(1, J, T, r0, i0, delta, sigma, tau);
     } else {
-        for (; r0 + RR <= nr; r0 += RR) rows_ds(RR, J, T, r0, i0, delta);
+        for (; r0 + RR <= nr; r0 += RR) rows_ds(RR, J, T, r0, i0, delta, sigma, tau);
         switch (nr - r0) {
-        case 5: rows_ds(5, J, T, r0, i0, delta); break;
-        case 4: rows_ds(4, J, T, r0, i0, delta); break;
-        case 3: rows_ds(3, J, T, r0, i0, delta); break;
-        case 2: rows_ds(2, J, T, r0, i0, delta); break;
-        case 1: rows_ds(1, J, T, r0, i0, delta); break;
+        case 5: rows_ds(5, J, T, r0, i0, delta, sigma, tau); break;
+        case 4: rows_ds(4, J, T, r0, i0, delta, sigma, tau); break;
+        case 3: rows_ds(3, J, T, r0, i0, delta, sigma, tau); break;
+        case 2: rows_ds(2, J, T, r0, i0, delta, sigma, tau); break;
+        case 1: rows_ds(1, J, T, r0, i0, delta, sigma, tau); break;
         }
     }
     return 1;
@@ -488,7 +502,7 @@ static double dot_row(const float *a, const float *o, int W) {
 
 /* The gradients into dq (zeros), dk, dv (row stride Wp); delta_in: each row's delta (NULL: dO . O);
  * lse_lo: NULL, or the low part of a float64 lse (lse + lse_lo); wide: s and dP in float64.
- * With sums (2 x B x Hq x L float64): instead each row's sum of P, then of P dP, over these keys (wide). */
+ * With sums (2 x B x Hq x L float64): instead each row's sum of P, then of P dP, over these keys. */
 int kf_backward(const float *q, const float *k, const float *v, const float *o, const float *dout,
                 const float *lse, const float *lse_lo, const float *delta_in, const void *mask, int mkind, int mhd,
                 long long msb, long long msh, long long msl, int B, int Hq, int Hkv, long long L, long long S, int W, int causal,
@@ -507,7 +521,7 @@ int kf_backward(const float *q, const float *k, const float *v, const float *o, 
         return 0;
     }
     bjob_t J = {q, k, v, o, dout, lse, lse_lo, (const unsigned char *)mask, mask ? mkind : 0, mhd > 0 ? mhd : 1,
-                msb, msh, msl, B, Hq, Hkv, W, Wp, causal, wide || sums, L, S, scale, dq, dk, dv, NULL};
+                msb, msh, msl, B, Hq, Hkv, W, Wp, causal, wide != 0, L, S, scale, dq, dk, dv, NULL};
     float *own = delta_in || sums ? NULL : (float *)malloc(sizeof(float) * rows);  /* delta = dO . O */
     if (!delta_in && !sums && !own)
         return 2;

@@ -681,14 +681,15 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     delta = lse_lo = None
     if own and whole_rows and Nq * inp.g < PREFILL_MIN_ROWS:
         # the forward of so few rows ran on the op or the decode kernel, which sum scores in another
-        # order than the kernel: P and delta renormalised by the kernel's own scores (backward.c)
+        # order than the kernel: P and delta renormalised by the kernel's own scores (backward.c;
+        # at 128 or 256 rows instead of 512, a 700-case fuzz found 2-3 cases past the rule, at 512 none)
         lse_safe, lse_lo, delta = _renormalised(inp, pieces, pb, q, memo, plan.tiles, lse_safe, o, do, spare)
     for piece in pieces:
         qs, ks, vs, causal, tile, folded, keys, rows, o_p, do_p, l_p, d_p, lo_p = _backward_args(
             inp, piece, pb, q, memo, plan.tiles, o, do, lse_safe, delta, lse_lo)
         if own:  # a GQA group's members in one call
             gq, gk, gv = native.backward(do_p, qs.flatten(1, 2) if qs.dim() == 5 else qs, ks, vs, o_p, l_p, causal,
-                                         tile.mask, pb.scale, delta=d_p, lse_lo=lo_p, wide=delta is not None)
+                                         tile.mask, pb.scale, delta=d_p, lse_lo=lo_p, wide=delta is not None and W > WIDE_HEAD)
         elif qs.dim() == 5:  # GQA under the causal flag: per member, dk / dv summed over the group
             o5, do5, l5 = (_members(t.contiguous(), inp.g) for t in (o_p, do_p, l_p))
             gq = qs.new_empty(qs.shape)  # (B, Hkv, g, L, W), in the dtype the op returns
@@ -750,7 +751,7 @@ def _renormalised(inp: _Inputs, pieces, pb: Problem, q, memo: dict, cache, lse, 
         qs, ks, vs, causal, tile, folded, _, rows, _, do_p, l_p, _, _ = _backward_args(
             inp, piece, pb, q, memo, cache, o, do, lse, None)
         part = native.backward_sums(do_p, qs.flatten(1, 2) if qs.dim() == 5 else qs, ks, vs, l_p, causal, tile.mask,
-                                    pb.scale)
+                                    pb.scale, wide=inp.W > WIDE_HEAD)
         if folded:
             part = torch.stack([_unfold(x, inp.g, Hq) for x in part])
         sums[:, :, :, rows] += part
@@ -762,6 +763,13 @@ def _renormalised(inp: _Inputs, pieces, pb: Problem, q, memo: dict, cache, lse, 
     extra = (do[..., -1].double() * o[..., -1].double()) if spare else 0.0
     # delta of a row whose sum is 0 meets only P = 0 (and one that is not finite, NaN P's): any will do
     return hi, (wide - hi.double()).float(), torch.where(ok, tau / one + extra, 0.0).float()
+
+
+#: Head size (with the lse gradient's spare column) above which a renormalised float32 backward sums
+#: its scores and dP in float64: a float32 sum over 256 terms put dv at 6.6x the naive error (2 keys,
+#: score std 1), where over 64 the renormalised float32 sums held the rule in a 700-case fuzz; float64
+#: costs 2.1-3.3x the op's time, float32 1.3x (B=1, H=8, 1k-4k, 2 threads)
+WIDE_HEAD = 128
 
 
 #: Key span above which the backward cuts a FULL piece of a many-piece plan (see _backward_pieces)

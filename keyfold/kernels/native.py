@@ -444,9 +444,10 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 
 def backward_sums(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
-                  causal: bool, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+                  causal: bool, mask: torch.Tensor | None, scale: float, wide: bool = False) -> torch.Tensor:
     """``(2, B, Hq, L)`` float64: each row's sum of P = exp(s - lse) over these keys, then of P dP
-    (dP = dO . v), from the kernel's own scores summed in float64 (arguments as :func:`backward`). Summed over all of a
+    (dP = dO . v), from the kernel's own scores (arguments as :func:`backward`; ``wide`` as the
+    :func:`backward` call that takes them will have it). Summed over all of a
     row's pieces they give ``lse + log(sum P)`` and ``delta = sum P dP / sum P``: P and delta
     normalised as the naive backward's are (backward.c says why)."""
     refused = backward_takes(q, k, v, mask)
@@ -459,7 +460,7 @@ def backward_sums(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     sums = torch.empty(2, B, Hq, L, dtype=torch.float64)
     rc = _lib.kf_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), None, dout.data_ptr(), lse.data_ptr(), None, None,
                           None if m is None else m.data_ptr(), mkind, mhd, *ms, B, Hq, Hkv, L, S, W,
-                          int(bool(causal)), scale, 1, sums.data_ptr(), None, None, None,
+                          int(bool(causal)), scale, int(wide), sums.data_ptr(), None, None, None,
                           torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"keyfold's backward kernel refused q {tuple(q.shape)}, k {tuple(k.shape)} (code {rc})")
