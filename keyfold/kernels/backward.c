@@ -13,8 +13,10 @@
  * 4x as often in a 700-case fuzz). Where the forward summed otherwise (the decode kernel's few rows, a
  * small GEMM), the caller first asks for `sums`: each row's sum of P and of P dP over the call's keys,
  * from the backward's own scores; over all of a row's pieces they give lse + log(sum P) and
- * delta = sum P dP / sum P, which the caller passes back (`lse`, `delta`) for the gradients: P and
- * delta as the naive backward takes them.
+ * delta = sum P dP / sum P, which the caller passes back (`lse`, `lse_lo`, `delta`) for the gradients:
+ * P and delta as the naive backward takes them. There `wide` sums the scores and dP in float64 (the
+ * caller asks for it at wide heads, where a float32 sum over 256 terms is itself too coarse; the
+ * sums and the gradients must be asked alike).
  *
  * The math (FlashAttention-2's backward, docs/math.md section 2), for a row r and a key c:
  *     P = exp(scale q_r.k_c + m_rc - lse_r)      delta_r = dO_r . O_r  (minus dlse_r: the caller's spare column)
