@@ -111,34 +111,78 @@ static void pack_rows(float *dst, double *dd, const float *x, long long n, int r
     }
 }
 
-/* keys [0, n) of x (row stride W) transposed into dst (W x BC; float64 when wide), zero past n */
+/* lanes 0-7 (half 0) or 8-15 (half 1) of x in float64 */
+static inline __m512d half(__m512 x, int h) {
+    return _mm512_cvtps_pd(h ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))
+                             : _mm512_castps512_ps256(x));
+}
+
+/* r[i] lane j -> r[j] lane i: a 16 x 16 float transpose in registers (pairs, quads, 128-bit lanes,
+ * halves) */
+static inline void transpose16f(__m512 *r) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4)
+        for (int j = 0; j < 2; j++) {
+            const __m512d a = _mm512_castps_pd(t[i + j]), b = _mm512_castps_pd(t[i + j + 2]);
+            r[i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+            r[i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        }
+    for (int i = 0; i < 16; i += 8)
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xDD);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xDD);
+    }
+}
+
+/* keys [0, n) of x (row stride W) transposed into dst (W x BC; float64 when wide), zero past n, in
+ * 16 x 16 blocks (element by element it was most of the time of calls of few rows) */
 static void pack_t(float *dst, const float *x, long long n, int W, int wide) {
-    for (int c = 0; c < BC; c++)
-        for (int w = 0; w < W; w++) {
-            const float e = c < n ? x[(size_t)c * W + w] : 0.0f;
-            if (wide)
-                ((double *)dst)[(size_t)w * BC + c] = e;
-            else
-                dst[(size_t)w * BC + c] = e;
+    for (int c = 0; c < BC; c += 16)
+        for (int w = 0; w < W; w += 16) {
+            if (c >= n) {  /* keys past the call's: zeros, nothing to load */
+                for (int i = 0; i < 16 && w + i < W; i++)
+                    memset(wide ? (void *)((double *)dst + (size_t)(w + i) * BC + c) : (void *)(dst + (size_t)(w + i) * BC + c),
+                           0, wide ? 128 : 64);
+                continue;
+            }
+            const __mmask16 cols = upto(W - w);
+            __m512 r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = c + i < n ? _mm512_maskz_loadu_ps(cols, x + (size_t)(c + i) * W + w) : _mm512_setzero_ps();
+            transpose16f(r);
+            for (int i = 0; i < 16 && w + i < W; i++) {
+                const size_t at = (size_t)(w + i) * BC + c;
+                if (wide) {
+                    _mm512_store_pd((double *)dst + at, half(r[i], 0));
+                    _mm512_store_pd((double *)dst + at + 8, half(r[i], 1));
+                } else {
+                    _mm512_store_ps(dst + at, r[i]);
+                }
+            }
         }
 }
 
-/* acc[r][0..3] = sum over w < W of a[r][w] * bt[w][0..63], one FMA a term in order of w (as the
+/* acc[r][0..nk) = sum over w < W of a[r][w] * bt[w][0..16 nk), one FMA a term in order of w (as the
  * prefill kernel's and the GEMM's scores), for nr rows (row stride lda) */
-static inline __attribute__((always_inline)) void dot(const int nr, const float *a, int lda, const float *bt,
-                                                     int W, __m512 acc[RR][4]) {
+static inline __attribute__((always_inline)) void dot(const int nr, const int nk, const float *a, int lda,
+                                                     const float *bt, int W, __m512 acc[RR][4]) {
     for (int r = 0; r < nr; r++)
-        for (int x = 0; x < 4; x++) acc[r][x] = _mm512_setzero_ps();
+        for (int x = 0; x < nk; x++) acc[r][x] = _mm512_setzero_ps();
     for (int w = 0; w < W; w++) {
         const float *b = bt + (size_t)w * BC;
-        const __m512 b0 = _mm512_load_ps(b), b1 = _mm512_load_ps(b + 16), b2 = _mm512_load_ps(b + 32),
-                     b3 = _mm512_load_ps(b + 48);
+        __m512 bx[4];
+        for (int x = 0; x < nk; x++) bx[x] = _mm512_load_ps(b + 16 * x);
         for (int r = 0; r < nr; r++) {
             const __m512 s = _mm512_set1_ps(a[(size_t)r * lda + w]);
-            acc[r][0] = _mm512_fmadd_ps(s, b0, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(s, b1, acc[r][1]);
-            acc[r][2] = _mm512_fmadd_ps(s, b2, acc[r][2]);
-            acc[r][3] = _mm512_fmadd_ps(s, b3, acc[r][3]);
+            for (int x = 0; x < nk; x++) acc[r][x] = _mm512_fmadd_ps(s, bx[x], acc[r][x]);
         }
     }
 }
@@ -165,14 +209,11 @@ static inline __m512 narrow(__m512d lo, __m512d hi) {
                                                _mm256_castps_pd(_mm512_cvtpd_ps(hi)), 1));
 }
 
-/* lanes 0-7 (half 0) or 8-15 (half 1) of x in float64 */
-static inline __m512d half(__m512 x, int h) {
-    return _mm512_cvtps_pd(h ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)) : _mm512_castps512_ps256(x));
-}
 
 /* the key lanes of vector x in row gr that the call shows it: inside the call's keys, at or left of
  * the diagonal under the causal flag, true in a bool mask */
-static inline __mmask16 seen(const bjob_t *J, const unsigned char *mrow, long long gr, long long c0, int x, long long nc) {
+static inline __mmask16 seen(const bjob_t *J, const unsigned char *mrow, long long gr, long long c0, int x,
+                             long long nc) {
     __mmask16 k = upto(nc - 16 * x);
     if (J->causal)
         k &= upto(gr - (c0 + 16 * x) + 1);
@@ -192,22 +233,24 @@ static inline int put_p(float *dst, __mmask16 k, __m512 t) {
 
 /* P of nr rows (tile rows r0.. of the row block at global row i0; key block at c0 of nc keys) into
  * T->p; whether any P is not 0 */
-static inline __attribute__((always_inline)) int rows_p(const int nr, const bjob_t *J, const scratch_t *T, int r0,
+static inline __attribute__((always_inline)) int rows_p(const int nr, const int nk, const bjob_t *J,
+                                                       const scratch_t *T, int r0,
                                                        long long i0, long long c0, long long nc, const float *lse,
                                                        const float *lo, const unsigned char *mrow0) {
     __m512 acc[RR][4];
     int any = 0;
-    dot(nr, T->qp + (size_t)r0 * J->Wp, J->Wp, T->kt, J->W, acc);
+    dot(nr, nk, T->qp + (size_t)r0 * J->Wp, J->Wp, T->kt, J->W, acc);
     const __m512 sc = _mm512_set1_ps(J->scale);
     for (int r = 0; r < nr; r++) {
         const long long gr = i0 + r0 + r;
         const unsigned char *mrow = J->mask ? mrow0 + (size_t)gr * J->msl * (J->mkind == 2 ? 4 : 1) : NULL;
         const __m512 nl = _mm512_set1_ps(-lse[gr]);
-        for (int x = 0; x < 4; x++) {
+        for (int x = 0; x < nk; x++) {
             const __mmask16 k = seen(J, mrow, gr, c0, x, nc);
             __m512 t;
             if (J->mkind == 2)
-                t = _mm512_add_ps(_mm512_fmadd_ps(acc[r][x], sc, _mm512_maskz_loadu_ps(k, (const float *)mrow + c0 + 16 * x)), nl);
+                t = _mm512_add_ps(
+                    _mm512_fmadd_ps(acc[r][x], sc, _mm512_maskz_loadu_ps(k, (const float *)mrow + c0 + 16 * x)), nl);
             else
                 t = _mm512_fmadd_ps(acc[r][x], sc, nl);
             if (lo)  /* the exponent is near 0 where P matters: the low part keeps its bits there */
@@ -218,10 +261,12 @@ static inline __attribute__((always_inline)) int rows_p(const int nr, const bjob
     return any;
 }
 
-/* sigma += sum P, tau += sum P dP of one row (float64), dP in float64 as two vectors a 16 keys */
-static inline void add_sums(const float *pr, const __m512d *dp, double *sigma, double *tau) {
+/* sigma += sum P, tau += sum P dP of one row over its first 16 nk keys (float64), dP in float64 as two
+ * vectors a 16 keys */
+static inline __attribute__((always_inline)) void add_sums(const int nk, const float *pr, const __m512d *dp,
+                                                           double *sigma, double *tau) {
     __m512d s = _mm512_setzero_pd(), t = _mm512_setzero_pd();
-    for (int x = 0; x < 4; x++) {
+    for (int x = 0; x < nk; x++) {
         const __m512 p = _mm512_load_ps(pr + 16 * x);
         s = _mm512_add_pd(s, _mm512_add_pd(half(p, 0), half(p, 1)));
         t = _mm512_fmadd_pd(half(p, 0), dp[2 * x], t);
@@ -232,27 +277,29 @@ static inline void add_sums(const float *pr, const __m512d *dp, double *sigma, d
 }
 
 /* dS = scale P (dP - delta) of nr rows into T->ds; with `sigma`, instead the row sums (add_sums) */
-static inline __attribute__((always_inline)) void rows_ds(const int nr, const bjob_t *J, const scratch_t *T, int r0,
+static inline __attribute__((always_inline)) void rows_ds(const int nr, const int nk, const bjob_t *J,
+                                                         const scratch_t *T, int r0,
                                                          long long i0, const float *delta, double *sigma,
                                                          double *tau) {
     __m512 acc[RR][4];
-    dot(nr, T->dop + (size_t)r0 * J->Wp, J->Wp, T->vt, J->W, acc);
+    dot(nr, nk, T->dop + (size_t)r0 * J->Wp, J->Wp, T->vt, J->W, acc);
     const __m512 sc = _mm512_set1_ps(J->scale);
     for (int r = 0; r < nr; r++) {
         const float *pr = T->p + (size_t)(r0 + r) * BC;
         if (sigma) {
             __m512d dp[8];
-            for (int x = 0; x < 4; x++) {
+            for (int x = 0; x < nk; x++) {
                 dp[2 * x] = half(acc[r][x], 0);
                 dp[2 * x + 1] = half(acc[r][x], 1);
             }
-            add_sums(pr, dp, sigma + i0 + r0 + r, tau + i0 + r0 + r);
+            add_sums(nk, pr, dp, sigma + i0 + r0 + r, tau + i0 + r0 + r);
             continue;
         }
         const __m512 dl = _mm512_set1_ps(delta[i0 + r0 + r]);
-        for (int x = 0; x < 4; x++)
+        for (int x = 0; x < nk; x++)
             _mm512_store_ps(T->ds + (size_t)(r0 + r) * BC + 16 * x,
-                            _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(pr + 16 * x), sc), _mm512_sub_ps(acc[r][x], dl)));
+                            _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(pr + 16 * x), sc),
+                                          _mm512_sub_ps(acc[r][x], dl)));
     }
 }
 
@@ -293,7 +340,7 @@ static inline __attribute__((always_inline)) void rows_ds64(const int nr, const 
     for (int r = 0; r < nr; r++) {
         const float *pr = T->p + (size_t)(r0 + r) * BC;
         if (sigma) {
-            add_sums(pr, acc[r], sigma + i0 + r0 + r, tau + i0 + r0 + r);
+            add_sums(4, pr, acc[r], sigma + i0 + r0 + r, tau + i0 + r0 + r);
             continue;
         }
         const __m512d dl = _mm512_set1_pd(delta[i0 + r0 + r]);
@@ -302,6 +349,37 @@ static inline __attribute__((always_inline)) void rows_ds64(const int nr, const 
             _mm512_store_ps(T->ds + (size_t)(r0 + r) * BC + 16 * x,
                             _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(pr + 16 * x), sc), d));
         }
+    }
+}
+
+/* rows_p over the tile's nr rows in register tiles of RR, nk key vectors (2 where the block has at most
+ * 32 keys: a call of few keys computes no padding) */
+static inline __attribute__((always_inline)) int p32(const int nk, const bjob_t *J, const scratch_t *T, int nr,
+                                                    long long i0, long long c0, long long nc, const float *lse,
+                                                    const float *lo, const unsigned char *mrow0) {
+    int any = 0, r0 = 0;
+    for (; r0 + RR <= nr; r0 += RR) any |= rows_p(RR, nk, J, T, r0, i0, c0, nc, lse, lo, mrow0);
+    switch (nr - r0) {
+    case 5: any |= rows_p(5, nk, J, T, r0, i0, c0, nc, lse, lo, mrow0); break;
+    case 4: any |= rows_p(4, nk, J, T, r0, i0, c0, nc, lse, lo, mrow0); break;
+    case 3: any |= rows_p(3, nk, J, T, r0, i0, c0, nc, lse, lo, mrow0); break;
+    case 2: any |= rows_p(2, nk, J, T, r0, i0, c0, nc, lse, lo, mrow0); break;
+    case 1: any |= rows_p(1, nk, J, T, r0, i0, c0, nc, lse, lo, mrow0); break;
+    }
+    return any;
+}
+
+/* rows_ds over the tile's nr rows, as p32 */
+static inline __attribute__((always_inline)) void ds32(const int nk, const bjob_t *J, const scratch_t *T, int nr,
+                                                      long long i0, const float *delta, double *sigma, double *tau) {
+    int r0 = 0;
+    for (; r0 + RR <= nr; r0 += RR) rows_ds(RR, nk, J, T, r0, i0, delta, sigma, tau);
+    switch (nr - r0) {
+    case 5: rows_ds(5, nk, J, T, r0, i0, delta, sigma, tau); break;
+    case 4: rows_ds(4, nk, J, T, r0, i0, delta, sigma, tau); break;
+    case 3: rows_ds(3, nk, J, T, r0, i0, delta, sigma, tau); break;
+    case 2: rows_ds(2, nk, J, T, r0, i0, delta, sigma, tau); break;
+    case 1: rows_ds(1, nk, J, T, r0, i0, delta, sigma, tau); break;
     }
 }
 
@@ -316,15 +394,10 @@ static int scores(const bjob_t *J, const scratch_t *T, int nr, long long i0, lon
             any |= rows_p64(2, J, T, r0, i0, c0, nc, lse, lo, mrow0);
         else if (nr - r0 == 1)
             any |= rows_p64(1, J, T, r0, i0, c0, nc, lse, lo, mrow0);
+    } else if (nc <= 32) {
+        any = p32(2, J, T, nr, i0, c0, nc, lse, lo, mrow0);
     } else {
-        for (; r0 + RR <= nr; r0 += RR) any |= rows_p(RR, J, T, r0, i0, c0, nc, lse, lo, mrow0);
-        switch (nr - r0) {
-        case 5: any |= rows_p(5, J, T, r0, i0, c0, nc, lse, lo, mrow0); break;
-        case 4: any |= rows_p(4, J, T, r0, i0, c0, nc, lse, lo, mrow0); break;
-        case 3: any |= rows_p(3, J, T, r0, i0, c0, nc, lse, lo, mrow0); break;
-        case 2: any |= rows_p(2, J, T, r0, i0, c0, nc, lse, lo, mrow0); break;
-        case 1: any |= rows_p(1, J, T, r0, i0, c0, nc, lse, lo, mrow0); break;
-        }
+        any = p32(4, J, T, nr, i0, c0, nc, lse, lo, mrow0);
     }
     if (!any)
         return 0;
@@ -336,15 +409,10 @@ static int scores(const bjob_t *J, const scratch_t *T, int nr, long long i0, lon
             rows_ds64(2, J, T, r0, i0, delta, sigma, tau);
         else if (nr - r0 == 1)
             rows_ds64(1, J, T, r0, i0, delta, sigma, tau);
+    } else if (nc <= 32) {
+        ds32(2, J, T, nr, i0, delta, sigma, tau);
     } else {
-        for (; r0 + RR <= nr; r0 += RR) rows_ds(RR, J, T, r0, i0, delta, sigma, tau);
-        switch (nr - r0) {
-        case 5: rows_ds(5, J, T, r0, i0, delta, sigma, tau); break;
-        case 4: rows_ds(4, J, T, r0, i0, delta, sigma, tau); break;
-        case 3: rows_ds(3, J, T, r0, i0, delta, sigma, tau); break;
-        case 2: rows_ds(2, J, T, r0, i0, delta, sigma, tau); break;
-        case 1: rows_ds(1, J, T, r0, i0, delta, sigma, tau); break;
-        }
+        ds32(4, J, T, nr, i0, delta, sigma, tau);
     }
     return 1;
 }
@@ -507,8 +575,8 @@ static double dot_row(const float *a, const float *o, int W) {
  * With sums (2 x B x Hq x L float64): instead each row's sum of P, then of P dP, over these keys. */
 int kf_backward(const float *q, const float *k, const float *v, const float *o, const float *dout,
                 const float *lse, const float *lse_lo, const float *delta_in, const void *mask, int mkind, int mhd,
-                long long msb, long long msh, long long msl, int B, int Hq, int Hkv, long long L, long long S, int W, int causal,
-                float scale, int wide, double *sums, float *dq, float *dk, float *dv, int threads) {
+                long long msb, long long msh, long long msl, int B, int Hq, int Hkv, long long L, long long S,
+                int W, int causal, float scale, int wide, double *sums, float *dq, float *dk, float *dv, int threads) {
     if (W < 1 || W > 256 || Hkv < 1 || Hq % Hkv || (mask && mhd < 1))
         return 1;
     const long long rows = (long long)B * Hq * L, items = (long long)B * Hkv, blocks = (S + BC - 1) / BC;
