@@ -689,7 +689,8 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
             inp, piece, pb, q, memo, plan.tiles, o, do, lse_safe, delta, lse_lo)
         if own:  # a GQA group's members in one call
             gq, gk, gv = native.backward(do_p, qs.flatten(1, 2) if qs.dim() == 5 else qs, ks, vs, o_p, l_p, causal,
-                                         tile.mask, pb.scale, delta=d_p, lse_lo=lo_p, wide=delta is not None and W > WIDE_HEAD)
+                                         tile.mask, pb.scale, delta=d_p, lse_lo=lo_p,
+                                         wide=delta is not None and W > WIDE_HEAD)
         elif qs.dim() == 5:  # GQA under the causal flag: per member, dk / dv summed over the group
             o5, do5, l5 = (_members(t.contiguous(), inp.g) for t in (o_p, do_p, l_p))
             gq = qs.new_empty(qs.shape)  # (B, Hkv, g, L, W), in the dtype the op returns
@@ -768,7 +769,7 @@ def _renormalised(inp: _Inputs, pieces, pb: Problem, q, memo: dict, cache, lse, 
 #: Head size (with the lse gradient's spare column) above which a renormalised float32 backward sums
 #: its scores and dP in float64: a float32 sum over 256 terms put dv at 6.6x the naive error (2 keys,
 #: score std 1), where over 64 the renormalised float32 sums held the rule in a 700-case fuzz; float64
-#: costs 2.1-3.3x the op's time, float32 1.3x (B=1, H=8, 1k-4k, 2 threads)
+#: and the first pass cost 1.6-1.8x the op's time, float32 0.8-0.85x without it (B=1, H=8, 4k, 2 threads)
 WIDE_HEAD = 128
 
 

@@ -432,8 +432,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     dk = torch.empty(B, Hkv, S, Wp, dtype=torch.float32)
     dv = torch.empty(B, Hkv, S, Wp, dtype=torch.float32)
     rc = _lib.kf_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(), lse.data_ptr(),
-                          None if lse_lo is None else lse_lo.data_ptr(), None if delta is None else delta.data_ptr(), None if m is None else m.data_ptr(), mkind,
-                          mhd, *ms, B, Hq, Hkv, L, S, W, int(bool(causal)), scale, int(wide), None, dq.data_ptr(),
+                          None if lse_lo is None else lse_lo.data_ptr(), None if delta is None else delta.data_ptr(),
+                          None if m is None else m.data_ptr(), mkind, mhd, *ms, B, Hq, Hkv, L, S, W, int(bool(causal)), scale, int(wide), None, dq.data_ptr(),
                           dk.data_ptr(), dv.data_ptr(), torch.get_num_threads())
     backward_calls += 1
     if rc != 0:
