@@ -584,7 +584,7 @@ int kf_backward(const float *q, const float *k, const float *v, const float *o, 
     if (sums)
         memset(sums, 0, sizeof(double) * 2 * rows);
     if (rows == 0 || S == 0) {  /* no pair: dq (the caller's zeros) stays 0, dk and dv are 0 */
-        if (items > 0 && S > 0 && !sums) {
+        if (items > 0 && S > 0 && !sums && dk && dv) {
             memset(dk, 0, sizeof(float) * items * S * Wp);
             memset(dv, 0, sizeof(float) * items * S * Wp);
         }

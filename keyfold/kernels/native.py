@@ -403,6 +403,18 @@ def _mask_args(mask, B, Hq, Hkv, L, S):
     return (m.view(torch.uint8) if m.dtype is torch.bool else m), (1 if m.dtype is torch.bool else 2), Hq // mh, strides
 
 
+def _rows_match(q: torch.Tensor, **rows) -> None:
+    """Raise naming the argument whose shape is not q's (``(B, Hq, L, W)`` ones) or q's rows
+    (``(B, Hq, L)`` ones): the kernel reads them at q's strides."""
+    for name, x in rows.items():
+        if x is None:
+            continue
+        want = q.shape if name in ("dout", "out") else q.shape[:3]
+        if tuple(x.shape) != tuple(want):
+            raise RuntimeError(f"native.backward: {name} has shape {tuple(x.shape)}; it must be {tuple(want)} "
+                               f"(q is {tuple(q.shape)})")
+
+
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, causal: bool, mask: torch.Tensor | None, scale: float,
              delta: torch.Tensor | None = None, lse_lo: torch.Tensor | None = None, wide: bool = False
@@ -422,6 +434,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     refused = backward_takes(q, k, v, mask)
     if refused is not None:
         raise RuntimeError(f"native.backward: {refused}; use the fused op for these")
+    _rows_match(q, dout=dout, out=out, lse=lse, delta=delta, lse_lo=lse_lo)
     B, Hq, L, W = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     q, k, v, out, dout, lse = (x.float().contiguous() for x in (q, k, v, out, dout, lse))
@@ -453,8 +466,11 @@ def backward_sums(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     refused = backward_takes(q, k, v, mask)
     if refused is not None:
         raise RuntimeError(f"native.backward_sums: {refused}; use the fused op for these")
+    _rows_match(q, dout=dout, lse=lse)
     B, Hq, L, W = q.shape
     Hkv, S = k.shape[1], k.shape[2]
+    if B * Hq * L == 0 or S == 0:  # no pair: every sum is 0 (and an empty tensor has no data to pass)
+        return torch.zeros(2, B, Hq, L, dtype=torch.float64)
     q, k, v, dout, lse = (x.float().contiguous() for x in (q, k, v, dout, lse))
     m, mkind, mhd, ms = _mask_args(mask, B, Hq, Hkv, L, S)
     sums = torch.empty(2, B, Hq, L, dtype=torch.float64)

@@ -224,3 +224,22 @@ def test_gradients_are_the_same_bits_run_to_run_and_at_any_thread_count(heads, c
     for got in runs[1:]:
         for a, b in zip(got, runs[0]):
             assert torch.equal(a, b)
+
+
+def test_the_wrappers_name_a_row_tensor_of_the_wrong_shape_and_sum_nothing_over_no_rows():
+    """A review: dout, out or lse of another shape than q's reached the kernel, which read past them
+    (an ASan heap overflow; the build returned gradients silently); and backward_sums over no query
+    rows passed an empty tensor's null pointer, which the kernel took for gradient mode (a crash)."""
+    q, k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
+    do, out, lse = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5)
+    for kw, name in ((dict(dout=do[..., :4]), "dout"), (dict(out=out[..., :4]), "out"), (dict(lse=lse[..., :3]), "lse")):
+        args = dict(dout=do, out=out, lse=lse) | kw
+        with pytest.raises(RuntimeError, match=f"{name} has shape"):
+            native.backward(args["dout"], q, k, v, args["out"], args["lse"], False, None, 0.25)
+    with pytest.raises(RuntimeError, match="delta has shape"):
+        native.backward(do, q, k, v, out, lse, False, None, 0.25, delta=lse[..., :2])
+    with pytest.raises(RuntimeError, match="lse has shape"):
+        native.backward_sums(do, q, k, v, lse[:, :1], False, None, 0.25)
+    empty = torch.randn(1, 2, 0, 8)
+    sums = native.backward_sums(empty, empty, k, v, torch.randn(1, 2, 0), False, None, 0.25)
+    assert sums.shape == (2, 1, 2, 0)
