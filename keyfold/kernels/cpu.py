@@ -679,18 +679,19 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     # put dv at 3.5-11x the naive float32 error (docs/math.md's rule is 3x)
     own = q.dtype is torch.float32 and native.backward_takes(inp.q, inp.k, inp.v) is None
     delta = lse_lo = None
-    if own and whole_rows and Nq * inp.g < PREFILL_MIN_ROWS:
+    renorm = own and whole_rows and Nq * inp.g < PREFILL_MIN_ROWS
+    wide = renorm and (W > WIDE_HEAD or Nq * inp.g <= WIDE_ROWS)  # float64 sums only with the renormalised lse
+    if renorm:
         # the forward of so few rows ran on the op or the decode kernel, which sum scores in another
         # order than the kernel: P and delta renormalised by the kernel's own scores (backward.c;
         # at 128 or 256 rows instead of 512, a 700-case fuzz found 2-3 cases past the rule, at 512 none)
-        lse_safe, lse_lo, delta = _renormalised(inp, pieces, pb, q, memo, plan.tiles, lse_safe, o, do, spare)
+        lse_safe, lse_lo, delta = _renormalised(inp, pieces, pb, q, memo, plan.tiles, lse_safe, o, do, spare, wide)
     for piece in pieces:
         qs, ks, vs, causal, tile, folded, keys, rows, o_p, do_p, l_p, d_p, lo_p = _backward_args(
             inp, piece, pb, q, memo, plan.tiles, o, do, lse_safe, delta, lse_lo)
         if own:  # a GQA group's members in one call
             gq, gk, gv = native.backward(do_p, qs.flatten(1, 2) if qs.dim() == 5 else qs, ks, vs, o_p, l_p, causal,
-                                         tile.mask, pb.scale, delta=d_p, lse_lo=lo_p,
-                                         wide=delta is not None and W > WIDE_HEAD)
+                                         tile.mask, pb.scale, delta=d_p, lse_lo=lo_p, wide=wide)
         elif qs.dim() == 5:  # GQA under the causal flag: per member, dk / dv summed over the group
             o5, do5, l5 = (_members(t.contiguous(), inp.g) for t in (o_p, do_p, l_p))
             gq = qs.new_empty(qs.shape)  # (B, Hkv, g, L, W), in the dtype the op returns
@@ -740,7 +741,7 @@ def _backward_args(inp: _Inputs, piece: Piece, pb: Problem, q, memo: dict, cache
     return qs, ks, vs, causal, tile, folded, keys, rows, o_p, do_p, l_p, d_p, lo_p
 
 
-def _renormalised(inp: _Inputs, pieces, pb: Problem, q, memo: dict, cache, lse, o, do, spare: bool):
+def _renormalised(inp: _Inputs, pieces, pb: Problem, q, memo: dict, cache, lse, o, do, spare: bool, wide: bool):
     """``(lse, lse_lo, delta)`` float32 ``(B, Hq, Nq)`` of every row as the float32 backward kernel's own
     scores give them: lse + log(sum P) (in two parts, lse + lse_lo: float32 alone would round it by
     half an ulp of lse, a relative error of every P) and sum P dP / sum P over all the row's pieces
@@ -752,7 +753,7 @@ def _renormalised(inp: _Inputs, pieces, pb: Problem, q, memo: dict, cache, lse, 
         qs, ks, vs, causal, tile, folded, _, rows, _, do_p, l_p, _, _ = _backward_args(
             inp, piece, pb, q, memo, cache, o, do, lse, None)
         part = native.backward_sums(do_p, qs.flatten(1, 2) if qs.dim() == 5 else qs, ks, vs, l_p, causal, tile.mask,
-                                    pb.scale, wide=inp.W > WIDE_HEAD)
+                                    pb.scale, wide=wide)
         if folded:
             part = torch.stack([_unfold(x, inp.g, Hq) for x in part])
         sums[:, :, :, rows] += part
@@ -772,6 +773,11 @@ def _renormalised(inp: _Inputs, pieces, pb: Problem, q, memo: dict, cache, lse, 
 #: and the first pass cost 1.6-2.4x the op's time, float32 without it 0.64-0.89x (B=1, H=8, 1k-4k, 2 threads,
 #: benchmarks/backward_kernel.py)
 WIDE_HEAD = 128
+#: Query rows per kv head up to which a renormalised float32 backward sums in float64 whatever its head
+#: size: a naive float32 attention of one row sums each score along the head dimension in vectors (a
+#: GEMV), more exactly than one FMA a dimension, and three one-row cases of a 1,500-case fuzz broke the
+#: rule on float32 sums (dv 7.7x, dq 6.8x at score std 6-10)
+WIDE_ROWS = 8
 
 
 #: Key span above which the backward cuts a FULL piece of a many-piece plan (see _backward_pieces)

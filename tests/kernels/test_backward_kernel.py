@@ -243,3 +243,17 @@ def test_the_wrappers_name_a_row_tensor_of_the_wrong_shape_and_sum_nothing_over_
     empty = torch.randn(1, 2, 0, 8)
     sums = native.backward_sums(empty, empty, k, v, torch.randn(1, 2, 0), False, None, 0.25)
     assert sums.shape == (2, 1, 2, 0)
+
+
+@pytest.mark.parametrize("seed, keys, head, std", [(30, 200, 64, 10.0), (32, 33, 64, 6.0), (37, 33, 127, 6.0)])
+def test_one_row_over_its_keys_sums_in_float64(seed, keys, head, std):
+    """One query row a kv head (a GQA pair over a short cache): the naive float32 attention sums each
+    score along the head dimension in vectors (a GEMV), more exactly than one FMA a dimension, and the
+    renormalised float32 sums broke the rule in 18 of 120 such cases (dq 4x, dv 9x); up to
+    cpu.WIDE_ROWS rows a kv head they are float64."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 2, 1, head, generator=g) * std ** 0.5
+    k = torch.randn(1, 1, keys, head, generator=g) * std ** 0.5
+    v = torch.randn(1, 1, keys, head, generator=g)
+    torch.manual_seed(seed)  # dout's
+    assert_backward_by_rule(q, k, v, backend=kf.Backend.CPU)
