@@ -426,17 +426,31 @@ PREFILL_MIN_ROWS = int(os.environ.get("KEYFOLD_PREFILL_MIN_ROWS", "512"))
 #: kernel took 1.08-1.16x the op's time with 1024 rows, 0.95-0.98x with 2048).
 PREFILL_KEYS_PER_ROW = 8
 
+#: float32 calls under PREFILL_MIN_ROWS rows per key/value head go to the kernel too from this many rows,
+#: when the keys are at most PREFILL_KEYS_PER_ROW times the rows (a training step's short sequences):
+#: there it took 0.47-0.88x the op's forward time (B*H = 32-64, 128-300 rows, causal, window, documents,
+#: dense; 2 threads) and 1.12x at 32 rows. No softcap or callable (their backward, on the tile kernel,
+#: recomputes P against this forward's lse) and head sizes under 256 (the lse gradient's spare column
+#: must fit keyfold's float32 backward, whose renormalised P is then the same arithmetic)
+PREFILL_SQUARE_ROWS = 64
+
 
 def _prefill_may(q, k, v, pb: Problem, plain: bool = False, dense: bool = False) -> bool:
     """Whether a call runs on keyfold's prefill kernel (:func:`native.prefill`): bfloat16 on a CPU with
     AMX, or float32 (float16 too, widened, where :data:`FP16_AS_FP32`) on one with AVX-512; at least
-    :data:`PREFILL_MIN_ROWS` query rows per key/value head (and, for a ``plain`` plan of full and causal
-    pieces, at least the keys over :data:`PREFILL_KEYS_PER_ROW`); a score that is additive (its tiles)
+    :data:`PREFILL_MIN_ROWS` query rows per key/value head (float32 from :data:`PREFILL_SQUARE_ROWS` with
+    the keys at most :data:`PREFILL_KEYS_PER_ROW` times the rows), and for a ``plain`` plan of full and causal
+    pieces at least the keys over :data:`PREFILL_KEYS_PER_ROW`; a score that is additive (its tiles)
     or a softcap (computed in the kernel), no dropout. ``dense``: one piece of every pair, no score
     (see :data:`PREFILL_F32_DENSE_MAX_HEAD`)."""
     dt = torch.float32 if q.dtype is torch.float16 and FP16_AS_FP32 else q.dtype
     rows = q.shape[2] * (q.shape[1] // max(k.shape[1], 1))
-    if dt not in (torch.bfloat16, torch.float32) or rows <= NATIVE_ROWS or rows < PREFILL_MIN_ROWS:
+    if dt not in (torch.bfloat16, torch.float32) or rows <= NATIVE_ROWS:
+        return False
+    if rows < PREFILL_MIN_ROWS and not (dt is torch.float32 and rows >= PREFILL_SQUARE_ROWS
+                                        and rows * PREFILL_KEYS_PER_ROW >= k.shape[2]
+                                        and (pb.score is None or pb.score.additive)
+                                        and max(q.shape[-1], v.shape[-1]) < 256):
         return False
     if q.numel() == 0 or k.numel() == 0:  # an empty batch or no heads: nothing for the kernel to do
         return False

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import keyfold as kf
-from keyfold.kernels import native
+from keyfold.kernels import cpu, native
 from tests.helpers import assert_backward_by_rule
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why()}")
@@ -257,3 +257,29 @@ def test_one_row_over_its_keys_sums_in_float64(seed, keys, head, std):
     v = torch.randn(1, 1, keys, head, generator=g)
     torch.manual_seed(seed)  # dout's
     assert_backward_by_rule(q, k, v, backend=kf.Backend.CPU)
+
+
+@pytest.mark.skipif(not native.prefill_available(torch.float32), reason="float32 prefill kernel not built here")
+def test_a_training_steps_short_float32_sequences_go_to_the_kernel(monkeypatch):
+    """float32 calls of PREFILL_SQUARE_ROWS to PREFILL_MIN_ROWS rows per kv head with at most
+    PREFILL_KEYS_PER_ROW keys a row run on the kernel (0.47-0.88x the op's forward at 128-300 rows);
+    not 32 rows (1.12x), not a softcap or callable (their tile backward reads this forward's lse), not
+    head size 256, not bfloat16; and their backward renormalises, so its P is the backward's own."""
+    monkeypatch.setattr(cpu, "PREFILL_MIN_ROWS", 512)
+    monkeypatch.setattr(cpu, "PREFILL_KEYS_PER_ROW", 8)
+    pb = kf.kernels._common.Problem(None, None, 0.125, 0, 0)
+    z = torch.zeros
+    assert cpu._prefill_may(z(8, 8, 128, 64), z(8, 8, 128, 64), z(8, 8, 128, 64), pb, True, True)
+    assert cpu._prefill_may(z(1, 2, 64, 64), z(1, 2, 512, 64), z(1, 2, 512, 64), pb)
+    assert not cpu._prefill_may(z(1, 2, 64, 64), z(1, 2, 513, 64), z(1, 2, 513, 64), pb)
+    assert not cpu._prefill_may(z(8, 8, 32, 64), z(8, 8, 32, 64), z(8, 8, 32, 64), pb)
+    assert not cpu._prefill_may(z(1, 2, 128, 256), z(1, 2, 128, 256), z(1, 2, 128, 256), pb)
+    b16 = z(1, 2, 128, 64, dtype=torch.bfloat16)
+    assert not cpu._prefill_may(b16, b16, b16, pb)
+    capped = kf.kernels._common.Problem(None, kf.softcap(20.0), 0.125, 0, 0)
+    assert not cpu._prefill_may(z(1, 2, 128, 64), z(1, 2, 128, 64), z(1, 2, 128, 64), capped)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 200, 64, generator=g) for _ in range(3))
+    before = native.prefill_calls
+    assert_backward_by_rule(q * 2, k * 2, v, mask=kf.causal(), backend=kf.Backend.CPU)
+    assert native.prefill_calls > before
