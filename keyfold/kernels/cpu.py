@@ -697,8 +697,10 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     wide = renorm and (W > WIDE_HEAD or Nq * inp.g <= WIDE_ROWS)  # float64 sums only with the renormalised lse
     if renorm:
         # the forward of so few rows ran on the op or the decode kernel, which sum scores in another
-        # order than the kernel: P and delta renormalised by the kernel's own scores (backward.c;
-        # at 128 or 256 rows instead of 512, a 700-case fuzz found 2-3 cases past the rule, at 512 none)
+        # order than this kernel, or (from PREFILL_SQUARE_ROWS) on the prefill kernel, whose exponent
+        # arithmetic is not this kernel's: P and delta renormalised by the kernel's own scores
+        # (backward.c; at 128 or 256 rows instead of 512, a 700-case fuzz found 2-3 cases past the rule,
+        # at 512 none; skipping it after the prefill kernel's forward, 12 more in 1,500)
         lse_safe, lse_lo, delta = _renormalised(inp, pieces, pb, q, memo, plan.tiles, lse_safe, o, do, spare, wide)
     for piece in pieces:
         qs, ks, vs, causal, tile, folded, keys, rows, o_p, do_p, l_p, d_p, lo_p = _backward_args(
