@@ -1,7 +1,7 @@
 """keyfold's float32 backward kernel alone against PyTorch's fused CPU backward, on the same arguments.
 
 Both take the op's own forward (out, lse) and compute dq, dk, dv of a causal or dense call (B=1, H=8),
-alternating, median of 5 rounds of 3 calls each; the kernel also with its renormalised first pass
+alternating, median of 15 rounds after one (`harness.interleaved`); the kernel also with its renormalised first pass
 and float64 sums (what a call of few rows and more than 128 head dimensions takes, timed here at
 the same sizes to show its cost). GFLOP/s are counted on the visible pairs, 5 products of 2 D FLOPs
 each a pair.
@@ -14,28 +14,18 @@ Writes backward-kernel.md under --out.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
 
-from keyfold.bench.harness import machine
+from keyfold.bench.harness import interleaved, machine, write_lines
 from keyfold.kernels import native
 
 OP = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
-def _median_of(fn, calls: int = 3) -> float:
-    ts = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return sorted(ts)[len(ts) // 2]
-
-
-def measure(N: int, D: int, causal: bool, rounds: int = 5, H: int = 8) -> dict[str, float]:
+def measure(N: int, D: int, causal: bool, repeats: int = 15, H: int = 8) -> dict[str, float]:
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(1, H, N, D, generator=g) for _ in range(4))
     out, lse = OP(q, k, v, 0.0, causal)[:2]
@@ -48,11 +38,7 @@ def measure(N: int, D: int, causal: bool, rounds: int = 5, H: int = 8) -> dict[s
     fns = {"op": lambda: BWD(do, q, k, v, out, lse, 0.0, causal, scale=scale),
            "kernel": lambda: native.backward(do, q, k, v, out, lse, causal, None, scale),
            "renormalised float64": renormalised}
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(_median_of(fn))
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    return dict(interleaved(fns, repeats))
 
 
 def main() -> None:
@@ -64,7 +50,7 @@ def main() -> None:
         raise SystemExit(f"keyfold's native kernels are not built here: {native.why()}")
     sizes = [(256, 64)] if args.quick else [(1024, 64), (4096, 64), (4096, 128)]
     lines = ["# keyfold's float32 backward kernel alone vs PyTorch's fused CPU backward", "",
-             f"Machine: {machine()}. B=1, H=8; median of 5 rounds of 3 calls, the three alternating.", "",
+             f"Machine: {machine()}. B=1, H=8; median of 15 rounds, the three alternating.", "",
              "| N | D | mask | op ms | kernel ms | kernel / op | kernel GFLOP/s | renormalised float64 ms | / op |",
              "|---|---|---|---|---|---|---|---|---|"]
     for N, D in sizes:
@@ -75,9 +61,7 @@ def main() -> None:
                          f"{t['kernel'] * 1e3:.1f} | {t['kernel'] / t['op']:.2f} | {flops / t['kernel'] / 1e9:.0f} | "
                          f"{t['renormalised float64'] * 1e3:.1f} | {t['renormalised float64'] / t['op']:.2f} |")
             print(lines[-1], flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "backward-kernel.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out / 'backward-kernel.md'}")
+    write_lines(args.out / "backward-kernel.md", lines)
 
 
 if __name__ == "__main__":

@@ -7,26 +7,22 @@ a short-sequence training step has (B * H from 64 to 256 rows of 32 to 1024 toke
 
     .venv/bin/python benchmarks/small_calls.py [--out benchmarks/results]
 
-Writes small-calls.md (median of 15 alternating repeats, after two warm-ups) under --out.
+Writes small-calls.md (median of 15 alternating repeats, after two warm-ups: `harness.interleaved`)
+under --out.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import keyfold as kf
-from keyfold.bench.harness import machine
+from keyfold.bench.harness import interleaved, machine, write_lines
 
 SHAPES = [(32, 8, 32, 64), (16, 8, 64, 64), (8, 8, 128, 64), (8, 8, 256, 64), (4, 8, 511, 64), (1, 8, 1024, 64)]
-
-
-def _median(times: list[float]) -> float:
-    return sorted(times)[len(times) // 2]
 
 
 def measure(B: int, H: int, N: int, D: int, repeats: int = 15) -> tuple[float, float]:
@@ -39,16 +35,10 @@ def measure(B: int, H: int, N: int, D: int, repeats: int = 15) -> tuple[float, f
         q.grad = k.grad = v.grad = None
         attend().backward(do)
 
-    fns = {"keyfold": lambda: step(lambda: kf.attention(q, k, v, mask=kf.causal())),
-           "sdpa": lambda: step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))}
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for r in range(repeats + 2):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            if r >= 2:
-                times[name].append(time.perf_counter() - t)
-    return _median(times["keyfold"]), _median(times["sdpa"])
+    t = interleaved({"keyfold": lambda: step(lambda: kf.attention(q, k, v, mask=kf.causal())),
+                     "sdpa": lambda: step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))},
+                    repeats, warmup=2)
+    return t["keyfold"], t["sdpa"]
 
 
 def main() -> None:
@@ -61,9 +51,7 @@ def main() -> None:
         a, b = measure(B, H, N, D)
         lines.append(f"| {B} | {H} | {N} | {D} | {a * 1e3:.2f} | {b * 1e3:.2f} | {a / b:.2f} |")
         print(lines[-1], flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "small-calls.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out / 'small-calls.md'}")
+    write_lines(args.out / "small-calls.md", lines)
 
 
 if __name__ == "__main__":

@@ -126,6 +126,13 @@ def machine() -> str:
             f"Python {platform.python_version()}")
 
 
+def write_lines(path: Path, lines: list[str]) -> None:
+    """Write a results table's lines to ``path`` (its folder made first) and say where."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    print(f"wrote {path}")
+
+
 def write_json(path: Path, obj) -> None:
     """Write ``obj`` as indented JSON (atomically: a reader never sees half a file)."""
     tmp = path.with_suffix(path.suffix + ".tmp")

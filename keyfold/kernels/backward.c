@@ -92,9 +92,6 @@ static scratch_t carve(const bjob_t *J, char *m) {
     return s;
 }
 
-/* the first n lanes of 16, for any n (none below 1) */
-static inline __mmask16 upto(long long n) { return n <= 0 ? 0 : first(n >= 16 ? 16 : (int)n); }
-
 /* rows [0, n) of x (row stride W) into dst (row stride Wp), zero past W and past n up to `rows`; and
  * into dd (row stride W, float64) unless it is NULL */
 static void pack_rows(float *dst, double *dd, const float *x, long long n, int rows, int W, int Wp) {
@@ -153,7 +150,7 @@ static void pack_t(float *dst, const float *x, long long n, int W, int wide) {
                            0, wide ? 128 : 64);
                 continue;
             }
-            const __mmask16 cols = upto(W - w);
+            const __mmask16 cols = lanes(0, W - w);
             __m512 r[16];
             for (int i = 0; i < 16; i++)
                 r[i] = c + i < n ? _mm512_maskz_loadu_ps(cols, x + (size_t)(c + i) * W + w) : _mm512_setzero_ps();
@@ -214,9 +211,9 @@ static inline __m512 narrow(__m512d lo, __m512d hi) {
  * the diagonal under the causal flag, true in a bool mask */
 static inline __mmask16 seen(const bjob_t *J, const unsigned char *mrow, long long gr, long long c0, int x,
                              long long nc) {
-    __mmask16 k = upto(nc - 16 * x);
+    __mmask16 k = lanes(0, nc - 16 * x);
     if (J->causal)
-        k &= upto(gr - (c0 + 16 * x) + 1);
+        k &= lanes(0, gr - (c0 + 16 * x) + 1);
     if (J->mkind == 1) {
         const __m128i b = _mm_maskz_loadu_epi8(k, mrow + c0 + 16 * x);
         k &= _mm512_test_epi32_mask(_mm512_cvtepu8_epi32(b), _mm512_cvtepu8_epi32(b));

@@ -293,13 +293,6 @@ static inline __m512 exp2_p(__mmask16 keep, __m512 x, const int f32) {
     return f32 ? exp2_16(keep, x) : exp2_16_bf(keep, x);
 }
 
-/* lanes [lo, hi) of 16 (clipped) */
-static inline __mmask16 lanes(long long lo, long long hi) {
-    if (lo < 0) lo = 0;
-    if (hi > 16) hi = 16;
-    return hi <= lo ? 0 : (__mmask16)(first((int)hi) & ~first((int)lo));
-}
-
 /* whether the mask rows [r0, r1) (of the piece) show any of the 32 keys from j (of the piece) on the
  * lanes [lo, hi) of those 32: -inf hides, any other value (NaN included, so that it reaches the
  * output) shows */

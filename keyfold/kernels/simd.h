@@ -47,4 +47,11 @@ static inline __mmask32 first32(int n) {
     return n <= 0 ? 0 : n >= 32 ? 0xFFFFFFFFu : (__mmask32)(0xFFFFFFFFu >> (32 - n));
 }
 
+/* lanes [lo, hi) of 16 (clipped) */
+static inline __mmask16 lanes(long long lo, long long hi) {
+    if (lo < 0) lo = 0;
+    if (hi > 16) hi = 16;
+    return hi <= lo ? 0 : (__mmask16)(first((int)hi) & ~first((int)lo));
+}
+
 #endif
