@@ -786,7 +786,7 @@ def _renormalised(inp: _Inputs, pieces, pb: Problem, q, memo: dict, cache, lse, 
 #: Head size (with the lse gradient's spare column) above which a renormalised float32 backward sums
 #: its scores and dP in float64: a float32 sum over 256 terms put dv at 6.6x the naive error (2 keys,
 #: score std 1), where over 64 the renormalised float32 sums held the rule in a 700-case fuzz; float64
-#: and the first pass cost 1.6-2.4x the op's time, float32 without it 0.64-0.89x (B=1, H=8, 1k-4k, 2 threads,
+#: and the first pass cost 1.5-2.3x the op's time, float32 without it 0.60-0.86x (B=1, H=8, 1k-4k, 2 threads,
 #: benchmarks/backward_kernel.py)
 WIDE_HEAD = 128
 #: Query rows per kv head up to which a renormalised float32 backward sums in float64 whatever its head
