@@ -21,12 +21,14 @@ from keyfold.masks import as_mask, grid_positions
 from keyfold.scores import as_score
 
 
-def naive_attention(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offset=0, **_engine_only):
-    """The plain same-dtype implementation (the yardstick, materialises Nq x Nk)."""
+def naive_attention(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offset=0, return_lse=False,
+                    **_engine_only):
+    """The plain same-dtype implementation (the yardstick, materialises Nq x Nk); with ``return_lse``
+    also its float32 lse (0 on rows that see no key)."""
     Nq, Nk, D = q.shape[2], k.shape[2], q.shape[-1]
     pb = Problem(as_mask(mask), as_score(score), D ** -0.5 if scale is None else scale,
                  kv_offset + Nk - Nq if q_offset is None else q_offset, kv_offset)
-    return attend_naive(q, k, v, pb)
+    return attend_naive(q, k, v, pb, with_lse=return_lse)
 
 
 def visible_rows(q, k, *, mask=None, q_offset=None, kv_offset=0):
@@ -72,27 +74,43 @@ def assert_forward_by_rule(q, k, v, **kw):
     return assert_close_by_rule(out, ref, naive, rows)
 
 
-def _grads(fn, q, k, v, dout):
+def _grads(fn, q, k, v, dout, dlse=None):
     q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     out = fn(q, k, v)
-    out.backward(dout.to(out.dtype))
+    if dlse is None:
+        out.backward(dout.to(out.dtype))
+    else:  # (out, lse): the loss also reads lse (a z-loss, a merge of partial states)
+        out, lse = out
+        ((out.double() * dout).sum() + (torch.nan_to_num(lse.double(), neginf=0.0) * dlse).sum()).backward()
     return out, q.grad, k.grad, v.grad
 
 
-def assert_backward_by_rule(q, k, v, **kw):
-    """Assert the rule (3x) for dq, dk, dv against the float64 reference's autograd."""
+def assert_backward_by_rule(q, k, v, lse_grad=False, **kw):
+    """Assert the rule (3x) for dq, dk, dv against the float64 reference's autograd; with ``lse_grad``
+    the loss also takes a random gradient through lse (``return_lse=True``)."""
     backend = kw.pop("backend", keyfold.Backend.AUTO)
-    dout = torch.randn(q.shape[:3] + (v.shape[-1],), dtype=torch.float64)
+    # dO in the input dtype, as the gradient reaching out is (FlashAttention's tests draw it so and hand
+    # the same tensor to the reference): a float64 dO would count its own rounding against the
+    # implementation, which never sees those bits
+    dout = torch.randn(q.shape[:3] + (v.shape[-1],), dtype=torch.float64).to(q.dtype).double()
     rows = visible_rows(q, k, mask=kw.get("mask"), q_offset=kw.get("q_offset"), kv_offset=kw.get("kv_offset", 0))
-    dout = dout * torch.broadcast_to(rows, dout.shape[:3]).unsqueeze(-1)  # hidden rows carry no gradient
-    got = _grads(lambda a, b, c: keyfold.attention(a, b, c, backend=backend, **kw), q, k, v, dout)
+    seen = torch.broadcast_to(rows, dout.shape[:3])
+    dout = dout * seen.unsqueeze(-1)  # hidden rows carry no gradient
+    dlse = torch.randn(q.shape[:3]).double() * seen if lse_grad else None  # lse is float32
+    if lse_grad:
+        kw["return_lse"] = True
+    got = _grads(lambda a, b, c: keyfold.attention(a, b, c, backend=backend, **kw), q, k, v, dout, dlse)
     ref = _grads(lambda a, b, c: keyfold.attention(a, b, c, backend=keyfold.Backend.REFERENCE, **kw),
-                 q.double(), k.double(), v.double(), dout)
-    nai = _grads(lambda a, b, c: torch.nan_to_num(naive_attention(a, b, c, **kw)), q, k, v, dout)
+                 q.double(), k.double(), v.double(), dout, dlse)
+    nai = _grads(lambda a, b, c: _finite(naive_attention(a, b, c, **kw)), q, k, v, dout, dlse)
     for name, g, r, n in zip(("dq", "dk", "dv"), got[1:], ref[1:], nai[1:]):
         assert g is not None and not torch.isnan(g).any(), f"{name} is None or NaN"
         assert_close_by_rule(g, r, n, None, factor=3.0, what=name)
     return got
+
+
+def _finite(x):
+    return tuple(torch.nan_to_num(t) for t in x) if isinstance(x, tuple) else torch.nan_to_num(x)
 
 
 def require_extra(extra: str) -> None:

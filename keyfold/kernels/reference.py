@@ -45,14 +45,24 @@ def attend_reference(q, k, v, pb: Problem) -> State:
     return State(out, lse)
 
 
-def attend_naive(q, k, v, pb: Problem) -> torch.Tensor:
+def attend_naive(q, k, v, pb: Problem, with_lse: bool = False):
     """The yardstick of the correctness rule: the plain same-dtype implementation.
 
     Scores and bias in the input dtype, hidden pairs -inf, softmax in float32 cast back to
     the input dtype, then ``@ v`` in the input dtype (DESIGN.md section 6). Rows that see no
     key are NaN in plain softmax; here they are kept finite and zeroed, so the yardstick's
-    gradients on the other rows stay usable. Materialises Nq x Nk.
+    gradients on the other rows stay usable. Materialises Nq x Nk. ``with_lse``: ``(out, lse)``,
+    lse the float32 logsumexp of those scores (0 on rows that see no key).
     """
+    out, s = _naive(q, k, v, pb)
+    if not with_lse:
+        return out
+    lse = torch.logsumexp(s.float(), dim=-1)
+    return out, torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+
+
+def _naive(q, k, v, pb: Problem):
+    """attend_naive's out and its masked scores"""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     g = Hq // Hkv
@@ -62,8 +72,8 @@ def attend_naive(q, k, v, pb: Problem) -> torch.Tensor:
     if pb.score is not None:
         s = pb.score.apply(s.float(), b, h, qp, kp).to(q.dtype)
     if pb.mask is None:
-        return torch.softmax(s.float(), dim=-1).to(q.dtype) @ vv
+        return torch.softmax(s.float(), dim=-1).to(q.dtype) @ vv, s
     m = torch.broadcast_to(pb.mask.evaluate(b, h, qp, kp), s.shape)
     seen = m.any(-1, keepdim=True)
     s = s.masked_fill(~m & seen, NEG_INF)
-    return (torch.softmax(s.float(), dim=-1).to(q.dtype) @ vv) * seen
+    return (torch.softmax(s.float(), dim=-1).to(q.dtype) @ vv) * seen, s.masked_fill(~seen, NEG_INF)
