@@ -46,7 +46,9 @@
 #define SPLIT 4 /* (batch, kv head) items from which each is one thread's work, not cut in two */
 
 typedef struct {
-    const float *q, *k, *v, *o, *dout, *lse;  /* q, o, dout (B, Hq, L, W); k, v (B, Hkv, S, W); lse (B, Hq, L) */
+    const char *q, *k, *v, *o, *dout;         /* (B, Hq, L, W): q, o, dout; (B, Hkv, S, W): k, v; dtype dt */
+    int dt, es;                               /* 0 float32, 1 bfloat16, 2 float16; es: bytes an element */
+    const float *lse;                         /* (B, Hq, L) */
     const float *lse_lo;                      /* NULL, or what lse leaves of a float64 lse (lse + lse_lo) */
     const unsigned char *mask;                /* NULL, bool (kind 1) or float32 additive (kind 2) */
     int mkind, mhd;                           /* mask head of query head h: h / mhd */
@@ -92,14 +94,24 @@ static scratch_t carve(const bjob_t *J, char *m) {
     return s;
 }
 
-/* rows [0, n) of x (row stride W) into dst (row stride Wp), zero past W and past n up to `rows`; and
- * into dd (row stride W, float64) unless it is NULL */
-static void pack_rows(float *dst, double *dd, const float *x, long long n, int rows, int W, int Wp) {
+/* the lanes m of x[i..i+16) as float32, x of dtype dt (0 float32, 1 bfloat16, 2 float16): 16-bit
+ * inputs are read as they are, each value exactly a float32 */
+static inline __m512 ld(const char *x, size_t i, __mmask16 m, int dt) {
+    if (dt == 0)
+        return _mm512_maskz_loadu_ps(m, (const float *)x + i);
+    const __m256i h = _mm256_maskz_loadu_epi16(m, (const unsigned short *)x + i);
+    if (dt == 1)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+/* rows [0, n) of x (dtype dt, row stride W) into dst (float32, row stride Wp), zero past W and past n
+ * up to `rows`; and into dd (row stride W, float64) unless it is NULL */
+static void pack_rows(float *dst, double *dd, const char *x, int dt, long long n, int rows, int W, int Wp) {
     for (int r = 0; r < rows; r++) {
         float *d = dst + (size_t)r * Wp;
         if (r < n) {
-            memcpy(d, x + (size_t)r * W, sizeof(float) * W);
-            memset(d + W, 0, sizeof(float) * (Wp - W));
+            for (int w = 0; w < Wp; w += 16) _mm512_store_ps(d + w, ld(x, (size_t)r * W + w, lanes(0, W - w), dt));
         } else {
             memset(d, 0, sizeof(float) * Wp);
         }
@@ -139,9 +151,9 @@ static inline void transpose16f(__m512 *r) {
     }
 }
 
-/* keys [0, n) of x (row stride W) transposed into dst (W x BC; float64 when wide), zero past n, in
- * 16 x 16 blocks (element by element it was most of the time of calls of few rows) */
-static void pack_t(float *dst, const float *x, long long n, int W, int wide) {
+/* keys [0, n) of x (dtype dt, row stride W) transposed into dst (W x BC; float64 when wide), zero past
+ * n, in 16 x 16 blocks (element by element it was most of the time of calls of few rows) */
+static void pack_t(float *dst, const char *x, int dt, long long n, int W, int wide) {
     for (int c = 0; c < BC; c += 16)
         for (int w = 0; w < W; w += 16) {
             if (c >= n) {  /* keys past the call's: zeros, nothing to load */
@@ -153,7 +165,7 @@ static void pack_t(float *dst, const float *x, long long n, int W, int wide) {
             const __mmask16 cols = lanes(0, W - w);
             __m512 r[16];
             for (int i = 0; i < 16; i++)
-                r[i] = c + i < n ? _mm512_maskz_loadu_ps(cols, x + (size_t)(c + i) * W + w) : _mm512_setzero_ps();
+                r[i] = c + i < n ? ld(x, (size_t)(c + i) * W + w, cols, dt) : _mm512_setzero_ps();
             transpose16f(r);
             for (int i = 0; i < 16 && w + i < W; i++) {
                 const size_t at = (size_t)(w + i) * BC + c;
@@ -382,7 +394,7 @@ static inline __attribute__((always_inline)) void ds32(const int nk, const bjob_
 
 /* P, then dS (or the renormalisation's sums) of the tile's nr rows; whether any P is not 0 */
 static int scores(const bjob_t *J, const scratch_t *T, int nr, long long i0, long long c0, long long nc,
-                  const float *lse, const float *lo, const float *delta, const unsigned char *mrow0, const float *dout,
+                  const float *lse, const float *lo, const float *delta, const unsigned char *mrow0, const char *dout,
                   double *sigma, double *tau) {
     int any = 0, r0 = 0;
     if (J->wide) {
@@ -398,7 +410,7 @@ static int scores(const bjob_t *J, const scratch_t *T, int nr, long long i0, lon
     }
     if (!any)
         return 0;
-    pack_rows(T->dop, J->wide ? T->dod : NULL, dout, nr, BR, J->W, J->Wp);
+    pack_rows(T->dop, J->wide ? T->dod : NULL, dout, J->dt, nr, BR, J->W, J->Wp);
     r0 = 0;
     if (J->wide) {
         for (; r0 + 3 <= nr; r0 += 3) rows_ds64(3, J, T, r0, i0, delta, sigma, tau);
@@ -490,10 +502,10 @@ static void tile(const bjob_t *J, const scratch_t *T, int b, int h, long long i0
     const unsigned char *mrow0 = NULL;
     if (J->mask)
         mrow0 = J->mask + ((size_t)b * J->msb + (size_t)(h / J->mhd) * J->msh) * (J->mkind == 2 ? 4 : 1);
-    pack_rows(T->qp, J->wide ? T->qd : NULL, J->q + (bh * J->L + i0) * J->W, nr, BR, J->W, J->Wp);
+    pack_rows(T->qp, J->wide ? T->qd : NULL, J->q + (bh * J->L + i0) * J->W * J->es, J->dt, nr, BR, J->W, J->Wp);
     if (!scores(J, T, nr, i0, c0, nc, J->lse + bh * J->L, J->lse_lo ? J->lse_lo + bh * J->L : NULL,
                 J->delta ? J->delta + bh * J->L : NULL, mrow0,
-                J->dout + (bh * J->L + i0) * J->W, sigma ? sigma + bh * J->L : NULL, tau ? tau + bh * J->L : NULL) ||
+                J->dout + (bh * J->L + i0) * J->W * J->es, sigma ? sigma + bh * J->L : NULL, tau ? tau + bh * J->L : NULL) ||
         sigma)
         return;
     outer(T->dva, T->p, T->dop, nr, nc, J->Wp);
@@ -514,8 +526,8 @@ static void tile(const bjob_t *J, const scratch_t *T, int b, int h, long long i0
 }
 
 static void pack_keys(const bjob_t *J, const scratch_t *T, size_t bk, long long nc) {
-    pack_t(T->kt, J->k + bk * J->W, nc, J->W, J->wide);
-    pack_t(T->vt, J->v + bk * J->W, nc, J->W, J->wide);
+    pack_t(T->kt, J->k + bk * J->W * J->es, J->dt, nc, J->W, J->wide);
+    pack_t(T->vt, J->v + bk * J->W * J->es, J->dt, nc, J->W, J->wide);
 }
 
 /* the key block at c0 of (b, kv head hk) against every row of its group's query heads; dQ into dq */
@@ -523,7 +535,7 @@ static void key_block(const bjob_t *J, const scratch_t *T, int b, int hk, long l
     const long long nc = J->S - c0 < BC ? J->S - c0 : BC;
     const size_t bk = ((size_t)b * J->Hkv + hk) * J->S + c0;
     pack_keys(J, T, bk, nc);
-    pack_rows(T->kn, NULL, J->k + bk * J->W, nc, BC, J->W, J->Wp);
+    pack_rows(T->kn, NULL, J->k + bk * J->W * J->es, J->dt, nc, BC, J->W, J->Wp);
     memset(T->dka, 0, sizeof(float) * BC * J->Wp);
     memset(T->dva, 0, sizeof(float) * BC * J->Wp);
     const int g = J->Hq / J->Hkv;
@@ -557,24 +569,26 @@ static double block_rows(const bjob_t *J, long long j) {
 }
 
 /* dO . O of a row in float64, rounded once (the caller's spare column, if any, makes it dO . O - dlse) */
-static double dot_row(const float *a, const float *o, int W) {
+static double dot_row(const char *a, const char *o, int W, int dt) {
     __m512d s = _mm512_setzero_pd();
-    int w = 0;
-    for (; w + 8 <= W; w += 8)
-        s = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_loadu_ps(a + w)), _mm512_cvtps_pd(_mm256_loadu_ps(o + w)), s);
-    double t = _mm512_reduce_add_pd(s);
-    for (; w < W; w++) t += (double)a[w] * o[w];
-    return t;
+    for (int w = 0; w < W; w += 16) {
+        const __mmask16 m = lanes(0, W - w);
+        const __m512 x = ld(a, w, m, dt), y = ld(o, w, m, dt);
+        s = _mm512_fmadd_pd(half(x, 0), half(y, 0), s);
+        s = _mm512_fmadd_pd(half(x, 1), half(y, 1), s);
+    }
+    return _mm512_reduce_add_pd(s);
 }
 
 /* The gradients into dq (zeros), dk, dv (row stride Wp); delta_in: each row's delta (NULL: dO . O);
  * lse_lo: NULL, or the low part of a float64 lse (lse + lse_lo); wide: s and dP in float64.
  * With sums (2 x B x Hq x L float64): instead each row's sum of P, then of P dP, over these keys. */
-int kf_backward(const float *q, const float *k, const float *v, const float *o, const float *dout,
+int kf_backward(const void *q, const void *k, const void *v, const void *o, const void *dout,
                 const float *lse, const float *lse_lo, const float *delta_in, const void *mask, int mkind, int mhd,
                 long long msb, long long msh, long long msl, int B, int Hq, int Hkv, long long L, long long S,
-                int W, int causal, float scale, int wide, double *sums, float *dq, float *dk, float *dv, int threads) {
-    if (W < 1 || W > 256 || Hkv < 1 || Hq % Hkv || (mask && mhd < 1))
+                int W, int causal, float scale, int wide, int dt, double *sums, float *dq, float *dk, float *dv,
+                int threads) {
+    if (W < 1 || W > 4096 || Hkv < 1 || Hq % Hkv || (mask && mhd < 1) || dt < 0 || dt > 2)
         return 1;
     const long long rows = (long long)B * Hq * L, items = (long long)B * Hkv, blocks = (S + BC - 1) / BC;
     const int Wp = (W + 15) / 16 * 16;
@@ -587,7 +601,8 @@ int kf_backward(const float *q, const float *k, const float *v, const float *o, 
         }
         return 0;
     }
-    bjob_t J = {q, k, v, o, dout, lse, lse_lo, (const unsigned char *)mask, mask ? mkind : 0, mhd > 0 ? mhd : 1,
+    bjob_t J = {(const char *)q, (const char *)k, (const char *)v, (const char *)o, (const char *)dout, dt,
+                dt ? 2 : 4, lse, lse_lo, (const unsigned char *)mask, mask ? mkind : 0, mhd > 0 ? mhd : 1,
                 msb, msh, msl, B, Hq, Hkv, W, Wp, causal, wide != 0, L, S, scale, dq, dk, dv, NULL};
     float *own = delta_in || sums ? NULL : (float *)malloc(sizeof(float) * rows);  /* delta = dO . O */
     if (!delta_in && !sums && !own)
@@ -628,7 +643,8 @@ int kf_backward(const float *q, const float *k, const float *v, const float *o, 
             } else {
                 if (own) {
                     #pragma omp for schedule(static)
-                    for (long long r = 0; r < rows; r++) own[r] = (float)dot_row(dout + r * W, o + r * W, W);
+                    for (long long r = 0; r < rows; r++)
+                        own[r] = (float)dot_row(J.dout + r * W * J.es, J.o + r * W * J.es, W, dt);
                 }
                 #pragma omp for schedule(dynamic, 1)
                 for (long long u = 0; u < items * (whole ? 1 : 2); u++) {

@@ -678,22 +678,27 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     # stand-in gives P = 0 there, while -inf itself would make the op return NaN.
     lse_safe = torch.nan_to_num(lse.to(sd), nan=math.nan, posinf=math.inf, neginf=0.0)
     memo: dict = {}
-    pieces = _backward_pieces(plan, pb, q.shape[:2], k.shape[2], wide=q.dtype == sd, g=inp.g)
+    # keyfold's own backward (backward.c) where it runs: P to about 1 ulp, where the op's e^x put float32
+    # dv at 3.5-11x the naive error (docs/math.md's rule is 3x), and the op's 16-bit gradients past the
+    # rule too (LOW_ON_KERNEL). Past ORDERED_HEAD no forward sums its scores in the kernel's order, so
+    # the kernel runs there only renormalised, which needs all of a row's keys (whole_rows)
+    own = ((q.dtype is torch.float32 or (q.dtype in LOW_ON_KERNEL and whole_rows))
+           and native.backward_takes(inp.q, inp.k, inp.v) is None and (W <= ORDERED_HEAD or whole_rows))
+    # the kernel's pieces as float32's: its 16-bit gradients are float32 sums, rounded once
+    pieces = _backward_pieces(plan, pb, q.shape[:2], k.shape[2], wide=q.dtype == sd or own, g=inp.g)
     single = _single_key_rows(inp, pieces, plan.tiles, pb, q, memo) if whole_rows else None
     if single is not None:  # those rows leave the op and are added exactly below: with lse huge,
         # P = exp(s - lse) = 0 for every key, so the op gives them dS = 0 and no dV (as dO = 0 would)
         lse_safe.masked_fill_(single[0], _OUT_OF_OP)
     # A gradient with one piece: kept as the op returns it (16-bit too), single-key rows added
-    # into it with one rounding per row they touch. Several: summed in sd.
-    alone = len(pieces) == 1
+    # into it with one rounding per row they touch. Several: summed in sd. The kernel's are float32:
+    # kept so (one piece) or summed in float32, single-key rows added, and rounded once at the end
+    alone = len(pieces) == 1 and not own
     # pieces on rows apart (a band each): every dq row comes from one call, so it is kept as that
     # call gives it (16-bit: rounded once, by the op), with no float32 sum and cast after
-    acc = _Grads(q, k, W, sd, gd if alone else sd, gd if alone or _rows_disjoint(pieces) else sd)
-    # keyfold's own float32 backward (backward.c) where it runs: P to about 1 ulp, where the op's e^x
-    # put dv at 3.5-11x the naive float32 error (docs/math.md's rule is 3x)
-    own = q.dtype is torch.float32 and native.backward_takes(inp.q, inp.k, inp.v) is None
+    acc = _Grads(q, k, W, sd, gd if alone else sd, gd if alone or (_rows_disjoint(pieces) and not own) else sd)
     delta = lse_lo = None
-    renorm = own and whole_rows and Nq * inp.g < PREFILL_MIN_ROWS
+    renorm = own and whole_rows and (Nq * inp.g < RENORM_ROWS or W > ORDERED_HEAD or D < RENORM_HEAD)
     wide = renorm and (W > WIDE_HEAD or Nq * inp.g <= WIDE_ROWS)  # float64 sums only with the renormalised lse
     if renorm:
         # the forward of so few rows ran on the op or the decode kernel, which sum scores in another
@@ -783,12 +788,33 @@ def _renormalised(inp: _Inputs, pieces, pb: Problem, q, memo: dict, cache, lse, 
     return hi, (wide - hi.double()).float(), torch.where(ok, tau / one + extra, 0.0).float()
 
 
+#: Query rows per kv head under which the float32 backward renormalises (its forward ran on the fused op
+#: or the decode kernel, or on the prefill kernel from PREFILL_SQUARE_ROWS: see backward)
+RENORM_ROWS = PREFILL_MIN_ROWS
+#: q and k's head size under which the float32 backward renormalises at any row count: a score of few
+#: products is nearly exact in the naive attention, and the forward's lse (its float32 sum of P over
+#: the row, log and add each rounded) then puts P further off than the naive softmax's own rounding:
+#: 21 of 160 random calls of 512-1024 rows at head sizes 1-12 broke the 3x rule unrenormalised
+#: (dv up to 7.7x at score std 6-10), none of 190 at 16-128
+RENORM_HEAD = 16
 #: Head size (with the lse gradient's spare column) above which a renormalised float32 backward sums
 #: its scores and dP in float64: a float32 sum over 256 terms put dv at 6.6x the naive error (2 keys,
 #: score std 1), where over 64 the renormalised float32 sums held the rule in a 700-case fuzz; float64
 #: and the first pass cost 1.5-2.3x the op's time, float32 without it 0.60-0.86x (B=1, H=8, 1k-4k, 2 threads,
 #: benchmarks/backward_kernel.py)
 WIDE_HEAD = 128
+#: 16-bit dtypes whose backward (all of a row's keys: the engine's own) runs on keyfold's kernel, which
+#: reads them as they are and computes in float32 (renormalised under RENORM_ROWS rows), the gradients
+#: summed over the pieces in float32 and rounded once: the fused op's 16-bit backward broke the 3x rule
+#: in 7 of 300 short random calls (dq 29x the naive bfloat16 error on a 2 x 2 causal window) and 2 of
+#: 100 of 512-1024 rows (dv 3.6x: bfloat16 ALiBi, float16 causal); on the kernel in none
+LOW_ON_KERNEL = (torch.float16, torch.bfloat16)
+#: Head size (with the lse gradient's spare column) up to which a forward sums its scores as the float32
+#: backward kernel does, one FMA a head dimension in order (the prefill kernel, the fused op's GEMM):
+#: past it the forward ran on the fused op, whose blocking of long dot products is its own, and the
+#: kernel renormalises (head 256 with an lse gradient, 257 wide, broke the rule on the op: dv 4.7x,
+#: dk 4.6x, dq 8.7x in a 1,500-case fuzz)
+ORDERED_HEAD = 256
 #: Query rows per kv head up to which a renormalised float32 backward sums in float64 whatever its head
 #: size: a naive float32 attention of one row sums each score along the head dimension in vectors (a
 #: GEMV), more exactly than one FMA a dimension, and three one-row cases of a 1,500-case fuzz broke the

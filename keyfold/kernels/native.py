@@ -157,7 +157,7 @@ def _load(sources: tuple[Path, ...], header: Path) -> tuple[ctypes.CDLL | None, 
                                P, I]
     if any(f.name == "backward.c" for f in sources):  # benchmarks/kernel_ab.py builds the forward kernels alone
         lib.kf_backward.restype = I
-        lib.kf_backward.argtypes = [*[P] * 9, I, I, LL, LL, LL, I, I, I, LL, LL, I, I, ctypes.c_float, I, P, P, P, P, I]
+        lib.kf_backward.argtypes = [*[P] * 9, I, I, LL, LL, LL, I, I, I, LL, LL, I, I, ctypes.c_float, I, I, P, P, P, P, I]
     return lib, f"built at {path}"
 
 
@@ -362,20 +362,23 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pie
     return out, lse
 
 
+#: The dtypes the backward kernel reads (its code for each: backward.c's dt)
+_BACKWARD_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: The largest head size (the common width W of q, k, v and dO) the backward kernel takes.
-BACKWARD_MAX_HEAD = 256
+BACKWARD_MAX_HEAD = 4096
 
 
 def backward_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> str | None:
-    """None when :func:`backward` can run these float32 tensors here, else what it cannot take."""
+    """None when :func:`backward` can run these tensors here (float32, bfloat16 or float16, all one dtype:
+    16-bit ones are read as they are, each value exactly a float32), else what it cannot take."""
     if not available():
         return f"keyfold's native kernels are not built here: {why()}"
     if not (q.dim() == k.dim() == v.dim() == 4):
         return f"q, k, v must be 4-d (B, H, N, W); got {q.dim()}, {k.dim()}, {v.dim()} dims"
     if not (q.device.type == k.device.type == v.device.type == "cpu"):
         return f"CPU tensors only; got {q.device}, {k.device}, {v.device}"
-    if not q.dtype == k.dtype == v.dtype == torch.float32:
-        return f"float32 q, k and v; got {q.dtype}, {k.dtype}, {v.dtype}"
+    if not q.dtype == k.dtype == v.dtype or q.dtype not in _BACKWARD_DTYPES:
+        return f"float32, bfloat16 or float16 q, k and v, all one dtype; got {q.dtype}, {k.dtype}, {v.dtype}"
     B, Hq, _, W = q.shape
     if k.shape[0] != B or v.shape != k.shape or k.shape[-1] != W or k.shape[1] < 1 or Hq % k.shape[1]:
         return f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match"
@@ -437,7 +440,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     _rows_match(q, dout=dout, out=out, lse=lse, delta=delta, lse_lo=lse_lo)
     B, Hq, L, W = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    q, k, v, out, dout, lse = (x.float().contiguous() for x in (q, k, v, out, dout, lse))
+    q, k, v, out, dout = (x.to(q.dtype).contiguous() for x in (q, k, v, out, dout))
+    lse = lse.float().contiguous()
     delta, lse_lo = (None if x is None else x.float().contiguous() for x in (delta, lse_lo))
     m, mkind, mhd, ms = _mask_args(mask, B, Hq, Hkv, L, S)
     Wp = -(-W // 16) * 16
@@ -446,7 +450,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     dv = torch.empty(B, Hkv, S, Wp, dtype=torch.float32)
     rc = _lib.kf_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(), lse.data_ptr(),
                           None if lse_lo is None else lse_lo.data_ptr(), None if delta is None else delta.data_ptr(),
-                          None if m is None else m.data_ptr(), mkind, mhd, *ms, B, Hq, Hkv, L, S, W, int(bool(causal)), scale, int(wide), None, dq.data_ptr(),
+                          None if m is None else m.data_ptr(), mkind, mhd, *ms, B, Hq, Hkv, L, S, W, int(bool(causal)), scale, int(wide), _BACKWARD_DTYPES[q.dtype], None, dq.data_ptr(),
                           dk.data_ptr(), dv.data_ptr(), torch.get_num_threads())
     backward_calls += 1
     if rc != 0:
@@ -471,12 +475,13 @@ def backward_sums(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     Hkv, S = k.shape[1], k.shape[2]
     if B * Hq * L == 0 or S == 0:  # no pair: every sum is 0 (and an empty tensor has no data to pass)
         return torch.zeros(2, B, Hq, L, dtype=torch.float64)
-    q, k, v, dout, lse = (x.float().contiguous() for x in (q, k, v, dout, lse))
+    q, k, v, dout = (x.to(q.dtype).contiguous() for x in (q, k, v, dout))
+    lse = lse.float().contiguous()
     m, mkind, mhd, ms = _mask_args(mask, B, Hq, Hkv, L, S)
     sums = torch.empty(2, B, Hq, L, dtype=torch.float64)
     rc = _lib.kf_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), None, dout.data_ptr(), lse.data_ptr(), None, None,
                           None if m is None else m.data_ptr(), mkind, mhd, *ms, B, Hq, Hkv, L, S, W,
-                          int(bool(causal)), scale, int(wide), sums.data_ptr(), None, None, None,
+                          int(bool(causal)), scale, int(wide), _BACKWARD_DTYPES[q.dtype], sums.data_ptr(), None, None, None,
                           torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"keyfold's backward kernel refused q {tuple(q.shape)}, k {tuple(k.shape)} (code {rc})")
