@@ -424,7 +424,9 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` in float32 as PyTorch's fused CPU backward gives them for these arguments (its
     ``_scaled_dot_product_flash_attention_for_cpu_backward`` with ``dropout_p = 0``), with P recomputed
-    by an e^x of about 1 ulp (the op's loses precision: see backward.c). q, dout, out ``(B, Hq, L, W)``,
+    by an e^x of about 1 ulp (the op's loses precision: see backward.c). q, k, v, out and dout in one
+    dtype, float32, bfloat16 or float16 (out and dout are cast to q's; 16-bit values are read as the
+    float32 values they are, and everything is computed in float32). q, dout, out ``(B, Hq, L, W)``,
     k, v ``(B, Hkv, S, W)`` with ``Hq`` a multiple of ``Hkv`` (a GQA group's dk and dv summed), lse
     ``(B, Hq, L)``; ``causal``: row t sees keys 0..t; ``mask`` bool (True shows) or float32 additive,
     broadcastable to ``(B, Hq | Hkv, L, S)``. ``delta``: each row's ``dO . O`` (``(B, Hq, L)``; by
