@@ -109,6 +109,18 @@ def assert_backward_by_rule(q, k, v, lse_grad=False, **kw):
     return got
 
 
+def seeded_qkv(seed, B, Hq, Hkv, Nq, Nk, D, Dv=None, std=1.0, dtype=torch.float32):
+    """q and k with scores of spread ``std`` (each scaled by its root), v of unit spread, from one generator
+    seeded by ``seed``, in ``dtype``; then torch's own generator seeded too, from which
+    :func:`assert_backward_by_rule` draws dO (and dlse)."""
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(B, Hq, Nq, D, generator=g) * std ** 0.5).to(dtype)
+    k = (torch.randn(B, Hkv, Nk, D, generator=g) * std ** 0.5).to(dtype)
+    v = torch.randn(B, Hkv, Nk, D if Dv is None else Dv, generator=g).to(dtype)
+    torch.manual_seed(seed)
+    return q, k, v
+
+
 def _finite(x):
     return tuple(torch.nan_to_num(t) for t in x) if isinstance(x, tuple) else torch.nan_to_num(x)
 

@@ -430,8 +430,8 @@ PREFILL_KEYS_PER_ROW = 8
 #: when the keys are at most PREFILL_KEYS_PER_ROW times the rows (a training step's short sequences):
 #: there it took 0.47-0.88x the op's forward time (B*H = 32-64, 128-300 rows, causal, window, documents,
 #: dense; 2 threads) and 1.12x at 32 rows. No softcap or callable (their backward, on the tile kernel,
-#: recomputes P against this forward's lse) and head sizes under 256 (the lse gradient's spare column
-#: must fit keyfold's float32 backward, whose renormalised P is then the same arithmetic)
+#: recomputes P against this forward's lse) and head sizes under ORDERED_HEAD (with the lse gradient's
+#: spare column the backward's width stays within it: float32 sums, the same arithmetic as this forward)
 PREFILL_SQUARE_ROWS = 64
 
 
@@ -450,7 +450,7 @@ def _prefill_may(q, k, v, pb: Problem, plain: bool = False, dense: bool = False)
     if rows < PREFILL_MIN_ROWS and not (dt is torch.float32 and rows >= PREFILL_SQUARE_ROWS
                                         and rows * PREFILL_KEYS_PER_ROW >= k.shape[2]
                                         and (pb.score is None or pb.score.additive)
-                                        and max(q.shape[-1], v.shape[-1]) < 256):
+                                        and max(q.shape[-1], v.shape[-1]) < ORDERED_HEAD):
         return False
     if q.numel() == 0 or k.numel() == 0:  # an empty batch or no heads: nothing for the kernel to do
         return False
@@ -701,11 +701,13 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     renorm = own and whole_rows and (Nq * inp.g < RENORM_ROWS or W > ORDERED_HEAD or D < RENORM_HEAD)
     wide = renorm and (W > WIDE_HEAD or Nq * inp.g <= WIDE_ROWS)  # float64 sums only with the renormalised lse
     if renorm:
-        # the forward of so few rows ran on the op or the decode kernel, which sum scores in another
-        # order than this kernel, or (from PREFILL_SQUARE_ROWS) on the prefill kernel, whose exponent
-        # arithmetic is not this kernel's: P and delta renormalised by the kernel's own scores
-        # (backward.c; at 128 or 256 rows instead of 512, a 700-case fuzz found 2-3 cases past the rule,
-        # at 512 none; skipping it after the prefill kernel's forward, 12 more in 1,500)
+        # P and delta renormalised by the kernel's own scores (backward.c) where the forward's lse does not
+        # give them: a forward of so few rows ran on the op or the decode kernel, which sum scores in
+        # another order, or (from PREFILL_SQUARE_ROWS) on the prefill kernel, whose exponent arithmetic is
+        # not this kernel's (at 128 or 256 rows instead of 512, a 700-case fuzz found 2-3 cases past the
+        # rule, at 512 none; skipping it after the prefill kernel's forward, 12 more in 1,500); past
+        # ORDERED_HEAD no forward sums in this kernel's order; under RENORM_HEAD the forward's lse rounding
+        # outweighs the naive error
         lse_safe, lse_lo, delta = _renormalised(inp, pieces, pb, q, memo, plan.tiles, lse_safe, o, do, spare, wide)
     for piece in pieces:
         qs, ks, vs, causal, tile, folded, keys, rows, o_p, do_p, l_p, d_p, lo_p = _backward_args(
@@ -781,11 +783,11 @@ def _renormalised(inp: _Inputs, pieces, pb: Problem, q, memo: dict, cache, lse, 
     sigma, tau = sums
     ok = (sigma > 0) & torch.isfinite(sigma)
     one = torch.where(ok, sigma, torch.ones((), dtype=torch.float64))
-    wide = torch.where(ok, lse.double() + torch.log(one), lse.double())
-    hi = wide.float()
+    lse64 = torch.where(ok, lse.double() + torch.log(one), lse.double())
+    hi = lse64.float()
     extra = (do[..., -1].double() * o[..., -1].double()) if spare else 0.0
     # delta of a row whose sum is 0 meets only P = 0 (and one that is not finite, NaN P's): any will do
-    return hi, (wide - hi.double()).float(), torch.where(ok, tau / one + extra, 0.0).float()
+    return hi, (lse64 - hi.double()).float(), torch.where(ok, tau / one + extra, 0.0).float()
 
 
 #: Query rows per kv head under which the float32 backward renormalises (its forward ran on the fused op

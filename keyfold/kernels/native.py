@@ -406,16 +406,41 @@ def _mask_args(mask, B, Hq, Hkv, L, S):
     return (m.view(torch.uint8) if m.dtype is torch.bool else m), (1 if m.dtype is torch.bool else 2), Hq // mh, strides
 
 
-def _rows_match(q: torch.Tensor, **rows) -> None:
-    """Raise naming the argument whose shape is not q's (``(B, Hq, L, W)`` ones) or q's rows
-    (``(B, Hq, L)`` ones): the kernel reads them at q's strides."""
+def _check_backward(caller: str, q, k, v, mask, **rows) -> None:
+    """Raise where :func:`backward_takes` refuses the arguments, or naming the argument whose shape is not
+    q's (``(B, Hq, L, W)`` ones) or q's rows (``(B, Hq, L)`` ones): the kernel reads them at q's strides."""
+    refused = backward_takes(q, k, v, mask)
+    if refused is not None:
+        raise RuntimeError(f"native.{caller}: {refused}; use the fused op for these")
     for name, x in rows.items():
         if x is None:
             continue
         want = q.shape if name in ("dout", "out") else q.shape[:3]
         if tuple(x.shape) != tuple(want):
-            raise RuntimeError(f"native.backward: {name} has shape {tuple(x.shape)}; it must be {tuple(want)} "
+            raise RuntimeError(f"native.{caller}: {name} has shape {tuple(x.shape)}; it must be {tuple(want)} "
                                f"(q is {tuple(q.shape)})")
+
+
+def _ptr(x: torch.Tensor | None):
+    return None if x is None else x.data_ptr()
+
+
+def _run_backward(q, k, v, out, dout, lse, lse_lo, delta, mask, causal: bool, scale: float, wide: bool,
+                  sums=None, grads=(None, None, None)) -> None:
+    """One kf_backward call on checked arguments (q, k, v, out, dout in q's dtype, lse, lse_lo and delta
+    float32, each made contiguous here): the gradients into ``grads`` (dq, dk, dv), or with ``sums`` the
+    row sums into it."""
+    B, Hq, L, W = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    dt = q.dtype
+    q, k, v, out, dout = (None if x is None else x.to(dt).contiguous() for x in (q, k, v, out, dout))
+    lse, lse_lo, delta = (None if x is None else x.float().contiguous() for x in (lse, lse_lo, delta))
+    m, mkind, mhd, ms = _mask_args(mask, B, Hq, Hkv, L, S)
+    rc = _lib.kf_backward(_ptr(q), _ptr(k), _ptr(v), _ptr(out), _ptr(dout), _ptr(lse), _ptr(lse_lo), _ptr(delta),
+                          _ptr(m), mkind, mhd, *ms, B, Hq, Hkv, L, S, W, int(bool(causal)), scale, int(wide),
+                          _BACKWARD_DTYPES[dt], _ptr(sums), *(_ptr(g) for g in grads), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"keyfold's backward kernel refused q {tuple(q.shape)}, k {tuple(k.shape)} (code {rc})")
 
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -436,27 +461,15 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
     Raises RuntimeError where :func:`backward_takes` refuses the arguments."""
     global backward_calls
-    refused = backward_takes(q, k, v, mask)
-    if refused is not None:
-        raise RuntimeError(f"native.backward: {refused}; use the fused op for these")
-    _rows_match(q, dout=dout, out=out, lse=lse, delta=delta, lse_lo=lse_lo)
+    _check_backward("backward", q, k, v, mask, dout=dout, out=out, lse=lse, delta=delta, lse_lo=lse_lo)
     B, Hq, L, W = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    q, k, v, out, dout = (x.to(q.dtype).contiguous() for x in (q, k, v, out, dout))
-    lse = lse.float().contiguous()
-    delta, lse_lo = (None if x is None else x.float().contiguous() for x in (delta, lse_lo))
-    m, mkind, mhd, ms = _mask_args(mask, B, Hq, Hkv, L, S)
     Wp = -(-W // 16) * 16
     dq = torch.zeros(B, Hq, L, Wp, dtype=torch.float32)
     dk = torch.empty(B, Hkv, S, Wp, dtype=torch.float32)
     dv = torch.empty(B, Hkv, S, Wp, dtype=torch.float32)
-    rc = _lib.kf_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(), lse.data_ptr(),
-                          None if lse_lo is None else lse_lo.data_ptr(), None if delta is None else delta.data_ptr(),
-                          None if m is None else m.data_ptr(), mkind, mhd, *ms, B, Hq, Hkv, L, S, W, int(bool(causal)), scale, int(wide), _BACKWARD_DTYPES[q.dtype], None, dq.data_ptr(),
-                          dk.data_ptr(), dv.data_ptr(), torch.get_num_threads())
     backward_calls += 1
-    if rc != 0:
-        raise RuntimeError(f"keyfold's backward kernel refused q {tuple(q.shape)}, k {tuple(k.shape)} (code {rc})")
+    _run_backward(q, k, v, out, dout, lse, lse_lo, delta, mask, causal, scale, wide, grads=(dq, dk, dv))
     if Wp != W:
         dq, dk, dv = (x[..., :W].contiguous() for x in (dq, dk, dv))
     return dq, dk, dv
@@ -469,22 +482,10 @@ def backward_sums(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     :func:`backward` call that takes them will have it). Summed over all of a
     row's pieces they give ``lse + log(sum P)`` and ``delta = sum P dP / sum P``: P and delta
     normalised as the naive backward's are (backward.c says why)."""
-    refused = backward_takes(q, k, v, mask)
-    if refused is not None:
-        raise RuntimeError(f"native.backward_sums: {refused}; use the fused op for these")
-    _rows_match(q, dout=dout, lse=lse)
-    B, Hq, L, W = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    if B * Hq * L == 0 or S == 0:  # no pair: every sum is 0 (and an empty tensor has no data to pass)
+    _check_backward("backward_sums", q, k, v, mask, dout=dout, lse=lse)
+    B, Hq, L = q.shape[:3]
+    if B * Hq * L == 0 or k.shape[2] == 0:  # no pair: every sum is 0 (and an empty tensor has no data to pass)
         return torch.zeros(2, B, Hq, L, dtype=torch.float64)
-    q, k, v, dout = (x.to(q.dtype).contiguous() for x in (q, k, v, dout))
-    lse = lse.float().contiguous()
-    m, mkind, mhd, ms = _mask_args(mask, B, Hq, Hkv, L, S)
     sums = torch.empty(2, B, Hq, L, dtype=torch.float64)
-    rc = _lib.kf_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), None, dout.data_ptr(), lse.data_ptr(), None, None,
-                          None if m is None else m.data_ptr(), mkind, mhd, *ms, B, Hq, Hkv, L, S, W,
-                          int(bool(causal)), scale, int(wide), _BACKWARD_DTYPES[q.dtype], sums.data_ptr(), None, None, None,
-                          torch.get_num_threads())
-    if rc != 0:
-        raise RuntimeError(f"keyfold's backward kernel refused q {tuple(q.shape)}, k {tuple(k.shape)} (code {rc})")
+    _run_backward(q, k, v, None, dout, lse, None, None, mask, causal, scale, wide, sums=sums)
     return sums

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import keyfold as kf
 from keyfold.kernels import cpu, native
-from tests.helpers import assert_backward_by_rule
+from tests.helpers import assert_backward_by_rule, seeded_qkv
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why()}")
 
@@ -189,10 +189,7 @@ FEW_ROWS = [  # B, Hq, Hkv, Nq, Nk, D, std, causal, seed
 @pytest.mark.parametrize("case", FEW_ROWS, ids=lambda c: f"{c[3]}x{c[4]} D{c[5]} std{c[6]:g}")
 def test_few_rows_renormalise_by_the_kernels_own_scores(case):
     B, Hq, Hkv, Nq, Nk, D, std, causal, seed = case
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, Hq, Nq, D, generator=g) * std ** 0.5
-    k = torch.randn(B, Hkv, Nk, D, generator=g) * std ** 0.5
-    v = torch.randn(B, Hkv, Nk, D, generator=g)
+    q, k, v = seeded_qkv(seed, B, Hq, Hkv, Nq, Nk, D, std=std)
     assert_backward_by_rule(q, k, v, mask=kf.causal() if causal else None, backend=kf.Backend.CPU)
 
 
@@ -251,11 +248,7 @@ def test_one_row_over_its_keys_sums_in_float64(seed, keys, head, std):
     score along the head dimension in vectors (a GEMV), more exactly than one FMA a dimension, and the
     renormalised float32 sums broke the rule in 18 of 120 such cases (dq 4x, dv 9x); up to
     cpu.WIDE_ROWS rows a kv head they are float64."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, 2, 1, head, generator=g) * std ** 0.5
-    k = torch.randn(1, 1, keys, head, generator=g) * std ** 0.5
-    v = torch.randn(1, 1, keys, head, generator=g)
-    torch.manual_seed(seed)  # dout's
+    q, k, v = seeded_qkv(seed, 1, 2, 1, 1, keys, head, std=std)
     assert_backward_by_rule(q, k, v, backend=kf.Backend.CPU)
 
 
@@ -306,11 +299,7 @@ def test_head_sizes_past_256_run_renormalised_on_the_kernel(case, seed):
     """Past cpu.ORDERED_HEAD no forward sums scores in the kernel's order: the kernel takes such calls
     only renormalised (float64 sums), at any row count; before, they went to the fused op."""
     B, Hq, Hkv, Nq, Nk, D, Dv, std, mask = PAST_256[case]
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, Hq, Nq, D, generator=g) * std ** 0.5
-    k = torch.randn(B, Hkv, Nk, D, generator=g) * std ** 0.5
-    v = torch.randn(B, Hkv, Nk, Dv, generator=g)
-    torch.manual_seed(seed)  # dout's, dlse's
+    q, k, v = seeded_qkv(seed, B, Hq, Hkv, Nq, Nk, D, Dv, std)
     before = native.backward_calls
     assert_backward_by_rule(q, k, v, lse_grad=True, mask=mask(), backend=kf.Backend.CPU)
     assert native.backward_calls > before
@@ -338,17 +327,14 @@ SIXTEEN_BIT_SEEDS = {"bfloat16 causal window, 2 x 2": [0, 2, 4], "bfloat16 causa
 
 @pytest.mark.parametrize("case, seed", [(c, s) for c in sorted(SIXTEEN_BIT) for s in SIXTEEN_BIT_SEEDS[c]])
 def test_16_bit_calls_take_their_gradients_from_the_float32_kernel(case, seed):
-    """cpu.LOW_ON_KERNEL: q, k, v, out and dO in float32 through the kernel (renormalised under
-    cpu.RENORM_ROWS rows), the gradients summed in float32 and rounded to the input dtype once."""
+    """cpu.LOW_ON_KERNEL: q, k, v, out and dO read by the kernel as they are, computed in float32
+    (renormalised under cpu.RENORM_ROWS rows), the gradients summed in float32 and rounded to the input
+    dtype once."""
     dt, B, Hq, Hkv, Nq, Nk, D, Dv, std, mask, q_offset, lse_grad = SIXTEEN_BIT[case]
-    g = torch.Generator().manual_seed(seed)
-    q = (torch.randn(B, Hq, Nq, D, generator=g) * std ** 0.5).to(dt)
-    k = (torch.randn(B, Hkv, Nk, D, generator=g) * std ** 0.5).to(dt)
-    v = torch.randn(B, Hkv, Nk, Dv, generator=g).to(dt)
+    q, k, v = seeded_qkv(seed, B, Hq, Hkv, Nq, Nk, D, Dv, std, dt)
     kw = dict(mask=mask(), q_offset=q_offset)
     if "ALiBi" in case:
         kw["score"] = kf.alibi(kf.alibi_slopes(Hq))
-    torch.manual_seed(seed)
     before = native.backward_calls
     got = assert_backward_by_rule(q, k, v, lse_grad=lse_grad, backend=kf.Backend.CPU, **kw)
     assert native.backward_calls > before
@@ -371,11 +357,7 @@ SMALL_HEAD_SEEDS = {"D 1, causal, 1024": [0, 1, 5], "D 8, GQA, 1024": [3, 5], "D
 @pytest.mark.parametrize("case, seed", [(c, s) for c in sorted(SMALL_HEADS) for s in SMALL_HEAD_SEEDS[c]])
 def test_small_heads_renormalise_at_any_row_count(case, seed):
     B, Hq, Hkv, N, D, std, mask = SMALL_HEADS[case]
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, Hq, N, D, generator=g) * std ** 0.5
-    k = torch.randn(B, Hkv, N, D, generator=g) * std ** 0.5
-    v = torch.randn(B, Hkv, N, D, generator=g)
-    torch.manual_seed(seed)
+    q, k, v = seeded_qkv(seed, B, Hq, Hkv, N, N, D, std=std)
     assert_backward_by_rule(q, k, v, mask=mask(), backend=kf.Backend.CPU)
 
 

@@ -7,7 +7,7 @@ import torch
 
 import keyfold as kf
 from keyfold import Backend
-from tests.helpers import assert_backward_by_rule, assert_forward_by_rule
+from tests.helpers import assert_backward_by_rule, assert_forward_by_rule, seeded_qkv
 
 
 def _qkv(B=1, H=2, N=70, D=16, dtype=torch.float32, mag=1.0, seed=0):
@@ -118,10 +118,6 @@ def test_the_tile_backward_takes_p_by_its_own_scores_on_rows_one_piece_covers(ca
     """Rows one piece covers take P = exp(s - row max) / its sum and delta = sum P dP, as the naive
     softmax's own backward does; before, only rows with one visible key were renormalised."""
     B, Hq, Hkv, Nq, Nk, D, Dv, std, score, causal, lse_grad = TILE_ROWS[case]
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, Hq, Nq, D, generator=g) * std ** 0.5
-    k = torch.randn(B, Hkv, Nk, D, generator=g) * std ** 0.5
-    v = torch.randn(B, Hkv, Nk, Dv, generator=g)
-    torch.manual_seed(seed)
+    q, k, v = seeded_qkv(seed, B, Hq, Hkv, Nq, Nk, D, Dv, std)
     assert_backward_by_rule(q, k, v, lse_grad=lse_grad, score=score, mask=kf.causal() if causal else None,
                             backend=Backend.AUTO)
