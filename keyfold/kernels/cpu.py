@@ -697,9 +697,9 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     # pieces on rows apart (a band each): every dq row comes from one call, so it is kept as that
     # call gives it (16-bit: rounded once, by the op), with no float32 sum and cast after
     acc = _Grads(q, k, W, sd, gd if alone else sd, gd if alone or (_rows_disjoint(pieces) and not own) else sd)
-    delta = lse_lo = None
+    delta = lse_lo = delta_lo = None
     renorm = own and whole_rows and (Nq * inp.g < RENORM_ROWS or W > ORDERED_HEAD or D < RENORM_HEAD)
-    wide = renorm and (W > WIDE_HEAD or Nq * inp.g <= WIDE_ROWS)  # float64 sums only with the renormalised lse
+    wide = renorm and (W > WIDE_HEAD or Nq <= WIDE_ROWS)  # float64 sums only with the renormalised lse
     if renorm:
         # P and delta renormalised by the kernel's own scores (backward.c) where the forward's lse does not
         # give them: a forward of so few rows ran on the op or the decode kernel, which sum scores in
@@ -708,13 +708,14 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
         # rule, at 512 none; skipping it after the prefill kernel's forward, 12 more in 1,500); past
         # ORDERED_HEAD no forward sums in this kernel's order; under RENORM_HEAD the forward's lse rounding
         # outweighs the naive error
-        lse_safe, lse_lo, delta = _renormalised(inp, pieces, pb, q, memo, plan.tiles, lse_safe, o, do, spare, wide)
+        lse_safe, lse_lo, delta, delta_lo = _renormalised(inp, pieces, pb, q, memo, plan.tiles, lse_safe, o, do,
+                                                          spare, wide)
     for piece in pieces:
-        qs, ks, vs, causal, tile, folded, keys, rows, o_p, do_p, l_p, d_p, lo_p = _backward_args(
-            inp, piece, pb, q, memo, plan.tiles, o, do, lse_safe, delta, lse_lo)
+        qs, ks, vs, causal, tile, folded, keys, rows, o_p, do_p, l_p, d_p, lo_p, dlo_p = _backward_args(
+            inp, piece, pb, q, memo, plan.tiles, o, do, lse_safe, delta, lse_lo, delta_lo)
         if own:  # a GQA group's members in one call
             gq, gk, gv = native.backward(do_p, qs.flatten(1, 2) if qs.dim() == 5 else qs, ks, vs, o_p, l_p, causal,
-                                         tile.mask, pb.scale, delta=d_p, lse_lo=lo_p, wide=wide)
+                                         tile.mask, pb.scale, delta=d_p, lse_lo=lo_p, wide=wide, delta_lo=dlo_p)
         elif qs.dim() == 5:  # GQA under the causal flag: per member, dk / dv summed over the group
             o5, do5, l5 = (_members(t.contiguous(), inp.g) for t in (o_p, do_p, l_p))
             gq = qs.new_empty(qs.shape)  # (B, Hkv, g, L, W), in the dtype the op returns
@@ -745,35 +746,37 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     return dq, dk, _trim(dv, Dv, gd)
 
 
-def _backward_args(inp: _Inputs, piece: Piece, pb: Problem, q, memo: dict, cache, o, do, lse, delta, lse_lo=None):
+def _backward_args(inp: _Inputs, piece: Piece, pb: Problem, q, memo: dict, cache, o, do, lse, delta, lse_lo=None,
+                   delta_lo=None):
     """One piece's backward call: :func:`_piece_args` and the piece's rows of ``o``, ``do``, ``lse``,
-    ``delta`` and ``lse_lo`` (None: the call takes dO.O, lse alone), folded with its q and lse shifted
-    by its row term."""
+    ``delta``, ``lse_lo`` and ``delta_lo`` (None: the call takes dO.O, lse alone), folded with its q and
+    lse shifted by its row term."""
     qs, ks, vs, causal, tile, folded, keys = _piece_args(inp, piece, pb, q, memo, cache)
     # the op skips those blocks. Here, not in _piece_args: its `causal` means "no mask, top-left
     # causal", which _single_key_rows counts by formula; a masked piece must be counted by its mask
     causal = causal or _hides_above_diagonal(tile, qs.shape[-2], ks.shape[-2])
     rows = slice(piece.q0, piece.q1)
     o_p, do_p, l_p = o[:, :, rows], do[:, :, rows], lse[:, :, rows]
-    d_p, lo_p = (None if x is None else x[:, :, rows] for x in (delta, lse_lo))
+    d_p, lo_p, dlo_p = (None if x is None else x[:, :, rows] for x in (delta, lse_lo, delta_lo))
     if tile.row_shift is not None:  # the op sees scores without the row term
         l_p = l_p - tile.row_shift
     if folded:
         o_p, do_p, l_p = _fold(o_p, inp.g), _fold(do_p, inp.g), _fold(l_p, inp.g)
-        d_p, lo_p = (None if x is None else _fold(x, inp.g) for x in (d_p, lo_p))
-    return qs, ks, vs, causal, tile, folded, keys, rows, o_p, do_p, l_p, d_p, lo_p
+        d_p, lo_p, dlo_p = (None if x is None else _fold(x, inp.g) for x in (d_p, lo_p, dlo_p))
+    return qs, ks, vs, causal, tile, folded, keys, rows, o_p, do_p, l_p, d_p, lo_p, dlo_p
 
 
 def _renormalised(inp: _Inputs, pieces, pb: Problem, q, memo: dict, cache, lse, o, do, spare: bool, wide: bool):
-    """``(lse, lse_lo, delta)`` float32 ``(B, Hq, Nq)`` of every row as the float32 backward kernel's own
-    scores give them: lse + log(sum P) (in two parts, lse + lse_lo: float32 alone would round it by
-    half an ulp of lse, a relative error of every P) and sum P dP / sum P over all the row's pieces
-    (``native.backward_sums``), minus dlse with the ``spare`` column. Rows whose sum is 0 or not finite
-    (no key, single-key rows taken out of the op, NaN) keep their lse."""
+    """``(lse, lse_lo, delta, delta_lo)`` float32 ``(B, Hq, Nq)`` of every row as the float32 backward
+    kernel's own scores give them: lse + log(sum P) (in two parts, lse + lse_lo: float32 alone would round
+    it by half an ulp of lse, a relative error of every P) and sum P dP / sum P over all the row's pieces
+    (``native.backward_sums``), minus dlse with the ``spare`` column, also in two parts (the float64 dP of
+    a ``wide`` call meets it whole). Rows whose sum is 0 or not finite (no key, single-key rows taken out
+    of the op, NaN) keep their lse."""
     B, Hq, Nq = lse.shape
     sums = torch.zeros(2, B, Hq, Nq, dtype=torch.float64)
     for piece in pieces:
-        qs, ks, vs, causal, tile, folded, _, rows, _, do_p, l_p, _, _ = _backward_args(
+        qs, ks, vs, causal, tile, folded, _, rows, _, do_p, l_p, _, _, _ = _backward_args(
             inp, piece, pb, q, memo, cache, o, do, lse, None)
         part = native.backward_sums(do_p, qs.flatten(1, 2) if qs.dim() == 5 else qs, ks, vs, l_p, causal, tile.mask,
                                     pb.scale, wide=wide)
@@ -787,7 +790,9 @@ def _renormalised(inp: _Inputs, pieces, pb: Problem, q, memo: dict, cache, lse, 
     hi = lse64.float()
     extra = (do[..., -1].double() * o[..., -1].double()) if spare else 0.0
     # delta of a row whose sum is 0 meets only P = 0 (and one that is not finite, NaN P's): any will do
-    return hi, (lse64 - hi.double()).float(), torch.where(ok, tau / one + extra, 0.0).float()
+    delta64 = torch.where(ok, tau / one + extra, 0.0)
+    delta = delta64.float()
+    return hi, (lse64 - hi.double()).float(), delta, (delta64 - delta.double()).float()
 
 
 #: Query rows per kv head under which the float32 backward renormalises (its forward ran on the fused op
@@ -817,10 +822,12 @@ LOW_ON_KERNEL = (torch.float16, torch.bfloat16)
 #: kernel renormalises (head 256 with an lse gradient, 257 wide, broke the rule on the op: dv 4.7x,
 #: dk 4.6x, dq 8.7x in a 1,500-case fuzz)
 ORDERED_HEAD = 256
-#: Query rows per kv head up to which a renormalised float32 backward sums in float64 whatever its head
-#: size: a naive float32 attention of one row sums each score along the head dimension in vectors (a
-#: GEMV), more exactly than one FMA a dimension, and three one-row cases of a 1,500-case fuzz broke the
-#: rule on float32 sums (dv 7.7x, dq 6.8x at score std 6-10)
+#: Query rows (per query head) up to which a renormalised float32 backward sums in float64 whatever its
+#: head size: a naive float32 attention of up to 3 rows a head sums each score along the head dimension in
+#: vectors (torch's matmul takes a GEMV there; from 4 rows one FMA a dimension in order, as this kernel),
+#: more exactly than one FMA a dimension, and three one-row cases of a 1,500-case fuzz broke the rule on
+#: float32 sums (dv 7.7x, dq 6.8x at score std 6-10). Counted per kv head (a GQA group's rows) it missed
+#: 3 rows of a group of 4 (12 rows): dv 16x, dq 5.8x the naive error, 2 of 1,000 float32 cases
 WIDE_ROWS = 8
 
 

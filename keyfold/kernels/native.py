@@ -157,7 +157,7 @@ def _load(sources: tuple[Path, ...], header: Path) -> tuple[ctypes.CDLL | None, 
                                P, I]
     if any(f.name == "backward.c" for f in sources):  # benchmarks/kernel_ab.py builds the forward kernels alone
         lib.kf_backward.restype = I
-        lib.kf_backward.argtypes = [*[P] * 9, I, I, LL, LL, LL, I, I, I, LL, LL, I, I, ctypes.c_float, I, I, P, P, P, P, I]
+        lib.kf_backward.argtypes = [*[P] * 10, I, I, LL, LL, LL, I, I, I, LL, LL, I, I, ctypes.c_float, I, I, P, P, P, P, I]
     return lib, f"built at {path}"
 
 
@@ -426,27 +426,28 @@ def _ptr(x: torch.Tensor | None):
 
 
 def _run_backward(q, k, v, out, dout, lse, lse_lo, delta, mask, causal: bool, scale: float, wide: bool,
-                  sums=None, grads=(None, None, None)) -> None:
-    """One kf_backward call on checked arguments (q, k, v, out, dout in q's dtype, lse, lse_lo and delta
-    float32, each made contiguous here): the gradients into ``grads`` (dq, dk, dv), or with ``sums`` the
-    row sums into it."""
+                  sums=None, grads=(None, None, None), delta_lo=None) -> None:
+    """One kf_backward call on checked arguments (q, k, v, out, dout in q's dtype, lse, lse_lo, delta and
+    delta_lo float32, each made contiguous here): the gradients into ``grads`` (dq, dk, dv), or with
+    ``sums`` the row sums into it."""
     B, Hq, L, W = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     dt = q.dtype
     q, k, v, out, dout = (None if x is None else x.to(dt).contiguous() for x in (q, k, v, out, dout))
-    lse, lse_lo, delta = (None if x is None else x.float().contiguous() for x in (lse, lse_lo, delta))
+    lse, lse_lo, delta, delta_lo = (None if x is None else x.float().contiguous()
+                                    for x in (lse, lse_lo, delta, delta_lo))
     m, mkind, mhd, ms = _mask_args(mask, B, Hq, Hkv, L, S)
     rc = _lib.kf_backward(_ptr(q), _ptr(k), _ptr(v), _ptr(out), _ptr(dout), _ptr(lse), _ptr(lse_lo), _ptr(delta),
-                          _ptr(m), mkind, mhd, *ms, B, Hq, Hkv, L, S, W, int(bool(causal)), scale, int(wide),
-                          _BACKWARD_DTYPES[dt], _ptr(sums), *(_ptr(g) for g in grads), torch.get_num_threads())
+                          _ptr(delta_lo), _ptr(m), mkind, mhd, *ms, B, Hq, Hkv, L, S, W, int(bool(causal)), scale,
+                          int(wide), _BACKWARD_DTYPES[dt], _ptr(sums), *(_ptr(g) for g in grads), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"keyfold's backward kernel refused q {tuple(q.shape)}, k {tuple(k.shape)} (code {rc})")
 
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, causal: bool, mask: torch.Tensor | None, scale: float,
-             delta: torch.Tensor | None = None, lse_lo: torch.Tensor | None = None, wide: bool = False
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             delta: torch.Tensor | None = None, lse_lo: torch.Tensor | None = None, wide: bool = False,
+             delta_lo: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` in float32 as PyTorch's fused CPU backward gives them for these arguments (its
     ``_scaled_dot_product_flash_attention_for_cpu_backward`` with ``dropout_p = 0``), with P recomputed
     by an e^x of about 1 ulp (the op's loses precision: see backward.c). q, k, v, out and dout in one
@@ -457,11 +458,13 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     broadcastable to ``(B, Hq | Hkv, L, S)``. ``delta``: each row's ``dO . O`` (``(B, Hq, L)``; by
     default taken from ``dout`` and ``out``) and ``lse_lo`` (the low part of a float64 lse, ``lse +
     lse_lo``), for a caller that renormalises (:func:`backward_sums`); ``wide``: scores and dP summed in
-    float64 (else in float32, in the order of the prefill kernel's and the GEMM's sums).
+    float64 (else in float32, in the order of the prefill kernel's and the GEMM's sums), with ``dP - delta``
+    taken against ``delta + delta_lo`` (the low part of a float64 delta; read only where ``wide``).
 
     Raises RuntimeError where :func:`backward_takes` refuses the arguments."""
     global backward_calls
-    _check_backward("backward", q, k, v, mask, dout=dout, out=out, lse=lse, delta=delta, lse_lo=lse_lo)
+    _check_backward("backward", q, k, v, mask, dout=dout, out=out, lse=lse, delta=delta, lse_lo=lse_lo,
+                    delta_lo=delta_lo)
     B, Hq, L, W = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     Wp = -(-W // 16) * 16
@@ -469,7 +472,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     dk = torch.empty(B, Hkv, S, Wp, dtype=torch.float32)
     dv = torch.empty(B, Hkv, S, Wp, dtype=torch.float32)
     backward_calls += 1
-    _run_backward(q, k, v, out, dout, lse, lse_lo, delta, mask, causal, scale, wide, grads=(dq, dk, dv))
+    _run_backward(q, k, v, out, dout, lse, lse_lo, delta, mask, causal, scale, wide, grads=(dq, dk, dv),
+                  delta_lo=delta_lo)
     if Wp != W:
         dq, dk, dv = (x[..., :W].contiguous() for x in (dq, dk, dv))
     return dq, dk, dv

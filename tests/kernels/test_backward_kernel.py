@@ -389,3 +389,29 @@ def test_a_peaked_bfloat16_row_keeps_its_gradient(seed):
     q, k, v = (torch.randn(1, 2, n, 16, generator=g).bfloat16() for n in (3, 6, 6))
     torch.manual_seed(seed)
     assert_backward_by_rule(q, k, v, scale=2.0, backend=kf.Backend.CPU)
+
+
+@pytest.mark.parametrize("dtype, seed", [(torch.float32, 4), (torch.float32, 12), (torch.float32, 33),
+                                         (torch.bfloat16, 4), (torch.bfloat16, 18)])
+def test_a_row_one_key_dominates_gets_its_zero_ds_in_float64_sums(dtype, seed):
+    """7 rows at head size 80, scale 1, score spread 6 (each row's softmax one key): a renormalised call of
+    float64 sums (``wide``) took dP - delta against delta rounded to float32, so the dominant key's dS was
+    an ulp of delta where the naive backward's is 0: dq 2.5-5x the naive float32 error (3 of 40 seeds;
+    bfloat16 2 of 40). delta now reaches the kernel in two parts (``delta_lo``)."""
+    q, k, v = seeded_qkv(seed, 1, 1, 1, 7, 7, 80, std=6.0, dtype=dtype)
+    assert_backward_by_rule(q, k, v, scale=1.0, backend=kf.Backend.CPU)
+
+
+@pytest.mark.parametrize("case", ["3 rows over 31 keys, ALiBi, lse gradient", "3 rows over 90 keys, scale 1"])
+def test_three_rows_of_a_gqa_group_sum_in_float64(case):
+    """Up to 3 rows a head, torch's matmul (the naive attention) sums each score in vectors, more exactly
+    than one FMA a dimension; the renormalised backward sums in float64 there (``cpu.WIDE_ROWS``), but
+    counted the rows per kv head: 3 rows of a GQA group of 4 (12) took float32 sums, dq 5.8x and dv 16x
+    the naive float32 error (2 of 1,000 fuzz cases). Now counted per query head."""
+    seed, Nk, D, std, lse_grad, kw = {
+        "3 rows over 31 keys, ALiBi, lse gradient":
+            (603, 31, 96, 0.5, True, dict(mask=kf.causal(), score=kf.alibi(kf.alibi_slopes(4)), q_offset=28, scale=2.0)),
+        "3 rows over 90 keys, scale 1": (994, 90, 80, 3.0, False, dict(scale=1.0)),
+    }[case]
+    q, k, v = seeded_qkv(seed, 1, 4, 1, 3, Nk, D, std=std)
+    assert_backward_by_rule(q, k, v, lse_grad=lse_grad, backend=kf.Backend.CPU, **kw)
