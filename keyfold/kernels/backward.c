@@ -1,6 +1,6 @@
-/* keyfold's float32 attention backward on AVX-512 FMAs: the gradients of one fused call (a piece of a
- * plan: its rows, its keys, a causal flag or a mask tile), from the global out and lse, as PyTorch's
- * fused CPU op gives them, with P recomputed by an e^x of about 1 ulp.
+/* keyfold's float32 attention backward on AVX-512 FMAs (bfloat16's products on AMX tiles): the gradients
+ * of one fused call (a piece of a plan: its rows, its keys, a causal flag or a mask tile), from the global
+ * out and lse, as PyTorch's fused CPU op gives them, with P recomputed by an e^x of about 1 ulp.
  *
  * Why keyfold has its own: the op's exponential loses precision (dv 3.5x the naive float32 error at
  * score std 1, 7.8x at 3, 9.6x at 6, past the 3x rule of docs/math.md from a score spread of 3 on).
@@ -31,7 +31,10 @@
  * same run to run and at any thread count.
  *
  * bfloat16 and float16 inputs (dt) are read as they are, each value exactly a float32; everything
- * after the load is the float32 path.
+ * after the load is the float32 path. Where the build has AMX and the OS grants the tile registers,
+ * bfloat16 takes the tile path instead (J->amx, not wide; see "The tile path" below): the five products on
+ * AMX tiles, everything between them as here; 2.1-2.7x faster at head sizes 64-128 (B=1, H=8, 2k rows,
+ * 2 threads, Intel Xeon with AMX).
  *
  * Products are register tiles of RR rows (scores, dP, dQ) or CK keys (dK, dV) by a chunk of up to 64
  * columns (four vectors). Hidden keys (the causal flag, a bool mask, padding past the call's keys) get
@@ -48,6 +51,8 @@
 #define RR 6   /* rows of a register tile (scores, dP, dQ): 6 x 4 accumulators */
 #define CK 4   /* keys of a register tile (dK, dV) */
 #define SPLIT 4 /* (batch, kv head) items from which each is one thread's work, its rows not halved */
+#define BRA 64  /* AMX: query rows per tile (four 16-row tiles; dK and dV sum them in two steps of 32) */
+#define BRM 64  /* the most rows of a tile on either path (the P and dS scratch) */
 
 typedef struct {
     const char *q, *k, *v, *o, *dout;         /* (B, Hq, L, W): q, o, dout; (B, Hkv, S, W): k, v; dtype dt */
@@ -64,16 +69,29 @@ typedef struct {
     float *dq, *dk, *dv;                      /* dq (B, Hq, L, Wp); dk, dv (B, Hkv, S, Wp) */
     float *delta;                             /* (B, Hq, L) */
     const float *delta_lo;                    /* NULL, or what delta leaves of a float64 delta (wide only) */
+    int amx, br;                              /* bfloat16 products on AMX tiles; rows per tile (BR or BRA) */
 } bjob_t;
 
 typedef struct {
     float *kt, *vt, *kn, *qp, *dop, *p, *ds, *dka, *dva;  /* kt, vt: float64 when wide */
     double *qd, *dod;                                     /* wide: the tile's q and dO rows in float64 */
+    int from_p;  /* AMX: the scores and dP are in p and ds (the tile products put them there) */
+    uint16_t *kd, *vd, *kr, *qa, *da, *qr, *dr;  /* AMX operands (see tile_amx) */
+    uint16_t *pth, *ptl, *dth, *dtl, *dsh, *dsl;
+    float *dqs;
 } scratch_t;
+
+/* AMX operands: head-dimension chunks of 32 (Wc), column tiles of 16 (Wt) */
+static int chunks32(const bjob_t *J) { return (J->W + 31) / 32; }
+static size_t amx_halves(const bjob_t *J) {  /* bfloat16 elements of the AMX operands */
+    const size_t Wc = (size_t)chunks32(J), Wt = (size_t)J->Wp / 16;
+    return J->amx ? (Wc * 8 + Wt * 2 + Wt * 4) * 512 + (size_t)BRA * Wc * 32 * 2 + (size_t)6 * 8 * 512 : 0;
+}
 
 static size_t scratch_bytes(const bjob_t *J) {
     return sizeof(float) * ((size_t)J->W * BC * 4 + (size_t)BC * J->Wp * 3 + (size_t)BR * J->Wp * 2 +
-                            (size_t)BR * BC * 2 + (size_t)BR * J->W * 4) + 64 * 12;
+                            (size_t)BRM * BC * 2 + (size_t)BR * J->W * 4 + (J->amx ? (size_t)BRA * J->Wp : 0)) +
+           2 * amx_halves(J) + 64 * 26;
 }
 
 /* a 64-byte aligned slice of one heap block */
@@ -94,10 +112,27 @@ static scratch_t carve(const bjob_t *J, char *m) {
     s.dva = slice(&m, (size_t)BC * J->Wp);
     s.qp = slice(&m, (size_t)BR * J->Wp);
     s.dop = slice(&m, (size_t)BR * J->Wp);
-    s.p = slice(&m, (size_t)BR * BC);
-    s.ds = slice(&m, (size_t)BR * BC);
+    s.p = slice(&m, (size_t)BRM * BC);
+    s.ds = slice(&m, (size_t)BRM * BC);
+    s.from_p = J->amx;
+    if (J->amx) {  /* tile operands, each a whole number of 16 x 64-byte tiles (see tile_amx) */
+        const size_t Wc = (size_t)chunks32(J), Wt = (size_t)J->Wp / 16, T2 = 256;  /* floats a tile */
+        s.kd = (uint16_t *)slice(&m, Wc * 4 * T2);
+        s.vd = (uint16_t *)slice(&m, Wc * 4 * T2);
+        s.kr = (uint16_t *)slice(&m, 2 * Wt * T2);
+        s.qr = (uint16_t *)slice(&m, 2 * Wt * T2);
+        s.dr = (uint16_t *)slice(&m, 2 * Wt * T2);
+        s.qa = (uint16_t *)slice(&m, (size_t)BRA * Wc * 16);
+        s.da = (uint16_t *)slice(&m, (size_t)BRA * Wc * 16);
+        uint16_t **a[6] = {&s.pth, &s.ptl, &s.dth, &s.dtl, &s.dsh, &s.dsl};
+        for (int i = 0; i < 6; i++) *a[i] = (uint16_t *)slice(&m, 8 * T2);
+        s.dqs = slice(&m, (size_t)BRA * J->Wp);
+    }
     return s;
 }
+
+/* 16 bfloat16 values as the float32 values they are */
+static inline __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
 /* the lanes m of x[i..i+16) as float32, x of dtype dt (0 float32, 1 bfloat16, 2 float16): 16-bit
  * inputs are read as they are, each value exactly a float32 */
@@ -106,7 +141,7 @@ static inline __m512 ld(const char *x, size_t i, __mmask16 m, int dt) {
         return _mm512_maskz_loadu_ps(m, (const float *)x + i);
     const __m256i h = _mm256_maskz_loadu_epi16(m, (const unsigned short *)x + i);
     if (dt == 1)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        return widen_bf16(h);
     return _mm512_cvtph_ps(h);
 }
 
@@ -131,31 +166,6 @@ static inline __m512d half(__m512 x, int h) {
                              : _mm512_castps512_ps256(x));
 }
 
-/* r[i] lane j -> r[j] lane i: a 16 x 16 float transpose in registers (pairs, quads, 128-bit lanes,
- * halves) */
-static inline void transpose16f(__m512 *r) {
-    __m512 t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4)
-        for (int j = 0; j < 2; j++) {
-            const __m512d a = _mm512_castps_pd(t[i + j]), b = _mm512_castps_pd(t[i + j + 2]);
-            r[i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-            r[i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-        }
-    for (int i = 0; i < 16; i += 8)
-        for (int j = 0; j < 4; j++) {
-            t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
-            t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xDD);
-        }
-    for (int j = 0; j < 8; j++) {
-        r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
-        r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xDD);
-    }
-}
-
 /* keys [0, n) of x (dtype dt, row stride W) transposed into dst (W x BC; float64 when wide), zero past
  * n, in 16 x 16 blocks (element by element it was most of the time of calls of few rows) */
 static void pack_t(float *dst, const char *x, int dt, long long n, int W, int wide) {
@@ -168,17 +178,18 @@ static void pack_t(float *dst, const char *x, int dt, long long n, int W, int wi
                 continue;
             }
             const __mmask16 cols = lanes(0, W - w);
-            __m512 r[16];
+            __m512i r[16];
             for (int i = 0; i < 16; i++)
-                r[i] = c + i < n ? ld(x, (size_t)(c + i) * W + w, cols, dt) : _mm512_setzero_ps();
-            transpose16f(r);
+                r[i] = _mm512_castps_si512(c + i < n ? ld(x, (size_t)(c + i) * W + w, cols, dt) : _mm512_setzero_ps());
+            transpose16(r);
             for (int i = 0; i < 16 && w + i < W; i++) {
                 const size_t at = (size_t)(w + i) * BC + c;
+                const __m512 y = _mm512_castsi512_ps(r[i]);
                 if (wide) {
-                    _mm512_store_pd((double *)dst + at, half(r[i], 0));
-                    _mm512_store_pd((double *)dst + at + 8, half(r[i], 1));
+                    _mm512_store_pd((double *)dst + at, half(y, 0));
+                    _mm512_store_pd((double *)dst + at + 8, half(y, 1));
                 } else {
-                    _mm512_store_ps(dst + at, r[i]);
+                    _mm512_store_ps(dst + at, y);
                 }
             }
         }
@@ -253,7 +264,11 @@ static inline __attribute__((always_inline)) int rows_p(const int nr, const int 
                                                        const float *lo, const unsigned char *mrow0) {
     __m512 acc[RR][4];
     int any = 0;
-    dot(nr, nk, T->qp + (size_t)r0 * J->Wp, J->Wp, T->kt, J->W, acc);
+    if (T->from_p)
+        for (int r = 0; r < nr; r++)
+            for (int x = 0; x < nk; x++) acc[r][x] = _mm512_load_ps(T->p + (size_t)(r0 + r) * BC + 16 * x);
+    else
+        dot(nr, nk, T->qp + (size_t)r0 * J->Wp, J->Wp, T->kt, J->W, acc);
     const __m512 sc = _mm512_set1_ps(J->scale);
     for (int r = 0; r < nr; r++) {
         const long long gr = i0 + r0 + r;
@@ -296,7 +311,11 @@ static inline __attribute__((always_inline)) void rows_ds(const int nr, const in
                                                          long long i0, const float *delta, double *sigma,
                                                          double *tau) {
     __m512 acc[RR][4];
-    dot(nr, nk, T->dop + (size_t)r0 * J->Wp, J->Wp, T->vt, J->W, acc);
+    if (T->from_p)
+        for (int r = 0; r < nr; r++)
+            for (int x = 0; x < nk; x++) acc[r][x] = _mm512_load_ps(T->ds + (size_t)(r0 + r) * BC + 16 * x);
+    else
+        dot(nr, nk, T->dop + (size_t)r0 * J->Wp, J->Wp, T->vt, J->W, acc);
     const __m512 sc = _mm512_set1_ps(J->scale);
     for (int r = 0; r < nr; r++) {
         const float *pr = T->p + (size_t)(r0 + r) * BC;
@@ -400,6 +419,196 @@ static inline __attribute__((always_inline)) void ds32(const int nk, const bjob_
     }
 }
 
+#ifdef KF_AMX
+/* The tile path (J->amx), for bfloat16: the five products of a tile on AMX (tdpbf16ps: bfloat16 pairs, exact
+ * products, summed in float32), everything between them as on the float32 path (P, dS and the sums from
+ * the scores and dP the tiles leave in p and ds). The scores and dP multiply the 16-bit inputs as they are.
+ * dV, dK and dQ multiply by P and dS, float32 values: each is carried as two bfloat16 terms, hi (rounded)
+ * and lo (what hi leaves, rounded), whose sum is the value to 16 bits (a relative 2^-17; P rounded once to
+ * bfloat16, as the naive backward rounds it, would be 2^-9), and each product is taken for both terms. */
+
+/* c (float32, row stride ldc) += the sum over steps st < ns of A_st B_st on the 2 x 2 block of 16 x 16 tiles
+ * at c (the second row tile 16 rows down where rows2, the second column tile 16 columns right where cols2).
+ * A_st: the tile at a + st as (rows lda bytes apart; the second row tile at + a2), and where alo is not
+ * NULL the tile at the same place of alo too (the second term of the same values); B_st: the tile at
+ * b + st bs (the second column tile at + TILE). fresh: c starts at 0, not at its values. */
+static void mm(float *c, int ldc, int fresh, int rows2, int cols2, const uint16_t *a, const uint16_t *alo, size_t as,
+               size_t a2, int lda, const uint16_t *b, size_t bs, int ns) {
+    if (fresh) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    } else {
+        _tile_loadd(0, c, ldc * 4);
+        if (cols2) _tile_loadd(1, c + 16, ldc * 4);
+        if (rows2) _tile_loadd(2, c + (size_t)16 * ldc, ldc * 4);
+        if (rows2 && cols2) _tile_loadd(3, c + (size_t)16 * ldc + 16, ldc * 4);
+    }
+    for (int st = 0; st < ns; st++) {
+        _tile_loadd(6, b + st * bs, 64);
+        if (cols2) _tile_loadd(7, b + st * bs + TILE, 64);
+        for (int part = 0; part < (alo ? 2 : 1); part++) {
+            const uint16_t *x = (part ? alo : a) + st * as;
+            _tile_loadd(4, x, lda);
+            _tile_dpbf16ps(0, 4, 6);
+            if (cols2) _tile_dpbf16ps(1, 4, 7);
+            if (rows2) {
+                _tile_loadd(5, x + a2, lda);
+                _tile_dpbf16ps(2, 5, 6);
+                if (cols2) _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+    }
+    _tile_stored(0, c, ldc * 4);
+    if (cols2) _tile_stored(1, c + 16, ldc * 4);
+    if (rows2) _tile_stored(2, c + (size_t)16 * ldc, ldc * 4);
+    if (rows2 && cols2) _tile_stored(3, c + (size_t)16 * ldc + 16, ldc * 4);
+}
+
+/* keys [0, n) of x (bfloat16, row stride W) as the operand of a product over the head dimension (Q K^T,
+ * dO V^T): tile (cw, t), at (4 cw + t) TILE, holds dims [32cw, 32cw + 32) of keys [16t, 16t + 16), its row i
+ * the dims 32cw + 2i and 32cw + 2i + 1 of each key (a 16 x 16 transpose of dim pairs); zeros past n and W */
+static void pack_dims(uint16_t *dst, const uint16_t *x, long long n, int W) {
+    for (int cw = 0; cw < (W + 31) / 32; cw++) {
+        const __mmask32 m = first32(W - 32 * cw);
+        for (int t = 0; t < BC / 16; t++) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = 16 * t + i < n ? _mm512_maskz_loadu_epi16(m, x + (size_t)(16 * t + i) * W + 32 * cw)
+                                      : _mm512_setzero_si512();
+            transpose16(r);
+            uint16_t *d = dst + (size_t)(4 * cw + t) * TILE;
+            for (int i = 0; i < 16; i++) _mm512_store_si512(d + 32 * i, r[i]);
+        }
+    }
+}
+
+/* rows [0, n) of x (bfloat16, row stride W) as the operand of a product over those rows (dS K, P^T dO,
+ * dS^T Q): tile (rc, j), at (rc Wt + j) TILE, holds columns [16j, 16j + 16) of rows [32rc, 32rc + 32), its
+ * row i rows 32rc + 2i and 32rc + 2i + 1 paired; zeros past n and W */
+static void pack_rowpairs(uint16_t *dst, const uint16_t *x, long long n, int chunks, int W, int Wt) {
+    for (int rc = 0; rc < chunks; rc++)
+        for (int j = 0; j < Wt; j++) {
+            const __mmask16 m = lanes(0, W - 16 * j);
+            uint16_t *d = dst + (size_t)(rc * Wt + j) * TILE;
+            for (int i = 0; i < 16; i++) {
+                const long long r = 32 * rc + 2 * i;
+                const __m256i z = _mm256_setzero_si256();
+                const __m256i a = r < n ? _mm256_maskz_loadu_epi16(m, x + r * W + 16 * j) : z;
+                const __m256i b = r + 1 < n ? _mm256_maskz_loadu_epi16(m, x + (r + 1) * W + 16 * j) : z;
+                _mm512_store_si512(d + 32 * i, pair_rows(a, b));
+            }
+        }
+}
+
+/* y (row stride BC, float32) = the scores (x: q rows, kd: the packed keys) or dP (x: dO rows, vd: the packed
+ * values) of the tile's nr rows against the key block's nc keys; x's rows copied into pad first where
+ * they are fewer than BRA or W is not a multiple of 32 (zeros past them) */
+static void head_product(const bjob_t *J, uint16_t *pad, const char *x, const uint16_t *kd, int nr, long long nc,
+                         float *y) {
+    const int Wc = chunks32(J);
+    const uint16_t *a = (const uint16_t *)x;
+    int ld = J->W;  /* a's row stride in elements */
+    if (nr < BRA || J->W % 32) {
+        for (int r = 0; r < BRA; r++)
+            for (int c = 0; c < Wc; c++) {
+                const __m512i y = r < nr ? _mm512_maskz_loadu_epi16(first32(J->W - 32 * c), a + (size_t)r * J->W + 32 * c)
+                                         : _mm512_setzero_si512();
+                _mm512_store_si512(pad + (size_t)r * Wc * 32 + 32 * c, y);
+            }
+        a = pad;
+        ld = Wc * 32;
+    }
+    for (int r = 0; r < nr; r += 32)  /* every key tile of a pair: keys past nc give 0, never stale values */
+        for (int t = 0; t < (nc > 32 ? 4 : 2); t += 2)
+            mm(y + (size_t)r * BC + 16 * t, BC, 1, 1, 1, a + (size_t)r * ld, NULL, 32, (size_t)16 * ld, ld * 2,
+               kd + (size_t)t * TILE, 4 * TILE, Wc);
+}
+
+/* hi: 16 float32 values of a, then b's, rounded to bfloat16; lo: what hi leaves of each (exact in float32),
+ * rounded */
+static inline void split2(__m512 a, __m512 b, __m512i *hi, __m512i *lo) {
+    const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+    const __m512 ah = widen_bf16(_mm512_castsi512_si256(h)), bh = widen_bf16(_mm512_extracti64x4_epi64(h, 1));
+    *hi = h;
+    *lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, bh), _mm512_sub_ps(a, ah));
+}
+
+/* x (P or dS, row stride BC) as the operand of a product over its rows (P^T dO, dS^T Q), in two terms: tile
+ * (t, rc) of hi and of lo, at (2t + rc) TILE, holds keys [16t, 16t + 16) by rows [32rc, 32rc + 32), its row c
+ * the pairs of rows 32rc + 2i and 32rc + 2i + 1 at key c */
+static void split_cols(uint16_t *hi, uint16_t *lo, const float *x, int nrc, int nkt) {
+    static const uint16_t order[32] __attribute__((aligned(64))) = {
+        0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29,
+        14, 30, 15, 31};
+    const __m512i mix = _mm512_load_si512(order);
+    for (int rc = 0; rc < nrc; rc++)
+        for (int t = 0; t < nkt; t++) {
+            __m512i h[16], l[16];
+            for (int i = 0; i < 16; i++) {
+                const float *r = x + (size_t)(32 * rc + 2 * i) * BC + 16 * t;
+                split2(_mm512_load_ps(r), _mm512_load_ps(r + BC), &h[i], &l[i]);
+                h[i] = _mm512_permutexvar_epi16(mix, h[i]);
+                l[i] = _mm512_permutexvar_epi16(mix, l[i]);
+            }
+            transpose16(h);
+            transpose16(l);
+            const size_t at = (size_t)(2 * t + rc) * TILE;
+            for (int c = 0; c < 16; c++) {
+                _mm512_store_si512(hi + at + 32 * c, h[c]);
+                _mm512_store_si512(lo + at + 32 * c, l[c]);
+            }
+        }
+}
+
+/* x (dS, row stride BC) as the operand of a product over its keys (dS K), in two terms: tile (a, kc) of hi
+ * and of lo, at (2a + kc) TILE, holds rows [16a, 16a + 16) by keys [32kc, 32kc + 32) */
+static void split_rows(uint16_t *hi, uint16_t *lo, const float *x, int nrt, int nkc) {
+    for (int a = 0; a < nrt; a++)
+        for (int kc = 0; kc < nkc; kc++)
+            for (int i = 0; i < 16; i++) {
+                const float *r = x + (size_t)(16 * a + i) * BC + 32 * kc;
+                __m512i h, l;
+                split2(_mm512_load_ps(r), _mm512_load_ps(r + 16), &h, &l);
+                _mm512_store_si512(hi + (size_t)(2 * a + kc) * TILE + 32 * i, h);
+                _mm512_store_si512(lo + (size_t)(2 * a + kc) * TILE + 32 * i, l);
+            }
+}
+
+/* dV += P^T dO, dK += dS^T q (the key block's, in T->dva, T->dka) and dQ += dS k (dq: the tile's rows of
+ * query head bh) of the tile's nr rows at i0 over the key block's nc keys, P and dS in T->p, T->ds */
+static void grads_amx(const bjob_t *J, const scratch_t *T, size_t bh, long long i0, int nr, long long nc, float *dq) {
+    const int Wp = J->Wp, Wt = Wp / 16, nrc = (nr + 31) / 32, nrt = (nr + 15) / 16, nkt = (int)(nc + 15) / 16,
+              nkc = (int)(nc + 31) / 32;
+    for (int r = nr; r < 32 * nrc; r++) {  /* rows past nr: no P, no dS */
+        memset(T->p + (size_t)r * BC, 0, sizeof(float) * BC);
+        memset(T->ds + (size_t)r * BC, 0, sizeof(float) * BC);
+    }
+    split_cols(T->pth, T->ptl, T->p, nrc, nkt);
+    split_cols(T->dth, T->dtl, T->ds, nrc, nkt);
+    split_rows(T->dsh, T->dsl, T->ds, nrt, nkc);
+    const size_t at = (bh * J->L + i0) * J->W;
+    pack_rowpairs(T->dr, (const uint16_t *)J->dout + at, nr, nrc, J->W, Wt);
+    pack_rowpairs(T->qr, (const uint16_t *)J->q + at, nr, nrc, J->W, Wt);
+    for (int t = 0; t < nkt; t += 2)
+        for (int j = 0; j < Wt; j += 2) {
+            const size_t c = (size_t)16 * t * Wp + 16 * j, a = (size_t)2 * t * TILE;
+            mm(T->dva + c, Wp, 0, t + 1 < nkt, j + 1 < Wt, T->pth + a, T->ptl + a, TILE, 2 * TILE, 64,
+               T->dr + (size_t)j * TILE, (size_t)Wt * TILE, nrc);
+            mm(T->dka + c, Wp, 0, t + 1 < nkt, j + 1 < Wt, T->dth + a, T->dtl + a, TILE, 2 * TILE, 64,
+               T->qr + (size_t)j * TILE, (size_t)Wt * TILE, nrc);
+        }
+    float *d = dq + (bh * J->L + i0) * Wp;
+    if (nr < BRA)  /* a partial row block: its dQ rows through scratch, the tiles' 16 rows never past them */
+        memcpy(T->dqs, d, sizeof(float) * nr * Wp);
+    for (int a = 0; a < nrt; a += 2)
+        for (int j = 0; j < Wt; j += 2)
+            mm((nr < BRA ? T->dqs : d) + (size_t)16 * a * Wp + 16 * j, Wp, 0, a + 1 < nrt, j + 1 < Wt,
+               T->dsh + (size_t)2 * a * TILE, T->dsl + (size_t)2 * a * TILE, TILE, 2 * TILE, 64,
+               T->kr + (size_t)j * TILE, (size_t)Wt * TILE, nkc);
+    if (nr < BRA)
+        memcpy(d, T->dqs, sizeof(float) * nr * Wp);
+}
+#endif
+
 /* P, then dS (or the renormalisation's sums) of the tile's nr rows; whether any P is not 0 */
 static int scores(const bjob_t *J, const scratch_t *T, int nr, long long i0, long long c0, long long nc,
                   const float *lse, const float *lo, const float *delta, const unsigned char *mrow0, const char *dout,
@@ -418,7 +627,12 @@ static int scores(const bjob_t *J, const scratch_t *T, int nr, long long i0, lon
     }
     if (!any)
         return 0;
-    pack_rows(T->dop, J->wide ? T->dod : NULL, dout, J->dt, nr, BR, J->W, J->Wp);
+#ifdef KF_AMX
+    if (T->from_p)
+        head_product(J, T->da, dout, T->vd, nr, nc, T->ds);
+    else
+#endif
+        pack_rows(T->dop, J->wide ? T->dod : NULL, dout, J->dt, nr, BR, J->W, J->Wp);
     r0 = 0;
     if (J->wide) {
         const float *dlo = J->delta_lo && delta ? J->delta_lo + (delta - J->delta) : NULL;
@@ -511,12 +725,24 @@ static void tile(const bjob_t *J, const scratch_t *T, int b, int h, long long i0
     const unsigned char *mrow0 = NULL;
     if (J->mask)
         mrow0 = J->mask + ((size_t)b * J->msb + (size_t)(h / J->mhd) * J->msh) * (J->mkind == 2 ? 4 : 1);
-    pack_rows(T->qp, J->wide ? T->qd : NULL, J->q + (bh * J->L + i0) * J->W * J->es, J->dt, nr, BR, J->W, J->Wp);
+    const char *q = J->q + (bh * J->L + i0) * J->W * J->es;
+#ifdef KF_AMX
+    if (T->from_p)
+        head_product(J, T->qa, q, T->kd, nr, nc, T->p);
+    else
+#endif
+        pack_rows(T->qp, J->wide ? T->qd : NULL, q, J->dt, nr, BR, J->W, J->Wp);
     if (!scores(J, T, nr, i0, c0, nc, J->lse + bh * J->L, J->lse_lo ? J->lse_lo + bh * J->L : NULL,
                 J->delta ? J->delta + bh * J->L : NULL, mrow0,
                 J->dout + (bh * J->L + i0) * J->W * J->es, sigma ? sigma + bh * J->L : NULL, tau ? tau + bh * J->L : NULL) ||
         sigma)
         return;
+#ifdef KF_AMX
+    if (T->from_p) {
+        grads_amx(J, T, bh, i0, nr, nc, dq);
+        return;
+    }
+#endif
     outer(T->dva, T->p, T->dop, nr, nc, J->Wp);
     outer(T->dka, T->ds, T->qp, nr, nc, J->Wp);
     float *dqr = dq + (bh * J->L + i0) * J->Wp;
@@ -535,19 +761,26 @@ static void tile(const bjob_t *J, const scratch_t *T, int b, int h, long long i0
 }
 
 static void pack_keys(const bjob_t *J, const scratch_t *T, size_t bk, long long nc) {
+#ifdef KF_AMX
+    if (T->from_p) {
+        pack_dims(T->kd, (const uint16_t *)J->k + bk * J->W, nc, J->W);
+        pack_dims(T->vd, (const uint16_t *)J->v + bk * J->W, nc, J->W);
+        return;
+    }
+#endif
     pack_t(T->kt, J->k + bk * J->W * J->es, J->dt, nc, J->W, J->wide);
     pack_t(T->vt, J->v + bk * J->W * J->es, J->dt, nc, J->W, J->wide);
 }
 
-/* the first row that sees the key block at c0 (a multiple of BR), and where its rows' two fixed halves
- * meet (a multiple of BR after it, or L) */
-static long long first_row(const bjob_t *J, long long c0) { return J->causal ? c0 / BR * BR : 0; }
+/* the first row that sees the key block at c0 (a multiple of the rows of a tile, br), and where its rows' two
+ * fixed halves meet (a multiple of br after it, or L) */
+static long long first_row(const bjob_t *J, long long c0) { return J->causal ? c0 / J->br * J->br : 0; }
 static long long middle_row(const bjob_t *J, long long c0) {
-    const long long a = first_row(J, c0), n = a < J->L ? (J->L - a + BR - 1) / BR : 0, m = a + (n + 1) / 2 * BR;
+    const long long br = J->br, a = first_row(J, c0), n = a < J->L ? (J->L - a + br - 1) / br : 0, m = a + (n + 1) / 2 * br;
     return m < J->L ? m : J->L;
 }
 
-/* rows [r0, r1) (r0 a multiple of BR) of every query head of (b, kv head hk) against the key block at c0:
+/* rows [r0, r1) (r0 a multiple of br) of every query head of (b, kv head hk) against the key block at c0:
  * its dK and dV into T->dka, T->dva (zeroed first), dQ into dq */
 static void key_block_rows(const bjob_t *J, const scratch_t *T, int b, int hk, long long c0, long long r0,
                            long long r1, float *dq) {
@@ -558,11 +791,16 @@ static void key_block_rows(const bjob_t *J, const scratch_t *T, int b, int hk, l
     if (r0 >= r1)
         return;
     pack_keys(J, T, bk, nc);
-    pack_rows(T->kn, NULL, J->k + bk * J->W * J->es, J->dt, nc, BC, J->W, J->Wp);
+#ifdef KF_AMX
+    if (T->from_p)
+        pack_rowpairs(T->kr, (const uint16_t *)J->k + bk * J->W, nc, 2, J->W, J->Wp / 16);
+    else
+#endif
+        pack_rows(T->kn, NULL, J->k + bk * J->W * J->es, J->dt, nc, BC, J->W, J->Wp);
     const int g = J->Hq / J->Hkv;
     for (int h = hk * g; h < (hk + 1) * g; h++)
-        for (long long i0 = r0; i0 < r1; i0 += BR)
-            tile(J, T, b, h, i0, r1 - i0 < BR ? (int)(r1 - i0) : BR, c0, nc, dq, NULL, NULL);
+        for (long long i0 = r0; i0 < r1; i0 += J->br)
+            tile(J, T, b, h, i0, r1 - i0 < J->br ? (int)(r1 - i0) : J->br, c0, nc, dq, NULL, NULL);
 }
 
 /* the key block at c0 of (b, kv head hk) against every row of its group's query heads; dQ into dq */
@@ -574,7 +812,7 @@ static void key_block(const bjob_t *J, const scratch_t *T, int b, int hk, long l
     memcpy(J->dv + bk * J->Wp, T->dva, sizeof(float) * nc * J->Wp);
 }
 
-/* the renormalisation's sums of rows [i0, i1) (i0 a multiple of BR) of every query head of (b, kv head hk)
+/* the renormalisation's sums of rows [i0, i1) (i0 a multiple of br) of every query head of (b, kv head hk)
  * over every key, each key block packed once */
 static void row_sums(const bjob_t *J, const scratch_t *T, int b, int hk, long long i0, long long i1, double *sigma,
                      double *tau) {
@@ -583,10 +821,10 @@ static void row_sums(const bjob_t *J, const scratch_t *T, int b, int hk, long lo
     for (long long c0 = 0; c0 < last; c0 += BC) {
         const long long nc = J->S - c0 < BC ? J->S - c0 : BC;
         pack_keys(J, T, ((size_t)b * J->Hkv + hk) * J->S + c0, nc);
-        const long long r0 = J->causal && c0 / BR * BR > i0 ? c0 / BR * BR : i0;
+        const long long r0 = J->causal && c0 / J->br * J->br > i0 ? c0 / J->br * J->br : i0;
         for (int h = hk * g; h < (hk + 1) * g; h++)
-            for (long long r = r0; r < i1; r += BR)
-                tile(J, T, b, h, r, i1 - r < BR ? (int)(i1 - r) : BR, c0, nc, NULL, sigma, tau);
+            for (long long r = r0; r < i1; r += J->br)
+                tile(J, T, b, h, r, i1 - r < J->br ? (int)(i1 - r) : J->br, c0, nc, NULL, sigma, tau);
     }
 }
 
@@ -604,16 +842,21 @@ static double dot_row(const char *a, const char *o, int W, int dt) {
 
 /* The gradients into dq (zeros), dk, dv (row stride Wp); delta_in: each row's delta (NULL: dO . O), delta_lo:
  * NULL or its low part (delta_in + delta_lo, read where wide); lse_lo: NULL, or the low part of a float64 lse
- * (lse + lse_lo); wide: s and dP in float64.
+ * (lse + lse_lo); wide: s and dP in float64; amx: bfloat16
+ * inputs take the tile path (a build with AMX, the tile registers granted: kf_prefill_init; not wide).
  * With sums (2 x B x Hq x L float64): instead each row's sum of P, then of P dP, over these keys. */
 int kf_backward(const void *q, const void *k, const void *v, const void *o, const void *dout,
                 const float *lse, const float *lse_lo, const float *delta_in, const float *delta_lo, const void *mask,
                 int mkind, int mhd,
                 long long msb, long long msh, long long msl, int B, int Hq, int Hkv, long long L, long long S,
-                int W, int causal, float scale, int wide, int dt, double *sums, float *dq, float *dk, float *dv,
-                int threads) {
+                int W, int causal, float scale, int wide, int dt, int amx, double *sums, float *dq, float *dk,
+                float *dv, int threads) {
     if (W < 1 || W > 4096 || Hkv < 1 || Hq % Hkv || (mask && mhd < 1) || dt < 0 || dt > 2)
         return 1;
+#ifndef KF_AMX
+    if (amx)
+        return 3;
+#endif
     const long long rows = (long long)B * Hq * L, items = (long long)B * Hkv, blocks = (S + BC - 1) / BC;
     const int Wp = (W + 15) / 16 * 16;
     if (sums)
@@ -628,14 +871,16 @@ int kf_backward(const void *q, const void *k, const void *v, const void *o, cons
     bjob_t J = {(const char *)q, (const char *)k, (const char *)v, (const char *)o, (const char *)dout, dt,
                 dt ? 2 : 4, lse, lse_lo, (const unsigned char *)mask, mask ? mkind : 0, mhd > 0 ? mhd : 1,
                 msb, msh, msl, B, Hq, Hkv, W, Wp, causal, wide != 0, L, S, scale, dq, dk, dv, NULL,
-                delta_in ? delta_lo : NULL};
+                delta_in ? delta_lo : NULL, amx && dt == 1 && !wide, BR};
+    if (J.amx)
+        J.br = BRA;
     float *own = delta_in || sums ? NULL : (float *)malloc(sizeof(float) * rows);  /* delta = dO . O */
     if (!delta_in && !sums && !own)
         return 2;
     J.delta = delta_in ? (float *)delta_in : own;
     if (threads < 1)
         threads = 1;
-    const long long row_blocks = (L + BR - 1) / BR;
+    const long long row_blocks = (L + J.br - 1) / J.br;
     const int whole = items >= SPLIT || sums;
     /* fewer items: each key block's dK and dV in two halves (its rows' two fixed halves), 2 x BC x Wp a half */
     float *halves = NULL;  /* 64-byte aligned, as every scratch the products store to */
@@ -651,14 +896,19 @@ int kf_backward(const void *q, const void *k, const void *v, const void *o, cons
             err = 1;
         }
         #pragma omp barrier
+#ifdef KF_AMX
+        const tilecfg_t cfg = tiles16x64();
+        if (J.amx)
+            _tile_loadconfig(&cfg);
+#endif
         if (!err) {
             const scratch_t T = carve(&J, mem);
             if (sums) {
                 #pragma omp for schedule(dynamic, 1)
                 for (long long u = 0; u < items * row_blocks; u++) {
-                    const long long i0 = u % row_blocks * BR;
+                    const long long i0 = u % row_blocks * J.br;
                     row_sums(&J, &T, (int)(u / row_blocks / Hkv), (int)(u / row_blocks % Hkv), i0,
-                             i0 + BR < L ? i0 + BR : L, sums, sums + rows);
+                             i0 + J.br < L ? i0 + J.br : L, sums, sums + rows);
                 }
             } else {
                 if (own) {
@@ -697,6 +947,10 @@ int kf_backward(const void *q, const void *k, const void *v, const void *o, cons
                 }
             }
         }
+#ifdef KF_AMX
+        if (J.amx)
+            _tile_release();
+#endif
         free(mem);
     }
     free(halves);

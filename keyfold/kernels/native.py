@@ -56,7 +56,7 @@ import torch
 from ._common import cpu_flags
 
 __all__ = ["available", "why", "bf16_dot", "pays", "attend", "run", "prefill_available", "prefill",
-           "backward_takes", "backward", "backward_sums", "MAX_ROWS", "FEW_ROWS", "MIN_KEYS"]
+           "backward_takes", "backward", "backward_sums", "backward_amx_available", "MAX_ROWS", "FEW_ROWS", "MIN_KEYS"]
 
 #: The sources, compiled into one library, and the header they share (part of the build's hash).
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("decode.c", "prefill.c", "backward.c"))
@@ -85,6 +85,8 @@ calls = 0
 prefill_calls = 0
 #: Calls :func:`backward` has made (tests check the CPU backend's float32 backward runs on it).
 backward_calls = 0
+#: Of those and of :func:`backward_sums`'s, the calls that ran on AMX tiles (:func:`backward_amx_available`).
+backward_amx_calls = 0
 _amx: bool | None = None  # the prefill kernel is built with AMX and the OS lets this process use it
 
 
@@ -157,7 +159,8 @@ def _load(sources: tuple[Path, ...], header: Path) -> tuple[ctypes.CDLL | None, 
                                P, I]
     if any(f.name == "backward.c" for f in sources):  # benchmarks/kernel_ab.py builds the forward kernels alone
         lib.kf_backward.restype = I
-        lib.kf_backward.argtypes = [*[P] * 10, I, I, LL, LL, LL, I, I, I, LL, LL, I, I, ctypes.c_float, I, I, P, P, P, P, I]
+        lib.kf_backward.argtypes = [*[P] * 10, I, I, LL, LL, LL, I, I, I, LL, LL, I, I, ctypes.c_float, I, I, I, P, P, P,
+                                    P, I]
     return lib, f"built at {path}"
 
 
@@ -366,6 +369,16 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pie
 _BACKWARD_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: The largest head size (the common width W of q, k, v and dO) the backward kernel takes.
 BACKWARD_MAX_HEAD = 4096
+#: Whether bfloat16 calls take the backward kernel's AMX tile path where the build and the OS allow it
+#: (:func:`backward_amx_available`); tests and benchmarks set it False to compare with the FMA path.
+backward_amx = True
+
+
+def backward_amx_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the backward kernel runs ``dtype``'s products on AMX tiles here: bfloat16 only, in a build
+    with AMX-BF16 whose tile registers the OS grants (as :func:`prefill_available` asks), unless
+    :data:`backward_amx` is False."""
+    return dtype is torch.bfloat16 and backward_amx and prefill_available(torch.bfloat16)
 
 
 def backward_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> str | None:
@@ -430,6 +443,7 @@ def _run_backward(q, k, v, out, dout, lse, lse_lo, delta, mask, causal: bool, sc
     """One kf_backward call on checked arguments (q, k, v, out, dout in q's dtype, lse, lse_lo, delta and
     delta_lo float32, each made contiguous here): the gradients into ``grads`` (dq, dk, dv), or with
     ``sums`` the row sums into it."""
+    global backward_amx_calls
     B, Hq, L, W = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     dt = q.dtype
@@ -437,9 +451,12 @@ def _run_backward(q, k, v, out, dout, lse, lse_lo, delta, mask, causal: bool, sc
     lse, lse_lo, delta, delta_lo = (None if x is None else x.float().contiguous()
                                     for x in (lse, lse_lo, delta, delta_lo))
     m, mkind, mhd, ms = _mask_args(mask, B, Hq, Hkv, L, S)
+    amx = backward_amx_available(dt) and not wide
+    backward_amx_calls += amx
     rc = _lib.kf_backward(_ptr(q), _ptr(k), _ptr(v), _ptr(out), _ptr(dout), _ptr(lse), _ptr(lse_lo), _ptr(delta),
                           _ptr(delta_lo), _ptr(m), mkind, mhd, *ms, B, Hq, Hkv, L, S, W, int(bool(causal)), scale,
-                          int(wide), _BACKWARD_DTYPES[dt], _ptr(sums), *(_ptr(g) for g in grads), torch.get_num_threads())
+                          int(wide), _BACKWARD_DTYPES[dt], int(amx), _ptr(sums),
+                          *(_ptr(g) for g in grads), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"keyfold's backward kernel refused q {tuple(q.shape)}, k {tuple(k.shape)} (code {rc})")
 

@@ -52,9 +52,6 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define KF_F32 1
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define KF_AMX 1
-#endif
 #endif
 
 #define QB 32          /* query rows per block (two 16-row tiles) */
@@ -63,7 +60,6 @@
 #define KB (SB * NS)   /* keys per step of the online softmax */
 #define GMAX 16        /* most blocks of QB rows per work item (job_t.G) */
 #define MAXD 256       /* largest head size (q, k and v) */
-#define TILE 512       /* bfloat16 elements in one 16 x 64-byte tile */
 #define QR 8           /* float32: query rows of one Q K^T register tile (8 x 32 scores) */
 #define PR 4           /* float32: query rows of one P V register tile (4 x 64 columns) */
 #define LOG2E 1.44269504088896341f
@@ -106,12 +102,6 @@ typedef struct {
              * 0.99-1.01x at 1k-4k), else 8 (0.86-1.01x the time of 4 at 4k-16k; float32 16 took
              * 0.98-1.04x the time of 8, no gain) */
 } job_t;
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tilecfg_t;
 
 /* bytes of one packed block of SB keys */
 static size_t kpack_size(const job_t *J) {
@@ -161,32 +151,6 @@ static void pack_f32(const job_t *J, long long t, char *kpb, char *vpb) {
  * V: tile jc holds value dims [16 jc, 16 jc + 16), row r = keys 2r and 2r + 1 interleaved. Past S, D or
  * Dv: zeros. */
 #ifdef KF_AMX
-/* x[r] lane c becomes x[c] lane r: a 16 x 16 transpose of 32-bit words in four rounds of shuffles
- * (unpacks within 128-bit lanes, then the 4 x 4 transpose of the lanes), in place of a gather per row */
-static inline __attribute__((always_inline)) void transpose16(__m512i *x) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(x[2 * i], x[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(x[2 * i], x[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {  /* u[4i + k], lane L: rows 4i .. 4i + 3 of column 4L + k */
-        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int k = 0; k < 4; k++) {  /* column 4L + k: lane g from u[4g + k], lane L */
-        const __m512i x0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x44);
-        const __m512i x1 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xEE);
-        const __m512i x2 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x44);
-        const __m512i x3 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xEE);
-        x[k] = _mm512_shuffle_i32x4(x0, x2, 0x88);
-        x[4 + k] = _mm512_shuffle_i32x4(x0, x2, 0xDD);
-        x[8 + k] = _mm512_shuffle_i32x4(x1, x3, 0x88);
-        x[12 + k] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
-    }
-}
-
 static void pack_bf16(const job_t *J, long long t, char *kpb, char *vpb) {
     const block_t X = block_at(J, t, sizeof(uint16_t));
     const long long nk = X.nk;
@@ -205,11 +169,7 @@ static void pack_bf16(const job_t *J, long long t, char *kpb, char *vpb) {
             for (int r = 0; r < 16; r++) _mm512_store_si512(tile + 32 * r, x[r]);
         }
     }
-    /* word 2x of a row is key 2r's dim x, word 2x + 1 key 2r + 1's (index 32 + x: the second vector) */
-    static const uint16_t order[32] __attribute__((aligned(64))) = {
-        0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45,
-        14, 46, 15, 47};
-    const __m512i mix = _mm512_load_si512(order);
+    /* word 2x of a row is key 2r's dim x, word 2x + 1 key 2r + 1's */
     for (int jc = 0; jc < J->nj; jc++) {
         const int d0 = 16 * jc, nd = J->Dv - d0;
         const __mmask16 dm = nd <= 0 ? 0 : first(nd);
@@ -218,8 +178,7 @@ static void pack_bf16(const job_t *J, long long t, char *kpb, char *vpb) {
             const __m256i a = 2 * r < nk ? _mm256_maskz_loadu_epi16(dm, v + 2 * r * J->svn + d0) : _mm256_setzero_si256();
             const __m256i b2 = 2 * r + 1 < nk ? _mm256_maskz_loadu_epi16(dm, v + (2 * r + 1) * J->svn + d0)
                                               : _mm256_setzero_si256();
-            _mm512_store_si512(tile + 32 * r, _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), mix,
-                                                                        _mm512_castsi256_si512(b2)));
+            _mm512_store_si512(tile + 32 * r, pair_rows(a, b2));
         }
     }
 }
@@ -1203,10 +1162,7 @@ int kf_prefill(const void *q, const void *k, const void *v, int dtype,
     for (int i = 0; i < np; i++)
         for (long long u = pieces[i].k0 / SB; u * SB < pieces[i].k1; u++) need[u] = 1;
 #ifdef KF_AMX
-    tilecfg_t cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    const tilecfg_t cfg = tiles16x64();
 #endif
     #pragma omp parallel num_threads(threads)
     {

@@ -363,9 +363,11 @@ def test_small_heads_renormalise_at_any_row_count(case, seed):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", ["tails", "gqa, bool mask", "mqa, causal, float mask, spare column"])
-def test_16_bit_inputs_are_read_as_the_float32_values_they_are(shape, dtype):
+def test_16_bit_inputs_are_read_as_the_float32_values_they_are(shape, dtype, monkeypatch):
     """The kernel reads bfloat16 and float16 q, k, v, out and dO without a float32 copy: the same bits
-    as on those copies, in gradients and in the renormalisation's sums."""
+    as on those copies, in gradients and in the renormalisation's sums (bfloat16 on the FMA path; its
+    AMX tile path sums the products otherwise: test_the_bfloat16_tile_path_*)."""
+    monkeypatch.setattr(native, "backward_amx", False)
     B, Hq, Hkv, L, S, W, causal, mk = SHAPES[shape]
     q, k, v, do, mask = _case(B, Hq, Hkv, L, S, W, causal, mk, std=2.0)
     q, k, v, do = (t.to(dtype) for t in (q, k, v, do))
@@ -389,6 +391,103 @@ def test_a_peaked_bfloat16_row_keeps_its_gradient(seed):
     q, k, v = (torch.randn(1, 2, n, 16, generator=g).bfloat16() for n in (3, 6, 6))
     torch.manual_seed(seed)
     assert_backward_by_rule(q, k, v, scale=2.0, backend=kf.Backend.CPU)
+
+
+_AMX = pytest.mark.skipif(not native.backward_amx_available(), reason="no AMX-BF16 build or tile registers here")
+#: the tile path's own tails: rows past 64 (its row tiles) and 32 (its row pairs' steps), keys past 32
+#: and 64, head sizes that are not a multiple of 32 (the head-dimension chunks) or of 16, an odd number
+#: of 16-column tiles, one key, one row, and what SHAPES covers
+AMX_SHAPES = {**SHAPES,
+              "one row, one key": (1, 1, 1, 1, 1, 16, False, None),
+              "rows 65, keys 40, head 48": (1, 2, 1, 65, 40, 48, False, None),
+              "rows 130, keys 131, head 80, causal": (1, 2, 2, 130, 131, 80, True, None),
+              "rows 17, keys 33, head 2": (2, 2, 2, 17, 33, 2, False, "bool"),
+              "head 112, float mask": (1, 4, 2, 96, 200, 112, False, "float")}
+
+
+@_AMX
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", sorted(AMX_SHAPES))
+def test_the_bfloat16_tile_path_gives_the_fma_paths_gradients(shape, threads):
+    """bfloat16 products on AMX tiles (scores and dP of the inputs as they are, dV, dK and dQ of P and dS as
+    two bfloat16 terms each): the FMA path's float32 gradients and sums to about 2^-16 of each tensor's
+    largest value, on every tail of the tile path's 64 rows, 64 keys and 32-wide head chunks."""
+    B, Hq, Hkv, L, S, W, causal, mk = AMX_SHAPES[shape]
+    q, k, v, do, mask = _case(B, Hq, Hkv, L, S, W, causal, mk, std=2.0)
+    q, k, v, do = (t.bfloat16() for t in (q, k, v, do))
+    out, lse, _ = _op_grads(q.float(), k.float(), v.float(), do.float(), causal, mask, 0.2)
+    out = out.bfloat16()
+    before, calls = torch.get_num_threads(), native.backward_amx_calls
+    torch.set_num_threads(threads)
+    try:
+        tiles = native.backward(do, q, k, v, out, lse, causal, mask, 0.2)
+        sums = native.backward_sums(do, q, k, v, lse, causal, mask, 0.2)
+        assert native.backward_amx_calls == calls + 2, "both calls ran on the tiles"
+        native.backward_amx = False
+        fma = native.backward(do, q, k, v, out, lse, causal, mask, 0.2)
+        fma_sums = native.backward_sums(do, q, k, v, lse, causal, mask, 0.2)
+    finally:
+        native.backward_amx = True
+        torch.set_num_threads(before)
+    for name, a, b in zip(("dq", "dk", "dv"), tiles, fma):
+        assert a.shape == b.shape and a.dtype == torch.float32, name
+        torch.testing.assert_close(a, b, rtol=0, atol=2 ** -15 * b.abs().max().item() + 1e-30, msg=f"{name} of {shape}")
+    torch.testing.assert_close(sums, fma_sums, rtol=1e-5, atol=1e-6 * fma_sums.abs().max().item())
+
+
+@_AMX
+@pytest.mark.parametrize("heads", [1, 3, 5], ids=lambda h: f"{h} items")
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_the_bfloat16_tile_path_gives_the_same_bits_at_any_thread_count(heads, causal):
+    """The tile path shares work as the FMA path does (whole items, or two fixed halves of each key
+    block's rows): the same gradients run to run and at 1, 2 or 3 threads."""
+    q, k, v, do, _ = _case(1, heads, heads, 300, 300, 64, causal, None)
+    q, k, v, do = (t.bfloat16() for t in (q, k, v, do))
+    out, lse, _ = _op_grads(q.float(), k.float(), v.float(), do.float(), causal, None, 0.125)
+    before = torch.get_num_threads()
+    runs = []
+    try:
+        for threads in (1, 2, 2, 3):
+            torch.set_num_threads(threads)
+            runs.append(native.backward(do, q, k, v, out.bfloat16(), lse, causal, None, 0.125))
+    finally:
+        torch.set_num_threads(before)
+    for got in runs[1:]:
+        for a, b in zip(got, runs[0]):
+            assert torch.equal(a, b)
+
+
+@_AMX
+def test_the_bfloat16_tile_path_lets_nan_reach_the_gradients_and_hidden_rows_stay_zero():
+    """As on the FMA path: a row a mask hides has zero gradients, a NaN in q reaches its row (and the
+    keys it meets), never silently 0."""
+    q, k, v, do, _ = _case(1, 2, 2, 70, 90, 64, False, None)
+    q, k, v, do = (t.bfloat16() for t in (q, k, v, do))
+    mask = torch.ones(70, 90, dtype=torch.bool)
+    mask[7] = False
+    out, lse, _ = _op_grads(q.float(), k.float(), v.float(), do.float(), False, mask, 0.125)
+    lse = lse.clone()
+    lse[:, :, 7] = 0.0
+    dq, dk, dv = native.backward(do, q, k, v, out.bfloat16(), lse, False, mask, 0.125)
+    assert (dq[:, :, 7] == 0).all() and dq.isfinite().all() and dk.isfinite().all()
+    q[0, 1, 3, 5] = math.nan
+    dq, dk, dv = native.backward(do, q, k, v, out.bfloat16(), lse, False, mask, 0.125)
+    assert dq[0, 1, 3].isnan().all() and dv[0, 1].isnan().any()
+    assert not dq[0, 0].isnan().any() and not dq[0, 1, 4].isnan().any()
+
+
+@_AMX
+@pytest.mark.parametrize("case", ["D 128 causal 300", "D 64 GQA window 200", "D 256 prefix 600"])
+def test_bfloat16_training_on_the_tiles_holds_the_rule(case):
+    """Through the CPU backend (forward on the prefill kernel, backward on the tile path): every
+    gradient within 3x the naive bfloat16 error of the float64 reference."""
+    B, Hq, Hkv, N, D, mask = {"D 128 causal 300": (1, 2, 2, 300, 128, kf.causal()),
+                              "D 64 GQA window 200": (2, 4, 2, 200, 64, kf.causal() & kf.window(50)),
+                              "D 256 prefix 600": (1, 2, 1, 600, 256, kf.prefix(40))}[case]
+    q, k, v = seeded_qkv(3, B, Hq, Hkv, N, N, D, std=2.0, dtype=torch.bfloat16)
+    calls = native.backward_amx_calls
+    assert_backward_by_rule(q, k, v, mask=mask, backend=kf.Backend.CPU)
+    assert native.backward_amx_calls > calls
 
 
 @pytest.mark.parametrize("dtype, seed", [(torch.float32, 4), (torch.float32, 12), (torch.float32, 33),
