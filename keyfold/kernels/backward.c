@@ -10,7 +10,8 @@
  * and its P is off by the difference between the two computations of a score. Here a score is summed
  * as the prefill kernel and the op's GEMM sum it, one FMA a head dimension in order, so a forward on
  * either gives the same sums bit for bit (summed exactly in float64 instead, gradients broke the rule
- * 4x as often in a 700-case fuzz). Where the forward summed otherwise (the decode kernel's few rows, a
+ * 4x as often in a 700-case fuzz); on the tile path the prefill kernel's AMX forward and this backward
+ * both sum by tdpbf16ps in 32-wide chunks in order, the same bits again. Where the forward summed otherwise (the decode kernel's few rows, a
  * small GEMM), the caller first asks for `sums`: each row's sum of P and of P dP over the call's keys,
  * from the backward's own scores; over all of a row's pieces they give lse + log(sum P) and
  * delta = sum P dP / sum P, which the caller passes back (`lse`, `lse_lo`, `delta`) for the gradients:
@@ -76,58 +77,62 @@ typedef struct {
     float *kt, *vt, *kn, *qp, *dop, *p, *ds, *dka, *dva;  /* kt, vt: float64 when wide */
     double *qd, *dod;                                     /* wide: the tile's q and dO rows in float64 */
     int from_p;  /* AMX: the scores and dP are in p and ds (the tile products put them there) */
-    uint16_t *kd, *vd, *kr, *qa, *da, *qr, *dr;  /* AMX operands (see tile_amx) */
+    uint16_t *kd, *vd, *kr, *qa, *da, *qr, *dr;  /* AMX operands (see "The tile path") */
     uint16_t *pth, *ptl, *dth, *dtl, *dsh, *dsl;
     float *dqs;
 } scratch_t;
 
-/* AMX operands: head-dimension chunks of 32 (Wc), column tiles of 16 (Wt) */
+/* AMX operands: head-dimension chunks of 32 */
 static int chunks32(const bjob_t *J) { return (J->W + 31) / 32; }
-static size_t amx_halves(const bjob_t *J) {  /* bfloat16 elements of the AMX operands */
-    const size_t Wc = (size_t)chunks32(J), Wt = (size_t)J->Wp / 16;
-    return J->amx ? (Wc * 8 + Wt * 2 + Wt * 4) * 512 + (size_t)BRA * Wc * 32 * 2 + (size_t)6 * 8 * 512 : 0;
+
+/* slices of one heap block, each 64-byte aligned: at is the offset from the block's first aligned byte;
+ * with no block (base NULL) they only count the bytes */
+typedef struct {
+    char *base;
+    size_t at;
+} carver_t;
+
+static void *slice(carver_t *c, size_t floats) {
+    c->at = (c->at + 63) & ~(size_t)63;
+    void *p = c->base ? c->base + c->at : NULL;
+    c->at += sizeof(float) * floats;
+    return p;
 }
 
-static size_t scratch_bytes(const bjob_t *J) {
-    return sizeof(float) * ((size_t)J->W * BC * 4 + (size_t)BC * J->Wp * 3 + (size_t)BR * J->Wp * 2 +
-                            (size_t)BRM * BC * 2 + (size_t)BR * J->W * 4 + (J->amx ? (size_t)BRA * J->Wp : 0)) +
-           2 * amx_halves(J) + 64 * 26;
-}
-
-/* a 64-byte aligned slice of one heap block */
-static float *slice(char **m, size_t floats) {
-    char *at = (char *)(((size_t)*m + 63) & ~(size_t)63);
-    *m = at + sizeof(float) * floats;
-    return (float *)at;
-}
-
-static scratch_t carve(const bjob_t *J, char *m) {
+/* One thread's scratch, carved from m (NULL: measured only, the bytes in *bytes). The FMA path's buffers
+ * (kt .. dop) are empty on the tile path, which has its own (kd .. dqs, see "The tile path") */
+static scratch_t carve(const bjob_t *J, char *m, size_t *bytes) {
     scratch_t s;
-    s.kt = slice(&m, (size_t)J->W * BC * 2);
-    s.vt = slice(&m, (size_t)J->W * BC * 2);
-    s.qd = (double *)slice(&m, (size_t)BR * J->W * 2);
-    s.dod = (double *)slice(&m, (size_t)BR * J->W * 2);
-    s.kn = slice(&m, (size_t)BC * J->Wp);
-    s.dka = slice(&m, (size_t)BC * J->Wp);
-    s.dva = slice(&m, (size_t)BC * J->Wp);
-    s.qp = slice(&m, (size_t)BR * J->Wp);
-    s.dop = slice(&m, (size_t)BR * J->Wp);
-    s.p = slice(&m, (size_t)BRM * BC);
-    s.ds = slice(&m, (size_t)BRM * BC);
+    memset(&s, 0, sizeof(s));
+    carver_t c = {m ? (char *)(((size_t)m + 63) & ~(size_t)63) : NULL, 0};
+    const size_t fma = !J->amx;
+    s.kt = (float *)slice(&c, fma * J->W * BC * 2);
+    s.vt = (float *)slice(&c, fma * J->W * BC * 2);
+    s.qd = (double *)slice(&c, fma * BR * J->W * 2);
+    s.dod = (double *)slice(&c, fma * BR * J->W * 2);
+    s.kn = (float *)slice(&c, fma * BC * J->Wp);
+    s.qp = (float *)slice(&c, fma * BR * J->Wp);
+    s.dop = (float *)slice(&c, fma * BR * J->Wp);
+    s.dka = (float *)slice(&c, (size_t)BC * J->Wp);
+    s.dva = (float *)slice(&c, (size_t)BC * J->Wp);
+    s.p = (float *)slice(&c, (size_t)BRM * BC);
+    s.ds = (float *)slice(&c, (size_t)BRM * BC);
     s.from_p = J->amx;
-    if (J->amx) {  /* tile operands, each a whole number of 16 x 64-byte tiles (see tile_amx) */
-        const size_t Wc = (size_t)chunks32(J), Wt = (size_t)J->Wp / 16, T2 = 256;  /* floats a tile */
-        s.kd = (uint16_t *)slice(&m, Wc * 4 * T2);
-        s.vd = (uint16_t *)slice(&m, Wc * 4 * T2);
-        s.kr = (uint16_t *)slice(&m, 2 * Wt * T2);
-        s.qr = (uint16_t *)slice(&m, 2 * Wt * T2);
-        s.dr = (uint16_t *)slice(&m, 2 * Wt * T2);
-        s.qa = (uint16_t *)slice(&m, (size_t)BRA * Wc * 16);
-        s.da = (uint16_t *)slice(&m, (size_t)BRA * Wc * 16);
+    if (J->amx) {  /* tile operands, each a whole number of 16 x 64-byte tiles */
+        const size_t Wc = (size_t)chunks32(J), Wt = (size_t)J->Wp / 16, T2 = TILE / 2;  /* floats a tile */
+        s.kd = (uint16_t *)slice(&c, Wc * 4 * T2);
+        s.vd = (uint16_t *)slice(&c, Wc * 4 * T2);
+        s.kr = (uint16_t *)slice(&c, 2 * Wt * T2);
+        s.qr = (uint16_t *)slice(&c, 2 * Wt * T2);
+        s.dr = (uint16_t *)slice(&c, 2 * Wt * T2);
+        s.qa = (uint16_t *)slice(&c, (size_t)BRA * Wc * 16);
+        s.da = (uint16_t *)slice(&c, (size_t)BRA * Wc * 16);
         uint16_t **a[6] = {&s.pth, &s.ptl, &s.dth, &s.dtl, &s.dsh, &s.dsl};
-        for (int i = 0; i < 6; i++) *a[i] = (uint16_t *)slice(&m, 8 * T2);
-        s.dqs = slice(&m, (size_t)BRA * J->Wp);
+        for (int i = 0; i < 6; i++) *a[i] = (uint16_t *)slice(&c, 8 * T2);
+        s.dqs = (float *)slice(&c, (size_t)BRA * J->Wp);
     }
+    if (bytes)
+        *bytes = c.at + 63;  /* and the block's first aligned byte */
     return s;
 }
 
@@ -524,17 +529,19 @@ static void head_product(const bjob_t *J, uint16_t *pad, const char *x, const ui
 }
 
 /* hi: 16 float32 values of a, then b's, rounded to bfloat16; lo: what hi leaves of each (exact in float32),
- * rounded */
+ * rounded; 0 where hi is infinite (inf - inf would make an infinite dS a NaN gradient, where the FMA
+ * path's is infinite) */
 static inline void split2(__m512 a, __m512 b, __m512i *hi, __m512i *lo) {
     const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(b, a);
     const __m512 ah = widen_bf16(_mm512_castsi512_si256(h)), bh = widen_bf16(_mm512_extracti64x4_epi64(h, 1));
+    const __mmask16 fa = ~_mm512_fpclass_ps_mask(ah, 0x18), fb = ~_mm512_fpclass_ps_mask(bh, 0x18);  /* not +-inf */
     *hi = h;
-    *lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, bh), _mm512_sub_ps(a, ah));
+    *lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_sub_ps(fb, b, bh), _mm512_maskz_sub_ps(fa, a, ah));
 }
 
 /* x (P or dS, row stride BC) as the operand of a product over its rows (P^T dO, dS^T Q), in two terms: tile
  * (t, rc) of hi and of lo, at (2t + rc) TILE, holds keys [16t, 16t + 16) by rows [32rc, 32rc + 32), its row c
- * the pairs of rows 32rc + 2i and 32rc + 2i + 1 at key c */
+ * key 16t + c: pair i (i < 16) of that row holds rows 32rc + 2i and 32rc + 2i + 1 */
 static void split_cols(uint16_t *hi, uint16_t *lo, const float *x, int nrc, int nkt) {
     static const uint16_t order[32] __attribute__((aligned(64))) = {
         0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29,
@@ -578,7 +585,7 @@ static void split_rows(uint16_t *hi, uint16_t *lo, const float *x, int nrt, int 
 static void grads_amx(const bjob_t *J, const scratch_t *T, size_t bh, long long i0, int nr, long long nc, float *dq) {
     const int Wp = J->Wp, Wt = Wp / 16, nrc = (nr + 31) / 32, nrt = (nr + 15) / 16, nkt = (int)(nc + 15) / 16,
               nkc = (int)(nc + 31) / 32;
-    for (int r = nr; r < 32 * nrc; r++) {  /* rows past nr: no P, no dS */
+    for (int r = nr; r < 32 * nrc; r++) {  /* rows past nr: no P, no dS (their q and dO are zeros already) */
         memset(T->p + (size_t)r * BC, 0, sizeof(float) * BC);
         memset(T->ds + (size_t)r * BC, 0, sizeof(float) * BC);
     }
@@ -650,7 +657,7 @@ static int scores(const bjob_t *J, const scratch_t *T, int nr, long long i0, lon
 }
 
 /* acc (BC keys x Wp, row stride Wp) += pt^T a: keys [0, nc) (in groups of CK), rows [0, nr) of a (row
- * stride Wp) and of pt (BR x BC), one column chunk of nv vectors at column w0 */
+ * stride Wp) and of pt (row stride BC), one column chunk of nv vectors at column w0 */
 static inline __attribute__((always_inline)) void outer_chunk(const int nv, float *dacc, const float *pt,
                                                              const float *a, int nr, long long nc, int Wp, int w0) {
     for (int c0 = 0; c0 < nc; c0 += CK) {
@@ -887,7 +894,8 @@ int kf_backward(const void *q, const void *k, const void *v, const void *o, cons
     if (!whole && posix_memalign((void **)&halves, 64, sizeof(float) * (size_t)items * 4 * BC * Wp))
         halves = NULL;
     int err = !whole && !halves;
-    const size_t sb = scratch_bytes(&J);
+    size_t sb;
+    carve(&J, NULL, &sb);
     #pragma omp parallel num_threads(threads)
     {
         char *mem = (char *)malloc(sb);
@@ -902,7 +910,7 @@ int kf_backward(const void *q, const void *k, const void *v, const void *o, cons
             _tile_loadconfig(&cfg);
 #endif
         if (!err) {
-            const scratch_t T = carve(&J, mem);
+            const scratch_t T = carve(&J, mem, NULL);
             if (sums) {
                 #pragma omp for schedule(dynamic, 1)
                 for (long long u = 0; u < items * row_blocks; u++) {

@@ -410,7 +410,7 @@ AMX_SHAPES = {**SHAPES,
 @pytest.mark.parametrize("shape", sorted(AMX_SHAPES))
 def test_the_bfloat16_tile_path_gives_the_fma_paths_gradients(shape, threads):
     """bfloat16 products on AMX tiles (scores and dP of the inputs as they are, dV, dK and dQ of P and dS as
-    two bfloat16 terms each): the FMA path's float32 gradients and sums to about 2^-16 of each tensor's
+    two bfloat16 terms each): the FMA path's float32 gradients and sums to 2^-15 of each tensor's
     largest value, on every tail of the tile path's 64 rows, 64 keys and 32-wide head chunks."""
     B, Hq, Hkv, L, S, W, causal, mk = AMX_SHAPES[shape]
     q, k, v, do, mask = _case(B, Hq, Hkv, L, S, W, causal, mk, std=2.0)
@@ -474,6 +474,24 @@ def test_the_bfloat16_tile_path_lets_nan_reach_the_gradients_and_hidden_rows_sta
     dq, dk, dv = native.backward(do, q, k, v, out.bfloat16(), lse, False, mask, 0.125)
     assert dq[0, 1, 3].isnan().all() and dv[0, 1].isnan().any()
     assert not dq[0, 0].isnan().any() and not dq[0, 1, 4].isnan().any()
+
+
+
+@_AMX
+def test_the_bfloat16_tile_path_keeps_an_infinite_ds_infinite(monkeypatch):
+    """dP past float32's range makes dS infinite: its two bfloat16 terms are inf and 0 (inf - inf was NaN,
+    a review's find), so dq and dk are infinite where the FMA path's are, not NaN."""
+    q, k = torch.full((1, 1, 4, 2), 0.5).bfloat16(), torch.ones(1, 1, 4, 2).bfloat16()
+    v = torch.zeros(1, 1, 4, 2)
+    v[..., 0, 0] = 3e38
+    v, do = v.bfloat16(), torch.full((1, 1, 4, 2), 4.0).bfloat16()
+    lse, delta = torch.full((1, 1, 4), 0.5 + math.log(4)), torch.zeros(1, 1, 4)
+    args = (do, q, k, v, torch.zeros_like(do), lse, False, None, 1.0)
+    tiles = native.backward(*args, delta=delta)
+    monkeypatch.setattr(native, "backward_amx", False)
+    fma = native.backward(*args, delta=delta)
+    for a, b in zip(tiles[:2], fma[:2]):
+        assert b.isinf().any() and torch.equal(a.isinf(), b.isinf()) and not a.isnan().any()
 
 
 @_AMX
