@@ -616,6 +616,21 @@ static void grads_amx(const bjob_t *J, const scratch_t *T, size_t bh, long long 
 }
 #endif
 
+/* the tile's nr rows of q (dp 0) or dO (dp 1) at x into their product with the key block's nc keys or
+ * values: on the tile path the product itself (the scores into T->p, dP into T->ds), on the FMA path the
+ * rows packed in float32 (and float64 where wide) for it */
+static void rows_in(const bjob_t *J, const scratch_t *T, const char *x, int nr, long long nc, int dp) {
+#ifdef KF_AMX
+    if (T->from_p) {
+        head_product(J, dp ? T->da : T->qa, x, dp ? T->vd : T->kd, nr, nc, dp ? T->ds : T->p);
+        return;
+    }
+#else
+    (void)nc;
+#endif
+    pack_rows(dp ? T->dop : T->qp, J->wide ? (dp ? T->dod : T->qd) : NULL, x, J->dt, nr, BR, J->W, J->Wp);
+}
+
 /* P, then dS (or the renormalisation's sums) of the tile's nr rows; whether any P is not 0 */
 static int scores(const bjob_t *J, const scratch_t *T, int nr, long long i0, long long c0, long long nc,
                   const float *lse, const float *lo, const float *delta, const unsigned char *mrow0, const char *dout,
@@ -634,12 +649,7 @@ static int scores(const bjob_t *J, const scratch_t *T, int nr, long long i0, lon
     }
     if (!any)
         return 0;
-#ifdef KF_AMX
-    if (T->from_p)
-        head_product(J, T->da, dout, T->vd, nr, nc, T->ds);
-    else
-#endif
-        pack_rows(T->dop, J->wide ? T->dod : NULL, dout, J->dt, nr, BR, J->W, J->Wp);
+    rows_in(J, T, dout, nr, nc, 1);
     r0 = 0;
     if (J->wide) {
         const float *dlo = J->delta_lo && delta ? J->delta_lo + (delta - J->delta) : NULL;
@@ -732,13 +742,7 @@ static void tile(const bjob_t *J, const scratch_t *T, int b, int h, long long i0
     const unsigned char *mrow0 = NULL;
     if (J->mask)
         mrow0 = J->mask + ((size_t)b * J->msb + (size_t)(h / J->mhd) * J->msh) * (J->mkind == 2 ? 4 : 1);
-    const char *q = J->q + (bh * J->L + i0) * J->W * J->es;
-#ifdef KF_AMX
-    if (T->from_p)
-        head_product(J, T->qa, q, T->kd, nr, nc, T->p);
-    else
-#endif
-        pack_rows(T->qp, J->wide ? T->qd : NULL, q, J->dt, nr, BR, J->W, J->Wp);
+    rows_in(J, T, J->q + (bh * J->L + i0) * J->W * J->es, nr, nc, 0);
     if (!scores(J, T, nr, i0, c0, nc, J->lse + bh * J->L, J->lse_lo ? J->lse_lo + bh * J->L : NULL,
                 J->delta ? J->delta + bh * J->L : NULL, mrow0,
                 J->dout + (bh * J->L + i0) * J->W * J->es, sigma ? sigma + bh * J->L : NULL, tau ? tau + bh * J->L : NULL) ||
