@@ -76,7 +76,6 @@ typedef struct {
 typedef struct {
     float *kt, *vt, *kn, *qp, *dop, *p, *ds, *dka, *dva;  /* kt, vt: float64 when wide */
     double *qd, *dod;                                     /* wide: the tile's q and dO rows in float64 */
-    int from_p;  /* AMX: the scores and dP are in p and ds (the tile products put them there) */
     uint16_t *kd, *vd, *kr, *qa, *da, *qr, *dr;  /* AMX operands (see "The tile path") */
     uint16_t *pth, *ptl, *dth, *dtl, *dsh, *dsl;
     float *dqs;
@@ -117,7 +116,6 @@ static scratch_t carve(const bjob_t *J, char *m, size_t *bytes) {
     s.dva = (float *)slice(&c, (size_t)BC * J->Wp);
     s.p = (float *)slice(&c, (size_t)BRM * BC);
     s.ds = (float *)slice(&c, (size_t)BRM * BC);
-    s.from_p = J->amx;
     if (J->amx) {  /* tile operands, each a whole number of 16 x 64-byte tiles */
         const size_t Wc = (size_t)chunks32(J), Wt = (size_t)J->Wp / 16, T2 = TILE / 2;  /* floats a tile */
         s.kd = (uint16_t *)slice(&c, Wc * 4 * T2);
@@ -269,7 +267,7 @@ static inline __attribute__((always_inline)) int rows_p(const int nr, const int 
                                                        const float *lo, const unsigned char *mrow0) {
     __m512 acc[RR][4];
     int any = 0;
-    if (T->from_p)
+    if (J->amx)
         for (int r = 0; r < nr; r++)
             for (int x = 0; x < nk; x++) acc[r][x] = _mm512_load_ps(T->p + (size_t)(r0 + r) * BC + 16 * x);
     else
@@ -316,7 +314,7 @@ static inline __attribute__((always_inline)) void rows_ds(const int nr, const in
                                                          long long i0, const float *delta, double *sigma,
                                                          double *tau) {
     __m512 acc[RR][4];
-    if (T->from_p)
+    if (J->amx)
         for (int r = 0; r < nr; r++)
             for (int x = 0; x < nk; x++) acc[r][x] = _mm512_load_ps(T->ds + (size_t)(r0 + r) * BC + 16 * x);
     else
@@ -585,7 +583,7 @@ static void split_rows(uint16_t *hi, uint16_t *lo, const float *x, int nrt, int 
 static void grads_amx(const bjob_t *J, const scratch_t *T, size_t bh, long long i0, int nr, long long nc, float *dq) {
     const int Wp = J->Wp, Wt = Wp / 16, nrc = (nr + 31) / 32, nrt = (nr + 15) / 16, nkt = (int)(nc + 15) / 16,
               nkc = (int)(nc + 31) / 32;
-    for (int r = nr; r < 32 * nrc; r++) {  /* rows past nr: no P, no dS (their q and dO are zeros already) */
+    for (int r = nr; r < 32 * nrc; r++) {  /* rows past nr: no P, no dS (their zero q or dO times an infinite key gave NaN) */
         memset(T->p + (size_t)r * BC, 0, sizeof(float) * BC);
         memset(T->ds + (size_t)r * BC, 0, sizeof(float) * BC);
     }
@@ -621,7 +619,7 @@ static void grads_amx(const bjob_t *J, const scratch_t *T, size_t bh, long long 
  * rows packed in float32 (and float64 where wide) for it */
 static void rows_in(const bjob_t *J, const scratch_t *T, const char *x, int nr, long long nc, int dp) {
 #ifdef KF_AMX
-    if (T->from_p) {
+    if (J->amx) {
         head_product(J, dp ? T->da : T->qa, x, dp ? T->vd : T->kd, nr, nc, dp ? T->ds : T->p);
         return;
     }
@@ -749,7 +747,7 @@ static void tile(const bjob_t *J, const scratch_t *T, int b, int h, long long i0
         sigma)
         return;
 #ifdef KF_AMX
-    if (T->from_p) {
+    if (J->amx) {
         grads_amx(J, T, bh, i0, nr, nc, dq);
         return;
     }
@@ -773,7 +771,7 @@ static void tile(const bjob_t *J, const scratch_t *T, int b, int h, long long i0
 
 static void pack_keys(const bjob_t *J, const scratch_t *T, size_t bk, long long nc) {
 #ifdef KF_AMX
-    if (T->from_p) {
+    if (J->amx) {
         pack_dims(T->kd, (const uint16_t *)J->k + bk * J->W, nc, J->W);
         pack_dims(T->vd, (const uint16_t *)J->v + bk * J->W, nc, J->W);
         return;
@@ -803,7 +801,7 @@ static void key_block_rows(const bjob_t *J, const scratch_t *T, int b, int hk, l
         return;
     pack_keys(J, T, bk, nc);
 #ifdef KF_AMX
-    if (T->from_p)
+    if (J->amx)
         pack_rowpairs(T->kr, (const uint16_t *)J->k + bk * J->W, nc, 2, J->W, J->Wp / 16);
     else
 #endif

@@ -56,7 +56,8 @@ import torch
 from ._common import cpu_flags
 
 __all__ = ["available", "why", "bf16_dot", "pays", "attend", "run", "prefill_available", "prefill",
-           "backward_takes", "backward", "backward_sums", "backward_amx_available", "MAX_ROWS", "FEW_ROWS", "MIN_KEYS"]
+           "backward_takes", "backward", "backward_sums", "backward_amx_available", "MAX_ROWS", "FEW_ROWS",
+           "MIN_KEYS"]
 
 #: The sources, compiled into one library, and the header they share (part of the build's hash).
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("decode.c", "prefill.c", "backward.c"))
