@@ -531,6 +531,26 @@ def _shift_base(parts, shape) -> torch.Tensor | None:
     return base.masked_fill_(~torch.isfinite(base), 0.0)
 
 
+#: float32 GQA pieces with a mask tile (a mask or an additive score) whose group members have at most
+#: this many query rows each run one fused call per member, not one over the group's rows folded
+#: together. torch's matmul sums a dot product of up to 5 rows in vector lanes and one of more rows
+#: in one chain a dimension: the naive attention, per head, got the first, the folded call the
+#: second, and at head size 128, scores of std 6, 4 heads a group and 2-5 rows, 23-68 of 100 calls
+#: (ALiBi) were past the rule, up to 7.2x the naive error (none at 6 rows and more, and none per
+#: member). A call per member reads the keys once per member: 1.8-2.3x the time of the folded call
+#: (272-32k keys, 4 members, 5 rows), on the only calls that take it.
+MEMBER_ROWS = 8
+
+
+def _by_members(qs, ks, vs, mask, g: int, scale: float):
+    """The fused op once per member of a folded piece: its rows j L .. (j + 1) L, the folded mask's
+    rows with them; ``(out, lse)`` folded as the one call's."""
+    L = qs.shape[2] // g
+    parts = [_op(qs[:, :, j * L:(j + 1) * L], ks, vs, False, mask[:, :, j * L:(j + 1) * L], scale)
+             for j in range(g)]
+    return torch.cat([p[0] for p in parts], 2), torch.cat([p[1] for p in parts], 2)
+
+
 def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State:
     """Attention over the plan's pieces; returns the merged State (float32 / float64).
 
@@ -569,6 +589,8 @@ def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State
             parts = [_op(qs[:, :, j], ks, vs, causal, tile.mask, pb.scale) for j in range(inp.g)]
             out = torch.stack([p[0] for p in parts], 2).flatten(1, 2)   # (B, Hq, L, W)
             lse = torch.stack([p[1] for p in parts], 2).flatten(1, 2)   # (B, Hq, L)
+        elif folded and tile.mask is not None and q.dtype is torch.float32 and piece.q1 - piece.q0 <= MEMBER_ROWS:
+            out, lse = _by_members(qs, ks, vs, tile.mask, inp.g, pb.scale)
         else:
             out, lse = _op(qs, ks, vs, causal, tile.mask, pb.scale)
         if folded:
