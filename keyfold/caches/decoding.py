@@ -126,6 +126,10 @@ def _group_state(q, group: Group, mask, score, scale, splits, backend, Dv: int) 
     if group.row_lengths is not None:  # a ragged group (nothing reads positions): row r sees keys < its length
         mask = sinks(torch.tensor(group.row_lengths))
     states: list[State] = []
+    if mask is not None:  # the engine's check, before the spans are classified (a documents mask with
+        # more queries than the sequence has tokens raised IndexError there, not the engine's ValueError)
+        for sp in group.spans:
+            mask.check_positions(q_offset, group.length, sp.kv_offset, sp.kv_offset + sp.n)
     kinds = _kinds(mask, q_offset, group.length, group.spans) if mask is not None else [None] * len(group.spans)
     for span, kind in zip(group.spans, kinds):
         if kind is BlockKind.EMPTY:

@@ -95,6 +95,24 @@ def _paged_state(pool):
             {s: pool.length(s) for s in pool.sequences}, pool.k_pages.clone(), pool.v_pages.clone())
 
 
+@pytest.mark.parametrize("ids, L, Nq", [([0, 0, 1, 1, 1, 2], 2, 4), ([1, 0, 0], 3, 6)])
+def test_documents_with_more_queries_than_tokens_is_refused_as_attention_refuses_it(ids, L, Nq):
+    """decode classified a documents mask over the spans before the engine checked the positions:
+    with more queries than the sequence has tokens (query positions below 0) it raised an IndexError
+    from a reduction over an empty slice (found by a helper's cache fuzz). Now the engine's ValueError,
+    naming q_offset, as keyfold.attention gives for the same call."""
+    c = KVCache(batch=1, heads=H, head_dim=D, capacity=16)
+    k, v = _kv(1, L)
+    c.append(k, v)
+    q = torch.randn(1, H, Nq, D)
+    mask = keyfold.documents(torch.tensor(ids))
+    with pytest.raises(ValueError, match="q_offset") as got:
+        decode(q, c, mask=mask)
+    with pytest.raises(ValueError) as want:
+        keyfold.attention(q, k, v, mask=mask)
+    assert str(got.value) == str(want.value)
+
+
 @pytest.mark.parametrize("which", ["k", "v"])
 def test_paged_append_on_the_wrong_device_raises_before_changing_anything(which):
     pool = PagedKVCache(num_pages=6, page_size=4, heads=H, head_dim=D)
