@@ -170,25 +170,38 @@ def test_pieces_over_disjoint_rows_write_one_output_in_the_input_dtype(dtype, mo
     assert len(plan.pieces) > 1 and sum(p.q1 - p.q0 for p in plan.pieces) < N  # some rows in no piece
 
 
-@pytest.mark.parametrize("rows", [2, 5])
-@pytest.mark.parametrize("how", ["alibi", "padding"])
-def test_a_gqa_groups_few_float32_rows_with_a_mask_tile_run_per_member(rows, how, monkeypatch):
-    """torch's matmul sums a dot product of up to 5 rows in vector lanes, of more rows in one chain a
+@pytest.mark.parametrize("Hq, Hkv, rows, how", [
+    (8, 2, 2, "alibi"), (8, 2, 5, "alibi"), (8, 2, 2, "padding"), (8, 2, 5, "padding"),  # 4 heads a group
+    (16, 1, 1, "padding"), (32, 1, 1, "alibi"),                                            # MQA, one row
+    (8, 2, 3, "none")])                                # no mask, fewer keys than the decode kernel takes
+def test_a_gqa_groups_few_float32_rows_go_to_the_op_in_calls_of_few_rows(Hq, Hkv, rows, how, monkeypatch):
+    """torch's matmul sums a dot product of up to 5 rows in vector lanes, of more in one chain a
     dimension: the naive attention (per head) got the first, keyfold's one fused call over a GQA group's
-    rows folded together the second, and at head size 128, scores of std 6, 4 heads a group, with ALiBi
-    23-68 of 100 calls were past the rule (up to 7.2x). Such a piece now runs once per member
-    (cpu.MEMBER_ROWS); the call count proves it took that path."""
+    rows folded together the second, and at head size 128, scores of std 6, 23-68 of 100 calls (2-5
+    rows, 4 heads a group), 11-23 of 40 (MQA's one row) and 20-29 of 40 (no mask, 64 keys) were past
+    the rule, up to 7.2x. Such a piece now reaches the op in calls of at most 5 rows."""
     calls = []
     op = cpu._op
     monkeypatch.setattr(cpu, "_op", lambda q, *a: calls.append(q.shape[2]) or op(q, *a))
+    keys = 64 if how == "none" else 272
     for seed in range(10):
         g = torch.Generator().manual_seed(seed)
-        q = torch.randn(1, 8, rows, 128, generator=g) * 6 ** 0.5
-        k = torch.randn(1, 2, 272, 128, generator=g) * 6 ** 0.5
-        v = torch.randn(1, 2, 272, 128, generator=g)
-        if how == "alibi":
-            kw = {"score": kf.alibi(torch.rand(8, generator=g) * 0.3)}
-        else:
-            kw = {"mask": kf.padding(keys=torch.rand(1, 272, generator=g) < 0.8)}  # a mask tile
-        assert_forward_by_rule(q, k, v, q_offset=272 - rows, backend=kf.Backend.CPU, **kw)
-    assert calls and set(calls) == {rows}
+        q = torch.randn(1, Hq, rows, 128, generator=g) * 6 ** 0.5
+        k = torch.randn(1, Hkv, keys, 128, generator=g) * 6 ** 0.5
+        v = torch.randn(1, Hkv, keys, 128, generator=g)
+        kw = {"alibi": {"score": kf.alibi(torch.rand(Hq, generator=g) * 0.3)},
+              "padding": {"mask": kf.padding(keys=torch.rand(1, keys, generator=g) < 0.8)},  # a mask tile
+              "none": {}}[how]
+        assert_forward_by_rule(q, k, v, q_offset=keys - rows, backend=kf.Backend.CPU, **kw)
+    folded = Hq // Hkv * rows
+    assert calls and max(calls) <= cpu.LANE_ROWS and sum(calls) == 10 * folded
+
+
+def test_a_folded_call_of_few_rows_stays_one_call(monkeypatch):
+    """4 heads a group of one row fold into 4 rows, summed in lanes as the naive attention's: one call."""
+    calls = []
+    op = cpu._op
+    monkeypatch.setattr(cpu, "_op", lambda q, *a: calls.append(q.shape[2]) or op(q, *a))
+    q, k, v = torch.randn(1, 8, 1, 64), torch.randn(1, 2, 272, 64), torch.randn(1, 2, 272, 64)
+    kf.attention(q, k, v, mask=kf.padding(keys=torch.rand(1, 272) < 0.8), q_offset=271, backend=kf.Backend.CPU)
+    assert calls == [4]
