@@ -26,7 +26,7 @@ import torch
 from ..planner import Piece, PieceKind, Plan, _causal_area, _plan
 from ..state import State, empty_state, merge_all, merge_into, state_dtype
 from . import native
-from ._common import NEG_INF, Problem, cpu_flags, empty_rows, positions, softcap_cap, visible
+from ._common import LANE_ROWS, NEG_INF, Problem, cpu_flags, empty_rows, positions, softcap_cap, visible
 
 __all__ = ["AVAILABLE", "dense", "forward", "prefill", "backward"]
 
@@ -531,16 +531,15 @@ def _shift_base(parts, shape) -> torch.Tensor | None:
     return base.masked_fill_(~torch.isfinite(base), 0.0)
 
 
-#: The most query rows of a fused call whose dot products torch's matmul sums in vector lanes; from 6
-#: rows on it sums each in one chain a dimension. A float32 GQA piece folds a group's heads into
-#: its rows, so a group of few rows a head (decoding) became one call of more rows, summed in a
-#: chain, where the naive attention (per head) sums in lanes: at head size 128, scores of std 6,
+#: LANE_ROWS (_common): the most query rows of a fused call whose dot products torch's matmul sums
+#: in vector lanes; from 6 rows on it sums each in one chain a dimension. A float32 GQA piece folds a
+#: group's heads into its rows, so a group of few rows a head (decoding) became one call of more rows,
+#: summed in a chain, where the naive attention (per head) sums in lanes: at head size 128, std 6,
 #: 23-68 of 100 calls of 2-5 rows and 4 heads a group, 11-23 of 40 of MQA's one row and 16-32
 #: heads, and 20-29 of 40 with no mask over fewer keys than the decode kernel takes, were past the
-#: rule, up to 7.2x the naive error. Such a call now runs as several calls of at most this many rows
+#: rule, up to 7.2x the naive error. Such a call now runs as several calls of at most LANE_ROWS rows
 #: (:func:`_by_lane_rows`); none of those cases is past the rule. Folded calls of at most 5 rows,
 #: or of at least 6 rows a head (summed in a chain by the naive attention too), stay one call.
-LANE_ROWS = 5
 
 
 def _lane_rows_pay(qs, ks, vs, mask, rows: int) -> bool:

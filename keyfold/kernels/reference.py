@@ -11,7 +11,7 @@ import torch
 
 from ..masks import grid_positions
 from ..state import State, state_dtype
-from ._common import NEG_INF, Problem, dropout_keep, row_divisor
+from ._common import NEG_INF, Problem, dropout_keep, group_matmul, row_divisor
 
 __all__ = ["attend_reference"]
 
@@ -23,7 +23,7 @@ def attend_reference(q, k, v, pb: Problem) -> State:
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     g = Hq // Hkv
     qg = q.to(sd).reshape(B, Hkv, g, Nq, D)                    # (B, Hkv, g, Nq, D)
-    s = (qg @ k.to(sd).unsqueeze(2).transpose(-1, -2)) * pb.scale  # (B, Hkv, g, Nq, Nk)
+    s = group_matmul(qg, k.to(sd), transpose=True) * pb.scale  # (B, Hkv, g, Nq, Nk)
     s = s.reshape(B, Hq, Nq, Nk)
     b, h, qp, kp = grid_positions(B, Hq, pb.q_offset, Nq, pb.kv_offset, Nk, q.device)
     if pb.score is not None:
@@ -40,7 +40,7 @@ def attend_reference(q, k, v, pb: Problem) -> State:
     if pb.dropout_p:  # SDPA's dropout after softmax, kept ones scaled by 1/(1-p); lse unchanged
         keep = dropout_keep(pb.dropout_seed, pb.dropout_p, b, h, qp, kp, Hq)
         p = p * keep / (1.0 - pb.dropout_p)
-    out = p.reshape(B, Hkv, g, Nq, Nk) @ v.to(sd).unsqueeze(2)  # (B, Hkv, g, Nq, Dv)
+    out = group_matmul(p.reshape(B, Hkv, g, Nq, Nk), v.to(sd))  # (B, Hkv, g, Nq, Dv)
     out = out.reshape(B, Hq, Nq, Dv) / row_divisor(total)
     return State(out, lse)
 

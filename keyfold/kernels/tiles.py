@@ -10,7 +10,7 @@ import torch
 
 from ..planner import Plan
 from ..state import State, empty_state, merge_into, state_dtype
-from ._common import NEG_INF, Problem, dropout_keep, positions, row_divisor, softcap_cap, visible
+from ._common import NEG_INF, Problem, dropout_keep, group_matmul, positions, row_divisor, softcap_cap, visible
 
 __all__ = ["forward", "backward", "backward_with_score"]
 
@@ -20,7 +20,7 @@ def _scores(qp_, kp_, pb: Problem):
     B, Hq, L, D = qp_.shape
     Hkv, S = kp_.shape[1], kp_.shape[2]
     g = Hq // Hkv
-    raw = (qp_.reshape(B, Hkv, g, L, D) @ kp_.unsqueeze(2).transpose(-1, -2)).mul_(pb.scale)  # (B,Hkv,g,L,S)
+    raw = group_matmul(qp_.reshape(B, Hkv, g, L, D), kp_, transpose=True).mul_(pb.scale)  # (B,Hkv,g,L,S)
     raw = raw.reshape(B, Hq, L, S)
     return raw
 
@@ -174,7 +174,7 @@ def forward(q, k, v, plan: Plan, pb: Problem, lse_exact: bool = True) -> State:
         if sep is not None:
             lse = lse + sep[0]
         L, S = p.shape[-2:]
-        out = (p.reshape(B, Hkv, g, L, S) @ vs.unsqueeze(2)).reshape(B, Hq, L, Dv)
+        out = group_matmul(p.reshape(B, Hkv, g, L, S), vs).reshape(B, Hq, L, Dv)
         out = (out.div_(total) if total is not None else out).masked_fill_(empty, 0.0)
         rows = slice(piece.q0, piece.q1)
         merge_into(State(acc.out[:, :, rows], acc.lse[:, :, rows]), State(out, lse))
