@@ -121,23 +121,23 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-#: The most rows of a float32 product whose dot products torch's matmul sums in vector lanes; from 6
-#: rows on it sums each in one chain a dimension (cpu.LANE_ROWS, group_matmul).
-LANE_ROWS = 5
+#: Rows a head up to which group_matmul multiplies a GQA group one head at a time (float32)
+GROUP_ROWS = 16
 
 
 def group_matmul(a: torch.Tensor, b: torch.Tensor, transpose: bool = False) -> torch.Tensor:
     """``a (B, Hkv, g, L, X)`` times ``b (B, Hkv, X, Y)`` (or ``b``'s last two dimensions transposed, a
     view) for each of a GQA group's g heads: ``(B, Hkv, g, L, Y)``.
 
-    Broadcast, b meets the group's g·L rows folded into one product, which torch sums in one chain a
-    dimension; one head at a time, as the naive attention does it (b repeated per head), a product of up
-    to 5 rows sums in vector lanes. Where a head has that few rows and the group folds into more, b is
-    repeated (a copy per head): folded, float32 scores at head size 128 and std 6 with 4 heads a group
-    of 5 rows put the tile and reference paths past the rule in 23-25 of 40 calls (up to 6.2x). float64
-    sums exactly enough either way."""
+    Broadcast, b meets the group's g·L rows folded into one product (or a contiguous copy of b), which
+    torch sums in one chain a dimension; the naive attention multiplies one head at a time, and torch sums
+    the dot products of a few rows in vector lanes (up to 2 rows at head size 64, 5 at 128, 10 at 256,
+    15 at 512). With up to GROUP_ROWS rows a head, b is repeated per head and each head multiplied as the
+    naive attention does (the same bits): folded, float32 scores at head size 128 and std 6 put the tile
+    and reference paths past the rule in 23-25 of 40 calls of 4 heads of 5 rows (up to 6.2x), and 4-9
+    of 40 with groups folding into 2-4 rows over 2 kv heads. float64 sums exactly enough either way."""
     B, Hkv, g, L = a.shape[:4]
-    if a.dtype is not torch.float64 and L <= LANE_ROWS < g * L:
+    if a.dtype is not torch.float64 and g > 1 and L <= GROUP_ROWS:
         bb = b.repeat_interleave(g, 1)
         out = a.reshape(B, Hkv * g, L, a.shape[-1]) @ (bb.transpose(-1, -2) if transpose else bb)
         return out.unflatten(1, (Hkv, g))

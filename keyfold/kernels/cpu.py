@@ -26,7 +26,7 @@ import torch
 from ..planner import Piece, PieceKind, Plan, _causal_area, _plan
 from ..state import State, empty_state, merge_all, merge_into, state_dtype
 from . import native
-from ._common import LANE_ROWS, NEG_INF, Problem, cpu_flags, empty_rows, positions, softcap_cap, visible
+from ._common import NEG_INF, Problem, cpu_flags, empty_rows, positions, softcap_cap, visible
 
 __all__ = ["AVAILABLE", "dense", "forward", "prefill", "backward"]
 
@@ -531,35 +531,33 @@ def _shift_base(parts, shape) -> torch.Tensor | None:
     return base.masked_fill_(~torch.isfinite(base), 0.0)
 
 
-#: LANE_ROWS (_common): the most query rows of a fused call whose dot products torch's matmul sums
-#: in vector lanes; from 6 rows on it sums each in one chain a dimension. A float32 GQA piece folds a
-#: group's heads into its rows, so a group of few rows a head (decoding) became one call of more rows,
-#: summed in a chain, where the naive attention (per head) sums in lanes: at head size 128, std 6,
-#: 23-68 of 100 calls of 2-5 rows and 4 heads a group, 11-23 of 40 of MQA's one row and 16-32
-#: heads, and 20-29 of 40 with no mask over fewer keys than the decode kernel takes, were past the
-#: rule, up to 7.2x the naive error. Such a call now runs as several calls of at most LANE_ROWS rows
-#: (:func:`_by_lane_rows`); none of those cases is past the rule. Folded calls of at most 5 rows,
-#: or of at least 6 rows a head (summed in a chain by the naive attention too), stay one call.
+#: float32 GQA pieces whose group members have at most this many query rows each run the fused op once
+#: per member (the rows of one head, as the naive attention multiplies them), not once over the group's
+#: rows folded together, where the op takes the call (a mask tile or additive score; without one, where
+#: neither the decode kernel nor float32 chunks take it). torch's matmul sums the dot products of a few
+#: rows in vector lanes (up to 2 rows at head size 64, 5 at 128, 10 at 256, 15 at 512) and of more in
+#: one chain a dimension, and the op blocks its own products by the keys: the folded call's scores were
+#: the chained ones. At head size 128, scores of std 6, 4 heads a group: 23-68 of 100 calls of 2-5 rows
+#: past the rule (up to 7.2x), MQA's one row over 16-32 heads 11-23 of 40, 20-29 of 40 with no mask at
+#: 64 keys; calls of at most 5 rows (tried) still failed at head size 64 and at 384-512 keys. One call
+#: per member: none of those. It reads the keys once per member: MQA's one row over 16 and 32 heads
+#: took 4.7x and 6.3x the time of the folded call with a key mask at 4k keys, 4 heads a group 1.8-2.75x.
+MEMBER_ROWS = 8
 
 
-def _lane_rows_pay(qs, ks, vs, mask, rows: int) -> bool:
-    """Whether a folded float32 piece of ``rows`` rows a head goes to the op in calls of at most
-    LANE_ROWS rows: its heads have few enough rows for the naive attention's lanes and fold into
-    more, and the call would reach the op (without a mask, the decode kernel, which sums in blocks
-    (decode.c, SUM_BLOCK), or float32 chunks may take it whole)."""
-    if not rows <= LANE_ROWS < qs.shape[2]:
+def _members_pay(qs, ks, vs, mask, rows: int) -> bool:
+    """Whether a folded float32 piece of ``rows`` rows a head goes to the op once per member."""
+    if rows > MEMBER_ROWS:
         return False
     return mask is not None or not (_native_pays(qs, ks, vs) or _chunks_pay(qs.dtype, qs.shape[2], ks.shape[2]))
 
 
-def _by_lane_rows(qs, ks, vs, mask, scale: float):
-    """The fused op over a folded piece in calls of at most LANE_ROWS rows (the folded mask's rows
-    with them, which _fold_mask always spells out); ``(out, lse)`` as the one call's."""
-    M = qs.shape[2]
-    n = -(-M // LANE_ROWS)
-    edges = [M * i // n for i in range(n + 1)]
-    parts = [_op(qs[:, :, a:b], ks, vs, False, None if mask is None else mask[:, :, a:b], scale)
-             for a, b in zip(edges[:-1], edges[1:])]
+def _by_members(qs, ks, vs, mask, g: int, scale: float):
+    """The fused op once per member of a folded piece: its rows j L .. (j + 1) L, the folded mask's rows
+    with them (_fold_mask always spells out g L rows); ``(out, lse)`` folded as the one call's."""
+    L = qs.shape[2] // g
+    parts = [_op(qs[:, :, j * L:(j + 1) * L], ks, vs, False, None if mask is None else mask[:, :, j * L:(j + 1) * L],
+                 scale) for j in range(g)]
     return torch.cat([p[0] for p in parts], 2), torch.cat([p[1] for p in parts], 2)
 
 
@@ -601,8 +599,8 @@ def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State
             parts = [_op(qs[:, :, j], ks, vs, causal, tile.mask, pb.scale) for j in range(inp.g)]
             out = torch.stack([p[0] for p in parts], 2).flatten(1, 2)   # (B, Hq, L, W)
             lse = torch.stack([p[1] for p in parts], 2).flatten(1, 2)   # (B, Hq, L)
-        elif folded and q.dtype is torch.float32 and _lane_rows_pay(qs, ks, vs, tile.mask, piece.q1 - piece.q0):
-            out, lse = _by_lane_rows(qs, ks, vs, tile.mask, pb.scale)
+        elif folded and q.dtype is torch.float32 and _members_pay(qs, ks, vs, tile.mask, piece.q1 - piece.q0):
+            out, lse = _by_members(qs, ks, vs, tile.mask, inp.g, pb.scale)
         else:
             out, lse = _op(qs, ks, vs, causal, tile.mask, pb.scale)
         if folded:

@@ -170,52 +170,47 @@ def test_pieces_over_disjoint_rows_write_one_output_in_the_input_dtype(dtype, mo
     assert len(plan.pieces) > 1 and sum(p.q1 - p.q0 for p in plan.pieces) < N  # some rows in no piece
 
 
-@pytest.mark.parametrize("Hq, Hkv, rows, how", [
-    (8, 2, 2, "alibi"), (8, 2, 5, "alibi"), (8, 2, 2, "padding"), (8, 2, 5, "padding"),  # 4 heads a group
-    (16, 1, 1, "padding"), (32, 1, 1, "alibi"),                                            # MQA, one row
-    (8, 2, 3, "none")])                                # no mask, fewer keys than the decode kernel takes
-def test_a_gqa_groups_few_float32_rows_go_to_the_op_in_calls_of_few_rows(Hq, Hkv, rows, how, monkeypatch):
-    """torch's matmul sums a dot product of up to 5 rows in vector lanes, of more in one chain a
-    dimension: the naive attention (per head) got the first, keyfold's one fused call over a GQA group's
-    rows folded together the second, and at head size 128, scores of std 6, 23-68 of 100 calls (2-5
-    rows, 4 heads a group), 11-23 of 40 (MQA's one row) and 20-29 of 40 (no mask, 64 keys) were past
-    the rule, up to 7.2x. Such a piece now reaches the op in calls of at most 5 rows."""
+@pytest.mark.parametrize("Hq, Hkv, rows, keys, D, how", [
+    (8, 2, 2, 272, 128, "alibi"), (8, 2, 5, 272, 128, "padding"),  # 4 heads a group
+    (16, 1, 1, 450, 128, "padding"), (32, 1, 1, 272, 128, "alibi"),  # MQA, one row
+    (8, 2, 1, 450, 128, "padding"),                                 # folds into 4 rows, 450 keys
+    (16, 1, 1, 300, 64, "padding"), (4, 2, 6, 300, 256, "padding"), (8, 2, 8, 300, 256, "alibi"),
+    (8, 2, 3, 64, 128, "none")])                        # no mask, fewer keys than the decode kernel takes
+def test_a_gqa_groups_few_float32_rows_go_to_the_op_one_head_at_a_time(Hq, Hkv, rows, keys, D, how, monkeypatch):
+    """torch's matmul sums the dot products of a few rows in vector lanes (up to 2 rows at head size 64,
+    5 at 128, 10 at 256) and of more in one chain a dimension, and the op blocks its products by the
+    keys: the naive attention (per head) got the lanes, keyfold's one fused call over a GQA group's rows
+    folded together the chain. At scores of std 6: 23-68 of 100 calls past the rule (2-5 rows, 4 heads
+    a group, head size 128), 11-23 of 40 (MQA's one row), 32-38 of 40 (6-8 rows at head size 256),
+    20-29 of 40 (no mask, 64 keys), up to 7.2x; and calls of at most 5 rows, tried in between, 6-9 of
+    20 at 450 keys and 7-8 of 40 at head size 64. Such a piece now reaches the op one member at a time
+    (cpu.MEMBER_ROWS)."""
     calls = []
     op = cpu._op
     monkeypatch.setattr(cpu, "_op", lambda q, *a: calls.append(q.shape[2]) or op(q, *a))
-    keys = 64 if how == "none" else 272
     for seed in range(10):
         g = torch.Generator().manual_seed(seed)
-        q = torch.randn(1, Hq, rows, 128, generator=g) * 6 ** 0.5
-        k = torch.randn(1, Hkv, keys, 128, generator=g) * 6 ** 0.5
-        v = torch.randn(1, Hkv, keys, 128, generator=g)
+        q = torch.randn(1, Hq, rows, D, generator=g) * 6 ** 0.5
+        k = torch.randn(1, Hkv, keys, D, generator=g) * 6 ** 0.5
+        v = torch.randn(1, Hkv, keys, D, generator=g)
         kw = {"alibi": {"score": kf.alibi(torch.rand(Hq, generator=g) * 0.3)},
               "padding": {"mask": kf.padding(keys=torch.rand(1, keys, generator=g) < 0.8)},  # a mask tile
               "none": {}}[how]
         assert_forward_by_rule(q, k, v, q_offset=keys - rows, backend=kf.Backend.CPU, **kw)
-    folded = Hq // Hkv * rows
-    assert calls and max(calls) <= cpu.LANE_ROWS and sum(calls) == 10 * folded
+    assert calls and set(calls) == {rows} and len(calls) == 10 * Hq // Hkv
 
 
-def test_a_folded_call_of_few_rows_stays_one_call(monkeypatch):
-    """4 heads a group of one row fold into 4 rows, summed in lanes as the naive attention's: one call."""
-    calls = []
-    op = cpu._op
-    monkeypatch.setattr(cpu, "_op", lambda q, *a: calls.append(q.shape[2]) or op(q, *a))
-    q, k, v = torch.randn(1, 8, 1, 64), torch.randn(1, 2, 272, 64), torch.randn(1, 2, 272, 64)
-    kf.attention(q, k, v, mask=kf.padding(keys=torch.rand(1, 272) < 0.8), q_offset=271, backend=kf.Backend.CPU)
-    assert calls == [4]
-
-
+@pytest.mark.parametrize("Hq, rows", [(8, 5), (8, 1), (4, 2)])
 @pytest.mark.parametrize("backend", [kf.Backend.TILES, kf.Backend.REFERENCE])
-def test_the_tile_and_reference_paths_take_a_gqa_groups_few_float32_rows_per_head(backend):
+def test_the_tile_and_reference_paths_take_a_gqa_groups_few_float32_rows_per_head(backend, Hq, rows):
     """The same bend on keyfold's tile and reference paths: their scores and P.V met a GQA group's rows
-    folded together by broadcasting (one chain a dimension) where the naive attention multiplies one head
-    at a time (vector lanes for up to 5 rows): 23-25 of 40 calls past the rule, up to 6.2x. Now
-    _common.group_matmul repeats the keys per head there."""
-    for seed in range(8):
+    folded together by broadcasting (one chain a dimension; over 2 kv heads a contiguous copy of the keys,
+    the same) where the naive attention multiplies one head at a time (vector lanes for a few rows): 23-25
+    of 40 calls past the rule with 4 heads of 5 rows, 4-9 of 40 with groups folding into 2-4 rows, up to
+    6.2x. Now _common.group_matmul multiplies one head at a time there."""
+    for seed in range(10):
         g = torch.Generator().manual_seed(seed)
-        q = torch.randn(1, 8, 5, 128, generator=g) * 6 ** 0.5
+        q = torch.randn(1, Hq, rows, 128, generator=g) * 6 ** 0.5
         k = torch.randn(1, 2, 272, 128, generator=g) * 6 ** 0.5
         v = torch.randn(1, 2, 272, 128, generator=g)
-        assert_forward_by_rule(q, k, v, backend=backend, score=kf.alibi(torch.rand(8, generator=g) * 0.3))
+        assert_forward_by_rule(q, k, v, backend=backend, score=kf.alibi(torch.rand(Hq, generator=g) * 0.3))
