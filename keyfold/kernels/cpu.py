@@ -195,13 +195,24 @@ def _op(q, k, v, causal: bool, mask, scale: float):
     """One fused call, ``(out, lse)``: on the native decode kernel where :func:`_native_pays`, by
     float32 chunks where :func:`_chunks_pay`, else in float32 for float16 where :data:`FP16_AS_FP32`
     says so (inputs not yet widened), else as given."""
-    if not causal and mask is None and q.dim() == 4:
-        if _native_pays(q, k, v):
-            return native.run(q, k, v, scale)  # _native_pays has checked what attend would
-        if _chunks_pay(q.dtype, q.shape[2], k.shape[2]):
-            return _by_chunks(q, k, v, scale)
+    way = _route(q, k, v, causal, mask)
+    if way == "native":
+        return native.run(q, k, v, scale)  # _native_pays has checked what attend would
+    if way == "chunks":
+        return _by_chunks(q, k, v, scale)
     q, k, v = _widen(_rows(q), _rows(k), _rows(v))
     return _FWD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+
+
+def _route(q, k, v, causal: bool, mask) -> str:
+    """Where :func:`_op` runs a call: ``"native"`` (the decode kernel), ``"chunks"`` (float32 chunks)
+    or ``"op"`` (PyTorch's fused op)."""
+    if not causal and mask is None and q.dim() == 4:
+        if _native_pays(q, k, v):
+            return "native"
+        if _chunks_pay(q.dtype, q.shape[2], k.shape[2]):
+            return "chunks"
+    return "op"
 
 
 AVAILABLE = _probe()
@@ -540,16 +551,16 @@ def _shift_base(parts, shape) -> torch.Tensor | None:
 #: the chained ones. At head size 128, scores of std 6, 4 heads a group: 23-68 of 100 calls of 2-5 rows
 #: past the rule (up to 7.2x), MQA's one row over 16-32 heads 11-23 of 40, 20-29 of 40 with no mask at
 #: 64 keys; calls of at most 5 rows (tried) still failed at head size 64 and at 384-512 keys. One call
-#: per member: none of those. It reads the keys once per member: MQA's one row over 16 and 32 heads
-#: took 4.7x and 6.3x the time of the folded call with a key mask at 4k keys, 4 heads a group 1.8-2.75x.
+#: per member: none of those. Against the folded call (4k keys, head size 128, 2 threads; ALiBi / a key
+#: mask): 4 heads of one row 1.6x / 2.6x the time, MQA's one row over 16 heads 1.7x / 3.2x (its heads in
+#: one call, see _by_members), over 32 heads 2.0x / 4.6x.
 MEMBER_ROWS = 8
 
 
 def _members_pay(qs, ks, vs, mask, rows: int) -> bool:
-    """Whether a folded float32 piece of ``rows`` rows a head goes to the op once per member."""
-    if rows > MEMBER_ROWS:
-        return False
-    return mask is not None or not (_native_pays(qs, ks, vs) or _chunks_pay(qs.dtype, qs.shape[2], ks.shape[2]))
+    """Whether a folded float32 piece of ``rows`` rows a head goes to the op once per member: the folded
+    call would reach the op (:func:`_route`), and its heads have few rows."""
+    return rows <= MEMBER_ROWS and _route(qs, ks, vs, False, mask) == "op"
 
 
 def _by_members(qs, ks, vs, mask, g: int, scale: float):
