@@ -1,7 +1,8 @@
 /* keyfold's CPU decode kernel: a few query rows over many keys, each key and value read once.
  *
- * It computes the partial state of docs/math.md, (out, lse), for query rows that see every key of
- * the span (no mask, no bias): a decoding step over a cache, or one split-KV chunk of it. Work items
+ * It computes the partial state of docs/math.md, (out, lse), for query rows over the keys of a span
+ * (a decoding step over a cache, or one split-KV chunk of it), every key or under an additive float32
+ * mask (a piece's tile: -inf where a row does not see a key, a bias such as ALiBi's where it does). Work items
  * are (batch entry, key/value head, key chunk); each runs an online softmax over blocks of BK keys
  * and leaves (m, l, acc) = (running max, sum of exp(s - m), sum of exp(s - m) v). The chunks of one
  * head are merged at the end: lse = M + log L, out = sum_c exp(m_c - M) acc_c / L with
@@ -33,6 +34,7 @@ enum { KF_F32 = 0, KF_BF16 = 1, KF_F16 = 2 };
 #define PREFETCH 2048   /* bytes ahead of the row being read (about 4 us of one core's stream) */
 #define MAXR 64         /* query rows per key/value head */
 #define MAXW 16         /* 16-float vectors per row: head sizes up to 256 */
+#define FEW_ROWS 5      /* rows from which a call takes the several-rows path (native.FEW_ROWS) */
 
 typedef struct {
     const float *q;               /* (B, H, R, D) float32, contiguous */
@@ -44,6 +46,8 @@ typedef struct {
     int B, H, R, D, Dv;
     long long N;                  /* keys */
     int chunks;                   /* key chunks per (b, h) */
+    const float *mask;            /* additive, added to the scaled scores, or NULL; keys contiguous */
+    long long smb, smh, smr;      /* its strides in elements (0 where broadcast) */
     float *acc, *m, *l;           /* per work item: (R, 16 Wv), (R), (R) */
     float *out, *lse;             /* (B, H, R, Dv), (B, H, R) */
 } job_t;
@@ -96,6 +100,7 @@ static void item(const job_t *J, int w) {
     float vb[dt != KF_F32 && R > 1 ? BK : 1][16 * Wv] __attribute__((aligned(64)));
     float *acc = J->acc + (size_t)w * R * Wv * 16, *mm = J->m + (size_t)w * R, *ll = J->l + (size_t)w * R;
     const __m512 scale = _mm512_set1_ps(J->scale);
+    const float *mk = J->mask ? J->mask + b * J->smb + h * J->smh + n0 : NULL;  /* row 0's mask at key n0 */
     const int Wb = (D + 31) / 32;                             /* 32-element bfloat16 vectors per row */
     uint16_t (*qh)[32 * Wb] = NULL;                           /* the rows' bfloat16 q, zero past D */
 #ifdef __AVX512BF16__
@@ -120,22 +125,34 @@ static void item(const job_t *J, int w) {
         /* scores, 16 keys at a time: a partial vector per key, the 16 summed by one transpose */
         for (int j0 = 0; j0 < nb; j0 += 16) {
             const int m = nb - j0 < 16 ? nb - j0 : 16;
-            for (int r = 0; r < R; r++) {
-                __m512 t[16];
-                const char *kr = kp + (size_t)j0 * kstep;
-                for (int j = 0; j < 16; j++, kr += kstep) {
-                    if (j >= m) { t[j] = _mm512_setzero_ps(); continue; }
-                    if (r == 0) prefetch_row(kr + kpf, krow);
-#ifdef __AVX512BF16__
-                    if (qh) { t[j] = dot_bf16(qh[r], kr, D); continue; }
-#endif
-                    __m512 x = _mm512_mul_ps(_mm512_load_ps(qs[r]), load16(kr, dt, W == 1 ? tk : 0xFFFF));
-                    for (int i = 1; i < W; i++)
-                        x = _mm512_fmadd_ps(_mm512_load_ps(qs[r] + 16 * i),
-                                            load16(kr + (size_t)i * 16 * es, dt, i == W - 1 ? tk : 0xFFFF), x);
-                    t[j] = x;
+            /* t[r][j]: row r's partial vector for key j. A key's vectors are loaded (and widened) once for
+             * every row: reloading them per row took 1.2-1.4x the op's time at 2-4 float32 rows */
+            __m512 t[FEW_ROWS - 1][16];
+            const char *kr = kp + (size_t)j0 * kstep;
+            for (int j = 0; j < 16; j++, kr += kstep) {
+                if (j >= m) {
+                    for (int r = 0; r < R; r++) t[r][j] = _mm512_setzero_ps();
+                    continue;
                 }
-                _mm512_store_ps(&s[r][j0], _mm512_mul_ps(tree16(t), scale));
+                prefetch_row(kr + kpf, krow);
+#ifdef __AVX512BF16__
+                if (qh) {
+                    for (int r = 0; r < R; r++) t[r][j] = dot_bf16(qh[r], kr, D);
+                    continue;
+                }
+#endif
+                __m512 kv[MAXW];
+                for (int i = 0; i < W; i++) kv[i] = load16(kr + (size_t)i * 16 * es, dt, i == W - 1 ? tk : 0xFFFF);
+                for (int r = 0; r < R; r++) {
+                    __m512 x = _mm512_mul_ps(_mm512_load_ps(qs[r]), kv[0]);
+                    for (int i = 1; i < W; i++) x = _mm512_fmadd_ps(_mm512_load_ps(qs[r] + 16 * i), kv[i], x);
+                    t[r][j] = x;
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                __m512 y = _mm512_mul_ps(tree16(t[r]), scale);
+                if (mk) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(first(m), mk + r * J->smr + (n - n0) + j0));
+                _mm512_store_ps(&s[r][j0], y);
             }
         }
         kp += (size_t)nb * kstep;
@@ -144,8 +161,10 @@ static void item(const job_t *J, int w) {
             __m512 bm = _mm512_set1_ps(-INFINITY);
             for (int j = 0; j < nb; j += 16) bm = _mm512_mask_max_ps(bm, first(nb - j), bm, _mm512_load_ps(&s[r][j]));
             const float mx = _mm512_reduce_max_ps(bm), mn = (isnan(mx) || mx > mm[r]) ? mx : mm[r];
-            const float corr = _mm512_cvtss_f32(exp16(_mm512_set1_ps(mm[r] - mn)));  /* 0 on the first block */
-            const __m512 mnv = _mm512_set1_ps(mn);
+            /* a row that has seen no key yet (masked) keeps m = -inf and subtracts 0: every p and corr is 0 */
+            const float base = mn == -INFINITY ? 0.0f : mn;
+            const float corr = _mm512_cvtss_f32(exp16(_mm512_set1_ps(mm[r] - base)));  /* 0 on the first block */
+            const __m512 mnv = _mm512_set1_ps(base);
             __m512 sum = _mm512_setzero_ps();
             for (int j = 0; j < nb; j += 16) {
                 __m512 p = _mm512_maskz_mov_ps(first(nb - j), exp16(_mm512_sub_ps(_mm512_load_ps(&s[r][j]), mnv)));
@@ -214,7 +233,6 @@ static void item(const job_t *J, int w) {
  * bfloat16 keys dotted with a bfloat16 q use vdpbf16ps on the same layout (a lane pair holds four
  * elements: the broadcast is the key's elements 4e..4e+3). Keys of other dtypes, an odd head size or
  * a block's last few keys are widened into float32 rows first. */
-#define FEW_ROWS 5      /* rows from which a call takes this path (native.FEW_ROWS) */
 #define FB 64           /* keys per block of the online softmax */
 #define FG 8            /* rows per group */
 
@@ -276,6 +294,32 @@ static inline __attribute__((always_inline)) void scores16(const void *qt, int n
     fold_pairs(a, scale, out);
 }
 
+/* The additive mask into eight score vectors of a group (scores16's layout: vector m holds key 2m of
+ * rows r0..r0+7 in lanes 0-7, key 2m+1 in lanes 8-15): `mk` is row 0's mask at the first of the 16
+ * keys, rows `smr` apart; rows from R (a group's padding) and keys from `nk` are not read. */
+static inline void add_mask16(float *s, const float *mk, long long smr, int r0, int R, int nk) {
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i row = _mm512_add_epi32(_mm512_set1_epi32(r0), _mm512_and_si512(lane, _mm512_set1_epi32(7)));
+    const __m512i key = _mm512_srli_epi32(lane, 3);  /* 0 in lanes 0-7, 1 in 8-15 */
+    const __mmask16 rows = _mm512_cmplt_epi32_mask(row, _mm512_set1_epi32(R));
+    /* offsets from mk in elements; a row stride that would overflow 32 bits is read row by row instead */
+    if (smr * (long long)(R > 0 ? R - 1 : 0) + 16 < (1LL << 31)) {
+        const __m512i off = _mm512_add_epi32(_mm512_mullo_epi32(row, _mm512_set1_epi32((int)smr)), key);
+        for (int m = 0; 2 * m < nk; m++) {
+            const __mmask16 keys = rows & (2 * m + 1 < nk ? 0xFFFF : 0x00FF);
+            const __m512 x = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), keys,
+                                                      _mm512_add_epi32(off, _mm512_set1_epi32(2 * m)), mk, 4);
+            _mm512_store_ps(s + 16 * m, _mm512_add_ps(_mm512_load_ps(s + 16 * m), x));
+        }
+        return;
+    }
+    for (int m = 0; 2 * m < nk; m++)
+        for (int i = 0; i < 16; i++) {
+            const int r = r0 + (i & 7), j = 2 * m + (i >> 3);
+            if (r < R && j < nk) s[16 * m + i] += mk[(long long)r * smr + j];
+        }
+}
+
 /* The 64-byte units of a several-rows item's scratch, in few_item's order: q in the pair layout
  * (float32, and bfloat16 pairs when keys are dotted in bfloat16), the block's scores then P, the rows'
  * accumulators, a 16-key group of keys widened, the block's values widened. */
@@ -309,6 +353,7 @@ static void few_item(const job_t *J, int w, char *mem) {
     bf = J->qbf && dt == KF_BF16 && D % 4 == 0;
 #endif
     const int direct = bf || (dt == KF_F32 && D % 2 == 0);  /* keys read where they lie */
+    const float *mk = J->mask ? J->mask + b * J->smb + h * J->smh + n0 : NULL;  /* row 0's mask at key n0 */
     /* scratch (few_parts): kb, a 16-key group of keys widened (odd D, 16-bit keys, a block's tail);
      * vb, the block's values widened (16-bit values) */
     size_t part[6];
@@ -373,6 +418,7 @@ static void few_item(const job_t *J, int w, char *mem) {
             for (int g = 0; g < G; g++) {
                 if (bf && src == kr) scores16(qtb[g][0], D / 4, src, step, J->scale, sp[g][j0 / 2], 1);
                 else scores16(qt[g][0], E, src, step, J->scale, sp[g][j0 / 2], 0);
+                if (mk) add_mask16(sp[g][j0 / 2], mk + (n - n0) + j0, J->smr, g * FG, R, m);
             }
         }
         kp += (size_t)nb * kstep;
@@ -396,10 +442,13 @@ static void few_item(const job_t *J, int w, char *mem) {
             for (int m = 0; m < M; m++) bm = _mm512_max_ps(bm, _mm512_load_ps(sp[g][m]));
             bm = _mm512_max_ps(bm, _mm512_shuffle_f32x4(bm, bm, 0x4E));  /* a row's two lanes */
             const __m512 mn = _mm512_max_ps(mv[g], bm);                 /* NaN in bm wins */
-            const __m512 corr = exp16(_mm512_sub_ps(mv[g], mn));         /* 0 on the first block */
+            /* rows that have seen no key yet (masked) keep m = -inf and subtract 0: p and corr are 0 */
+            const __m512 base = _mm512_mask_mov_ps(mn, _mm512_cmp_ps_mask(mn, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
+                                                   _mm512_setzero_ps());
+            const __m512 corr = exp16(_mm512_sub_ps(mv[g], base));       /* 0 on the first block */
             __m512 sum = _mm512_setzero_ps();
             for (int m = 0; m < M; m++) {
-                const __m512 p = exp16(_mm512_sub_ps(_mm512_load_ps(sp[g][m]), mn));
+                const __m512 p = exp16(_mm512_sub_ps(_mm512_load_ps(sp[g][m]), base));
                 _mm512_store_ps(sp[g][m], p);
                 sum = _mm512_add_ps(sum, p);
             }
@@ -477,6 +526,10 @@ static void finish(const job_t *J) {
                 L += f * J->l[i];
                 for (int d = 0; d < Dv; d++) o[d] += f * a[d];
             }
+            if (L == 0.0f && M == -INFINITY) {  /* a row that saw no key (masked): out 0, lse -inf */
+                J->lse[(size_t)bh * R + r] = -INFINITY;
+                continue;
+            }
             const float inv = 1.0f / L;
             for (int d = 0; d < Dv; d++) o[d] *= inv;
             J->lse[(size_t)bh * R + r] = M + logf(L);
@@ -504,13 +557,14 @@ int kf_features(void) {
  * the scratch memory cannot be had. */
 int kf_decode(const float *q, const uint16_t *qbf, float scale, const void *k, const void *v, int dtype,
               long long skb, long long skh, long long skn, long long svb, long long svh, long long svn,
+              const float *mask, long long smb, long long smh, long long smr,
               int B, int H, int R, int D, int Dv, long long N, int chunks, int threads,
               float *out, float *lse) {
     if (B < 1 || H < 1 || R < 1 || R > MAXR || D < 1 || D > 16 * MAXW || Dv < 1 || Dv > 16 * MAXW || N < 1
         || chunks < 1 || dtype < KF_F32 || dtype > KF_F16)
         return -1;
     job_t J = {q, qbf, scale, (const char *)k, (const char *)v, dtype, skb, skh, skn, svb, svh, svn,
-               B, H, R, D, Dv, N, chunks, NULL, NULL, NULL, out, lse};
+               B, H, R, D, Dv, N, chunks, mask, smb, smh, smr, NULL, NULL, NULL, out, lse};
     const long long items = (long long)B * H * chunks;
     J.acc = malloc(sizeof(float) * (size_t)items * R * ((Dv + 15) / 16 * 16));
     J.m = malloc(sizeof(float) * (size_t)items * R);

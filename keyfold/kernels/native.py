@@ -11,10 +11,11 @@ throughout; a GQA group's query heads come in as rows of their key/value head, s
 keys once (the fused op's GQA path through ``cpu.py`` folds them the same way).
 
 Used for pieces without mask or score whose few query rows (every head of a GQA group counted: at
-most ``cpu.NATIVE_ROWS`` over a 16-bit cache, and from :data:`FEW_ROWS` up to
-``cpu.NATIVE_FEW_ROWS`` over a cache of any dtype, an MQA step's eight heads for one) read at least
-:data:`MIN_KEYS` keys: a decoding step over a cache, a split-KV chunk, a cascade's shared prefix.
-Everything else stays on the fused op.
+most ``cpu.NATIVE_ROWS`` over a 16-bit cache, from ``cpu.NATIVE_F32_ROWS`` over a float32 one, and from
+:data:`FEW_ROWS` up to ``cpu.NATIVE_FEW_ROWS`` over a cache of any dtype, an MQA step's eight heads for
+one) read at least :data:`MIN_KEYS` keys: a decoding step over a cache, a split-KV chunk, a cascade's
+shared prefix; and for float32 pieces of 2 to ``cpu.NATIVE_MASKED_ROWS`` rows with a mask tile (or an
+additive score's), which :func:`run` adds to the scores. Everything else stays on the fused op.
 
 ``prefill.c`` runs every piece of a plan in one call (:func:`prefill_available` says for which dtype):
 one online softmax per 32 query rows over the keys of all the pieces they are in, scores and ``P @ V``
@@ -153,7 +154,7 @@ def _load(sources: tuple[Path, ...], header: Path) -> tuple[ctypes.CDLL | None, 
     P, LL, I = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
     lib.kf_decode.restype = I
     lib.kf_features.restype = I
-    lib.kf_decode.argtypes = [P, P, ctypes.c_float, P, P, I, LL, LL, LL, LL, LL, LL, I, I, I, I, I, LL, I, I, P, P]
+    lib.kf_decode.argtypes = [P, P, ctypes.c_float, P, P, I, *[LL] * 6, P, LL, LL, LL, I, I, I, I, I, LL, I, I, P, P]
     lib.kf_prefill_init.restype = I
     lib.kf_prefill.restype = I
     lib.kf_prefill.argtypes = [P, P, P, I, *[LL] * 9, I, I, I, LL, LL, I, I, ctypes.c_float, ctypes.c_float, P, I, I, P,
@@ -234,6 +235,13 @@ def _takes(q, k, v) -> str | None:
     return None
 
 
+def mask_takes(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether :func:`run` takes ``mask`` for ``q (B, H, R, D)`` over ``k (B, H, N, D)``: float32, 4-d,
+    broadcasting to ``(B, H, R, N)`` with its key dim whole."""
+    return (mask.dtype is torch.float32 and mask.dim() == 4 and mask.shape[-1] == k.shape[2]
+            and all(m in (1, n) for m, n in zip(mask.shape[:3], (q.shape[0], q.shape[1], q.shape[2]))))
+
+
 def _chunks(tasks: int, n: int, threads: int) -> int:
     """Key chunks per (batch, head): enough work items for every thread to get about four, chunks
     of at least 1024 keys (the items run dynamically scheduled, so uneven counts balance)."""
@@ -255,12 +263,22 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
     return run(q, k, v, scale)
 
 
-def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+        mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attend` without its checks, for a caller that has just asked :func:`pays` (the
-    decoding step's router: the checks would run twice per step)."""
+    decoding step's router: the checks would run twice per step). ``mask``: an additive float32 mask
+    that broadcasts to ``(B, H, R, N)`` (a piece's tile: -inf where a row does not see a key, a bias
+    where it does; :func:`mask_takes` says which it takes), added to the scaled scores; a row that sees
+    no key gets out 0 and lse -inf."""
     global calls
     B, H, R, D = q.shape
     N, Dv = k.shape[2], v.shape[-1]
+    m, ms = None, (0, 0, 0)
+    if mask is not None:
+        m = mask.expand(B, H, R, N)
+        if m.stride(-1) != 1:
+            m = m.contiguous()
+        ms = tuple(m.stride(i) if m.shape[i] > 1 else 0 for i in range(3))
     qs = q.to(torch.float32).contiguous()  # (B, H, R, D)
     # bfloat16 q over bfloat16 keys: the kernel also takes q as it is, for dot products in bfloat16
     # pairs summed in float32 (exact products: no widening of the keys)
@@ -269,7 +287,8 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tupl
     lse = torch.empty(B, H, R, dtype=torch.float32)
     threads = torch.get_num_threads()
     rc = _lib.kf_decode(qs.data_ptr(), None if qb is None else qb.data_ptr(), scale, k.data_ptr(), v.data_ptr(), _DTYPES[k.dtype], *k.stride()[:3],
-                        *v.stride()[:3], B, H, R, D, Dv, N, _chunks(B * H, N, threads), threads,
+                        *v.stride()[:3], None if m is None else m.data_ptr(), *ms,
+                        B, H, R, D, Dv, N, _chunks(B * H, N, threads), threads,
                         out.data_ptr(), lse.data_ptr())
     calls += 1
     if rc != 0:

@@ -113,6 +113,38 @@ def test_a_nan_or_infinite_score_reaches_the_output(bad, chunks, rows, monkeypat
     torch.testing.assert_close(out[:, 1:], good.out, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("R", [1, 3, 4, 5, 8, 13, 64])
+def test_the_kernel_adds_a_mask_tile_and_leaves_rows_that_see_nothing_at_zero(R, dtype):
+    """An additive float32 mask (a piece's tile: -inf where a row does not see a key, a bias where it
+    does), broadcast over batch, heads or rows or given whole, with key strides the kernel copies: out
+    and lse as float64's masked softmax, and rows that see no key (whole blocks and chunks of -inf
+    before any key they see, or none at all) get out 0 and lse -inf, never NaN."""
+    B, H, N, D, Dv = 2, 3, 700, 100, 64
+    g = torch.Generator().manual_seed(R)
+    q = torch.randn(B, H, R, D, generator=g).to(dtype)
+    k = torch.randn(B, H, N, D, generator=g).to(dtype)
+    v = torch.randn(B, H, N, Dv, generator=g).to(dtype)
+    for shape in [(B, H, R, N), (1, H, R, N), (B, 1, 1, N), (1, 1, R, N)]:
+        vis = torch.rand(shape, generator=g) < 0.3
+        vis[..., :N // 2] = False                       # the first blocks (and chunk) see nothing
+        if shape[2] > 1:
+            vis[..., 0, :] = False                      # nor the first row: it sees no key at all
+        bias = torch.randn(shape, generator=g) * 3
+        mask = torch.where(vis, bias, torch.tensor(float("-inf")))
+        for m in (mask, mask.transpose(-1, -2).contiguous().transpose(-1, -2)):
+            assert native.mask_takes(m, q, k)
+            out, lse = native.run(q, k, v, D ** -0.5, m)
+            s = (q.double() @ k.double().transpose(-1, -2)) * D ** -0.5 + m.double()
+            seen = torch.isfinite(s).any(-1)
+            want = torch.softmax(s, -1).nan_to_num(0.0) @ v.double()
+            tol = 1e-5 if dtype is torch.float32 else 2e-2
+            assert (out.double() - want).abs().max() < tol
+            assert bool((out[~seen] == 0).all()) and bool((lse[~seen] == float("-inf")).all())
+            assert seen.any() and (lse[seen].double() - torch.logsumexp(s, -1)[seen]).abs().max() < 1e-3
+    assert not native.mask_takes(mask.double(), q, k) and not native.mask_takes(mask[..., :-1], q, k)
+
+
 @pytest.mark.parametrize("rows, D", [(5, 256), (8, 256), (5, 128)])
 def test_several_rows_sum_a_long_head_in_blocks(rows, D):
     """Float32 scores of a long head on the several-rows path, at scores of std 6: torch's matmul
