@@ -155,11 +155,27 @@ NATIVE_BF16_BYTES = 128 << 20
 NATIVE_BF16_FEW_BYTES = 8 << 20
 
 
+#: float32 calls from this many rows (up to NATIVE_FEW_ROWS) go to the decode kernel, masked ones too
+#: (up to NATIVE_MASKED_ROWS): PyTorch's op is not safe there. After ``torch.set_num_threads`` (any
+#: count above 1), its products inside its parallel loop over heads are summed another way than at
+#: one thread or than torch's matmul sums them: with 4-5 rows a head at head size 128 (16 heads, 399
+#: to 1000 keys, scores of std 6) 3-7 of 8 calls went past the rule, up to 5.8x the naive error, with
+#: a key mask, causal, ALiBi or none; with one row none. The kernel sums a row's scores in vector
+#: lanes (or, from FEW_ROWS rows, in blocks): none of those past it.
+NATIVE_F32_ROWS = 2
+
+#: The most query rows of a float32 call with a mask tile (or an additive score's) that the decode
+#: kernel takes: the rows where torch's matmul sums scores in lanes (up to 10 rows at head size 256),
+#: whose sums the op's do not match (NATIVE_F32_ROWS).
+NATIVE_MASKED_ROWS = 16
+
+
 def _native_may(dtype: torch.dtype, rows: int, n: int) -> bool:
     """The routing rule from dtype and sizes alone: up to :data:`NATIVE_ROWS` query rows for a 16-bit
-    cache, from there up to :data:`NATIVE_FEW_ROWS` for its dtype, enough keys, a kernel built."""
+    cache (float32 from :data:`NATIVE_F32_ROWS`), from there up to :data:`NATIVE_FEW_ROWS` for its dtype,
+    enough keys, a kernel built."""
     if rows <= NATIVE_ROWS:
-        ok = dtype in (torch.float16, torch.bfloat16)
+        ok = dtype in (torch.float16, torch.bfloat16) or (dtype is torch.float32 and rows >= NATIVE_F32_ROWS)
     else:
         ok = rows <= NATIVE_FEW_ROWS.get(dtype, 0)
     return ok and n >= native.MIN_KEYS and native.available()
@@ -192,12 +208,12 @@ def splits_itself(q, k, v) -> bool:
 
 
 def _op(q, k, v, causal: bool, mask, scale: float):
-    """One fused call, ``(out, lse)``: on the native decode kernel where :func:`_native_pays`, by
+    """One fused call, ``(out, lse)``: on the native decode kernel where :func:`_route` says so, by
     float32 chunks where :func:`_chunks_pay`, else in float32 for float16 where :data:`FP16_AS_FP32`
     says so (inputs not yet widened), else as given."""
     way = _route(q, k, v, causal, mask)
     if way == "native":
-        return native.run(q, k, v, scale)  # _native_pays has checked what attend would
+        return native.run(q, k, v, scale, mask)  # _native_pays has checked what attend would
     if way == "chunks":
         return _by_chunks(q, k, v, scale)
     q, k, v = _widen(_rows(q), _rows(k), _rows(v))
@@ -207,11 +223,16 @@ def _op(q, k, v, causal: bool, mask, scale: float):
 def _route(q, k, v, causal: bool, mask) -> str:
     """Where :func:`_op` runs a call: ``"native"`` (the decode kernel), ``"chunks"`` (float32 chunks)
     or ``"op"`` (PyTorch's fused op)."""
-    if not causal and mask is None and q.dim() == 4:
+    if causal or q.dim() != 4:
+        return "op"
+    if mask is None:
         if _native_pays(q, k, v):
             return "native"
         if _chunks_pay(q.dtype, q.shape[2], k.shape[2]):
             return "chunks"
+    elif (q.dtype is torch.float32 and q.shape[2] <= NATIVE_MASKED_ROWS and native.mask_takes(mask, q, k)
+          and _native_pays(q, k, v)):
+        return "native"
     return "op"
 
 
@@ -453,11 +474,21 @@ def _prefill_may(q, k, v, pb: Problem, plain: bool = False, dense: bool = False)
     the keys at most :data:`PREFILL_KEYS_PER_ROW` times the rows), and for a ``plain`` plan of full and causal
     pieces at least the keys over :data:`PREFILL_KEYS_PER_ROW`; a score that is additive (its tiles)
     or a softcap (computed in the kernel), no dropout. ``dense``: one piece of every pair, no score
-    (see :data:`PREFILL_F32_DENSE_MAX_HEAD`)."""
+    (see :data:`PREFILL_F32_DENSE_MAX_HEAD`).
+
+    Not float32 GQA with at most :data:`MEMBER_ROWS` rows a head: the kernel folds a group's rows into
+    its register tiles and sums each score in one FMA chain over the head dimension, where the naive
+    attention's matmul sums a few rows' scores in vector lanes. Such calls (an MQA or GQA decode or
+    speculative step over up to 8x its group's rows in keys) went past the rule in 12 of 292 cases of a
+    fuzz (1-5 rows, 16-64 heads over 1-4, head sizes 63-128, scores of std 6; up to 3.4x the naive
+    error); the op's one call per member (:func:`_by_members`) or the decode kernel's blocked sums
+    take them instead."""
     dt = torch.float32 if q.dtype is torch.float16 and FP16_AS_FP32 else q.dtype
     rows = q.shape[2] * (q.shape[1] // max(k.shape[1], 1))
     if dt not in (torch.bfloat16, torch.float32) or rows <= NATIVE_ROWS:
         return False
+    if q.dtype is torch.float32 and q.shape[1] != k.shape[1] and q.shape[2] <= MEMBER_ROWS:
+        return False  # see the docstring: a float32 GQA group of few rows a head
     if rows < PREFILL_MIN_ROWS and not (dt is torch.float32 and rows >= PREFILL_SQUARE_ROWS
                                         and rows * PREFILL_KEYS_PER_ROW >= k.shape[2]
                                         and (pb.score is None or pb.score.additive)
@@ -542,45 +573,61 @@ def _shift_base(parts, shape) -> torch.Tensor | None:
     return base.masked_fill_(~torch.isfinite(base), 0.0)
 
 
-#: float32 GQA pieces whose group members have at most this many query rows each run the fused op once
-#: per member (the rows of one head, as the naive attention multiplies them), not once over the group's
-#: rows folded together, where the op takes the call (a mask tile or additive score; without one, where
-#: neither the decode kernel nor float32 chunks take it). torch's matmul sums the dot products of a few
+#: float32 GQA pieces whose group members have at most this many query rows each run once per member
+#: (the rows of one head, as the naive attention multiplies them; on the decode kernel or the fused op,
+#: see _by_members), not once over the group's rows folded together, where the call has a mask tile or
+#: additive score, or would reach the op (without one, where neither the decode kernel nor float32
+#: chunks take it). torch's matmul sums the dot products of a few
 #: rows in vector lanes (up to 2 rows at head size 64, 5 at 128, 10 at 256, 15 at 512) and of more in
 #: one chain a dimension, and the op blocks its own products by the keys: the folded call's scores were
 #: the chained ones. At head size 128, scores of std 6, 4 heads a group: 23-68 of 100 calls of 2-5 rows
 #: past the rule (up to 7.2x), MQA's one row over 16-32 heads 11-23 of 40, 20-29 of 40 with no mask at
 #: 64 keys; calls of at most 5 rows (tried) still failed at head size 64 and at 384-512 keys. One call
 #: per member: none of those. Against the folded call (4k keys, head size 128, 2 threads; ALiBi / a key
-#: mask): 4 heads of one row 1.6x / 2.6x the time, MQA's one row over 16 heads 1.7x / 3.2x (its heads in
-#: one call, see _by_members), over 32 heads 2.0x / 4.6x.
+#: mask): 4 heads of one row 1.6x / 2.6x the time, MQA's one row over 16 heads 1.7x / 3.2x, over 32
+#: heads 2.0x / 4.6x; several key/value heads' groups, once a call per member, now take one call for
+#: them all (0.65-0.86x the per-member calls' time, see _by_members).
 MEMBER_ROWS = 8
 
 
 def _members_pay(qs, ks, vs, mask, rows: int) -> bool:
-    """Whether a folded float32 piece of ``rows`` rows a head goes to the op once per member: the folded
-    call would reach the op (:func:`_route`), and its heads have few rows."""
-    return rows <= MEMBER_ROWS and _route(qs, ks, vs, False, mask) == "op"
+    """Whether a folded float32 piece of ``rows`` rows a head runs once per member: its heads have few
+    rows, and it has a mask tile or would reach the op (:func:`_route`). Without a mask the decode
+    kernel takes the folded rows (an MQA step reads its keys once)."""
+    return rows <= MEMBER_ROWS and (mask is not None or _route(qs, ks, vs, False, None) == "op")
 
 
 def _by_members(qs, ks, vs, mask, g: int, scale: float):
-    """The fused op over a folded piece one member at a time: each head with its own L rows, as the naive
-    attention multiplies them, the folded mask's rows with them (_fold_mask always spells out g L rows);
-    ``(out, lse)`` folded as the one call's. With one kv head (MQA) in one call, the heads unfolded
-    against keys and values expanded to every head (a view, stride 0): 0.58-0.66x the time of a call per
-    member (16-32 heads, one row, 4k keys). With more, a call per member: expanding them is a copy
-    (8-16x slower, 4k-32k keys)."""
+    """A folded piece one member at a time: each head with its own L rows, as the naive attention
+    multiplies them, the folded mask's rows with them (_fold_mask always spells out g L rows);
+    ``(out, lse)`` folded as the one call's. One call (:func:`_op`: the decode kernel from
+    NATIVE_F32_ROWS rows, else the fused op): the batch and key/value heads flattened into its batch, a
+    group's members as its heads, against keys and values expanded to every member (a view, stride 0),
+    so no key is copied; where a batch's keys cannot be flattened so (B > 1, heads
+    not laid out one after another), one such call per batch element. Against a call per member (head
+    size 128, 2 threads; ALiBi / a key mask): 16 heads over 4, one row, 4k keys 0.76x / 0.86x the time;
+    32 over 8 at 32k keys 0.65x / 0.85x; 64 over 4 of 5 rows, 394 keys, causal 0.70x. MQA's (one
+    key/value head, the same call as before) 0.58-0.66x (16-32 heads, one row, 4k keys)."""
     B, Hkv, gL, W = qs.shape
-    L, S, Dv = gL // g, ks.shape[2], vs.shape[-1]
-    if Hkv > 1:
-        parts = [_op(qs[:, :, j * L:(j + 1) * L], ks, vs, False,
-                     None if mask is None else mask[:, :, j * L:(j + 1) * L], scale) for j in range(g)]
-        return torch.cat([p[0] for p in parts], 2), torch.cat([p[1] for p in parts], 2)
-    q = qs.reshape(B, g, L, W)
-    k, v = ks.expand(B, g, S, W), vs.expand(B, g, S, Dv)
-    m = None if mask is None else mask.unflatten(2, (g, L)).flatten(1, 2)  # (b, g, L, S)
-    out, lse = _FWD(_rows(q), k, v, 0.0, False, attn_mask=m, scale=scale)[:2]
-    return out.reshape(B, 1, gL, out.shape[-1]), lse.reshape(B, 1, gL)
+    if B > 1 and Hkv > 1 and not (_flattens(ks) and _flattens(vs)):
+        parts = [_by_members(qs[b:b + 1], ks[b:b + 1], vs[b:b + 1],
+                             None if mask is None else mask[b:b + 1] if mask.shape[0] > 1 else mask, g, scale)
+                 for b in range(B)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    L, S, Dv, n = gL // g, ks.shape[2], vs.shape[-1], B * Hkv
+    q = qs.reshape(n, g, L, W)
+    k, v = ks.reshape(n, 1, S, W).expand(n, g, S, W), vs.reshape(n, 1, S, Dv).expand(n, g, S, Dv)
+    m = None
+    if mask is not None:  # (b, h, g L, S) with b in (1, B), h in (1, Hkv) -> (n or 1, g, L, S)
+        m = mask.unflatten(2, (g, L))
+        m = m.flatten(0, 1) if m.shape[0] * m.shape[1] == 1 else m.expand(B, Hkv, g, L, S).reshape(n, g, L, S)
+    out, lse = _op(q, k, v, False, m, scale)  # the decode kernel where it takes the members' rows
+    return out.reshape(B, Hkv, gL, out.shape[-1]), lse.reshape(B, Hkv, gL)
+
+
+def _flattens(x) -> bool:
+    """Whether ``x``'s first two dims flatten into one as a view."""
+    return x.shape[0] == 1 or x.shape[1] == 1 or x.stride(0) == x.stride(1) * x.shape[1]
 
 
 def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State:

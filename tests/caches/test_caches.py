@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import keyfold
 from keyfold.caches import (CacheFullError, KVCache, PagedKVCache, WindowCache, attend_cache, cascade,
                             choose_splits, decode)
+from keyfold.kernels import native
 from tests.helpers import assert_close_by_rule, naive_attention, visible_rows
 
 # ------------------------------------------------------------------------------ helpers
@@ -264,16 +265,22 @@ def test_split_kv_equals_unsplit(mask, splits):
 
 
 def test_split_kv_auto_folds_long_mqa_cache():
-    """Batch 1 with one key/value head has one task for all threads: auto split-KV kicks in."""
+    """Batch 1 with one key/value head has one task for all threads: auto split-KV kicks in for one
+    float32 query row (the fused op's); an MQA group of 4 rows goes whole to the decode kernel, which
+    splits the keys among its threads itself (cpu.NATIVE_F32_ROWS, cpu.splits_itself)."""
     N, D = 3 * 4096, 16
     k, v = torch.randn(1, 1, N, D), torch.randn(1, 1, N, D)
     cache = KVCache(1, 1, D, N)
     cache.append(k, v)
-    q = torch.randn(1, 4, 1, D)
     assert choose_splits(N, tasks=1, threads=2) == 3
     torch.set_num_threads(2)  # the fixture restores it
+    q = torch.randn(1, 1, 1, D)
     calls = _split_calls(lambda: decode(q, cache))
-    assert calls == [((1, 3, 4, D), (1, 3, 4096, D))], "one call, 3 chunks folded into heads"
+    assert calls == [((1, 3, 1, D), (1, 3, 4096, D))], "one call, 3 chunks folded into heads"
+    assert_rows_by_rule(decode(q, cache), q, k, v)
+    q = torch.randn(1, 4, 1, D)
+    if native.available():
+        assert _split_calls(lambda: decode(q, cache)) == [((1, 4, 1, D), (1, 1, N, D))]
     assert_rows_by_rule(decode(q, cache), q, k, v)
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import keyfold as kf
-from keyfold.kernels import cpu
+from keyfold.kernels import cpu, native
 from tests.helpers import assert_backward_by_rule, assert_forward_by_rule
 
 MASKS = {"dense": None, "causal": kf.causal(), "window": kf.causal() & kf.window(9),
@@ -184,10 +184,10 @@ def test_a_gqa_groups_few_float32_rows_go_to_the_op_one_head_at_a_time(Hq, Hkv, 
     a group, head size 128), 11-23 of 40 (MQA's one row), 32-38 of 40 (6-8 rows at head size 256),
     20-29 of 40 (no mask, 64 keys), up to 7.2x; and calls of at most 5 rows, tried in between, 6-9 of
     20 at 450 keys and 7-8 of 40 at head size 64. Such a piece now reaches the op one member at a time
-    (cpu.MEMBER_ROWS); MQA's heads unfolded against keys expanded to every head, in one call."""
+    (cpu.MEMBER_ROWS): one call, every group's members as the op's heads against keys expanded to them."""
     calls = []
-    fwd = cpu._FWD
-    monkeypatch.setattr(cpu, "_FWD", lambda q, *a, **kw: calls.append(tuple(q.shape[1:3])) or fwd(q, *a, **kw))
+    op = cpu._op
+    monkeypatch.setattr(cpu, "_op", lambda q, *a, **kw: calls.append(tuple(q.shape[1:3])) or op(q, *a, **kw))
     for seed in range(10):
         g = torch.Generator().manual_seed(seed)
         q = torch.randn(1, Hq, rows, D, generator=g) * 6 ** 0.5
@@ -197,7 +197,58 @@ def test_a_gqa_groups_few_float32_rows_go_to_the_op_one_head_at_a_time(Hq, Hkv, 
               "padding": {"mask": kf.padding(keys=torch.rand(1, keys, generator=g) < 0.8)},  # a mask tile
               "none": {}}[how]
         assert_forward_by_rule(q, k, v, q_offset=keys - rows, backend=kf.Backend.CPU, **kw)
-    assert calls and set(calls) == {(Hq if Hkv == 1 else Hkv, rows)}  # MQA: every head in one call
+    assert calls and set(calls) == {(Hq // Hkv, rows)}  # a group's members as the op's heads, one call
+
+
+@pytest.mark.parametrize("Hq, Hkv, rows, keys, D, how", [
+    (64, 4, 5, 394, 123, "causal"), (64, 2, 2, 167, 104, "window"), (64, 2, 3, 595, 125, "padding"),
+    (16, 1, 4, 400, 128, "padding")])
+def test_a_gqa_groups_few_float32_rows_stay_off_the_prefill_kernel(Hq, Hkv, rows, keys, D, how, monkeypatch):
+    """The same bend on keyfold's prefill kernel: a float32 GQA group of 64+ rows over at most 8x as many
+    keys went there (PREFILL_SQUARE_ROWS), whose register tiles sum each score in one FMA chain over the
+    head dimension, where the naive attention's matmul sums a few rows' scores in vector lanes: 10-20 of
+    20 seeds past the rule at these shapes, up to 3.4x. Now such calls (at most cpu.MEMBER_ROWS rows a
+    head) go to the op one member at a time."""
+    ran = []
+    prefill = native.prefill
+    monkeypatch.setattr(native, "prefill", lambda *a, **kw: ran.append(1) or prefill(*a, **kw))
+    for seed in range(10):
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(1, Hq, rows, D, generator=g) * 6 ** 0.5
+        k = torch.randn(1, Hkv, keys, D, generator=g) * 6 ** 0.5
+        v = torch.randn(1, Hkv, keys, D, generator=g)
+        kw = {"causal": {"mask": kf.causal()}, "window": {"mask": kf.window(keys // 3)},
+              "padding": {"mask": kf.padding(keys=torch.rand(1, keys, generator=g) < 0.8)}}[how]
+        assert_forward_by_rule(q, k, v, **kw)
+    assert not ran
+
+
+@pytest.fixture
+def threads_set():
+    """torch.set_num_threads(2) called, as a user's script (or a test fixture restoring its count) does:
+    from then on the op sums its products inside its parallel loop another way than before."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("rows, keys, how", [(4, 399, "none"), (4, 399, "causal"), (4, 1000, "padding"),
+                                             (5, 399, "padding"), (4, 399, "alibi")])
+def test_few_float32_rows_hold_the_rule_after_set_num_threads(rows, keys, how, threads_set):
+    """After torch.set_num_threads(n > 1), PyTorch's fused op summed a few rows' products (4-5 rows a
+    head at head size 128, 16 heads) another way than torch's matmul does, in lanes: 3-7 of 8 calls
+    past the rule, up to 5.8x the naive error, with no mask, causal, a key mask or ALiBi (one thread,
+    or no call to set_num_threads: none). Such calls now run on keyfold's decode kernel, which sums a
+    row's scores in lanes, masks and scores' tiles included (cpu.NATIVE_F32_ROWS, NATIVE_MASKED_ROWS)."""
+    for seed in range(8):
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(1, 16, rows, 128, generator=g) * 6 ** 0.5
+        k = torch.randn(1, 16, keys, 128, generator=g) * 6 ** 0.5
+        v = torch.randn(1, 16, keys, 128, generator=g)
+        kw = {"none": {}, "causal": {"mask": kf.causal()}, "alibi": {"score": kf.alibi(kf.alibi_slopes(16))},
+              "padding": {"mask": kf.padding(keys=torch.rand(1, keys, generator=g) < 0.7)}}[how]
+        assert_forward_by_rule(q, k, v, **kw)
 
 
 @pytest.mark.parametrize("Hq, rows", [(8, 5), (8, 1), (4, 2)])

@@ -145,6 +145,21 @@ def test_the_kernel_adds_a_mask_tile_and_leaves_rows_that_see_nothing_at_zero(R,
     assert not native.mask_takes(mask.double(), q, k) and not native.mask_takes(mask[..., :-1], q, k)
 
 
+def test_masked_float32_rows_go_to_the_kernel(monkeypatch):
+    """The router sends a float32 piece with a mask tile (or an additive score's) of up to
+    cpu.NATIVE_MASKED_ROWS rows to the kernel from cpu.NATIVE_F32_ROWS rows, one row and 16-bit
+    pieces with a tile to the op; all hold the rule."""
+    calls = _spy(monkeypatch)
+    for dtype, R, native_ in [(torch.float32, 4, True), (torch.float32, cpu.NATIVE_MASKED_ROWS, True),
+                              (torch.float32, 1, False), (torch.float32, cpu.NATIVE_MASKED_ROWS + 1, False),
+                              (torch.bfloat16, 4, False)]:
+        calls.clear()
+        q, k, v = _inputs(dtype, 1, 2, R, 1000, 64, 64, seed=R)
+        assert_forward_by_rule(q, k, v, mask=kf.padding(keys=(torch.arange(1000) % 7 != 3)[None]))
+        assert_forward_by_rule(q, k, v, score=kf.alibi(kf.alibi_slopes(2)))
+        assert bool(calls) == native_, (dtype, R)
+
+
 @pytest.mark.parametrize("rows, D", [(5, 256), (8, 256), (5, 128)])
 def test_several_rows_sum_a_long_head_in_blocks(rows, D):
     """Float32 scores of a long head on the several-rows path, at scores of std 6: torch's matmul
@@ -195,7 +210,7 @@ def _spy(monkeypatch):
     """The shapes of q the router sent to the kernel (it calls native.run, attend's unchecked core)."""
     calls = []
     real = native.run
-    monkeypatch.setattr(native, "run", lambda q, k, v, s: calls.append(tuple(q.shape)) or real(q, k, v, s))
+    monkeypatch.setattr(native, "run", lambda q, k, v, s, mask=None: calls.append(tuple(q.shape)) or real(q, k, v, s, mask))
     return calls
 
 
@@ -245,8 +260,8 @@ def test_an_mqa_step_over_float32_runs_native_split(monkeypatch):
 
 def test_bfloat16_goes_native_where_the_op_is_slow(monkeypatch):
     """bfloat16: native without AMX (BF16_BY_CHUNKS) or from NATIVE_BF16_BYTES of keys and values on;
-    float32 and masked pieces never (a window's
-    maskless span would: it is a piece without mask)."""
+    float32 one-row calls and masked bfloat16 pieces never (a window's maskless span would: it is a
+    piece without mask)."""
     q, k, v = _inputs(torch.bfloat16, 1, 2, 1, 4096, 64, 64)
     monkeypatch.setattr(cpu, "BF16_BY_CHUNKS", False)
     monkeypatch.setattr(cpu, "NATIVE_BF16_BYTES", 1 << 40)
