@@ -132,7 +132,8 @@ def _by_chunks(q, k, v, scale: float):
 #: AMX (B=1, H=8, D=64, 64k keys, 2 threads) it took 0.54-0.90x the op's time with 1 row, 0.60-0.72x
 #: with 2, 0.84-0.87x with 4 and 1.3-1.5x with 8: it reads each key once, but does the rows'
 #: arithmetic without a GEMM. Against the float32 chunks (:func:`_by_chunks`) it took 0.24-0.41x up
-#: to 4 rows. A float32 cache stays on the op up to here (it reads at the stream's rate).
+#: to 4 rows. A float32 cache stays on the op for one row (it reads at the stream's rate; from two,
+#: NATIVE_F32_ROWS).
 NATIVE_ROWS = 4
 
 #: From ``native.FEW_ROWS`` (= NATIVE_ROWS + 1) rows the kernel takes its several-rows path (eight
