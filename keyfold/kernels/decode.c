@@ -80,6 +80,36 @@ static inline void prefetch_row(const char *p, size_t bytes) {
 /* lanes of 16-float slice i of a row of W slices whose last has lanes `last`: none past the row */
 static inline __mmask16 slice(int i, int W, __mmask16 last) { return i < W - 1 ? 0xFFFF : i == W - 1 ? last : 0; }
 
+/* Scores of R (2-4) rows for 16 keys (m of them real) into s (row r at s + r * ldS), for item(): a key's
+ * vectors are loaded (and widened) once for every row, where item()'s own loop reloads them per row
+ * (0.85-0.95x its time at 2-4 float32 rows; at one row it took 1.05-1.15x, so one row keeps that loop).
+ * The same sums in the same order: a mul and an FMA chain over the 16-float slices, then tree16. */
+static inline void scores_rows(const job_t *J, const float *q, int ldq, int R, const char *kr, size_t kstep, int m,
+                               size_t kpf, size_t krow, int W, __mmask16 tk, size_t es, const float *mk, float *s,
+                               int ldS) {
+    __m512 t[FEW_ROWS - 1][16];
+    for (int j = 0; j < 16; j++, kr += kstep) {
+        if (j >= m) {
+            for (int r = 0; r < R; r++) t[r][j] = _mm512_setzero_ps();
+            continue;
+        }
+        prefetch_row(kr + kpf, krow);
+        __m512 kv[MAXW];
+        for (int i = 0; i < W; i++) kv[i] = load16(kr + (size_t)i * 16 * es, J->dtype, i == W - 1 ? tk : 0xFFFF);
+        for (int r = 0; r < R; r++) {
+            __m512 x = _mm512_mul_ps(_mm512_load_ps(q + r * ldq), kv[0]);
+            for (int i = 1; i < W; i++) x = _mm512_fmadd_ps(_mm512_load_ps(q + r * ldq + 16 * i), kv[i], x);
+            t[r][j] = x;
+        }
+    }
+    const __m512 scale = _mm512_set1_ps(J->scale);
+    for (int r = 0; r < R; r++) {
+        __m512 y = _mm512_mul_ps(tree16(t[r]), scale);
+        if (mk) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(first(m), mk + r * J->smr));
+        _mm512_store_ps(s + r * ldS, y);
+    }
+}
+
 /* One work item: rows of (b, h) over the keys of chunk c. */
 static void item(const job_t *J, int w) {
     const int c = w % J->chunks, bh = w / J->chunks, b = bh / J->H, h = bh % J->H;
@@ -125,32 +155,27 @@ static void item(const job_t *J, int w) {
         /* scores, 16 keys at a time: a partial vector per key, the 16 summed by one transpose */
         for (int j0 = 0; j0 < nb; j0 += 16) {
             const int m = nb - j0 < 16 ? nb - j0 : 16;
-            /* t[r][j]: row r's partial vector for key j. A key's vectors are loaded (and widened) once for
-             * every row: reloading them per row took 1.2-1.4x the op's time at 2-4 float32 rows */
-            __m512 t[FEW_ROWS - 1][16];
-            const char *kr = kp + (size_t)j0 * kstep;
-            for (int j = 0; j < 16; j++, kr += kstep) {
-                if (j >= m) {
-                    for (int r = 0; r < R; r++) t[r][j] = _mm512_setzero_ps();
-                    continue;
-                }
-                prefetch_row(kr + kpf, krow);
-#ifdef __AVX512BF16__
-                if (qh) {
-                    for (int r = 0; r < R; r++) t[r][j] = dot_bf16(qh[r], kr, D);
-                    continue;
-                }
-#endif
-                __m512 kv[MAXW];
-                for (int i = 0; i < W; i++) kv[i] = load16(kr + (size_t)i * 16 * es, dt, i == W - 1 ? tk : 0xFFFF);
-                for (int r = 0; r < R; r++) {
-                    __m512 x = _mm512_mul_ps(_mm512_load_ps(qs[r]), kv[0]);
-                    for (int i = 1; i < W; i++) x = _mm512_fmadd_ps(_mm512_load_ps(qs[r] + 16 * i), kv[i], x);
-                    t[r][j] = x;
-                }
+            if (R > 1 && !qh) {  /* several rows: scores_rows loads (and widens) each key once for them all */
+                scores_rows(J, qs[0], 16 * W, R, kp + (size_t)j0 * kstep, kstep, m, kpf, krow, W, tk, es,
+                            mk ? mk + (n - n0) + j0 : NULL, &s[0][j0], BK);
+                continue;
             }
             for (int r = 0; r < R; r++) {
-                __m512 y = _mm512_mul_ps(tree16(t[r]), scale);
+                __m512 t[16];
+                const char *kr = kp + (size_t)j0 * kstep;
+                for (int j = 0; j < 16; j++, kr += kstep) {
+                    if (j >= m) { t[j] = _mm512_setzero_ps(); continue; }
+                    if (r == 0) prefetch_row(kr + kpf, krow);
+#ifdef __AVX512BF16__
+                    if (qh) { t[j] = dot_bf16(qh[r], kr, D); continue; }
+#endif
+                    __m512 x = _mm512_mul_ps(_mm512_load_ps(qs[r]), load16(kr, dt, W == 1 ? tk : 0xFFFF));
+                    for (int i = 1; i < W; i++)
+                        x = _mm512_fmadd_ps(_mm512_load_ps(qs[r] + 16 * i),
+                                            load16(kr + (size_t)i * 16 * es, dt, i == W - 1 ? tk : 0xFFFF), x);
+                    t[j] = x;
+                }
+                __m512 y = _mm512_mul_ps(tree16(t), scale);
                 if (mk) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(first(m), mk + r * J->smr + (n - n0) + j0));
                 _mm512_store_ps(&s[r][j0], y);
             }
