@@ -165,21 +165,36 @@ NATIVE_BF16_FEW_BYTES = 8 << 20
 #: lanes (or, from FEW_ROWS rows, in blocks): none of those past it.
 NATIVE_F32_ROWS = 2
 
+#: float32 calls of NATIVE_F32_ROWS rows on go to the decode kernel below native.MIN_KEYS keys too, from
+#: this many keys times head size: the op's few-row sums bend the same way from about 40k (2-5 rows,
+#: scores of std 6, 40 calls each: head size 255 over 160-224 keys 8-19 past the rule, 192 over 224
+#: keys 9; none at 36.9k or below), and below it the op is the better of the two (the kernel: 1 of 40
+#: at head size 192 over 128 keys). There the kernel takes 1.5-2x the op's time (10-100 us).
+NATIVE_F32_AREA = 32768
+
 #: The most query rows of a float32 call with a mask tile (or an additive score's) that the decode
 #: kernel takes: the rows where torch's matmul sums scores in lanes (up to 10 rows at head size 256),
 #: whose sums the op's do not match (NATIVE_F32_ROWS).
 NATIVE_MASKED_ROWS = 16
 
 
-def _native_may(dtype: torch.dtype, rows: int, n: int) -> bool:
+def _native_may(dtype: torch.dtype, rows: int, n: int, d: int = 0) -> bool:
     """The routing rule from dtype and sizes alone: up to :data:`NATIVE_ROWS` query rows for a 16-bit
     cache (float32 from :data:`NATIVE_F32_ROWS`), from there up to :data:`NATIVE_FEW_ROWS` for its dtype,
-    enough keys, a kernel built."""
+    enough keys (:func:`_native_keys`), a kernel built."""
     if rows <= NATIVE_ROWS:
         ok = dtype in (torch.float16, torch.bfloat16) or (dtype is torch.float32 and rows >= NATIVE_F32_ROWS)
     else:
         ok = rows <= NATIVE_FEW_ROWS.get(dtype, 0)
-    return ok and n >= native.MIN_KEYS and native.available()
+    return ok and n >= _native_keys(dtype, rows, d) and native.available()
+
+
+def _native_keys(dtype: torch.dtype, rows: int, d: int) -> int:
+    """The fewest keys a call of ``rows`` rows at head size ``d`` takes the decode kernel over:
+    native.MIN_KEYS, or for float32's few rows those of :data:`NATIVE_F32_AREA` (at least one)."""
+    if dtype is torch.float32 and rows >= NATIVE_F32_ROWS and d:
+        return max(1, min(native.MIN_KEYS, -(-NATIVE_F32_AREA // d)))
+    return native.MIN_KEYS
 
 
 def _native_pays(q, k, v) -> bool:
@@ -187,12 +202,12 @@ def _native_pays(q, k, v) -> bool:
     only where the op is slow (no AMX) or the cache large; :func:`native.pays` checks the rest
     (dtypes, strides, head sizes)."""
     rows = q.shape[2]
-    if not _native_may(k.dtype, rows, k.shape[2]):
+    if not _native_may(k.dtype, rows, k.shape[2], q.shape[-1]):
         return False
     if k.dtype is torch.bfloat16 and not BF16_BY_CHUNKS:
         if k.nbytes + v.nbytes < (NATIVE_BF16_BYTES if rows <= NATIVE_ROWS else NATIVE_BF16_FEW_BYTES):
             return False
-    return native.pays(q, k, v)
+    return native.pays(q, k, v, _native_keys(k.dtype, rows, q.shape[-1]))
 
 
 def splits_itself(q, k, v) -> bool:
@@ -215,6 +230,8 @@ def _op(q, k, v, causal: bool, mask, scale: float):
     way = _route(q, k, v, causal, mask)
     if way == "native":
         return native.run(q, k, v, scale, mask)  # _native_pays has checked what attend would
+    if way == "matmul":
+        return _by_matmul(q, k, v, mask, scale)
     if way == "chunks":
         return _by_chunks(q, k, v, scale)
     q, k, v = _widen(_rows(q), _rows(k), _rows(v))
@@ -222,8 +239,8 @@ def _op(q, k, v, causal: bool, mask, scale: float):
 
 
 def _route(q, k, v, causal: bool, mask) -> str:
-    """Where :func:`_op` runs a call: ``"native"`` (the decode kernel), ``"chunks"`` (float32 chunks)
-    or ``"op"`` (PyTorch's fused op)."""
+    """Where :func:`_op` runs a call: ``"native"`` (the decode kernel), ``"chunks"`` (float32 chunks),
+    ``"matmul"`` (:func:`_by_matmul`) or ``"op"`` (PyTorch's fused op)."""
     if causal or q.dim() != 4:
         return "op"
     if mask is None:
@@ -234,7 +251,29 @@ def _route(q, k, v, causal: bool, mask) -> str:
     elif (q.dtype is torch.float32 and q.shape[2] <= NATIVE_MASKED_ROWS and native.mask_takes(mask, q, k)
           and _native_pays(q, k, v)):
         return "native"
+    if q.dtype is torch.float32 and NATIVE_F32_ROWS <= q.shape[2] <= NATIVE_MASKED_ROWS:
+        return "matmul"
     return "op"
+
+
+def _by_matmul(q, k, v, mask, scale: float):
+    """``(out, lse)`` of a small float32 call of a few rows as the naive attention computes it (torch's
+    matmul, the mask tile added, torch.softmax, matmul with v): where neither the op nor the decode
+    kernel holds the rule. The op's few-row sums bent it below NATIVE_F32_AREA too, under a mask
+    tile (4 rows over 168 keys at head size 32, 4.6x the naive error; 4 keys at head size 65, 4.7x; a
+    review), and the decode kernel's own went past it in 1 of 40 calls there. The scores are
+    rows x keys, a few rows over few keys (under NATIVE_F32_AREA / head size, at most MIN_KEYS). Keys
+    and values expanded over a group's members (_by_members) are copied (they are small here): torch's
+    matmul folds a batch that one side broadcasts into the other's rows, the chained sums again (9 rows
+    a head at head size 256: 5-6x the naive error)."""
+    k, v = k.contiguous(), v.contiguous()
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s + mask
+    lse = torch.logsumexp(s, -1)
+    hidden = torch.isneginf(lse)  # a row that sees no key: out 0 (its softmax is NaN), lse -inf
+    out = torch.matmul(torch.softmax(s, -1), v).masked_fill_(hidden.unsqueeze(-1), 0.0)
+    return out, lse
 
 
 AVAILABLE = _probe()
@@ -587,15 +626,17 @@ def _shift_base(parts, shape) -> torch.Tensor | None:
 #: per member: none of those. Against the folded call (4k keys, head size 128, 2 threads; ALiBi / a key
 #: mask): 4 heads of one row 1.6x / 2.6x the time, MQA's one row over 16 heads 1.7x / 3.2x, over 32
 #: heads 2.0x / 4.6x; several key/value heads' groups, once a call per member, now take one call for
-#: them all (0.65-0.86x the per-member calls' time, see _by_members).
-MEMBER_ROWS = 8
+#: them all (0.65-0.86x the per-member calls' time, see _by_members). 16, not 8: 9 rows a head at head
+#: size 256 folded still went past the rule (3 of 1,230 cases of a review's fuzz, up to 5.2x), and
+#: torch's lanes reach 10 rows there.
+MEMBER_ROWS = 16
 
 
 def _members_pay(qs, ks, vs, mask, rows: int) -> bool:
     """Whether a folded float32 piece of ``rows`` rows a head runs once per member: its heads have few
-    rows, and it has a mask tile or would reach the op (:func:`_route`). Without a mask the decode
-    kernel takes the folded rows (an MQA step reads its keys once)."""
-    return rows <= MEMBER_ROWS and (mask is not None or _route(qs, ks, vs, False, None) == "op")
+    rows, and it has a mask tile or the decode kernel would not take it (:func:`_route`). Without a mask
+    the kernel takes the folded rows (an MQA step reads its keys once)."""
+    return rows <= MEMBER_ROWS and (mask is not None or _route(qs, ks, vs, False, None) != "native")
 
 
 def _by_members(qs, ks, vs, mask, g: int, scale: float):

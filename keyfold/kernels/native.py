@@ -209,12 +209,13 @@ def _reset() -> None:
         _lib, _why, _amx = None, None, None
 
 
-def pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, min_keys: int = MIN_KEYS) -> bool:
     """Whether the kernel can run ``attend(q, k, v)`` and pays its fixed cost: CPU tensors, keys and
     values of one supported dtype with contiguous rows, q ``(B, H, R, D)`` with ``R <= MAX_ROWS``
-    over k ``(B, H, N, D)``, ``N >= MIN_KEYS``, head sizes up to :data:`MAX_HEAD`, and a kernel built.
-    How many rows it beats the fused op at is the router's call (``cpu.NATIVE_ROWS``)."""
-    return k.shape[2] >= MIN_KEYS and _takes(q, k, v) is None and available()
+    over k ``(B, H, N, D)``, ``N >= min_keys`` (:data:`MIN_KEYS` unless the router says otherwise), head
+    sizes up to :data:`MAX_HEAD`, and a kernel built. How many rows it beats the fused op at is the
+    router's call (``cpu.NATIVE_ROWS``)."""
+    return k.shape[2] >= min_keys and _takes(q, k, v) is None and available()
 
 
 def _takes(q, k, v) -> str | None:
@@ -242,11 +243,18 @@ def mask_takes(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> bool:
             and all(m in (1, n) for m, n in zip(mask.shape[:3], (q.shape[0], q.shape[1], q.shape[2]))))
 
 
-def _chunks(tasks: int, n: int, threads: int) -> int:
-    """Key chunks per (batch, head): enough work items for every thread to get about four, chunks
-    of at least 1024 keys (the items run dynamically scheduled, so uneven counts balance)."""
-    want = -(-4 * threads // tasks)
-    return max(1, min(want, n // 1024))
+#: The most keys one chunk (work item) of the decode kernel holds. A chunk's online softmax sums its
+#: keys in one chain a row (P V block by block, l, the rescales); over 12k keys in one chunk float32
+#: broke the rule in 1 of 24 calls at head sizes 64-65 (2.6-3.1x the naive error; a review), 0 of 48
+#: in chunks of at most this many, whose states finish() merges.
+CHUNK_KEYS = 1024
+
+
+def _chunks(n: int) -> int:
+    """Key chunks per (batch, head) over ``n`` keys: chunks of at most :data:`CHUNK_KEYS` keys, which
+    also gives two threads four work items each from one head of 8k keys (the items run dynamically
+    scheduled, so uneven counts balance)."""
+    return max(1, -(-n // CHUNK_KEYS))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,7 +296,7 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     threads = torch.get_num_threads()
     rc = _lib.kf_decode(qs.data_ptr(), None if qb is None else qb.data_ptr(), scale, k.data_ptr(), v.data_ptr(), _DTYPES[k.dtype], *k.stride()[:3],
                         *v.stride()[:3], None if m is None else m.data_ptr(), *ms,
-                        B, H, R, D, Dv, N, _chunks(B * H, N, threads), threads,
+                        B, H, R, D, Dv, N, _chunks(N), threads,
                         out.data_ptr(), lse.data_ptr())
     calls += 1
     if rc != 0:

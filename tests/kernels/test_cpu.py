@@ -251,6 +251,42 @@ def test_few_float32_rows_hold_the_rule_after_set_num_threads(rows, keys, how, t
         assert_forward_by_rule(q, k, v, **kw)
 
 
+@pytest.mark.parametrize("B, H, rows, keys, D", [(3, 3, 2, 12000, 64), (3, 3, 2, 12000, 65),
+                                                   (1, 4, 4, 192, 255), (1, 4, 5, 224, 192)])
+def test_few_float32_rows_hold_the_rule_over_long_chunks_and_short_wide_heads(B, H, rows, keys, D, threads_set):
+    """Two bends a review found in the routing above. (1) The decode kernel ran a head's 12k keys as one
+    chunk, one online-softmax chain a row: 2.6-3.1x the naive error in 1 of 24 calls at head sizes
+    64-65 (native.CHUNK_KEYS now caps a chunk at 1024 keys). (2) Under native.MIN_KEYS keys the op kept
+    few rows, and its sums bend from about 40k keys x head size: head size 255 over 192 keys, 192 over
+    224, 4-9 of 20 calls past the rule (cpu.NATIVE_F32_AREA now sends them to the kernel)."""
+    bad = 0
+    for seed in range(24 if keys > 1024 else 10):
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(B, H, rows, D, generator=g) * 6 ** 0.5
+        k = torch.randn(B, H, keys, D, generator=g) * 6 ** 0.5
+        v = torch.randn(B, H, keys, D, generator=g)
+        try:
+            assert_forward_by_rule(q, k, v)
+        except AssertionError:
+            bad += 1
+    assert bad == 0, f"{bad} calls past the rule"
+
+
+@pytest.mark.parametrize("Hkv, keys, how", [(8, 17, "alibi"), (4, 16, "window")])
+def test_nine_rows_a_head_at_head_size_256_run_one_member_at_a_time(Hkv, keys, how, threads_set):
+    """torch's matmul sums up to 10 rows in lanes at head size 256, and a GQA group folded past 8 rows a
+    head (the old MEMBER_ROWS) reached the op as one chained call: 9 rows, 4 heads a group, 5.1-5.2x
+    the naive error. cpu.MEMBER_ROWS is 16 now, and such small calls run as the naive attention does
+    (cpu._by_matmul, keys copied, not expanded: torch's matmul folds a broadcast batch into rows)."""
+    for seed in range(8):
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(2, 4 * Hkv, 9, 256, generator=g) * 6 ** 0.5
+        k = torch.randn(2, Hkv, keys, 256, generator=g) * 6 ** 0.5
+        v = torch.randn(2, Hkv, keys, 256, generator=g)
+        kw = {"alibi": {"score": kf.alibi(kf.alibi_slopes(4 * Hkv))}, "window": {"mask": kf.window(7) | kf.sinks(4)}}[how]
+        assert_forward_by_rule(q, k, v, **kw)
+
+
 @pytest.mark.parametrize("Hq, rows", [(8, 5), (8, 1), (4, 2)])
 @pytest.mark.parametrize("backend", [kf.Backend.TILES, kf.Backend.REFERENCE])
 def test_the_tile_and_reference_paths_take_a_gqa_groups_few_float32_rows_per_head(backend, Hq, rows):
