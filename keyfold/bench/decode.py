@@ -95,7 +95,7 @@ def bench_decode(lengths, reps, bar) -> list[dict]:
                    keyfold_ms=t["keyfold"] * 1e3, sdpa_ms=t["sdpa"] * 1e3, ratio=t["keyfold"] / t["sdpa"],
                    ratio_of_min=t.best["keyfold"] / t.best["sdpa"],
                    keyfold_GBps=gb / t["keyfold"], sdpa_GBps=gb / t["sdpa"],
-                   splits=f"{native._chunks(N)} in the kernel" if in_kernel else py_splits,
+                   splits=f"{native._chunks(B * hkv, N, torch.get_num_threads(), dtype)} in the kernel" if in_kernel else py_splits,
                    kernel=path, sdpa_plain_ms=tp["sdpa_plain"] * 1e3, ratio_plain=tp["keyfold"] / tp["sdpa_plain"])
         if "keyfold_other" in t:
             row["other_ms"] = t["keyfold_other"] * 1e3

@@ -169,7 +169,8 @@ NATIVE_F32_ROWS = 2
 #: this many keys times head size: the op's few-row sums bend the same way from about 40k (2-5 rows,
 #: scores of std 6, 40 calls each: head size 255 over 160-224 keys 8-19 past the rule, 192 over 224
 #: keys 9; none at 36.9k or below), and below it the op is the better of the two (the kernel: 1 of 40
-#: at head size 192 over 128 keys). There the kernel takes 1.5-2x the op's time (10-100 us).
+#: at head size 192 over 128 keys; the op none, with or without a key mask). There the kernel takes
+#: 1.5-2x the op's time (10-100 us).
 NATIVE_F32_AREA = 32768
 
 #: The most query rows of a float32 call with a mask tile (or an additive score's) that the decode
@@ -230,8 +231,6 @@ def _op(q, k, v, causal: bool, mask, scale: float):
     way = _route(q, k, v, causal, mask)
     if way == "native":
         return native.run(q, k, v, scale, mask)  # _native_pays has checked what attend would
-    if way == "matmul":
-        return _by_matmul(q, k, v, mask, scale)
     if way == "chunks":
         return _by_chunks(q, k, v, scale)
     q, k, v = _widen(_rows(q), _rows(k), _rows(v))
@@ -239,8 +238,8 @@ def _op(q, k, v, causal: bool, mask, scale: float):
 
 
 def _route(q, k, v, causal: bool, mask) -> str:
-    """Where :func:`_op` runs a call: ``"native"`` (the decode kernel), ``"chunks"`` (float32 chunks),
-    ``"matmul"`` (:func:`_by_matmul`) or ``"op"`` (PyTorch's fused op)."""
+    """Where :func:`_op` runs a call: ``"native"`` (the decode kernel), ``"chunks"`` (float32 chunks)
+    or ``"op"`` (PyTorch's fused op)."""
     if causal or q.dim() != 4:
         return "op"
     if mask is None:
@@ -251,29 +250,7 @@ def _route(q, k, v, causal: bool, mask) -> str:
     elif (q.dtype is torch.float32 and q.shape[2] <= NATIVE_MASKED_ROWS and native.mask_takes(mask, q, k)
           and _native_pays(q, k, v)):
         return "native"
-    if q.dtype is torch.float32 and NATIVE_F32_ROWS <= q.shape[2] <= NATIVE_MASKED_ROWS:
-        return "matmul"
     return "op"
-
-
-def _by_matmul(q, k, v, mask, scale: float):
-    """``(out, lse)`` of a small float32 call of a few rows as the naive attention computes it (torch's
-    matmul, the mask tile added, torch.softmax, matmul with v): where neither the op nor the decode
-    kernel holds the rule. The op's few-row sums bent it below NATIVE_F32_AREA too, under a mask
-    tile (4 rows over 168 keys at head size 32, 4.6x the naive error; 4 keys at head size 65, 4.7x; a
-    review), and the decode kernel's own went past it in 1 of 40 calls there. The scores are
-    rows x keys, a few rows over few keys (under NATIVE_F32_AREA / head size, at most MIN_KEYS). Keys
-    and values expanded over a group's members (_by_members) are copied (they are small here): torch's
-    matmul folds a batch that one side broadcasts into the other's rows, the chained sums again (9 rows
-    a head at head size 256: 5-6x the naive error)."""
-    k, v = k.contiguous(), v.contiguous()
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if mask is not None:
-        s = s + mask
-    lse = torch.logsumexp(s, -1)
-    hidden = torch.isneginf(lse)  # a row that sees no key: out 0 (its softmax is NaN), lse -inf
-    out = torch.matmul(torch.softmax(s, -1), v).masked_fill_(hidden.unsqueeze(-1), 0.0)
-    return out, lse
 
 
 AVAILABLE = _probe()
@@ -506,6 +483,11 @@ PREFILL_KEYS_PER_ROW = 8
 #: spare column the backward's width stays within it: float32 sums, the same arithmetic as this forward)
 PREFILL_SQUARE_ROWS = 64
 
+#: float32 GQA calls of at most this many rows a head stay off the prefill kernel (see _prefill_may): its
+#: fuzz failures were at 1-5 rows, none in 235 calls of 9-16 rows (head sizes 63-128, 2 threads), and
+#: 9-16 rows a head ran up to 1.6x slower one member at a time (MEMBER_ROWS).
+PREFILL_MEMBER_ROWS = 8
+
 
 def _prefill_may(q, k, v, pb: Problem, plain: bool = False, dense: bool = False) -> bool:
     """Whether a call runs on keyfold's prefill kernel (:func:`native.prefill`): bfloat16 on a CPU with
@@ -516,7 +498,7 @@ def _prefill_may(q, k, v, pb: Problem, plain: bool = False, dense: bool = False)
     or a softcap (computed in the kernel), no dropout. ``dense``: one piece of every pair, no score
     (see :data:`PREFILL_F32_DENSE_MAX_HEAD`).
 
-    Not float32 GQA with at most :data:`MEMBER_ROWS` rows a head: the kernel folds a group's rows into
+    Not float32 GQA with at most :data:`PREFILL_MEMBER_ROWS` rows a head: the kernel folds a group's rows into
     its register tiles and sums each score in one FMA chain over the head dimension, where the naive
     attention's matmul sums a few rows' scores in vector lanes. Such calls (an MQA or GQA decode or
     speculative step over up to 8x its group's rows in keys) went past the rule in 12 of 292 cases of a
@@ -527,7 +509,7 @@ def _prefill_may(q, k, v, pb: Problem, plain: bool = False, dense: bool = False)
     rows = q.shape[2] * (q.shape[1] // max(k.shape[1], 1))
     if dt not in (torch.bfloat16, torch.float32) or rows <= NATIVE_ROWS:
         return False
-    if q.dtype is torch.float32 and q.shape[1] != k.shape[1] and q.shape[2] <= MEMBER_ROWS:
+    if q.dtype is torch.float32 and q.shape[1] != k.shape[1] and q.shape[2] <= PREFILL_MEMBER_ROWS:
         return False  # see the docstring: a float32 GQA group of few rows a head
     if rows < PREFILL_MIN_ROWS and not (dt is torch.float32 and rows >= PREFILL_SQUARE_ROWS
                                         and rows * PREFILL_KEYS_PER_ROW >= k.shape[2]
@@ -626,17 +608,21 @@ def _shift_base(parts, shape) -> torch.Tensor | None:
 #: per member: none of those. Against the folded call (4k keys, head size 128, 2 threads; ALiBi / a key
 #: mask): 4 heads of one row 1.6x / 2.6x the time, MQA's one row over 16 heads 1.7x / 3.2x, over 32
 #: heads 2.0x / 4.6x; several key/value heads' groups, once a call per member, now take one call for
-#: them all (0.65-0.86x the per-member calls' time, see _by_members). 16, not 8: 9 rows a head at head
-#: size 256 folded still went past the rule (3 of 1,230 cases of a review's fuzz, up to 5.2x), and
-#: torch's lanes reach 10 rows there.
-MEMBER_ROWS = 16
+#: them all (0.65-0.86x the per-member calls' time, see _by_members).
+MEMBER_ROWS = 8
+
+#: MEMBER_ROWS at head sizes above 128, where torch's lanes reach 10 rows: 9 rows a head at head size
+#: 256 folded went past the rule (3 of 1,230 cases of a review's fuzz, up to 5.2x). Not at 128 and
+#: below: a GQA group of 12 rows a head there took 1.2-1.6x the time one member at a time.
+MEMBER_ROWS_WIDE = 16
 
 
 def _members_pay(qs, ks, vs, mask, rows: int) -> bool:
     """Whether a folded float32 piece of ``rows`` rows a head runs once per member: its heads have few
     rows, and it has a mask tile or the decode kernel would not take it (:func:`_route`). Without a mask
     the kernel takes the folded rows (an MQA step reads its keys once)."""
-    return rows <= MEMBER_ROWS and (mask is not None or _route(qs, ks, vs, False, None) != "native")
+    most = MEMBER_ROWS_WIDE if qs.shape[-1] > 128 else MEMBER_ROWS
+    return rows <= most and (mask is not None or _route(qs, ks, vs, False, None) != "native")
 
 
 def _by_members(qs, ks, vs, mask, g: int, scale: float):

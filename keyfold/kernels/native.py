@@ -243,18 +243,23 @@ def mask_takes(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> bool:
             and all(m in (1, n) for m, n in zip(mask.shape[:3], (q.shape[0], q.shape[1], q.shape[2]))))
 
 
-#: The most keys one chunk (work item) of the decode kernel holds. A chunk's online softmax sums its
-#: keys in one chain a row (P V block by block, l, the rescales); over 12k keys in one chunk float32
-#: broke the rule in 1 of 24 calls at head sizes 64-65 (2.6-3.1x the naive error; a review), 0 of 48
-#: in chunks of at most this many, whose states finish() merges.
+#: The most keys one chunk (work item) of the decode kernel holds over a float32 cache. A chunk's online
+#: softmax sums its keys in one chain a row (P V block by block, l, the rescales); over 12k keys in one
+#: chunk float32 broke the rule in 1 of 24 calls at head sizes 64-65 (2.6-3.1x the naive error; a
+#: review), 0 of 48 in chunks of at most this many, whose states finish() merges. 16-bit caches keep
+#: fewer, longer chunks: their naive error is 16-bit rounding, far above the chain's, and 1024-key
+#: chunks took 1.07-1.19x the time of a decoding step over 32k-128k keys (more streams to prefetch).
 CHUNK_KEYS = 1024
 
 
-def _chunks(n: int) -> int:
-    """Key chunks per (batch, head) over ``n`` keys: chunks of at most :data:`CHUNK_KEYS` keys, which
-    also gives two threads four work items each from one head of 8k keys (the items run dynamically
-    scheduled, so uneven counts balance)."""
-    return max(1, -(-n // CHUNK_KEYS))
+def _chunks(tasks: int, n: int, threads: int, dtype: torch.dtype = torch.float32) -> int:
+    """Key chunks per (batch, head): over a float32 cache chunks of at most :data:`CHUNK_KEYS` keys;
+    over a 16-bit one enough work items for every thread to get about four, chunks of at least 1024
+    keys (the items run dynamically scheduled, so uneven counts balance)."""
+    if dtype is torch.float32:
+        return max(1, -(-n // CHUNK_KEYS))
+    want = -(-4 * threads // tasks)
+    return max(1, min(want, n // 1024))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,7 +301,7 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     threads = torch.get_num_threads()
     rc = _lib.kf_decode(qs.data_ptr(), None if qb is None else qb.data_ptr(), scale, k.data_ptr(), v.data_ptr(), _DTYPES[k.dtype], *k.stride()[:3],
                         *v.stride()[:3], None if m is None else m.data_ptr(), *ms,
-                        B, H, R, D, Dv, N, _chunks(N), threads,
+                        B, H, R, D, Dv, N, _chunks(B * H, N, threads, k.dtype), threads,
                         out.data_ptr(), lse.data_ptr())
     calls += 1
     if rc != 0:

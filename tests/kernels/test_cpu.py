@@ -207,7 +207,7 @@ def test_a_gqa_groups_few_float32_rows_stay_off_the_prefill_kernel(Hq, Hkv, rows
     """The same bend on keyfold's prefill kernel: a float32 GQA group of 64+ rows over at most 8x as many
     keys went there (PREFILL_SQUARE_ROWS), whose register tiles sum each score in one FMA chain over the
     head dimension, where the naive attention's matmul sums a few rows' scores in vector lanes: 10-20 of
-    20 seeds past the rule at these shapes, up to 3.4x. Now such calls (at most cpu.MEMBER_ROWS rows a
+    20 seeds past the rule at these shapes, up to 3.4x. Now such calls (at most cpu.PREFILL_MEMBER_ROWS rows a
     head) go to the op one member at a time."""
     ran = []
     prefill = native.prefill
@@ -276,8 +276,8 @@ def test_few_float32_rows_hold_the_rule_over_long_chunks_and_short_wide_heads(B,
 def test_nine_rows_a_head_at_head_size_256_run_one_member_at_a_time(Hkv, keys, how, threads_set):
     """torch's matmul sums up to 10 rows in lanes at head size 256, and a GQA group folded past 8 rows a
     head (the old MEMBER_ROWS) reached the op as one chained call: 9 rows, 4 heads a group, 5.1-5.2x
-    the naive error. cpu.MEMBER_ROWS is 16 now, and such small calls run as the naive attention does
-    (cpu._by_matmul, keys copied, not expanded: torch's matmul folds a broadcast batch into rows)."""
+    the naive error. Above head size 128 up to cpu.MEMBER_ROWS_WIDE (16) rows a head go one head's rows
+    a call now."""
     for seed in range(8):
         g = torch.Generator().manual_seed(seed)
         q = torch.randn(2, 4 * Hkv, 9, 256, generator=g) * 6 ** 0.5

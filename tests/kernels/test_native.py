@@ -71,9 +71,9 @@ def test_native_holds_the_rule_with_its_lse(shape, dtype):
 def test_key_chunks_merge_to_the_whole(chunks, rows, monkeypatch):
     """Split-KV inside the kernel: any number of chunks gives the one-chunk state to rounding."""
     q, k, v = _inputs(torch.float16, 1, 2, rows, 8192, 64, 64, seed=3)
-    monkeypatch.setattr(native, "_chunks", lambda n: 1)
+    monkeypatch.setattr(native, "_chunks", lambda *a: 1)
     whole = native.attend(q, k, v, 0.125)
-    monkeypatch.setattr(native, "_chunks", lambda n: chunks)
+    monkeypatch.setattr(native, "_chunks", lambda *a: chunks)
     parts = native.attend(q, k, v, 0.125)
     torch.testing.assert_close(parts[0], whole[0], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(parts[1], whole[1], atol=1e-6, rtol=1e-6)
@@ -82,9 +82,9 @@ def test_key_chunks_merge_to_the_whole(chunks, rows, monkeypatch):
 def test_more_chunks_than_keys(monkeypatch):
     """Most chunks empty (1000 chunks over 300 keys): they are the merge's identity."""
     q, k, v = _inputs(torch.bfloat16, 1, 2, 3, 300, 48, 40, seed=4)
-    monkeypatch.setattr(native, "_chunks", lambda n: 1)
+    monkeypatch.setattr(native, "_chunks", lambda *a: 1)
     whole = native.attend(q, k, v, 0.15)
-    monkeypatch.setattr(native, "_chunks", lambda n: 1000)
+    monkeypatch.setattr(native, "_chunks", lambda *a: 1000)
     parts = native.attend(q, k, v, 0.15)
     torch.testing.assert_close(parts[0], whole[0], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(parts[1], whole[1], atol=1e-6, rtol=1e-6)
@@ -97,7 +97,7 @@ def test_a_nan_or_infinite_score_reaches_the_output(bad, chunks, rows, monkeypat
     """Inputs are not scanned (DESIGN section 7), so a NaN must not vanish: a key whose score is
     NaN or +inf makes its head's rows NaN, out and lse, as in PyTorch's op and SDPA, whichever
     chunk holds it; the other heads are untouched."""
-    monkeypatch.setattr(native, "_chunks", lambda n: chunks)
+    monkeypatch.setattr(native, "_chunks", lambda *a: chunks)
     q, k, v = _inputs(torch.float32, 1, 2, rows, 4000, 64, 64, seed=5)
     k = k.clone()
     if bad == "nan key":
