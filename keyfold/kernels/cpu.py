@@ -179,15 +179,15 @@ NATIVE_F32_AREA = 32768
 NATIVE_MASKED_ROWS = 16
 
 
-def _native_may(dtype: torch.dtype, rows: int, n: int, d: int = 0) -> bool:
+def _native_may(dtype: torch.dtype, rows: int, n: int, least: int | None = None) -> bool:
     """The routing rule from dtype and sizes alone: up to :data:`NATIVE_ROWS` query rows for a 16-bit
     cache (float32 from :data:`NATIVE_F32_ROWS`), from there up to :data:`NATIVE_FEW_ROWS` for its dtype,
-    enough keys (:func:`_native_keys`), a kernel built."""
+    at least ``least`` keys (:func:`_native_keys`; native.MIN_KEYS when not given), a kernel built."""
     if rows <= NATIVE_ROWS:
         ok = dtype in (torch.float16, torch.bfloat16) or (dtype is torch.float32 and rows >= NATIVE_F32_ROWS)
     else:
         ok = rows <= NATIVE_FEW_ROWS.get(dtype, 0)
-    return ok and n >= _native_keys(dtype, rows, d) and native.available()
+    return ok and n >= (native.MIN_KEYS if least is None else least) and native.available()
 
 
 def _native_keys(dtype: torch.dtype, rows: int, d: int) -> int:
@@ -203,12 +203,13 @@ def _native_pays(q, k, v) -> bool:
     only where the op is slow (no AMX) or the cache large; :func:`native.pays` checks the rest
     (dtypes, strides, head sizes)."""
     rows = q.shape[2]
-    if not _native_may(k.dtype, rows, k.shape[2], q.shape[-1]):
+    least = _native_keys(k.dtype, rows, q.shape[-1])
+    if not _native_may(k.dtype, rows, k.shape[2], least):
         return False
     if k.dtype is torch.bfloat16 and not BF16_BY_CHUNKS:
         if k.nbytes + v.nbytes < (NATIVE_BF16_BYTES if rows <= NATIVE_ROWS else NATIVE_BF16_FEW_BYTES):
             return False
-    return native.pays(q, k, v, _native_keys(k.dtype, rows, q.shape[-1]))
+    return native.pays(q, k, v, least)
 
 
 def splits_itself(q, k, v) -> bool:
@@ -224,11 +225,11 @@ def splits_itself(q, k, v) -> bool:
     return _native_pays(folded, k, v)
 
 
-def _op(q, k, v, causal: bool, mask, scale: float):
-    """One fused call, ``(out, lse)``: on the native decode kernel where :func:`_route` says so, by
-    float32 chunks where :func:`_chunks_pay`, else in float32 for float16 where :data:`FP16_AS_FP32`
-    says so (inputs not yet widened), else as given."""
-    way = _route(q, k, v, causal, mask)
+def _op(q, k, v, causal: bool, mask, scale: float, way: str | None = None):
+    """One fused call, ``(out, lse)``: on the native decode kernel where :func:`_route` says so (``way``,
+    when the caller has asked it already), by float32 chunks where :func:`_chunks_pay`, else in float32
+    for float16 where :data:`FP16_AS_FP32` says so (inputs not yet widened), else as given."""
+    way = way or _route(q, k, v, causal, mask)
     if way == "native":
         return native.run(q, k, v, scale, mask)  # _native_pays has checked what attend would
     if way == "chunks":
@@ -617,12 +618,12 @@ MEMBER_ROWS = 8
 MEMBER_ROWS_WIDE = 16
 
 
-def _members_pay(qs, ks, vs, mask, rows: int) -> bool:
+def _members_pay(qs, mask, rows: int, way: str) -> bool:
     """Whether a folded float32 piece of ``rows`` rows a head runs once per member: its heads have few
-    rows, and it has a mask tile or the decode kernel would not take it (:func:`_route`). Without a mask
-    the kernel takes the folded rows (an MQA step reads its keys once)."""
+    rows, and it has a mask tile or the decode kernel would not take it (``way``, :func:`_route`'s for
+    the folded call). Without a mask the kernel takes the folded rows (an MQA step reads its keys once)."""
     most = MEMBER_ROWS_WIDE if qs.shape[-1] > 128 else MEMBER_ROWS
-    return rows <= most and (mask is not None or _route(qs, ks, vs, False, None) != "native")
+    return rows <= most and (mask is not None or way != "native")
 
 
 def _by_members(qs, ks, vs, mask, g: int, scale: float):
@@ -696,10 +697,12 @@ def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State
             parts = [_op(qs[:, :, j], ks, vs, causal, tile.mask, pb.scale) for j in range(inp.g)]
             out = torch.stack([p[0] for p in parts], 2).flatten(1, 2)   # (B, Hq, L, W)
             lse = torch.stack([p[1] for p in parts], 2).flatten(1, 2)   # (B, Hq, L)
-        elif folded and q.dtype is torch.float32 and _members_pay(qs, ks, vs, tile.mask, piece.q1 - piece.q0):
-            out, lse = _by_members(qs, ks, vs, tile.mask, inp.g, pb.scale)
-        else:
-            out, lse = _op(qs, ks, vs, causal, tile.mask, pb.scale)
+        else:  # routed once: a folded float32 piece asks where the folded call would run
+            way = _route(qs, ks, vs, causal, tile.mask)
+            if folded and q.dtype is torch.float32 and _members_pay(qs, tile.mask, piece.q1 - piece.q0, way):
+                out, lse = _by_members(qs, ks, vs, tile.mask, inp.g, pb.scale)
+            else:
+                out, lse = _op(qs, ks, vs, causal, tile.mask, pb.scale, way)
         if folded:
             out, lse = _unfold(out, inp.g, Hq), _unfold(lse, inp.g, Hq)
         trimmed = out.shape[-1] != Dv
