@@ -33,7 +33,7 @@ from collections import OrderedDict
 
 import torch
 
-__all__ = ["Mode", "call_mask", "call_score", "batch_head_dependence", "captured_tensors", "fn_name"]
+__all__ = ["Mode", "call_mask", "call_score", "batch_head_dependence", "captured", "captured_tensors", "code_names", "fn_name"]
 
 
 class Mode(enum.Enum):
@@ -509,75 +509,146 @@ def _finish(out, s):
     return out
 
 
-# ----------------------------------------------------------------- captured tensors
+# ----------------------------------------------------------------- what a callable reads
 
-_MAX_DEPTH = 4
-
-
-def captured_tensors(fn) -> tuple[torch.Tensor, ...]:
-    """Floating-point tensors ``fn`` can read: closure cells, default arguments, the globals its
-    code names, ``functools.partial`` arguments, a bound method's object (an ``nn.Module``'s
-    parameters, another object's attributes), and the same inside the functions and containers
-    found there (a few levels deep)."""
-    found: dict[int, torch.Tensor] = {}
-    visited: set[int] = set()
-    _walk(fn, 0, found, visited)
-    return tuple(found.values())
+_SCALARS = (int, float, complex, bool, str, bytes, type(None))
+_MAX_OBJECTS = 4096  # objects visited per callable; past it the walk gives up (complete = False)
+_MAX_DEPTH = 16
+# packages whose classes, modules and functions hold no user state worth following
+_LIBRARIES = frozenset({"torch", "numpy", "keyfold", "functools", "builtins", "math", "cmath", "operator",
+                        "types", "typing", "collections", "itertools", "abc", "enum", "dataclasses"})
+_MISSING = object()
 
 
-def _walk(x, depth, found, visited):
-    if isinstance(x, torch.Tensor):
-        if (x.is_floating_point() or x.is_complex()) and id(x) not in found:
-            found[id(x)] = x
-        return
-    if depth > _MAX_DEPTH or id(x) in visited or isinstance(x, (type, types.ModuleType, str, bytes, int, float)):
-        return
-    visited.add(id(x))
-    nxt = depth + 1
-    if isinstance(x, torch.nn.Module):
-        for p in x.parameters():
-            _walk(p, nxt, found, visited)
-        for t in x.buffers():
-            _walk(t, nxt, found, visited)
-    elif isinstance(x, (list, tuple, set, frozenset)):
-        for e in x:
-            _walk(e, nxt, found, visited)
-    elif isinstance(x, dict):
-        for e in x.values():
-            _walk(e, nxt, found, visited)
-    elif isinstance(x, functools.partial):
-        _walk(x.func, nxt, found, visited)
-        for e in (*x.args, *x.keywords.values()):
-            _walk(e, nxt, found, visited)
-    elif isinstance(x, types.MethodType):
-        _walk(x.__self__, nxt, found, visited)
-        _walk(x.__func__, nxt, found, visited)
-    elif isinstance(x, types.FunctionType):
-        try:
-            cells = x.__closure__ or ()
-        except AttributeError:  # dynamo's stand-in for a function made inside the traced one
-            raise TypeError(f"torch.compile cannot read what {fn_name(x)} captures (a callable made inside the "
-                            f"compiled function): make score callables outside it") from None
-        for c in cells:
-            try:
-                _walk(c.cell_contents, nxt, found, visited)
-            except ValueError:  # an empty cell
-                pass
-        for d in (*(x.__defaults__ or ()), *((x.__kwdefaults__ or {}).values())):
-            _walk(d, nxt, found, visited)
-        g = x.__globals__
-        for name in _names(x.__code__):
-            if name in g:
-                _walk(g[name], nxt, found, visited)
-    elif hasattr(x, "__dict__") and callable(x) and not isinstance(x, types.BuiltinFunctionType):
-        for e in vars(x).values():  # a callable object: its attributes
-            _walk(e, nxt, found, visited)
-
-
-def _names(code) -> list[str]:
-    """Global names a code object and the code objects nested in it refer to."""
+def code_names(code) -> list[str]:
+    """Names a code object and the code nested in it read: globals and attributes (``co_names``)."""
     names = list(code.co_names)
     for c in code.co_consts:
         if isinstance(c, types.CodeType):
-            names.extend(_names(c))
+            names += code_names(c)
     return names
+
+
+def _library(obj) -> bool:
+    """A class, module or function of torch, numpy, keyfold or the standard library's basics."""
+    name = obj.__name__ if isinstance(obj, types.ModuleType) else getattr(obj, "__module__", None)
+    return (name or "").split(".")[0] in _LIBRARIES
+
+
+def _static_attr(space, name: str):
+    """``space.name`` for a user class or module, looked up without running anything (no property,
+    no module ``__getattr__``, no import); a class's static or class method as its function and a
+    property as its getter, whose code is what runs. ``_MISSING`` when there is none."""
+    if isinstance(space, types.ModuleType):
+        return vars(space).get(name, _MISSING)
+    for c in space.__mro__:
+        if name in c.__dict__:
+            x = c.__dict__[name]
+            if isinstance(x, (staticmethod, classmethod)):
+                return x.__func__
+            return x.fget if isinstance(x, property) else x
+    return _MISSING
+
+
+def captured(fn, leaf=None) -> tuple[list, bool]:
+    """Everything a callable can read that its result may depend on: tensors, numpy arrays and
+    plain values in its closure cells, defaults, the globals its code names, a bound method's
+    object, a partial's arguments, followed into nested functions, containers and objects (an
+    ``nn.Module``'s parameters, buffers and attributes), and the attributes of user classes and
+    modules that some of that code names (``Cfg.window``, ``config.table``, a class attribute read
+    as ``self.scale``). Returns ``(objects, complete)``; ``complete`` is False when the walk gave up
+    (too many objects, or an object it cannot see into safely: a C callable, a slotted object).
+
+    leaf: ``leaf(obj) -> (values, follow) | None`` for the caller's own value objects (masks):
+    ``values`` are kept as they are, ``follow`` walked on; None leaves ``obj`` to the rules above.
+
+    The one walk behind the plan cache's key (:func:`keyfold.masks.captured_stamp`) and a score
+    callable's tensors that get gradients (:func:`captured_tensors`): what one of them sees, the
+    other does (a table behind a class attribute had no gradient while the mask side keyed it)."""
+    found, seen, complete = [], set(), True
+    names: set[str] = set()
+    spaces: dict[int, tuple] = {}  # user classes and modules met: (object, depth, names followed)
+    stack = [(fn, 0)]
+    while stack:
+        while stack:
+            obj, depth = stack.pop()
+            if isinstance(obj, torch.Tensor):
+                if id(obj) not in seen:
+                    seen.add(id(obj))
+                    found.append(obj)
+                continue
+            if isinstance(obj, _SCALARS):
+                found.append(obj)
+                continue
+            if isinstance(obj, (types.ModuleType, type)):
+                if not _library(obj) and id(obj) not in spaces:
+                    spaces[id(obj)] = (obj, depth, set())
+                continue
+            if isinstance(obj, (types.BuiltinFunctionType, types.BuiltinMethodType)) or id(obj) in seen \
+                    or (isinstance(obj, types.FunctionType) and _library(obj)):
+                continue
+            seen.add(id(obj))
+            if len(seen) > _MAX_OBJECTS or depth > _MAX_DEPTH:
+                return found, False
+            nxt: list = []
+            mine = leaf(obj) if leaf is not None else None
+            if mine is not None:
+                found += mine[0]
+                nxt += mine[1]
+            elif isinstance(obj, types.FunctionType):
+                try:
+                    cells = obj.__closure__ or ()
+                except AttributeError:  # dynamo's stand-in for a function made inside the traced one
+                    raise TypeError(f"torch.compile cannot read what {fn_name(obj)} captures (a callable made "
+                                    f"inside the compiled function): make score callables outside it") from None
+                for cell in cells:
+                    try:
+                        nxt.append(cell.cell_contents)
+                    except ValueError:  # a cell not yet assigned
+                        nxt.append(None)
+                nxt += list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
+                code = code_names(obj.__code__)
+                names.update(code)
+                g = obj.__globals__
+                nxt += [g[n] for n in code if n in g]
+            elif isinstance(obj, types.MethodType):
+                nxt += [obj.__func__, obj.__self__]
+            elif isinstance(obj, functools.partial):
+                nxt += [obj.func, *obj.args, *obj.keywords.values()]
+            elif isinstance(obj, (list, tuple)):
+                nxt += list(obj)
+                found.append(len(obj))
+            elif isinstance(obj, dict):
+                nxt += [x for kv in obj.items() for x in kv]
+                found.append(len(obj))
+            elif isinstance(obj, (set, frozenset)):
+                nxt += sorted(obj, key=repr)
+                found.append(len(obj))
+            elif type(obj).__module__ == "numpy" and hasattr(obj, "tobytes"):  # an array or numpy scalar
+                found.append(obj)
+            elif hasattr(obj, "__dict__"):
+                nxt += list(vars(obj).values())
+                nxt.append(type(obj))  # its class attributes that the code names (self.scale)
+                call = getattr(type(obj), "__call__", None)
+                if isinstance(call, types.FunctionType):  # a callable object: what its __call__ reads
+                    nxt.append(call)
+            elif callable(obj) or hasattr(obj, "__slots__"):
+                complete = False  # a C callable or slotted object: what it reads is hidden
+            stack += [(x, depth + 1) for x in reversed(nxt)]
+        # the attributes of the user classes and modules met that some code names, until none is new
+        for space, depth, done in list(spaces.values()):
+            for n in sorted(names - done):
+                x = _static_attr(space, n)
+                if x is not _MISSING:
+                    stack.append((x, depth + 1))
+            done |= names
+    return found, complete
+
+
+def captured_tensors(fn) -> tuple[torch.Tensor, ...]:
+    """Floating-point tensors ``fn`` can read (:func:`captured`), each once, in a stable order."""
+    found: dict[int, torch.Tensor] = {}
+    for x in captured(fn)[0]:
+        if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
+            found.setdefault(id(x), x)
+    return tuple(found.values())

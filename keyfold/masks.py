@@ -406,7 +406,7 @@ class _Sinks(Mask):
 
     def __init__(self, n, name="sinks"):
         self.name = name
-        if isinstance(n, torch.Tensor):
+        if isinstance(n, torch.Tensor) and n.dim() != 0:  # (a 0-d integer tensor is an int, as elsewhere)
             if n.dim() != 1 or n.dtype.is_floating_point or (n < 0).any():
                 raise ValueError(f"{name}(n): a tensor n must be 1-D (one count per batch entry), "
                                  f"integer and >= 0; got shape {tuple(n.shape)}, dtype {n.dtype}")
@@ -1035,87 +1035,20 @@ class MaskFn(Mask):
 
 # ------------------------------------------------------------ what a callable captures
 
-_SCALARS = (int, float, complex, bool, str, bytes, type(None))
-_MAX_CAPTURED = 4096  # objects visited per callable; past it the callable is never cached
-
-
-def _code_names(code) -> list[str]:
-    """Global names a code object and the functions nested in it may read."""
-    names = list(code.co_names)
-    for c in code.co_consts:
-        if isinstance(c, types.CodeType):
-            names += _code_names(c)
-    return names
-
-
-def _library_code(f: types.FunctionType) -> bool:
-    """Functions of torch, numpy and keyfold hold no user state worth following."""
-    return (getattr(f, "__module__", None) or "").split(".")[0] in ("torch", "numpy", "keyfold", "functools")
+def _mask_values(obj):
+    """The walk's rule for masks' own objects (:func:`keyfold._callables.captured`): a mask
+    callable is followed into its function; masks and tensor keys are immutable values whose
+    equality is their content."""
+    if isinstance(obj, MaskFn):
+        return [], [obj.fn]
+    if isinstance(obj, (_TensorKey, Mask)):
+        return [obj], []
+    return None
 
 
 def _captured(fn) -> tuple[list, bool]:
-    """Tensors, numpy arrays and plain values a callable can read: its closure cells, defaults,
-    the globals its code names, a bound method's object, a partial's arguments, followed into
-    nested functions, containers and plain objects (an ``nn.Module``'s parameters and buffers).
-    Returns ``(objects, complete)``; ``complete`` is False when the walk gave up (too many
-    objects, or an object it cannot see into safely)."""
-    found, seen, complete = [], set(), True
-    stack = [(fn, 0)]
-    while stack:
-        obj, depth = stack.pop()
-        if isinstance(obj, torch.Tensor):
-            if id(obj) not in seen:
-                seen.add(id(obj))
-                found.append(obj)
-            continue
-        if isinstance(obj, _SCALARS):
-            found.append(obj)
-            continue
-        if isinstance(obj, (types.ModuleType, type, types.BuiltinFunctionType, types.BuiltinMethodType)) \
-                or id(obj) in seen or (isinstance(obj, types.FunctionType) and _library_code(obj)):
-            continue
-        seen.add(id(obj))
-        if len(seen) > _MAX_CAPTURED or depth > 16:
-            complete = False
-            break
-        nxt: list = []
-        if isinstance(obj, types.FunctionType):
-            for cell in obj.__closure__ or ():
-                try:
-                    nxt.append(cell.cell_contents)
-                except ValueError:  # a cell not yet assigned
-                    nxt.append(None)
-            nxt += list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
-            g = obj.__globals__
-            nxt += [g[n] for n in _code_names(obj.__code__) if n in g]
-        elif isinstance(obj, types.MethodType):
-            nxt += [obj.__func__, obj.__self__]
-        elif isinstance(obj, functools.partial):
-            nxt += [obj.func, *obj.args, *obj.keywords.values()]
-        elif isinstance(obj, (list, tuple)):
-            nxt += list(obj)
-            found.append(len(obj))
-        elif isinstance(obj, dict):
-            nxt += [x for kv in obj.items() for x in kv]
-            found.append(len(obj))
-        elif isinstance(obj, (set, frozenset)):
-            nxt += sorted(obj, key=repr)
-            found.append(len(obj))
-        elif type(obj).__module__ == "numpy" and hasattr(obj, "tobytes"):  # an array or numpy scalar
-            found.append(obj)
-        elif isinstance(obj, _TensorKey) or isinstance(obj, Mask) and not isinstance(obj, MaskFn):
-            found.append(obj)  # immutable value objects: their equality is their content
-        elif isinstance(obj, MaskFn):
-            nxt.append(obj.fn)
-        elif hasattr(obj, "__dict__"):
-            nxt += list(vars(obj).values())
-            call = getattr(type(obj), "__call__", None)
-            if isinstance(call, types.FunctionType):  # a callable object: the globals its __call__ names
-                nxt.append(call)
-        elif callable(obj) or hasattr(obj, "__slots__"):
-            complete = False  # a C callable or slotted object: what it reads is hidden
-        stack += [(x, depth + 1) for x in reversed(nxt)]
-    return found, complete
+    """What a mask callable can read, and whether the walk saw all of it (:func:`keyfold._callables.captured`)."""
+    return _callables.captured(fn, _mask_values)
 
 
 def captured_tensors(fn) -> list[torch.Tensor]:
@@ -1261,7 +1194,7 @@ def documents(ids: torch.Tensor, kv_ids: torch.Tensor | None = None) -> Mask:
 
 def _per_batch(x, name, B=None):
     """An int or a 1-D integer tensor as an int64 CPU tensor ``(B,)`` (``(1,)`` for an int)."""
-    if isinstance(x, torch.Tensor):
+    if isinstance(x, torch.Tensor) and x.dim() != 0:  # (a 0-d integer tensor is an int, as elsewhere)
         if x.dim() != 1 or x.dtype.is_floating_point or x.dtype == torch.bool:
             raise ValueError(f"padding({name}): expected a 1-D integer tensor with one entry per batch "
                              f"entry, got shape {tuple(x.shape)}, dtype {x.dtype}")

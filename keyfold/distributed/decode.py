@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine import Backend, attend
+from ..masks import as_mask
 from ..state import State, empty_state, merge_all, state_dtype
 from .comm import Comm, Described
 
@@ -80,16 +81,28 @@ def tree_decode(q, k_local, v_local, group=None, *, mask=None, score=None, scale
             raise ValueError(f"k_local has {k_local.shape[2]} positions but v_local {v_local.shape[2]}")
     except (ValueError, TypeError) as e:
         error = e
+    # the cache's lengths first: with them every rank checks the mask against the whole cache's
+    # positions, so all raise or none does (a rank with no key skips attend, and was left waiting in
+    # the reduce while another raised there)
+    n_local = k_local.shape[2] if error is None else 0
+    device = q.device if isinstance(q, torch.Tensor) else None
+    lengths = comm.all_gather(torch.tensor([n_local], device=device), what="cache lengths").wait()
+    lengths = [int(x) for x in lengths.view(-1).tolist()]
+    kv_offset, total = sum(lengths[:comm.rank]), sum(lengths)
+    if error is None:
+        try:
+            q_offset = total - q.shape[2] if q_offset is None else q_offset
+            checked = as_mask(mask)
+            if checked is not None:
+                checked.check_positions(q_offset, q_offset + q.shape[2], 0, total)
+        except (ValueError, TypeError) as e:
+            error = e
     shapes = (tuple(getattr(q, "shape", ())), tuple(getattr(k_local, "shape", ()))[:2],
               tuple(getattr(k_local, "shape", ()))[3:], tuple(getattr(v_local, "shape", ()))[3:],
               str(getattr(q, "dtype", None)), getattr(reduce, "name", reduce),
               None if mask is None else Described(mask),
               None if score is None else Described(score))
     comm.agree("tree_decode", shapes, error)
-    lengths = comm.all_gather(torch.tensor([k_local.shape[2]], device=q.device), what="cache lengths").wait()
-    lengths = [int(x) for x in lengths.view(-1).tolist()]
-    kv_offset, total = sum(lengths[:comm.rank]), sum(lengths)
-    q_offset = total - q.shape[2] if q_offset is None else q_offset
     B, Hq, Nq, _ = q.shape
     if k_local.shape[2] == 0:
         st = empty_state(B, Hq, Nq, v_local.shape[-1], dtype=state_dtype(q.dtype), device=q.device,

@@ -68,11 +68,17 @@ def test_matmul_fns_time_one_product_each_way():
     from keyfold.bench.harness import matmul_fns
 
     fns = matmul_fns(torch.bfloat16, (32,))
-    assert set(fns) == {"mm32", "mm32 via float32"} and all(flop == 2 * 32 ** 3 for _, flop in fns.values())
-    native, wide = fns["mm32"][0](), fns["mm32 via float32"][0]()
-    assert native.dtype == wide.dtype == torch.bfloat16 and native.shape == (32, 32)
-    assert native.abs().max() > 1 and torch.allclose(native.float(), wide.float(), rtol=2e-2, atol=5e-2)
-    assert fns["mm32"][0]().data_ptr() == native.data_ptr()
+    # the native bfloat16 GEMM only where a probe finds it within 4x of the cast (a CPU without
+    # AVX-512-BF16 or AMX, such as an AVX2 AMD EPYC, runs it at a small fraction of that)
+    assert "mm32 via float32" in fns and set(fns) <= {"mm32", "mm32 via float32"}
+    assert all(flop == 2 * 32 ** 3 for _, flop in fns.values())
+    wide = fns["mm32 via float32"][0]()
+    assert wide.dtype == torch.bfloat16 and wide.shape == (32, 32) and wide.abs().max() > 1
+    assert fns["mm32 via float32"][0]().data_ptr() == wide.data_ptr()
+    if "mm32" in fns:
+        native = fns["mm32"][0]()
+        assert native.dtype == torch.bfloat16 and torch.allclose(native.float(), wide.float(), rtol=2e-2, atol=5e-2)
+        assert fns["mm32"][0]().data_ptr() == native.data_ptr()
     assert set(matmul_fns(torch.float32, (16, 32))) == {"mm16", "mm32"}
 
 

@@ -7,7 +7,9 @@ Gradients of captured tensors are held to the correctness rule against float64 a
 through Backend.REFERENCE (3x the naive same-dtype implementation's error + 1e-6).
 """
 
+import dataclasses
 import gc
+import types
 import warnings
 import weakref
 
@@ -593,3 +595,102 @@ def test_broadcast_is_checked_again_when_a_captured_table_changes():
     got = kf.attention(q, k, v, score=pair_score, q_offset=0)
     torch.testing.assert_close(got, _flex(q, k, v, score_mod=pair_score), atol=2e-5, rtol=1e-4)
     assert _callables.mode_of(pair_score) is _callables.Mode.ELEMENT
+
+
+# ------------------------------------- state read through classes, modules and plain objects
+# A review (2026-12-06) found both walks blind to it: a mask reading `Cfg.window` kept its old plan
+# after the attribute changed (output off by 2.25), and a score table held by a dataclass, a
+# SimpleNamespace, a class or a module got no gradient (norm 5.8 in eager), both without a word.
+
+class _Window:
+    size = 2
+
+
+_window_module = types.ModuleType("keyfold_test_window_config")
+_window_module.size = 2
+
+
+def _band(qi, ki, c):  # reads the attribute in a helper the mask calls: the name is not in the mask's code
+    return (qi - ki).abs() <= c.size
+
+
+class _BandMask:
+    size = 2  # a class attribute read through self
+
+    def __call__(self, b, h, qi, ki):
+        return (qi - ki).abs() <= self.size
+
+
+_WINDOW_READERS = {
+    "class attribute": (lambda b, h, qi, ki: (qi - ki).abs() <= _Window.size, _Window),
+    "module attribute": (lambda b, h, qi, ki: (qi - ki).abs() <= _window_module.size, _window_module),
+    "through a helper": (lambda b, h, qi, ki: _band(qi, ki, _Window), _Window),
+    "class attribute via self": (_BandMask(), _BandMask),
+}
+
+
+@pytest.mark.parametrize("backend", [Backend.AUTO, Backend.TILES], ids=lambda b: b.name)
+@pytest.mark.parametrize("name", list(_WINDOW_READERS))
+def test_a_mask_reading_a_class_or_module_attribute_is_planned_again_when_it_changes(name, backend):
+    fn, space = _WINDOW_READERS[name]
+    q, k, v = _qkv(1, 2, 48, seed=31)
+    try:
+        for size in (2, 30, 5):
+            space.size = size
+            got = kf.attention(q, k, v, mask=fn, q_offset=0, backend=backend)
+            band = lambda b, h, qi, ki, w=size: (qi - ki).abs() <= w  # noqa: E731
+            ref = kf.attention(q.double(), k.double(), v.double(), mask=band, q_offset=0, backend=Backend.REFERENCE)
+            nai = naive_attention(q, k, v, mask=band, q_offset=0)
+            assert_close_by_rule(got, ref, nai, None, what=f"window {size}")
+    finally:
+        space.size = 2
+
+
+@dataclasses.dataclass
+class _Table:
+    table: torch.Tensor
+
+
+class _TableOnClass:
+    table = None
+
+
+_table_module = types.ModuleType("keyfold_test_table_config")
+
+
+def _holders():
+    yield "dataclass", lambda t: _Table(t), lambda p: (lambda s, b, h, qi, ki: s + p.table[h, qi, ki])
+    yield "namespace", lambda t: types.SimpleNamespace(table=t), \
+        lambda p: (lambda s, b, h, qi, ki: s + p.table[h, qi, ki])
+    yield "class attribute", lambda t: setattr(_TableOnClass, "table", t), \
+        lambda p: (lambda s, b, h, qi, ki: s + _TableOnClass.table[h, qi, ki])
+    yield "module attribute", lambda t: setattr(_table_module, "table", t), \
+        lambda p: (lambda s, b, h, qi, ki: s + _table_module.table[h, qi, ki])
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+@pytest.mark.parametrize("holder", [h[0] for h in _holders()])
+def test_a_score_table_held_by_a_plain_object_class_or_module_gets_its_gradient(holder, backend):
+    _, hold, make = next(h for h in _holders() if h[0] == holder)
+    q, k, v = _qkv(1, 2, 16, seed=41)
+    t64 = _rand(2, 16, 16, seed=42, dtype=torch.float64)
+    dout = _rand(1, 2, 16, 16, seed=43, dtype=torch.float64)
+
+    def grad(attn, q, k, v, table):
+        table = table.detach().clone().requires_grad_(True)
+        q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))  # as in training
+        score = make(hold(table))
+        out = attn(q, k, v, score)
+        (g,) = torch.autograd.grad(out, table, dout.to(out.dtype))
+        return g.double()
+
+    try:
+        got = grad(lambda q, k, v, s: kf.attention(q, k, v, score=s, backend=backend), q, k, v, t64.float())
+        ref = grad(lambda q, k, v, s: kf.attention(q, k, v, score=s, backend=Backend.REFERENCE),
+                   q.double(), k.double(), v.double(), t64)
+        nai = grad(lambda q, k, v, s: naive_attention(q, k, v, score=s), q, k, v, t64.float())
+    finally:
+        _TableOnClass.table = None
+        vars(_table_module).pop("table", None)
+    assert float(got.abs().max()) > 0.1  # the table had no gradient at all before
+    assert_close_by_rule(got.unsqueeze(0), ref.unsqueeze(0), nai.unsqueeze(0), None, factor=3.0, what="dtable")

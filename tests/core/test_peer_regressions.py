@@ -291,6 +291,16 @@ def test_window_takes_numpy_and_0d_tensor_integers():
         kf.window(True)
 
 
+def test_sinks_prefix_and_padding_take_0d_tensor_integers():
+    """The README's promise for every integer argument; sinks(torch.tensor(2)) and prefix(...)
+    asked for a 1-D tensor (review, 2026-12-06)."""
+    for make in (kf.sinks, kf.prefix, kf.padding):
+        for n in (torch.tensor(3), np.int64(3), torch.tensor(3, dtype=torch.int32)):
+            assert torch.equal(make(n).to_dense(6, 6), make(3).to_dense(6, 6)), make.__name__
+        with pytest.raises((TypeError, ValueError), match="floating|int"):
+            make(torch.tensor(3.0))
+
+
 # ------------------------------------------------------------ 6. varlen: FlashAttention's packing
 
 

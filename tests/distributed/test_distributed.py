@@ -356,6 +356,31 @@ def test_a_rank_that_raises_ends_every_rank():
     assert time.monotonic() - t0 < 80
 
 
+def _worker_tree_decode_bad_positions(rank, P):
+    """Rank 0 holds the 3 keys, rank 1 none; 4 new queries put the default q_offset at -1, which a
+    documents mask refuses. Rank 0 raised in attend while rank 1, with no key to attend, waited in
+    the reduce: the ranks fell out of step (review, 2026-12-06)."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 3, 8), torch.randn(1, 1, 3, 8)
+    mine = slice(0, 3) if rank == 0 else slice(3, 3)
+    seen = {}
+    try:
+        tree_decode(q, k[:, :, mine], v[:, :, mine], mask=keyfold.documents(torch.zeros(8, dtype=torch.long)))
+    except ShardError as e:
+        seen["error"] = str(e)
+    # both still in step: the next call with valid positions agrees and is right on every rank
+    out = tree_decode(q[:, :, -2:], k[:, :, mine], v[:, :, mine], mask=keyfold.documents(torch.zeros(8, dtype=torch.long)))
+    seen["next"] = max_err(out, naive_attention(q[:, :, -2:].double(), k.double(), v.double()))
+    return seen
+
+
+def test_tree_decode_raises_on_every_rank_when_one_ranks_positions_are_invalid():
+    res = _values(launch(_worker_tree_decode_bad_positions, 2, pg_timeout=10, deadline=90))
+    for seen in res:
+        assert "documents(ids)" in seen["error"] and "q_offset" in seen["error"], seen
+        assert seen["next"] < 1e-5, seen
+
+
 class _Band(keyfold.Mask):
     """A user's mask with the protocol's minimum (evaluate, ==, hash) and no __repr__: its default
     repr holds its address, which differs between the ranks."""
