@@ -626,6 +626,11 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
                 found.append(len(obj))
             elif type(obj).__module__ == "numpy" and hasattr(obj, "tobytes"):  # an array or numpy scalar
                 found.append(obj)
+            elif isinstance(obj, torch.nn.Module):  # its tensors, submodules and own attributes, not its
+                # hook tables: a whole model then stays inside the object budget
+                nxt += [*obj._parameters.values(), *obj._buffers.values(), *obj._modules.values()]
+                nxt += [x for name, x in vars(obj).items() if not name.startswith("_")]
+                nxt += [type(obj), getattr(type(obj), "forward", None)]  # what calling it runs
             elif hasattr(obj, "__dict__"):
                 nxt += list(vars(obj).values())
                 nxt.append(type(obj))  # its class attributes that the code names (self.scale)

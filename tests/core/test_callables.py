@@ -694,3 +694,40 @@ def test_a_score_table_held_by_a_plain_object_class_or_module_gets_its_gradient(
         vars(_table_module).pop("table", None)
     assert float(got.abs().max()) > 0.1  # the table had no gradient at all before
     assert_close_by_rule(got.unsqueeze(0), ref.unsqueeze(0), nai.unsqueeze(0), None, factor=3.0, what="dtable")
+
+
+def test_a_score_table_inside_a_large_captured_model_is_found():
+    """An nn.Module is walked by its parameters, buffers, submodules and own attributes, not its hook
+    tables: a model of 300 layers stays inside the walk's budget of objects (through every entry of
+    each module's __dict__ it did not, and the table at its end would have had no gradient)."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(300)])
+    model[-1].table = table = torch.nn.Parameter(_rand(2, 8, 8, seed=51))  # a parameter of the last layer
+
+    def score(s, b, h, qi, ki):
+        return s + model[-1].table[h, qi, ki]
+
+    assert _callables.captured(score)[1]  # the whole walk: a mask reading the model keeps its plan
+    assert any(t is table for t in _callables.captured_tensors(score))
+    q, k, v = (x.requires_grad_(True) for x in _qkv(1, 2, 8, seed=52))
+    kf.attention(q, k, v, score=score, backend=Backend.TILES).sum().backward()
+    assert table.grad is not None and float(table.grad.abs().max()) > 0
+
+
+class _WindowModule(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.size = 2
+
+    def forward(self, b, h, qi, ki):
+        return (qi - ki).abs() <= self.size
+
+
+def test_a_mask_module_is_planned_again_when_its_attribute_changes():
+    fn = _WindowModule()
+    q, k, v = _qkv(1, 2, 48, seed=53)
+    for size in (2, 30):
+        fn.size = size
+        got = kf.attention(q, k, v, mask=fn, q_offset=0)
+        band = lambda b, h, qi, ki, w=size: (qi - ki).abs() <= w  # noqa: E731
+        ref = kf.attention(q.double(), k.double(), v.double(), mask=band, q_offset=0, backend=Backend.REFERENCE)
+        assert_close_by_rule(got, ref, naive_attention(q, k, v, mask=band, q_offset=0), None, what=f"window {size}")
