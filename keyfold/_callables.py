@@ -512,11 +512,16 @@ def _finish(out, s):
 # ----------------------------------------------------------------- what a callable reads
 
 _SCALARS = (int, float, complex, bool, str, bytes, type(None))
-_MAX_OBJECTS = 4096  # objects visited per callable; past it the walk gives up (complete = False)
-_MAX_DEPTH = 16
+_MAX_OBJECTS = 4096  # objects visited per callable; past it the plan key gives up (complete = False) ...
+_HARD_OBJECTS = 16 * _MAX_OBJECTS  # ... while the walk goes on for the tensors that need gradients, to here
+_MAX_DEPTH = 16  # a branch deeper than this is not followed (complete = False), the rest still is
 # packages whose classes, modules and functions hold no user state worth following
 _LIBRARIES = frozenset({"torch", "numpy", "keyfold", "functools", "builtins", "math", "cmath", "operator",
-                        "types", "typing", "collections", "itertools", "abc", "enum", "dataclasses"})
+                        "types", "typing", "collections", "itertools", "abc", "enum", "dataclasses",
+                        "logging", "threading", "weakref", "re", "inspect", "transformers"})
+# instances of these hold process-wide state (a logger's manager reaches every logger), not a mask's
+_OPAQUE = frozenset({"logging", "threading", "weakref", "queue", "asyncio", "concurrent", "multiprocessing"})
+_MODULE_TABLES = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
 _MISSING = object()
 
 
@@ -569,6 +574,8 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
     names: set[str] = set()
     spaces: dict[int, tuple] = {}  # user classes and modules met: (object, depth, names followed)
     stack = [(fn, 0)]
+    if isinstance(fn, torch.nn.Module):  # what calling it runs
+        stack.append((getattr(type(fn), "forward", None), 1))
     while stack:
         while stack:
             obj, depth = stack.pop()
@@ -585,11 +592,17 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
                     spaces[id(obj)] = (obj, depth, set())
                 continue
             if isinstance(obj, (types.BuiltinFunctionType, types.BuiltinMethodType)) or id(obj) in seen \
-                    or (isinstance(obj, types.FunctionType) and _library(obj)):
+                    or (isinstance(obj, types.FunctionType) and _library(obj)) \
+                    or (type(obj).__module__ or "").split(".")[0] in _OPAQUE:
+                continue
+            if depth > _MAX_DEPTH:  # this branch only: what comes after it is still found
+                complete = False
                 continue
             seen.add(id(obj))
-            if len(seen) > _MAX_OBJECTS or depth > _MAX_DEPTH:
-                return found, False
+            if len(seen) > _MAX_OBJECTS:
+                complete = False
+                if len(seen) > _HARD_OBJECTS:
+                    return found, False
             nxt: list = []
             mine = leaf(obj) if leaf is not None else None
             if mine is not None:
@@ -622,17 +635,24 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
                 nxt += [x for kv in obj.items() for x in kv]
                 found.append(len(obj))
             elif isinstance(obj, (set, frozenset)):
-                nxt += sorted(obj, key=repr)
+                try:
+                    nxt += sorted(obj, key=repr)
+                except Exception:  # noqa: BLE001 - a member whose repr raises: order unknown
+                    nxt += list(obj)
+                    complete = False
                 found.append(len(obj))
             elif type(obj).__module__ == "numpy" and hasattr(obj, "tobytes"):  # an array or numpy scalar
                 found.append(obj)
-            elif isinstance(obj, torch.nn.Module):  # its tensors, submodules and own attributes, not its
-                # hook tables: a whole model then stays inside the object budget
+            elif isinstance(obj, torch.nn.Module):  # its tensors, submodules and own attributes (self._size
+                # too), not its hook tables: a whole model then stays inside the object budget
                 nxt += [*obj._parameters.values(), *obj._buffers.values(), *obj._modules.values()]
-                nxt += [x for name, x in vars(obj).items() if not name.startswith("_")]
-                nxt += [type(obj), getattr(type(obj), "forward", None)]  # what calling it runs
+                nxt += [x for name, x in vars(obj).items() if name not in _MODULE_TABLES and "hook" not in name]
+                nxt.append(type(obj))
             elif hasattr(obj, "__dict__"):
-                nxt += list(vars(obj).values())
+                try:
+                    nxt += list(vars(obj).values())
+                except Exception:  # noqa: BLE001 - a __dict__ that is not a dict
+                    complete = False
                 nxt.append(type(obj))  # its class attributes that the code names (self.scale)
                 call = getattr(type(obj), "__call__", None)
                 if isinstance(call, types.FunctionType):  # a callable object: what its __call__ reads

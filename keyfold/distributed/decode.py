@@ -85,7 +85,7 @@ def tree_decode(q, k_local, v_local, group=None, *, mask=None, score=None, scale
     # positions, so all raise or none does (a rank with no key skips attend, and was left waiting in
     # the reduce while another raised there)
     n_local = k_local.shape[2] if error is None else 0
-    device = q.device if isinstance(q, torch.Tensor) else None
+    device = next((t.device for t in (q, k_local, v_local) if isinstance(t, torch.Tensor)), None)
     lengths = comm.all_gather(torch.tensor([n_local], device=device), what="cache lengths").wait()
     lengths = [int(x) for x in lengths.view(-1).tolist()]
     kv_offset, total = sum(lengths[:comm.rank]), sum(lengths)

@@ -9,6 +9,7 @@ through Backend.REFERENCE (3x the naive same-dtype implementation's error + 1e-6
 
 import dataclasses
 import gc
+import logging
 import types
 import warnings
 import weakref
@@ -713,21 +714,43 @@ def test_a_score_table_inside_a_large_captured_model_is_found():
     assert table.grad is not None and float(table.grad.abs().max()) > 0
 
 
+_log = logging.getLogger("keyfold.tests.window_module")
+
+
 class _WindowModule(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.size = 2
+        self._size = 2  # a private attribute: the walk keyed public ones only for a while (review)
 
     def forward(self, b, h, qi, ki):
-        return (qi - ki).abs() <= self.size
+        if self._size < 0:
+            _log.warning("negative window")  # a module-level logger reaches every logger of the process
+        return (qi - ki).abs() <= self._size
 
 
 def test_a_mask_module_is_planned_again_when_its_attribute_changes():
     fn = _WindowModule()
+    assert _callables.captured(fn)[1]  # complete: the logger is not walked into
     q, k, v = _qkv(1, 2, 48, seed=53)
     for size in (2, 30):
-        fn.size = size
+        fn._size = size
         got = kf.attention(q, k, v, mask=fn, q_offset=0)
         band = lambda b, h, qi, ki, w=size: (qi - ki).abs() <= w  # noqa: E731
         ref = kf.attention(q.double(), k.double(), v.double(), mask=band, q_offset=0, backend=Backend.REFERENCE)
         assert_close_by_rule(got, ref, naive_attention(q, k, v, mask=band, q_offset=0), None, what=f"window {size}")
+
+
+def test_a_table_after_a_model_past_the_walks_budget_still_gets_its_gradient():
+    """Past its object budget the walk no longer keys a plan (complete False) but still finds the
+    tensors that need gradients: it stopped at once, and a table captured after a 1,500-layer model
+    (closure cells are walked in name order) had no gradient (review, 2026-12-06)."""
+    big = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(1500)])
+    table = _rand(2, 8, 8, seed=54).requires_grad_(True)
+
+    def make():
+        a_model, z_table = big, table
+        return lambda s, b, h, qi, ki: s + z_table[h, qi, ki] + 0 * a_model[0].bias[0]
+
+    score = make()
+    assert not _callables.captured(score)[1]
+    assert any(t is table for t in _callables.captured_tensors(score))
