@@ -33,7 +33,7 @@ from collections import OrderedDict
 
 import torch
 
-__all__ = ["Mode", "call_mask", "call_score", "batch_head_dependence", "captured", "captured_tensors", "code_names", "fn_name"]
+__all__ = ["Mode", "call_mask", "call_score", "batch_head_dependence", "captured", "captured_tensors", "fn_name"]
 
 
 class Mode(enum.Enum):
@@ -525,12 +525,12 @@ _MODULE_TABLES = frozenset({"_parameters", "_buffers", "_modules", "_non_persist
 _MISSING = object()
 
 
-def code_names(code) -> list[str]:
+def _code_names(code) -> list[str]:
     """Names a code object and the code nested in it read: globals and attributes (``co_names``)."""
     names = list(code.co_names)
     for c in code.co_consts:
         if isinstance(c, types.CodeType):
-            names += code_names(c)
+            names += _code_names(c)
     return names
 
 
@@ -620,7 +620,7 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
                     except ValueError:  # a cell not yet assigned
                         nxt.append(None)
                 nxt += list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
-                code = code_names(obj.__code__)
+                code = _code_names(obj.__code__)
                 names.update(code)
                 g = obj.__globals__
                 nxt += [g[n] for n in code if n in g]
@@ -672,8 +672,5 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
 
 def captured_tensors(fn) -> tuple[torch.Tensor, ...]:
     """Floating-point tensors ``fn`` can read (:func:`captured`), each once, in a stable order."""
-    found: dict[int, torch.Tensor] = {}
-    for x in captured(fn)[0]:
-        if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
-            found.setdefault(id(x), x)
-    return tuple(found.values())
+    return tuple(x for x in captured(fn)[0]  # (the walk lists each tensor once)
+                 if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()))

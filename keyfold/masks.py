@@ -23,10 +23,8 @@ Meaning (``qp = q_offset + i``, ``kp = kv_offset + j``):
 from __future__ import annotations
 
 import enum
-import functools
 import hashlib
 import operator
-import types
 import weakref
 from typing import Callable
 
