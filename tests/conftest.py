@@ -17,6 +17,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "keyfold"))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`make test` runs one worker per core), each worker gets its share of the
+# cores: torch's default of one thread per core in every worker would run 2x as many threads as cores.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+
 
 @pytest.fixture(autouse=True)
 def _seed():
