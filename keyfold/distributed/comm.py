@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import re
 import types
 from typing import Callable
 
@@ -55,22 +56,28 @@ def fingerprint(obj) -> str:
     return h.hexdigest()
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
 class Described:
     """A mask or score modifier in an agreement check (:meth:`Comm.agree`): equal by content (its
     fingerprint), shown by its repr. Its text alone would not do: a class without a ``__repr__``
     prints its address, which differs between the ranks (ring_attention and tree_decode refused
     equal custom masks so; found by fuzzing, 2026-12-05)."""
 
-    __slots__ = ("text", "key", "own")
+    __slots__ = ("text", "key", "own", "own_text")
 
     def __init__(self, x):
         self.text, self.key = repr(x), fingerprint(x)
         self.own = type(x).__repr__ is not object.__repr__  # a repr of its own shows content too
+        # ...but not an address: a plain function prints "<function f at 0x7f...>", different in
+        # every spawned rank (tree_decode refused equal function masks so; review, 2026-12-06)
+        self.own_text = _ADDRESS.sub("", self.text)
 
     def __eq__(self, other):  # the repr's text as well where it has its own (the fingerprint skips
         # private attributes: two masks told apart only by a `_ids` differ in their repr)
         return (isinstance(other, Described) and other.key == self.key
-                and (not (self.own and other.own) or other.text == self.text))
+                and (not (self.own and other.own) or other.own_text == self.own_text))
 
     def __hash__(self):
         return hash(self.key)

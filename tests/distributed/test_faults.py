@@ -1,4 +1,4 @@
-"""Faults in the communication wall, on real gloo groups of 2 spawned ranks with short timeouts.
+"""Faults in the communication wall, on real gloo groups of 2 ranks with short timeouts.
 
 - a rank killed in the middle of a ring step: every other rank raises within the timeout;
 - ranks whose masks differ only in a tensor's content (same repr): every rank raises and names it;
@@ -18,13 +18,13 @@ import torch.multiprocessing as mp
 
 import keyfold
 from keyfold.distributed import ShardError, ring_attention
-from tests.distributed.test_distributed import _entry, _free_port
+from tests.distributed.test_distributed import _entry, _free_port, rank_context
 
 
 def launch(worker, P, *args, pg_timeout=3, deadline=45):
     """Like test_distributed.launch, but a rank whose process died is reported as ("died", exitcode)
     as soon as every other rank has reported, instead of waiting out the deadline."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_entry, args=(r, P, port, pg_timeout, worker, args, results), daemon=True)
