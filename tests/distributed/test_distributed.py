@@ -1,7 +1,7 @@
 """The communication wall: shards, ring / all-gather / all-to-all attention, tree decode, costs.
 
-Process groups are real: gloo over 127.0.0.1, ranks started by torch.multiprocessing (forked from a server that imported torch once). Each
-spawned group runs a whole batch of cases (layouts x masks x strategies) and sends its errors
+Process groups are real: gloo over 127.0.0.1, ranks started by torch.multiprocessing (forked
+from a server that imported torch once). Each group runs a whole batch of cases (layouts x masks x strategies) and sends its errors
 back; the assertions run here, in the test process. The position logic itself (which pieces a
 rank computes for which shard) is checked in-process with Hypothesis, without any group.
 """
