@@ -24,7 +24,12 @@ with ``requires_grad`` get their gradients (see :meth:`keyfold.scores.ScoreMod.t
 
 from __future__ import annotations
 
+import array
+import collections
+import datetime
+import decimal
 import enum
+import fractions
 import functools
 import threading
 import types
@@ -526,12 +531,34 @@ _MISSING = object()
 
 
 def _code_names(code) -> list[str]:
-    """Names a code object and the code nested in it read: globals and attributes (``co_names``)."""
+    """Names a code object and the code nested in it read: globals and attributes (``co_names``),
+    and the string constants that could name one (``getattr(Cfg, "size")``, ``globals()["T"]``)."""
     names = list(code.co_names)
     for c in code.co_consts:
         if isinstance(c, types.CodeType):
             names += _code_names(c)
+        elif isinstance(c, str) and c.isidentifier():
+            names.append(c)
     return names
+
+
+# objects without a __dict__ that are values: keyed as they are (a range or dtype rebound in a list
+# or a global kept an old plan when they were skipped; review, 2026-12-06)
+_VALUES = (range, torch.dtype, torch.device, torch.layout, torch.memory_format, datetime.date, datetime.time,
+           datetime.timedelta, datetime.tzinfo, decimal.Decimal, fractions.Fraction)
+
+
+def _value(obj):
+    """``obj`` as a hashable value of the plan key, or ``_MISSING`` when it is not a known value."""
+    if isinstance(obj, _VALUES) or type(obj) is object:  # (a sentinel: keyed by identity)
+        return (type(obj).__qualname__, obj)
+    if isinstance(obj, (slice, torch.finfo, torch.iinfo)):  # immutable, shown whole by their repr
+        return (type(obj).__name__, repr(obj))
+    if isinstance(obj, (bytearray, memoryview)):  # mutable bytes: their content now
+        return (type(obj).__name__, bytes(obj))
+    if (type(obj).__module__ or "").split(".")[0] == "numpy" and isinstance(getattr(obj, "str", None), str):
+        return ("numpy.dtype", str(obj))
+    return _MISSING
 
 
 def _library(obj) -> bool:
@@ -547,6 +574,8 @@ def _static_attr(space, name: str):
     if isinstance(space, types.ModuleType):
         return vars(space).get(name, _MISSING)
     for c in space.__mro__:
+        if _library(c):  # object's, type's and torch's own attributes hold no user state
+            continue
         if name in c.__dict__:
             x = c.__dict__[name]
             if isinstance(x, (staticmethod, classmethod)):
@@ -590,6 +619,8 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
             if isinstance(obj, (types.ModuleType, type)):
                 if not _library(obj) and id(obj) not in spaces:
                     spaces[id(obj)] = (obj, depth, set())
+                    if isinstance(obj, type) and type(obj) is not type:  # a metaclass's attributes read
+                        stack.append((type(obj), depth + 1))            # through the class (Cfg.size)
                 continue
             if isinstance(obj, (types.BuiltinFunctionType, types.BuiltinMethodType)) or id(obj) in seen \
                     or (isinstance(obj, types.FunctionType) and _library(obj)) \
@@ -657,8 +688,13 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
                 call = getattr(type(obj), "__call__", None)
                 if isinstance(call, types.FunctionType):  # a callable object: what its __call__ reads
                     nxt.append(call)
-            elif callable(obj) or hasattr(obj, "__slots__"):
-                complete = False  # a C callable or slotted object: what it reads is hidden
+            elif isinstance(obj, (collections.deque, array.array)):  # C containers: their items now
+                nxt += list(obj)
+                found.append(len(obj))
+            elif (value := _value(obj)) is not _MISSING:
+                found.append(value)
+            else:  # a C callable, a slotted object or another C object: what it holds is hidden
+                complete = False  # (deques and bytearrays filled in place kept an old plan when skipped)
             stack += [(x, depth + 1) for x in reversed(nxt)]
         # the attributes of the user classes and modules met that some code names, until none is new
         for space, depth, done in list(spaces.values()):

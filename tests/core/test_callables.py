@@ -7,7 +7,10 @@ Gradients of captured tensors are held to the correctness rule against float64 a
 through Backend.REFERENCE (3x the naive same-dtype implementation's error + 1e-6).
 """
 
+import array
+import collections
 import dataclasses
+import datetime
 import gc
 import logging
 import types
@@ -645,6 +648,86 @@ def test_a_mask_reading_a_class_or_module_attribute_is_planned_again_when_it_cha
             assert_close_by_rule(got, ref, nai, None, what=f"window {size}")
     finally:
         space.size = 2
+
+
+class _ByName:
+    size = 2
+
+
+_by_name_module = types.ModuleType("keyfold_test_window_by_name")
+_by_name_module.size = 2
+
+
+class _SizeMeta(type):
+    size = 2  # read as _ViaMeta.size: the metaclass's attribute
+
+
+class _ViaMeta(metaclass=_SizeMeta):
+    pass
+
+
+_SIZE_DEQUE = collections.deque([2])
+_SIZE_BYTES = bytearray([2])
+_SIZE_ARRAY = array.array("i", [2])
+_SIZE_RANGES = [range(2)]
+_SIZE_TIMES = {"w": datetime.timedelta(seconds=2)}
+
+
+def _set_ranges(n):
+    _SIZE_RANGES[0] = range(n)
+
+
+def _set_times(n):
+    _SIZE_TIMES["w"] = datetime.timedelta(seconds=n)
+
+
+# a mask that reads its window where the first walk did not look: (mask, set the window)
+_HIDDEN_READERS = {
+    "getattr on a class": (lambda b, h, qi, ki: (qi - ki).abs() <= getattr(_ByName, "size"),
+                           lambda n: setattr(_ByName, "size", n)),
+    "getattr on a module": (lambda b, h, qi, ki: (qi - ki).abs() <= getattr(_by_name_module, "size"),
+                            lambda n: setattr(_by_name_module, "size", n)),
+    "metaclass attribute": (lambda b, h, qi, ki: (qi - ki).abs() <= _ViaMeta.size,
+                            lambda n: setattr(_SizeMeta, "size", n)),
+    "deque filled in place": (lambda b, h, qi, ki: (qi - ki).abs() <= _SIZE_DEQUE[0],
+                              lambda n: _SIZE_DEQUE.__setitem__(0, n)),
+    "bytearray written in place": (lambda b, h, qi, ki: (qi - ki).abs() <= _SIZE_BYTES[0],
+                                   lambda n: _SIZE_BYTES.__setitem__(0, n)),
+    "array written in place": (lambda b, h, qi, ki: (qi - ki).abs() <= _SIZE_ARRAY[0],
+                               lambda n: _SIZE_ARRAY.__setitem__(0, n)),
+    "range in a list": (lambda b, h, qi, ki: (qi - ki).abs() <= len(_SIZE_RANGES[0]), _set_ranges),
+    "timedelta in a dict": (lambda b, h, qi, ki: (qi - ki).abs() <= _SIZE_TIMES["w"].seconds, _set_times),
+}
+
+
+@pytest.mark.parametrize("name", list(_HIDDEN_READERS))
+def test_a_mask_reading_state_the_first_walk_missed_is_planned_again_when_it_changes(name):
+    """The plan key's blind spots of the last session, closed (each kept the window-2 plan after
+    the window became 30): an attribute read by a string constant, a metaclass's attribute, C
+    containers changed in place, and values without a __dict__ (a range, a timedelta) rebound."""
+    fn, set_size = _HIDDEN_READERS[name]
+    q, k, v = _qkv(1, 2, 48, seed=33)
+    try:
+        for size in (2, 30, 5):
+            set_size(size)
+            got = kf.attention(q, k, v, mask=fn, q_offset=0)
+            band = lambda b, h, qi, ki, w=size: (qi - ki).abs() <= w  # noqa: E731
+            ref = kf.attention(q.double(), k.double(), v.double(), mask=band, q_offset=0, backend=Backend.REFERENCE)
+            nai = naive_attention(q, k, v, mask=band, q_offset=0)
+            assert_close_by_rule(got, ref, nai, None, what=f"{name}, window {size}")
+    finally:
+        set_size(2)
+
+
+def test_a_mask_holding_a_c_object_the_walk_cannot_read_is_never_planned_from_the_cache():
+    """What the walk cannot see into (a torch.Generator's state) makes the key incomplete: such a
+    mask is planned again at every call rather than from a plan that may be stale."""
+    gen = torch.Generator()
+    fn = lambda b, h, qi, ki: (qi - ki).abs() <= 2 + 0 * torch.randint(0, 2, (1,), generator=gen)  # noqa: E731
+    assert kf.masks.captured_stamp(fn) != kf.masks.captured_stamp(fn)
+    table = torch.zeros(3)
+    values = lambda b, h, qi, ki: (qi - ki).abs() <= table[0] + len((torch.float32, range(2)))  # noqa: E731
+    assert kf.masks.captured_stamp(values) == kf.masks.captured_stamp(values)  # values: a stable key
 
 
 @dataclasses.dataclass
