@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ..engine import Backend, attend
 from ..masks import as_mask
 from ..state import State, empty_state, merge_all, state_dtype
-from .comm import Comm, Described
+from .comm import Comm, Described, ShardError
 
 __all__ = ["Reduce", "tree_decode"]
 
@@ -35,8 +35,22 @@ class Reduce(enum.Enum):
     ALL_GATHER = "all_gather"  # gather (out, lse) states and merge_all
 
 
-def _combine_all_reduce(st: State, comm: Comm) -> State:
-    m = comm.all_reduce(st.lse, op=dist.ReduceOp.MAX, what="tree_decode max").wait()   # (B, H, Nq)
+def _flags(st: State, comm: Comm, failed: bool) -> torch.Tensor:
+    """One slot per rank, 1 where that rank's attention raised: travels with the first collective,
+    so that every rank learns of a failure without one more round trip."""
+    f = torch.zeros(comm.size, dtype=st.lse.dtype, device=st.lse.device)
+    f[comm.rank] = float(failed)
+    return f
+
+
+def _combine_all_reduce(st: State, comm: Comm, failed: bool = False) -> tuple[State, list[int]]:
+    n = st.lse.numel()
+    both = torch.cat([st.lse.reshape(-1), _flags(st, comm, failed)])
+    both = comm.all_reduce(both, op=dist.ReduceOp.MAX, what="tree_decode max").wait()
+    bad = [r for r, x in enumerate(both[n:].tolist()) if x > 0]
+    if bad:
+        return st, bad
+    m = both[:n].view(st.lse.shape)                                                     # (B, H, Nq)
     m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)                     # rows nobody saw
     w = torch.exp(st.lse - m_safe)                                                      # 0 where lse = -inf
     packed = torch.cat([st.out * w.unsqueeze(-1), w.unsqueeze(-1)], -1)               # (B, H, Nq, Dv+1)
@@ -47,13 +61,18 @@ def _combine_all_reduce(st: State, comm: Comm) -> State:
                       torch.zeros_like(total[..., :-1]))
     lse = torch.where(seen, m_safe + torch.log(torch.where(seen, s, torch.ones_like(s))),
                       torch.full_like(s, float("-inf")))
-    return State(out, lse)
+    return State(out, lse), []
 
 
-def _combine_all_gather(st: State, comm: Comm) -> State:
-    packed = torch.cat([st.out, st.lse.unsqueeze(-1)], -1)                             # (B, H, Nq, Dv+1)
-    every = comm.all_gather(packed, what="tree_decode gather").wait()                  # (P, B, H, Nq, Dv+1)
-    return merge_all(State(x[..., :-1], x[..., -1]) for x in every)
+def _combine_all_gather(st: State, comm: Comm, failed: bool = False) -> tuple[State, list[int]]:
+    packed = torch.cat([st.out, st.lse.unsqueeze(-1)], -1).reshape(-1)               # (B*H*Nq*(Dv+1),)
+    packed = torch.cat([packed, _flags(st, comm, failed)[comm.rank:comm.rank + 1]])
+    every = comm.all_gather(packed, what="tree_decode gather").wait().view(comm.size, -1)  # (P, ... + 1)
+    bad = [r for r in range(comm.size) if every[r, -1] > 0]
+    if bad:
+        return st, bad
+    shape = (*st.out.shape[:-1], st.out.shape[-1] + 1)
+    return merge_all(State(x[:-1].view(shape)[..., :-1], x[:-1].view(shape)[..., -1]) for x in every), []
 
 
 @torch.no_grad()
@@ -104,12 +123,20 @@ def tree_decode(q, k_local, v_local, group=None, *, mask=None, score=None, scale
               None if score is None else Described(score))
     comm.agree("tree_decode", shapes, error)
     B, Hq, Nq, _ = q.shape
-    if k_local.shape[2] == 0:
-        st = empty_state(B, Hq, Nq, v_local.shape[-1], dtype=state_dtype(q.dtype), device=q.device,
-                         of=(q, k_local, v_local))
-    else:
-        st = attend(q, k_local, v_local, mask=mask, score=score, scale=scale, q_offset=q_offset,
-                    kv_offset=kv_offset, backend=backend)
-    st = (_combine_all_reduce if reduce is Reduce.ALL_REDUCE else _combine_all_gather)(st, comm)
+    empty = empty_state(B, Hq, Nq, v_local.shape[-1], dtype=state_dtype(q.dtype), device=q.device,
+                        of=(q, k_local, v_local))
+    failure = None
+    try:
+        st = empty if k_local.shape[2] == 0 else attend(q, k_local, v_local, mask=mask, score=score, scale=scale,
+                                                        q_offset=q_offset, kv_offset=kv_offset, backend=backend)
+    except Exception as e:  # noqa: BLE001 - told to every rank in the combine, then raised here
+        st, failure = empty, e  # (a rank with no key waited in the reduce until the group's timeout)
+    combine = _combine_all_reduce if reduce is Reduce.ALL_REDUCE else _combine_all_gather
+    st, bad = combine(st, comm, failure is not None)
+    if failure is not None:
+        raise failure
+    if bad:
+        raise ShardError(f"tree_decode: attention raised on rank(s) {bad} (see their errors); this rank's "
+                         f"inputs were fine")
     out = st.out.to(q.dtype)
     return (out, st.lse) if return_lse else out

@@ -392,6 +392,43 @@ def test_tree_decode_raises_on_every_rank_when_one_ranks_positions_are_invalid()
         assert seen["next"] < 1e-5, seen
 
 
+_SHORT_TABLE = torch.zeros(3, dtype=torch.bool)  # covers 3 of the cache's 4 positions
+
+
+def _short_table_mask(b, h, qi, ki):
+    return ~_SHORT_TABLE[ki]
+
+
+def _worker_tree_decode_raises_in_attend(rank, P, reduce_name):
+    """Rank 0 holds all 4 keys and its mask callable indexes past its table inside attend; rank 1
+    holds none and skips attend. Rank 1 waited in the reduce until the group's timeout, and the
+    group was dead after (review, 2026-12-06). Now the failure travels with the first collective."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8)
+    mine = slice(0, 4) if rank == 0 else slice(4, 4)
+    reduce = Reduce[reduce_name]
+    seen, t0 = {}, time.monotonic()
+    try:
+        tree_decode(q, k[:, :, mine], v[:, :, mine], mask=_short_table_mask, reduce=reduce)
+    except Exception as e:  # noqa: BLE001
+        seen["error"] = (type(e).__name__, str(e))
+    seen["seconds"] = time.monotonic() - t0
+    # both still in step: the next call is right on every rank
+    out = tree_decode(q, k[:, :, mine], v[:, :, mine], reduce=reduce)
+    seen["next"] = max_err(out, naive_attention(q.double(), k.double(), v.double()))
+    return seen
+
+
+@pytest.mark.parametrize("reduce_name", ["ALL_REDUCE", "ALL_GATHER"])
+def test_tree_decode_raises_on_every_rank_when_attention_raises_on_one(reduce_name):
+    res = _values(launch(_worker_tree_decode_raises_in_attend, 2, reduce_name, pg_timeout=20, deadline=90))
+    assert res[0]["error"][0] == "IndexError", res[0]          # the user's own error, where it happened
+    assert res[1]["error"][0] == "ShardError" and "rank(s) [0]" in res[1]["error"][1], res[1]
+    for seen in res:
+        assert seen["seconds"] < 10, seen   # not the 20 s group timeout
+        assert seen["next"] < 1e-5, seen
+
+
 class _Band(keyfold.Mask):
     """A user's mask with the protocol's minimum (evaluate, ==, hash) and no __repr__: its default
     repr holds its address, which differs between the ranks."""
