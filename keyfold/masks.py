@@ -457,7 +457,7 @@ class _Padding(Mask):
 
     def evaluate(self, b, h, qp, kp):
         starts = self.starts.on(kp.device)
-        if starts.shape[0] != b.shape[0] and starts.shape[0] != 1 and b.shape[0] != 1:
+        if starts.shape[0] != b.shape[0] and starts.shape[0] != 1:  # (a batch of 1 too: torch's view error)
             raise ValueError(f"padding(...): it holds {starts.shape[0]} batch entries but the batch has "
                              f"{b.shape[0]}; pass one length (or start) per batch entry")
         ok = kp >= starts.view(-1, 1, 1, 1)
@@ -506,7 +506,7 @@ class _Keys(Mask):
 
     def evaluate(self, b, h, qp, kp):
         v = self.valid.on(kp.device)                                        # (B, N)
-        if v.shape[0] != b.shape[0] and v.shape[0] != 1 and b.shape[0] != 1:
+        if v.shape[0] != b.shape[0] and v.shape[0] != 1:  # (a batch of 1 too: torch's view error)
             raise ValueError(f"padding(keys=...): it holds {v.shape[0]} batch entries but the batch has "
                              f"{b.shape[0]}; pass one row per batch entry")
         return v[:, kp.reshape(-1).long()].view(v.shape[0], 1, 1, -1)      # (B, 1, 1, S)
@@ -572,6 +572,10 @@ class _Documents(Mask):
         return g.view(t.shape[0], 1, -1, 1) if query_side else g.view(t.shape[0], 1, 1, -1)
 
     def evaluate(self, b, h, qp, kp):
+        for name, key in (("ids", self.ids), ("kv_ids", self.kv_ids)):
+            if key is not None and key.t.dim() == 2 and key.t.shape[0] not in (1, b.shape[0]):
+                raise ValueError(f"documents({name}): it holds {key.t.shape[0]} batch entries but the batch has "
+                                 f"{b.shape[0]}; pass one row per batch entry, or one row (N,) for all")
         qi = self._as4d(self.ids.on(qp.device), qp, True)
         ki = self._as4d(self._kv().on(kp.device), kp, False)
         return qi == ki

@@ -638,3 +638,44 @@ def test_keys_expanded_along_the_sequence_run_as_sdpa_runs_them():
     for mask in (None, kf.causal()):  # every key alike: out is v's row, up to a sum of 2400-3000 roundings
         for out in (kf.attention(q, k, v, mask=mask), kf.scaled_dot_product_attention(q, k, v)):
             torch.testing.assert_close(out, v[:, :, :600], atol=1e-4, rtol=0)
+
+
+_PER_BATCH = {
+    "padding(lengths)": (lambda: kf.padding(torch.tensor([5, 3, 4])), r"padding\(\.\.\.\): it holds 3 batch entries"),
+    "padding(keys)": (lambda: kf.padding(keys=torch.tensor([[1, 1, 0, 0, 0], [1] * 5, [1, 0, 1, 0, 1]]).bool()),
+                      r"padding\(keys=\.\.\.\): it holds 3 batch entries"),
+    "documents(ids)": (lambda: kf.documents(torch.tensor([[0, 0, 1, 1, 1], [0, 1, 2, 3, 4], [0] * 5])),
+                       r"documents\(ids\): it holds 3 batch entries"),
+}
+
+
+@pytest.mark.parametrize("name", list(_PER_BATCH))
+def test_a_per_batch_mask_with_more_entries_than_a_batch_of_one_names_the_argument(name):
+    """A mask holding 3 batch entries on a batch of 1 raised torch's RuntimeError from a view
+    ("shape '[1, 1, 1, 5]' is invalid for input of size 15"): the check let any batch of 1 pass
+    (review, 2026-12-06). The same for decode rows picked by seq_ids."""
+    make, message = _PER_BATCH[name]
+    q = torch.randn(1, 2, 5, 4)
+    with pytest.raises(ValueError, match=message):
+        kf.attention(q, q, q, mask=make())
+    cache = KVCache(batch=3, heads=2, head_dim=4, capacity=16)
+    cache.append(torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4))
+    for nq, splits in ((1, 1), (3, 2)):
+        with pytest.raises(ValueError, match=message):
+            decode(torch.randn(1, 2, nq, 4), cache, seq_ids=[0], splits=splits, mask=kf.causal() & make())
+    # one entry per row is still right: each row as its own entry
+    q3 = torch.randn(3, 2, 5, 4)
+    whole = kf.attention(q3, q3, q3, mask=make())
+    for i in range(3):
+        one = make()
+        part = kf.attention(q3[i:i + 1], q3[i:i + 1], q3[i:i + 1], mask=_row(one, i))
+        torch.testing.assert_close(whole[i:i + 1], part)
+
+
+def _row(mask, i):
+    """The same mask with only batch entry i (rebuilt from its own tensors)."""
+    if hasattr(mask, "valid"):
+        return kf.padding(keys=mask.valid.t[i:i + 1])
+    if hasattr(mask, "starts"):
+        return kf.padding(mask.ends.t[i:i + 1] - mask.starts.t[i:i + 1])
+    return kf.documents(mask.ids.t[i:i + 1])
