@@ -31,6 +31,8 @@ import decimal
 import enum
 import fractions
 import functools
+import hashlib
+import re
 import threading
 import types
 import weakref
@@ -525,7 +527,8 @@ _LIBRARIES = frozenset({"torch", "numpy", "keyfold", "functools", "builtins", "m
                         "types", "typing", "collections", "itertools", "abc", "enum", "dataclasses",
                         "logging", "threading", "weakref", "re", "inspect", "transformers"})
 # instances of these hold process-wide state (a logger's manager reaches every logger), not a mask's
-_OPAQUE = frozenset({"logging", "threading", "weakref", "queue", "asyncio", "concurrent", "multiprocessing"})
+_OPAQUE = frozenset({"logging", "threading", "_thread", "weakref", "queue", "asyncio", "concurrent",
+                     "multiprocessing"})
 _MODULE_TABLES = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
 _MISSING = object()
 
@@ -542,23 +545,35 @@ def _code_names(code) -> list[str]:
     return names
 
 
-# objects without a __dict__ that are values: keyed as they are (a range or dtype rebound in a list
-# or a global kept an old plan when they were skipped; review, 2026-12-06)
-_VALUES = (range, torch.dtype, torch.device, torch.layout, torch.memory_format, datetime.date, datetime.time,
-           datetime.timedelta, datetime.tzinfo, decimal.Decimal, fractions.Fraction)
+# objects without a __dict__ that are values: keyed by what they show (a range or dtype rebound in a
+# list or a global kept an old plan when they were skipped; review, 2026-12-06). By repr where
+# equality would hide a difference the mask can read (range(2, 2) == range(30, 30); two aware
+# datetimes of one instant in two zones), or where hashing can raise (Decimal("sNaN")).
+_BY_REPR = (range, slice, datetime.date, datetime.time, datetime.timedelta, datetime.tzinfo, decimal.Decimal,
+            fractions.Fraction, torch.finfo, torch.iinfo, re.Pattern)
+_BY_VALUE = (torch.dtype, torch.device, torch.layout, torch.memory_format, type(Ellipsis), type(NotImplemented))
 
 
 def _value(obj):
     """``obj`` as a hashable value of the plan key, or ``_MISSING`` when it is not a known value."""
-    if isinstance(obj, _VALUES) or type(obj) is object:  # (a sentinel: keyed by identity)
+    if isinstance(obj, _BY_VALUE) or type(obj) is object:  # (a sentinel: keyed by identity)
         return (type(obj).__qualname__, obj)
-    if isinstance(obj, (slice, torch.finfo, torch.iinfo)):  # immutable, shown whole by their repr
-        return (type(obj).__name__, repr(obj))
-    if isinstance(obj, (bytearray, memoryview)):  # mutable bytes: their content now
-        return (type(obj).__name__, bytes(obj))
+    if isinstance(obj, _BY_REPR):
+        return (type(obj).__qualname__, repr(obj))
+    if isinstance(obj, (bytearray, memoryview, array.array)):  # mutable buffers: a digest of their bytes now
+        try:
+            return (type(obj).__name__, len(obj), hashlib.sha1(obj).hexdigest())
+        except (ValueError, TypeError, BufferError):  # a released view, an odd layout
+            return _MISSING
     if (type(obj).__module__ or "").split(".")[0] == "numpy" and isinstance(getattr(obj, "str", None), str):
         return ("numpy.dtype", str(obj))
     return _MISSING
+
+
+def _torch_c_object(obj) -> bool:
+    """An object of torch's C++ side without a __dict__ (a process group, a stream, a generator):
+    process state, not what a mask computes from; not followed, as before the walk keyed C objects."""
+    return (type(obj).__module__ or "").split(".")[0] == "torch" and not hasattr(obj, "__dict__")
 
 
 def _library(obj) -> bool:
@@ -659,10 +674,10 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
                 nxt += [obj.__func__, obj.__self__]
             elif isinstance(obj, functools.partial):
                 nxt += [obj.func, *obj.args, *obj.keywords.values()]
-            elif isinstance(obj, (list, tuple)):
+            elif isinstance(obj, (list, tuple, collections.deque)):  # (a deque: its items now)
                 nxt += list(obj)
                 found.append(len(obj))
-            elif isinstance(obj, dict):
+            elif isinstance(obj, (dict, types.MappingProxyType)):
                 nxt += [x for kv in obj.items() for x in kv]
                 found.append(len(obj))
             elif isinstance(obj, (set, frozenset)):
@@ -688,13 +703,10 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
                 call = getattr(type(obj), "__call__", None)
                 if isinstance(call, types.FunctionType):  # a callable object: what its __call__ reads
                     nxt.append(call)
-            elif isinstance(obj, (collections.deque, array.array)):  # C containers: their items now
-                nxt += list(obj)
-                found.append(len(obj))
             elif (value := _value(obj)) is not _MISSING:
                 found.append(value)
-            else:  # a C callable, a slotted object or another C object: what it holds is hidden
-                complete = False  # (deques and bytearrays filled in place kept an old plan when skipped)
+            elif not _torch_c_object(obj):  # a C callable, a slotted or another C object: what it
+                complete = False  # holds is hidden (deques and bytearrays filled in place kept old plans)
             stack += [(x, depth + 1) for x in reversed(nxt)]
         # the attributes of the user classes and modules met that some code names, until none is new
         for space, depth, done in list(spaces.values()):

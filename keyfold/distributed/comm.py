@@ -24,6 +24,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .._callables import captured
+
 __all__ = ["Comm", "DistributedError", "ShardError", "fingerprint"]
 
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -52,7 +54,7 @@ def fingerprint(obj) -> str:
     False
     """
     h = hashlib.sha1()
-    _feed(h, obj, set())
+    _feed(h, obj, {})
     return h.hexdigest()
 
 
@@ -86,9 +88,12 @@ class Described:
         return f"{self.text} #{self.key[:16]}"
 
 
-def _feed(h, x, seen: set) -> None:
+def _feed(h, x, seen: dict) -> None:
     if x is None or isinstance(x, (bool, int, float, complex, str, bytes, enum.Enum, torch.dtype, torch.device)):
         h.update(repr((type(x).__name__, x)).encode())
+        return
+    if type(x).__module__ == "numpy" and hasattr(x, "tobytes"):  # (a repr abbreviates a large array)
+        h.update(f"ndarray{getattr(x, 'shape', ())}{getattr(x, 'dtype', '')}".encode() + x.tobytes())
         return
     if isinstance(x, torch.Tensor):
         t = x.detach().to("cpu").contiguous()
@@ -98,7 +103,7 @@ def _feed(h, x, seen: set) -> None:
     if id(x) in seen:
         h.update(b"<cycle>")
         return
-    seen.add(id(x))
+    seen[id(x)] = x  # held until the digest is done: a freed temporary's id is reused by the next one
     if isinstance(x, (list, tuple)):
         h.update(f"{type(x).__name__}[".encode())
         for e in x:
@@ -119,6 +124,9 @@ def _feed(h, x, seen: set) -> None:
         _feed(h, fn.__code__.co_consts, seen)
         _feed(h, fn.__defaults__, seen)
         _feed(h, [c.cell_contents for c in fn.__closure__ or () if _has_contents(c)], seen)
+        # and what it reads beyond its cells: the globals, class and module attributes the plan
+        # key follows (two ranks whose mask read a different global W agreed; review, 2026-12-06)
+        _feed(h, captured(fn)[0], seen)
         if isinstance(x, types.MethodType):
             _feed(h, x.__self__, seen)
     elif isinstance(x, types.CodeType):

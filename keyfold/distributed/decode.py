@@ -68,7 +68,7 @@ def _combine_all_gather(st: State, comm: Comm, failed: bool = False) -> tuple[St
     packed = torch.cat([st.out, st.lse.unsqueeze(-1)], -1).reshape(-1)               # (B*H*Nq*(Dv+1),)
     packed = torch.cat([packed, _flags(st, comm, failed)[comm.rank:comm.rank + 1]])
     every = comm.all_gather(packed, what="tree_decode gather").wait().view(comm.size, -1)  # (P, ... + 1)
-    bad = [r for r in range(comm.size) if every[r, -1] > 0]
+    bad = [r for r, x in enumerate(every[:, -1].tolist()) if x > 0]  # (one read of the flags, not P)
     if bad:
         return st, bad
     shape = (*st.out.shape[:-1], st.out.shape[-1] + 1)

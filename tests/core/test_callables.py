@@ -11,8 +11,12 @@ import array
 import collections
 import dataclasses
 import datetime
+import decimal
+import itertools
 import gc
 import logging
+import re
+import threading
 import types
 import warnings
 import weakref
@@ -720,14 +724,79 @@ def test_a_mask_reading_state_the_first_walk_missed_is_planned_again_when_it_cha
 
 
 def test_a_mask_holding_a_c_object_the_walk_cannot_read_is_never_planned_from_the_cache():
-    """What the walk cannot see into (a torch.Generator's state) makes the key incomplete: such a
-    mask is planned again at every call rather than from a plan that may be stale."""
-    gen = torch.Generator()
-    fn = lambda b, h, qi, ki: (qi - ki).abs() <= 2 + 0 * torch.randint(0, 2, (1,), generator=gen)  # noqa: E731
+    """What the walk cannot see into (an itertools iterator's position) makes the key incomplete:
+    such a mask is planned again at every call rather than from a plan that may be stale."""
+    counter = itertools.count()
+    fn = lambda b, h, qi, ki: (qi - ki).abs() <= 2 + 0 * next(counter)  # noqa: E731
     assert kf.masks.captured_stamp(fn) != kf.masks.captured_stamp(fn)
     table = torch.zeros(3)
     values = lambda b, h, qi, ki: (qi - ki).abs() <= table[0] + len((torch.float32, range(2)))  # noqa: E731
     assert kf.masks.captured_stamp(values) == kf.masks.captured_stamp(values)  # values: a stable key
+
+
+def test_process_objects_beside_a_masks_state_keep_its_key_complete():
+    """A lock, a process group's stand-in (torch's C objects), Ellipsis and a compiled pattern beside
+    the state a mask reads: the key stays complete, so the plan is reused (the review of the walk
+    that keys C objects found each of them re-planning every call: 95 ms a call, not 20)."""
+    holder = types.SimpleNamespace(window=3, lock=threading.Lock(), rlock=threading.RLock(),
+                                   gen=torch.Generator(), index=(Ellipsis, 0), pattern=re.compile("x+"))
+    fn = lambda b, h, qi, ki: (qi - ki).abs() <= holder.window  # noqa: E731
+    objs, complete = kf.masks._captured(fn)
+    assert complete and 3 in objs
+    assert kf.masks.captured_stamp(fn) == kf.masks.captured_stamp(fn)
+
+
+class _Ring(collections.deque):  # a deque subclass: it has a __dict__ too
+    pass
+
+
+def _aware(n):
+    return datetime.datetime(2026, 1, 1, n, tzinfo=datetime.timezone(datetime.timedelta(hours=n)))
+
+
+_VALUE_CORNERS = {
+    # ranges compare as sequences: range(2, 2) == range(30, 30)
+    "empty range's start": (lambda: range(2, 2), lambda n: range(n, n), lambda r: r.start),
+    # aware datetimes compare by instant: the same instant in another zone shows another hour
+    "aware datetime's hour": (lambda: _aware(2), _aware, lambda t: t.hour),
+}
+
+
+@pytest.mark.parametrize("name", [*_VALUE_CORNERS, "deque subclass"])
+def test_values_that_compare_equal_but_read_differently_key_apart(name):
+    q, k, v = _qkv(1, 2, 48, seed=35)
+    if name == "deque subclass":
+        box = _Ring([2])
+        fn = lambda b, h, qi, ki: (qi - ki).abs() <= box[0]  # noqa: E731
+        set_size = lambda n: box.__setitem__(0, n)  # noqa: E731
+    else:
+        first, make, read = _VALUE_CORNERS[name]
+        box = [first()]
+        fn = lambda b, h, qi, ki: (qi - ki).abs() <= read(box[0])  # noqa: E731
+        set_size = lambda n: box.__setitem__(0, make(n))  # noqa: E731
+    for size in (2, 20):
+        set_size(size)
+        got = kf.attention(q, k, v, mask=fn, q_offset=0)
+        want = kf.attention(q, k, v, mask=lambda b, h, qi, ki, w=size: (qi - ki).abs() <= w, q_offset=0)
+        torch.testing.assert_close(got, want)
+
+
+def test_a_buffers_key_is_a_digest_and_odd_values_do_not_raise():
+    """A 20 MB bytearray's key held a copy of it per plan (600 MiB after 30 calls); a captured
+    Decimal("sNaN") or a released memoryview made attention raise while hashing its key."""
+    buf = bytearray(20 * 2 ** 20)
+    fn = lambda b, h, qi, ki: (qi - ki).abs() <= 2 + buf[0]  # noqa: E731
+    stamp = kf.masks.captured_stamp(fn)
+    assert sum(len(x[-1]) for x in stamp if isinstance(x, tuple) and x and x[0] == "bytearray") < 100
+    buf[0] = 1
+    assert kf.masks.captured_stamp(fn) != stamp
+    view = memoryview(b"ab")
+    view.release()
+    q, k, v = _qkv(1, 2, 16, seed=36)
+    for odd in (decimal.Decimal("sNaN"), view):
+        g = lambda b, h, qi, ki, o=odd: (qi - ki).abs() <= 2 if o is not None else qi >= ki  # noqa: E731
+        torch.testing.assert_close(kf.attention(q, k, v, mask=g, q_offset=0),
+                                   kf.attention(q, k, v, mask=lambda b, h, qi, ki: (qi - ki).abs() <= 2, q_offset=0))
 
 
 @dataclasses.dataclass

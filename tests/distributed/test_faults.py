@@ -162,3 +162,27 @@ def test_fingerprint_tells_content_apart_and_is_stable():
     assert fingerprint(keyfold.window(3)) != fingerprint(keyfold.window(4))
     t1, t2 = torch.tensor([1, 2]), torch.tensor([1, 3])
     assert fingerprint(lambda b, h, q, k: t1[0] > q) != fingerprint(lambda b, h, q, k: t2[1] > q)
+
+
+def _window_fn(a):
+    return lambda b, h, qi, ki: (qi - ki).abs() <= a
+
+
+def test_fingerprint_sees_every_callable_of_a_combined_mask_and_the_globals_it_reads():
+    """Two ranks whose masks differed only in the second callable of ``f & g`` agreed: the digest's
+    walk remembered objects by id, and the first callable's freed list of closure values lent its id
+    to the second's, which was then skipped as a cycle (review, 2026-12-06: each rank would have run
+    its own mask, silently). A function mask is also told apart by the globals it reads (W = 2 on one
+    rank, 30 on another), now that its repr's address no longer refuses every function mask."""
+    from keyfold.distributed.comm import Described, fingerprint
+    from keyfold.masks import as_mask
+    a = as_mask(_window_fn(1)) & as_mask(_window_fn(2))
+    b = as_mask(_window_fn(1)) & as_mask(_window_fn(3))
+    assert fingerprint(a) != fingerprint(b)
+    assert fingerprint(a) == fingerprint(as_mask(_window_fn(1)) & as_mask(_window_fn(2)))
+    src = "def band(b, h, qi, ki):\n    return (qi - ki).abs() <= W\n"
+    g1, g2, g3 = {"W": 2}, {"W": 30}, {"W": 2}
+    for g in (g1, g2, g3):
+        exec(src, g)  # noqa: S102 - the same function on two ranks, each with its own module globals
+    assert Described(g1["band"]) != Described(g2["band"])
+    assert Described(g1["band"]) == Described(g3["band"])
