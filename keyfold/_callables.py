@@ -527,8 +527,8 @@ _LIBRARIES = frozenset({"torch", "numpy", "keyfold", "functools", "builtins", "m
                         "types", "typing", "collections", "itertools", "abc", "enum", "dataclasses",
                         "logging", "threading", "weakref", "re", "inspect", "transformers"})
 # instances of these hold process-wide state (a logger's manager reaches every logger), not a mask's
-_OPAQUE = frozenset({"logging", "threading", "_thread", "weakref", "queue", "asyncio", "concurrent",
-                     "multiprocessing"})
+_OPAQUE = frozenset({"logging", "threading", "weakref", "queue", "asyncio", "concurrent", "multiprocessing"})
+_LOCKS = (type(threading.Lock()), type(threading.RLock()))  # (module _thread, as threading.local's)
 _MODULE_TABLES = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
 _MISSING = object()
 
@@ -550,7 +550,7 @@ def _code_names(code) -> list[str]:
 # equality would hide a difference the mask can read (range(2, 2) == range(30, 30); two aware
 # datetimes of one instant in two zones), or where hashing can raise (Decimal("sNaN")).
 _BY_REPR = (range, slice, datetime.date, datetime.time, datetime.timedelta, datetime.tzinfo, decimal.Decimal,
-            fractions.Fraction, torch.finfo, torch.iinfo, re.Pattern)
+            fractions.Fraction, torch.finfo, torch.iinfo)
 _BY_VALUE = (torch.dtype, torch.device, torch.layout, torch.memory_format, type(Ellipsis), type(NotImplemented))
 
 
@@ -560,6 +560,8 @@ def _value(obj):
         return (type(obj).__qualname__, obj)
     if isinstance(obj, _BY_REPR):
         return (type(obj).__qualname__, repr(obj))
+    if isinstance(obj, re.Pattern):  # (its repr is cut at 200 characters)
+        return ("Pattern", obj.pattern, obj.flags)
     if isinstance(obj, (bytearray, memoryview, array.array)):  # mutable buffers: a digest of their bytes now
         try:
             return (type(obj).__name__, len(obj), hashlib.sha1(obj).hexdigest())
@@ -639,7 +641,7 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
                 continue
             if isinstance(obj, (types.BuiltinFunctionType, types.BuiltinMethodType)) or id(obj) in seen \
                     or (isinstance(obj, types.FunctionType) and _library(obj)) \
-                    or (type(obj).__module__ or "").split(".")[0] in _OPAQUE:
+                    or (type(obj).__module__ or "").split(".")[0] in _OPAQUE or isinstance(obj, _LOCKS):
                 continue
             if depth > _MAX_DEPTH:  # this branch only: what comes after it is still found
                 complete = False

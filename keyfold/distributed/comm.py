@@ -16,6 +16,7 @@ Failures must end every rank with a clear error, never a hang:
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import re
 import types
@@ -24,7 +25,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .._callables import captured
+from .._callables import _code_names, _library
 
 __all__ = ["Comm", "DistributedError", "ShardError", "fingerprint"]
 
@@ -92,8 +93,10 @@ def _feed(h, x, seen: dict) -> None:
     if x is None or isinstance(x, (bool, int, float, complex, str, bytes, enum.Enum, torch.dtype, torch.device)):
         h.update(repr((type(x).__name__, x)).encode())
         return
-    if type(x).__module__ == "numpy" and hasattr(x, "tobytes"):  # (a repr abbreviates a large array)
-        h.update(f"ndarray{getattr(x, 'shape', ())}{getattr(x, 'dtype', '')}".encode() + x.tobytes())
+    if type(x).__module__ == "numpy" and hasattr(x, "tobytes"):  # (a repr abbreviates a large array;
+        dtype = getattr(x, "dtype", None)               # an object array's bytes are pointers)
+        h.update(f"ndarray{getattr(x, 'shape', ())}{dtype}".encode())
+        h.update(repr(x.tolist()).encode() if getattr(dtype, "hasobject", False) else x.tobytes())
         return
     if isinstance(x, torch.Tensor):
         t = x.detach().to("cpu").contiguous()
@@ -124,16 +127,23 @@ def _feed(h, x, seen: dict) -> None:
         _feed(h, fn.__code__.co_consts, seen)
         _feed(h, fn.__defaults__, seen)
         _feed(h, [c.cell_contents for c in fn.__closure__ or () if _has_contents(c)], seen)
-        # and what it reads beyond its cells: the globals, class and module attributes the plan
-        # key follows (two ranks whose mask read a different global W agreed; review, 2026-12-06)
-        _feed(h, captured(fn)[0], seen)
+        # and the plain values among the globals it names (two ranks whose mask read a different
+        # global W agreed; review, 2026-12-06); not whole objects or models, hashed every call
+        _feed(h, _global_values(fn), seen)
         if isinstance(x, types.MethodType):
             _feed(h, x.__self__, seen)
     elif isinstance(x, types.CodeType):
         h.update(x.co_code)
+    elif isinstance(x, functools.partial):  # its arguments are not in its __dict__
+        h.update(b"partial(")
+        _feed(h, [x.func, x.args, x.keywords], seen)
+        h.update(b")")
     elif hasattr(x, "__dict__") or hasattr(type(x), "__slots__"):
         cls = type(x)
         h.update(f"obj {cls.__module__}.{cls.__qualname__}(".encode())
+        call = getattr(cls, "__call__", None)
+        if isinstance(call, types.FunctionType) and not _library(cls):  # what its __call__ names
+            _feed(h, _global_values(call), seen)
         names = set(getattr(x, "__dict__", {})) | {n for c in cls.__mro__ for n in getattr(c, "__slots__", ())}
         for n in sorted(names):
             if n.startswith("_") or not hasattr(x, n):   # private caches and digests are derived
@@ -143,6 +153,25 @@ def _feed(h, x, seen: dict) -> None:
         h.update(b")")
     else:
         h.update(repr(x).encode())
+
+
+_PLAIN = (bool, int, float, complex, str, bytes, enum.Enum, torch.dtype, torch.device, torch.Tensor)
+
+
+def _global_values(fn) -> list:
+    """The globals ``fn``'s code names that hold plain values (numbers, strings, tensors, arrays,
+    tuples of those), by name: what a rank's mask reads besides its cells. Objects, modules and
+    functions are left out (a model's weights would be hashed at every call)."""
+    g, out = fn.__globals__, []
+    for n in sorted(set(_code_names(fn.__code__))):
+        x = g.get(n, _NONE)
+        if isinstance(x, _PLAIN) or (type(x).__module__ == "numpy" and hasattr(x, "tobytes")) or \
+                (isinstance(x, tuple) and all(isinstance(e, _PLAIN) for e in x)):
+            out.append((n, x))
+    return out
+
+
+_NONE = object()
 
 
 def _has_contents(cell) -> bool:

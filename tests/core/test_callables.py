@@ -670,6 +670,8 @@ class _ViaMeta(metaclass=_SizeMeta):
     pass
 
 
+_SIZE_LOCAL = threading.local()  # (its type lives in _thread, beside the locks the walk skips)
+_SIZE_LOCAL.size = 2
 _SIZE_DEQUE = collections.deque([2])
 _SIZE_BYTES = bytearray([2])
 _SIZE_ARRAY = array.array("i", [2])
@@ -693,6 +695,8 @@ _HIDDEN_READERS = {
                             lambda n: setattr(_by_name_module, "size", n)),
     "metaclass attribute": (lambda b, h, qi, ki: (qi - ki).abs() <= _ViaMeta.size,
                             lambda n: setattr(_SizeMeta, "size", n)),
+    "threading.local attribute": (lambda b, h, qi, ki: (qi - ki).abs() <= _SIZE_LOCAL.size,
+                                  lambda n: setattr(_SIZE_LOCAL, "size", n)),
     "deque filled in place": (lambda b, h, qi, ki: (qi - ki).abs() <= _SIZE_DEQUE[0],
                               lambda n: _SIZE_DEQUE.__setitem__(0, n)),
     "bytearray written in place": (lambda b, h, qi, ki: (qi - ki).abs() <= _SIZE_BYTES[0],
@@ -744,6 +748,12 @@ def test_process_objects_beside_a_masks_state_keep_its_key_complete():
     objs, complete = kf.masks._captured(fn)
     assert complete and 3 in objs
     assert kf.masks.captured_stamp(fn) == kf.masks.captured_stamp(fn)
+    # a compiled pattern is keyed by its pattern and flags, not its repr (cut at 200 characters)
+    box = [re.compile("a" * 300 + "b")]
+    g = lambda b, h, qi, ki: (qi - ki).abs() <= len(box[0].pattern)  # noqa: E731
+    stamp = kf.masks.captured_stamp(g)
+    box[0] = re.compile("a" * 300 + "c")
+    assert kf.masks.captured_stamp(g) != stamp
 
 
 class _Ring(collections.deque):  # a deque subclass: it has a __dict__ too

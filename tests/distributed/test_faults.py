@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import queue as queue_mod
 import time
@@ -186,3 +187,27 @@ def test_fingerprint_sees_every_callable_of_a_combined_mask_and_the_globals_it_r
         exec(src, g)  # noqa: S102 - the same function on two ranks, each with its own module globals
     assert Described(g1["band"]) != Described(g2["band"])
     assert Described(g1["band"]) == Described(g3["band"])
+    # what a global holds besides plain values is left out: a sentinel object (its repr shows an
+    # address, different on every rank; equal masks were refused) or a model (hashed every call)
+    s1, s2 = {"W": 2, "S": object()}, {"W": 2, "S": object()}
+    for g in (s1, s2):
+        exec("def band(b, h, qi, ki):\n    return (qi - ki).abs() <= W if S is not None else qi >= ki\n", g)  # noqa: S102
+    assert Described(s1["band"]) == Described(s2["band"])
+    # a partial's arguments and the globals a callable object's __call__ reads are content too
+    assert fingerprint(functools.partial(_band_of, 3)) != fingerprint(functools.partial(_band_of, 4))
+    global _CALL_W
+    _CALL_W, first = 3, fingerprint(_CallBand())
+    _CALL_W = 30
+    assert fingerprint(_CallBand()) != first
+
+
+def _band_of(w, b, h, qi, ki):
+    return (qi - ki).abs() <= w
+
+
+_CALL_W = 3
+
+
+class _CallBand:
+    def __call__(self, b, h, qi, ki):
+        return (qi - ki).abs() <= _CALL_W
