@@ -38,6 +38,7 @@ import types
 import weakref
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 __all__ = ["Mode", "call_mask", "call_score", "batch_head_dependence", "captured", "captured_tensors", "fn_name"]
@@ -529,6 +530,10 @@ _LIBRARIES = frozenset({"torch", "numpy", "keyfold", "functools", "builtins", "m
 # instances of these hold process-wide state (a logger's manager reaches every logger), not a mask's
 _OPAQUE = frozenset({"logging", "threading", "weakref", "queue", "asyncio", "concurrent", "multiprocessing"})
 _LOCKS = (type(threading.Lock()), type(threading.RLock()))  # (module _thread, as threading.local's)
+# the methods Python calls for a mask's code without naming them: obj(...), obj[...], obj.missing,
+# a descriptor's value, int(obj), len(obj), `if obj`, iteration
+_IMPLICIT = ("__call__", "__getitem__", "__getattr__", "__getattribute__", "__get__", "__index__", "__int__",
+             "__float__", "__bool__", "__len__", "__iter__", "__contains__")
 _MODULE_TABLES = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
 _MISSING = object()
 
@@ -629,18 +634,33 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
                 if id(obj) not in seen:
                     seen.add(id(obj))
                     found.append(obj)
+                    # Python attributes set on it (t.win = 3); Dynamo cannot trace a tensor's __dict__
+                    extra = None if torch.compiler.is_compiling() else getattr(obj, "__dict__", None)
+                    if extra:
+                        stack += [(x, depth + 1) for x in extra.values()]
                 continue
             if isinstance(obj, _SCALARS):
                 found.append(obj)
+                if isinstance(obj, str) and obj.isidentifier():  # a name held in a variable: getattr(m, NAME)
+                    names.add(obj)
                 continue
             if isinstance(obj, (types.ModuleType, type)):
                 if not _library(obj) and id(obj) not in spaces:
                     spaces[id(obj)] = (obj, depth, set())
                     if isinstance(obj, type) and type(obj) is not type:  # a metaclass's attributes read
                         stack.append((type(obj), depth + 1))            # through the class (Cfg.size)
+                    if isinstance(obj, types.ModuleType) and "__getattr__" in vars(obj):  # answers m.name
+                        stack.append((vars(obj)["__getattr__"], depth + 1))
                 continue
-            if isinstance(obj, (types.BuiltinFunctionType, types.BuiltinMethodType)) or id(obj) in seen \
-                    or (isinstance(obj, types.FunctionType) and _library(obj)) \
+            if isinstance(obj, (types.BuiltinFunctionType, types.BuiltinMethodType)):  # d.get, t.item:
+                owner = getattr(obj, "__self__", None)                                 # what they read
+                if owner is not None and not isinstance(owner, types.ModuleType):
+                    stack.append((owner, depth + 1))
+                continue
+            if isinstance(obj, (weakref.WeakValueDictionary, weakref.WeakKeyDictionary)):
+                stack += [(x, depth + 1) for kv in list(obj.items()) for x in kv]
+                continue
+            if id(obj) in seen or (isinstance(obj, types.FunctionType) and _library(obj)) \
                     or (type(obj).__module__ or "").split(".")[0] in _OPAQUE or isinstance(obj, _LOCKS):
                 continue
             if depth > _MAX_DEPTH:  # this branch only: what comes after it is still found
@@ -691,6 +711,9 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
                 found.append(len(obj))
             elif type(obj).__module__ == "numpy" and hasattr(obj, "tobytes"):  # an array or numpy scalar
                 found.append(obj)
+            elif isinstance(obj, np.ndarray):  # a subclass (np.ma): its data, and its own attributes (the mask)
+                found.append(np.asarray(obj))
+                nxt += list(getattr(obj, "__dict__", {}).values())
             elif isinstance(obj, torch.nn.Module):  # its tensors, submodules and own attributes (self._size
                 # too), not its hook tables: a whole model then stays inside the object budget
                 nxt += [*obj._parameters.values(), *obj._buffers.values(), *obj._modules.values()]
@@ -702,9 +725,9 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
                 except Exception:  # noqa: BLE001 - a __dict__ that is not a dict
                     complete = False
                 nxt.append(type(obj))  # its class attributes that the code names (self.scale)
-                call = getattr(type(obj), "__call__", None)
-                if isinstance(call, types.FunctionType):  # a callable object: what its __call__ reads
-                    nxt.append(call)
+                if not _library(type(obj)):  # what runs when it is called, indexed, read or converted
+                    nxt += [m for m in map(functools.partial(_static_attr, type(obj)), _IMPLICIT)
+                            if isinstance(m, types.FunctionType)]
             elif (value := _value(obj)) is not _MISSING:
                 found.append(value)
             elif not _torch_c_object(obj):  # a C callable, a slotted or another C object: what it

@@ -1060,6 +1060,9 @@ def captured_tensors(fn) -> list[torch.Tensor]:
     return [x for x in _captured(fn)[0] if isinstance(x, torch.Tensor)]
 
 
+_SMALL_CONTENT = 64 * 1024  # bytes: a captured CPU tensor up to this size is keyed by content as well
+
+
 class _TensorStamp:
     """A captured tensor as a cache key: equal only to a stamp of the very same tensor object
     (held weakly) at the same version counter, storage, shape and strides. ``copy_``,
@@ -1074,6 +1077,14 @@ class _TensorStamp:
             self.key = ("content", tuple(t.shape), t.dtype, str(t.device), hashlib.sha1(data).hexdigest())
         else:
             self.key = (id(t), t._version, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, str(t.device))
+            if t.device.type == "cpu" and t.numel() * t.element_size() <= _SMALL_CONTENT and not t.is_sparse:
+                # a small one by content too: writes the version counter does not see (t.data.fill_,
+                # another view of its storage made with set_) changed it without a new plan (review)
+                try:
+                    data = t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                    self.key += (hashlib.sha1(data).hexdigest(),)
+                except Exception:  # noqa: BLE001 - a tensor without host data (traced, wrapped): its version
+                    pass
 
     def __hash__(self):
         return hash(self.key)

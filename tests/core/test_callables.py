@@ -21,6 +21,7 @@ import types
 import warnings
 import weakref
 
+import numpy as np
 import pytest
 import torch
 
@@ -687,6 +688,36 @@ def _set_times(n):
     _SIZE_TIMES["w"] = datetime.timedelta(seconds=n)
 
 
+class _WindowFromSettings:
+    def __get__(self, obj, cls):  # a descriptor: Cfg.size runs this, which reads another class
+        return _ByName.size
+
+
+class _DescribedCfg:
+    size = _WindowFromSettings()
+
+
+class _Lookup:
+    def __getitem__(self, key):  # o["size"]: the mask's code never names what this reads
+        return getattr(_window_module, key)
+
+
+_SIZE_TENSOR = torch.tensor(2)
+_SIZE_TAGGED = torch.zeros(1)
+_SIZE_TAGGED.size_of_window = 2
+_SIZE_DICT = {"size": 2}
+_SIZE_GET = _SIZE_DICT.get
+_SIZE_LOOKUP = _Lookup()
+_SIZE_NAME = "size"  # an attribute name held in a variable
+class _Holder:
+    size = 2
+
+
+_SIZE_WEAK_HOLDER = _Holder()
+_SIZE_WEAK = weakref.WeakValueDictionary({"cfg": _SIZE_WEAK_HOLDER})
+_SIZE_MASKED = np.ma.masked_array([2], mask=[False])
+
+
 # a mask that reads its window where the first walk did not look: (mask, set the window)
 _HIDDEN_READERS = {
     "getattr on a class": (lambda b, h, qi, ki: (qi - ki).abs() <= getattr(_ByName, "size"),
@@ -703,6 +734,22 @@ _HIDDEN_READERS = {
                                    lambda n: _SIZE_BYTES.__setitem__(0, n)),
     "array written in place": (lambda b, h, qi, ki: (qi - ki).abs() <= _SIZE_ARRAY[0],
                                lambda n: _SIZE_ARRAY.__setitem__(0, n)),
+    "tensor written through .data": (lambda b, h, qi, ki: (qi - ki).abs() <= _SIZE_TENSOR,
+                                     lambda n: _SIZE_TENSOR.data.fill_(n)),
+    "python attribute on a tensor": (lambda b, h, qi, ki: (qi - ki).abs() <= _SIZE_TAGGED.size_of_window,
+                                     lambda n: setattr(_SIZE_TAGGED, "size_of_window", n)),
+    "bound dict.get": (lambda b, h, qi, ki: (qi - ki).abs() <= _SIZE_GET("size"),
+                       lambda n: _SIZE_DICT.__setitem__("size", n)),
+    "descriptor reading another class": (lambda b, h, qi, ki: (qi - ki).abs() <= _DescribedCfg.size,
+                                         lambda n: setattr(_ByName, "size", n)),
+    "__getitem__ of a user class": (lambda b, h, qi, ki: (qi - ki).abs() <= _SIZE_LOOKUP["size"],
+                                    lambda n: setattr(_window_module, "size", n)),
+    "getattr with a name in a variable": (lambda b, h, qi, ki: (qi - ki).abs() <= getattr(_by_name_module, _SIZE_NAME),
+                                          lambda n: setattr(_by_name_module, "size", n)),
+    "WeakValueDictionary": (lambda b, h, qi, ki: (qi - ki).abs() <= _SIZE_WEAK["cfg"].size,
+                            lambda n: setattr(_SIZE_WEAK_HOLDER, "size", n)),
+    "numpy masked array": (lambda b, h, qi, ki: (qi - ki).abs() <= int(_SIZE_MASKED[0]),
+                           lambda n: _SIZE_MASKED.__setitem__(0, n)),
     "range in a list": (lambda b, h, qi, ki: (qi - ki).abs() <= len(_SIZE_RANGES[0]), _set_ranges),
     "timedelta in a dict": (lambda b, h, qi, ki: (qi - ki).abs() <= _SIZE_TIMES["w"].seconds, _set_times),
 }
