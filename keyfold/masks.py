@@ -1077,7 +1077,8 @@ class _TensorStamp:
             self.key = ("content", tuple(t.shape), t.dtype, str(t.device), hashlib.sha1(data).hexdigest())
         else:
             self.key = (id(t), t._version, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, str(t.device))
-            if t.device.type == "cpu" and t.numel() * t.element_size() <= _SMALL_CONTENT and not t.is_sparse:
+            if t.device.type == "cpu" and t.numel() * t.element_size() <= _SMALL_CONTENT and not t.is_sparse \
+                    and not isinstance(t, torch.nn.Parameter):  # (a captured model's weights: not every call)
                 # a small one by content too: writes the version counter does not see (t.data.fill_,
                 # another view of its storage made with set_) changed it without a new plan (review)
                 try:
