@@ -89,8 +89,11 @@ class Described:
         return f"{self.text} #{self.key[:16]}"
 
 
+_SCALAR = (bool, int, float, complex, str, bytes, enum.Enum, torch.dtype, torch.device)
+
+
 def _feed(h, x, seen: dict) -> None:
-    if x is None or isinstance(x, (bool, int, float, complex, str, bytes, enum.Enum, torch.dtype, torch.device)):
+    if x is None or isinstance(x, _SCALAR):
         h.update(repr((type(x).__name__, x)).encode())
         return
     if type(x).__module__ == "numpy" and hasattr(x, "tobytes"):  # (a repr abbreviates a large array;
@@ -155,7 +158,7 @@ def _feed(h, x, seen: dict) -> None:
         h.update(repr(x).encode())
 
 
-_PLAIN = (bool, int, float, complex, str, bytes, enum.Enum, torch.dtype, torch.device, torch.Tensor)
+_PLAIN = (*_SCALAR, torch.Tensor)
 
 
 def _global_values(fn) -> list:
@@ -164,14 +167,12 @@ def _global_values(fn) -> list:
     functions are left out (a model's weights would be hashed at every call)."""
     g, out = fn.__globals__, []
     for n in sorted(set(_code_names(fn.__code__))):
-        x = g.get(n, _NONE)
+        x = g.get(n)
         if isinstance(x, _PLAIN) or (type(x).__module__ == "numpy" and hasattr(x, "tobytes")) or \
                 (isinstance(x, tuple) and all(isinstance(e, _PLAIN) for e in x)):
             out.append((n, x))
     return out
 
-
-_NONE = object()
 
 
 def _has_contents(cell) -> bool:

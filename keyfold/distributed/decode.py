@@ -36,8 +36,8 @@ class Reduce(enum.Enum):
 
 
 def _flags(st: State, comm: Comm, failed: bool) -> torch.Tensor:
-    """One slot per rank, 1 where that rank's attention raised: travels with the first collective,
-    so that every rank learns of a failure without one more round trip."""
+    """One slot per rank, 1 where that rank's attention raised: reduced (MAX) with the first
+    collective, so that every rank learns of a failure without one more round trip."""
     f = torch.zeros(comm.size, dtype=st.lse.dtype, device=st.lse.device)
     f[comm.rank] = float(failed)
     return f
@@ -65,14 +65,15 @@ def _combine_all_reduce(st: State, comm: Comm, failed: bool = False) -> tuple[St
 
 
 def _combine_all_gather(st: State, comm: Comm, failed: bool = False) -> tuple[State, list[int]]:
-    packed = torch.cat([st.out, st.lse.unsqueeze(-1)], -1).reshape(-1)               # (B*H*Nq*(Dv+1),)
-    packed = torch.cat([packed, _flags(st, comm, failed)[comm.rank:comm.rank + 1]])
-    every = comm.all_gather(packed, what="tree_decode gather").wait().view(comm.size, -1)  # (P, ... + 1)
+    packed = torch.cat([st.out, st.lse.unsqueeze(-1)], -1)                             # (B, H, Nq, Dv+1)
+    flag = torch.full((1,), float(failed), dtype=packed.dtype, device=packed.device)  # this rank's own slot
+    every = comm.all_gather(torch.cat([packed.reshape(-1), flag]), what="tree_decode gather").wait()
+    every = every.view(comm.size, -1)                                                  # (P, B*H*Nq*(Dv+1) + 1)
     bad = [r for r, x in enumerate(every[:, -1].tolist()) if x > 0]  # (one read of the flags, not P)
     if bad:
         return st, bad
-    shape = (*st.out.shape[:-1], st.out.shape[-1] + 1)
-    return merge_all(State(x[:-1].view(shape)[..., :-1], x[:-1].view(shape)[..., -1]) for x in every), []
+    states = (x[:-1].view(packed.shape) for x in every)
+    return merge_all(State(x[..., :-1], x[..., -1]) for x in states), []
 
 
 @torch.no_grad()
@@ -123,14 +124,16 @@ def tree_decode(q, k_local, v_local, group=None, *, mask=None, score=None, scale
               None if score is None else Described(score))
     comm.agree("tree_decode", shapes, error)
     B, Hq, Nq, _ = q.shape
-    empty = empty_state(B, Hq, Nq, v_local.shape[-1], dtype=state_dtype(q.dtype), device=q.device,
-                        of=(q, k_local, v_local))
+
+    def empty():
+        return empty_state(B, Hq, Nq, v_local.shape[-1], dtype=state_dtype(q.dtype), device=q.device,
+                           of=(q, k_local, v_local))
     failure = None
     try:
-        st = empty if k_local.shape[2] == 0 else attend(q, k_local, v_local, mask=mask, score=score, scale=scale,
-                                                        q_offset=q_offset, kv_offset=kv_offset, backend=backend)
+        st = empty() if k_local.shape[2] == 0 else attend(q, k_local, v_local, mask=mask, score=score, scale=scale,
+                                                          q_offset=q_offset, kv_offset=kv_offset, backend=backend)
     except Exception as e:  # noqa: BLE001 - told to every rank in the combine, then raised here
-        st, failure = empty, e  # (a rank with no key waited in the reduce until the group's timeout)
+        st, failure = empty(), e  # (a rank with no key waited in the reduce until the group's timeout)
     combine = _combine_all_reduce if reduce is Reduce.ALL_REDUCE else _combine_all_gather
     st, bad = combine(st, comm, failure is not None)
     if failure is not None:
