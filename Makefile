@@ -6,14 +6,18 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-fast bench bench-quick data translate compare verify clean
 
+# The CPU build of torch 2.13.0 as a file on these machines' disk (pip's find-links). uv installs it from
+# that file, with everything else, in one step (28 s for torch where pip took 49 s); uv does not look
+# there by itself, so it is named by path. Elsewhere pip takes torch==2.13.0 first, from its own config.
+TORCH_WHEEL := $(firstword $(wildcard /opt/wheels/torch-2.13.0+cpu-cp311-*.whl))
+
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	# The CPU build of torch that lies on these machines, first: pip takes it from disk (uv would not look there)
-	$(BIN)/pip install --disable-pip-version-check -q torch==2.13.0 uv
-	# The rest with uv, 33 s where pip took 86 s. torch==2.13.0 is named again so that no requirement
-	# can swap the CPU build for another one. Bytecode now, not at import: where PYTHONDONTWRITEBYTECODE
-	# is set (it is on these machines) every import would compile again, and the tests import a lot.
-	$(BIN)/uv pip install --python $(BIN)/python -q --compile-bytecode torch==2.13.0 -e '.[dev]'
+	$(BIN)/pip install --disable-pip-version-check -q uv $(if $(TORCH_WHEEL),,torch==2.13.0)
+	# The rest with uv, 33 s where pip took 86 s. torch is named again (the file, or ==2.13.0) so that no
+	# requirement can swap the CPU build for another one. Bytecode now, not at import: where
+	# PYTHONDONTWRITEBYTECODE is set (it is on these machines) every import would compile again.
+	$(BIN)/uv pip install --python $(BIN)/python -q --compile-bytecode $(or $(TORCH_WHEEL),torch==2.13.0) -e '.[dev]'
 	# sktime only for the UCR .ts files its wheel ships (read from disk; a full install would downgrade pandas)
 	$(BIN)/uv pip install --python $(BIN)/python -q --compile-bytecode --no-deps sktime==1.2.0
 	touch $(STAMP)
