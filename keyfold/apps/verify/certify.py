@@ -427,12 +427,21 @@ class AttentionWeights:
         """From a ``torch.nn.MultiheadAttention`` or ``keyfold.nn.MultiheadAttention`` (same names).
 
         A keyfold layer's ``mask`` is carried into the weights (and so into every bound); a
-        score modifier cannot be certified and raises ``ValueError`` naming it."""
+        score modifier cannot be certified and raises ``ValueError`` naming it, and so do the extra
+        keys of ``add_bias_kv`` and ``add_zero_attn`` (a key every row sees that no input moves: a bound
+        without it was for a different function, escaped by the layer's own output by up to 0.87).
+        A layer built with ``bias=False`` has zero biases."""
         score = getattr(mha, "score", None)
         if score is not None:
             raise ValueError(f"AttentionWeights.from_module: the layer applies the score modifier {score!r}; "
                              f"certification covers plain scaled dot-product scores (with a mask) only, so a "
                              f"bound without it would be for a different function. Build the layer without score=")
+        for name, on in (("add_bias_kv", getattr(mha, "bias_k", None) is not None),
+                         ("add_zero_attn", bool(getattr(mha, "add_zero_attn", False)))):
+            if on:
+                raise ValueError(f"AttentionWeights.from_module: the layer was built with {name}=True, which adds a "
+                                 f"key and value to every row that certification does not model, so a bound would be "
+                                 f"for a different function. Build the layer with {name}=False")
         E, H = mha.embed_dim, mha.num_heads
         if getattr(mha, "in_proj_weight", None) is not None:
             wq, wk, wv = mha.in_proj_weight.detach().double().split(E)
@@ -499,11 +508,16 @@ class BlockWeights:
                             f"linear1/linear2 or ff, got {type(layer).__name__}")
         n1, n2 = (layer.norm1, layer.norm3) if hasattr(layer, "norm3") else (layer.norm1, layer.norm2)
 
+        def vec(t, size, fill):  # a parameter, or the constant a layer built with bias=False (or without
+            # elementwise_affine) applies in its place
+            return t.detach().double() if t is not None else torch.full((size,), fill, dtype=torch.float64)
+
         def ln(n):
-            return (n.weight.detach().double(), n.bias.detach().double())
+            E = n.normalized_shape[-1]
+            return (vec(n.weight, E, 1.0), vec(n.bias, E, 0.0))
         return BlockWeights(AttentionWeights.from_module(layer.self_attn), l1.weight.detach().double(),
-                            l1.bias.detach().double(), l2.weight.detach().double(), l2.bias.detach().double(),
-                            ln(n1), ln(n2), bool(layer.norm_first), float(n1.eps))
+                            vec(l1.bias, l1.out_features, 0.0), l2.weight.detach().double(),
+                            vec(l2.bias, l2.out_features, 0.0), ln(n1), ln(n2), bool(layer.norm_first), float(n1.eps))
 
 
 # ------------------------------------------------------------------ one forward, two domains

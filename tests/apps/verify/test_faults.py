@@ -61,6 +61,43 @@ def test_attention_from_module_carries_the_mask_and_refuses_a_score():
         C.BlockWeights.from_module(knn.TransformerEncoderLayer(8, 2, 16, score=keyfold.softcap(5.0)))
 
 
+@pytest.mark.parametrize("make", [lambda: torch.nn.MultiheadAttention(8, 2, add_bias_kv=True, batch_first=True),
+                                  lambda: torch.nn.MultiheadAttention(8, 2, add_zero_attn=True, batch_first=True),
+                                  lambda: knn.MultiheadAttention(8, 2, add_bias_kv=True, batch_first=True),
+                                  lambda: knn.MultiheadAttention(8, 2, add_zero_attn=True, batch_first=True)])
+def test_attention_from_module_refuses_the_keys_it_does_not_model(make):
+    """add_bias_kv and add_zero_attn add a key every row sees: from_module read only the projections, so
+    the certificate was for the layer without that key, and the layer's own output at the centre of
+    the box lay outside it (by up to 0.87 with add_bias_kv; a review, 2026-12-07)."""
+    mha = make().double().eval()
+    x = torch.randn(5, 8, dtype=torch.float64)
+    with torch.no_grad():
+        real = mha(x[None], x[None], x[None], need_weights=False)[0][0]
+    name = "add_bias_kv" if mha.bias_k is not None else "add_zero_attn"
+    with pytest.raises(ValueError, match=f"{name}=True"):
+        C.AttentionWeights.from_module(mha)
+    # the weights alone give a certificate the layer's output escapes: what from_module used to return
+    mha.bias_k, mha.bias_v, mha.add_zero_attn = None, None, False
+    plain = C.AttentionWeights.from_module(mha)
+    assert not C.certify_attention(x, plain, eps=1e-3).contains(real)
+
+
+def test_block_from_module_reads_a_layer_built_without_biases():
+    """bias=False (torch's and keyfold's encoder layers): no bias tensors, and from_module raised
+    AttributeError on None; now zeros, and the certificate contains the layer's outputs on the box."""
+    torch.manual_seed(0)
+    for layer in (torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True, bias=False),
+                  knn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True, bias=False)):
+        layer = layer.double().eval()
+        w = C.BlockWeights.from_module(layer)
+        x = torch.randn(6, 8, dtype=torch.float64)
+        with torch.no_grad():
+            torch.testing.assert_close(C.block_forward(x, w), layer(x[None])[0])
+            b = C.certify_block(x, w, eps=0.05)
+            assert all(b.contains(y) for y in layer(C.sample_box(x - 0.05, x + 0.05, 32,
+                                                                  generator=torch.Generator().manual_seed(1))))
+
+
 # -------------------------------- 10. the linear relaxation at large scores: finite and sound
 
 
