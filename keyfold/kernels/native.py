@@ -1,6 +1,8 @@
 """keyfold's own CPU kernels, built on first use with the system C compiler: ``decode.c`` (a few query
 rows over a long cache, any CPU with AVX-512) and ``prefill.c`` (a whole plan: bfloat16 on AMX tiles,
-float32 on AVX-512 FMAs).
+float32 on AVX-512 FMAs). On a CPU with AVX2 but no AVX-512 (AMD Zen 1-3, Intel client cores) only the
+decode kernel is built, from ``decode_avx2.c`` (the same contract on 8-float vectors): :func:`available`
+is True there, :func:`prefill_available` and :func:`backward_available` False, :func:`isa` says which.
 
 Decoding reads every cached key and value once for a few query rows, so its limit is the memory
 bandwidth, not arithmetic. PyTorch's fused CPU op reaches that limit for a float32 cache but not
@@ -28,7 +30,7 @@ Built once per source, compiler flags and CPU into ``$KEYFOLD_CACHE`` (else
 ``$XDG_CACHE_HOME/keyfold``, else ``~/.cache/keyfold``): the file's name carries their hash, so an
 edit or another CPU builds anew, and a build is written under a temporary name and renamed, so
 processes that build at once (spawned ranks) never load half a file. Where it cannot be built (no C
-compiler, a CPU without AVX-512, ``KEYFOLD_NATIVE=0`` in the environment), :func:`available` is
+compiler, a CPU without AVX-512 or AVX2, ``KEYFOLD_NATIVE=0`` in the environment), :func:`available` is
 False, :func:`why` says why, and decoding stays on PyTorch's op, with the same results to rounding.
 
 >>> import torch
@@ -56,13 +58,15 @@ import torch
 
 from ._common import cpu_flags
 
-__all__ = ["available", "why", "bf16_dot", "pays", "attend", "run", "prefill_available", "prefill",
+__all__ = ["available", "why", "isa", "backward_available", "bf16_dot", "pays", "attend", "run", "prefill_available", "prefill",
            "backward_takes", "backward", "backward_sums", "backward_amx_available", "MAX_ROWS", "FEW_ROWS",
            "MIN_KEYS"]
 
 #: The sources, compiled into one library, and the header they share (part of the build's hash).
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("decode.c", "prefill.c", "backward.c"))
 HEADER = Path(__file__).with_name("simd.h")
+#: The decode kernel alone for CPUs with AVX2, FMA and F16C but no AVX-512 (it includes no header).
+SOURCES_AVX2 = (Path(__file__).with_name("decode_avx2.c"),)
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast",
          "-fPIC", "-shared", "-fopenmp")
 
@@ -110,12 +114,17 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None, f"needs an x86-64 CPU with AVX-512 (this is {platform.machine()})"
     missing = {"avx512f", "avx512bw", "avx512vl"} - cpu_flags()
-    if missing:
-        return None, f"this CPU lacks {', '.join(sorted(missing))}"
-    return _load(SOURCES, HEADER)
+    if not missing:
+        return _load(SOURCES, HEADER)
+    lacks = {"avx2", "fma", "f16c"} - cpu_flags()
+    if lacks:
+        return None, f"this CPU lacks {', '.join(sorted(missing | lacks))}"
+    lib, said = _load(SOURCES_AVX2, None)
+    return lib, (f"{said} (the AVX2 decode kernel alone: this CPU lacks {', '.join(sorted(missing))}, which the "
+                 "prefill and backward kernels need)" if lib is not None else said)
 
 
-def _load(sources: tuple[Path, ...], header: Path) -> tuple[ctypes.CDLL | None, str]:
+def _load(sources: tuple[Path, ...], header: Path | None) -> tuple[ctypes.CDLL | None, str]:
     """Compile ``sources`` (decode.c, prefill.c and backward.c, with ``header``) into the cache unless built
     already, load the library and declare its entry points. ``benchmarks/kernel_ab.py`` loads
     changed copies of the sources this way."""
@@ -126,7 +135,7 @@ def _load(sources: tuple[Path, ...], header: Path) -> tuple[ctypes.CDLL | None, 
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"the C compiler {cc} does not run: {e}"
-    key = hashlib.sha256("\0".join([*(f.read_text() for f in (*sources, header)), " ".join(FLAGS), version,
+    key = hashlib.sha256("\0".join([*(f.read_text() for f in (*sources, *([header] if header else []))), " ".join(FLAGS), version,
                                     " ".join(sorted(cpu_flags()))]).encode()).hexdigest()[:16]
     path = _cache_dir() / f"native-{key}.so"
     if not path.exists():
@@ -155,6 +164,8 @@ def _load(sources: tuple[Path, ...], header: Path) -> tuple[ctypes.CDLL | None, 
     lib.kf_decode.restype = I
     lib.kf_features.restype = I
     lib.kf_decode.argtypes = [P, P, ctypes.c_float, P, P, I, *[LL] * 6, P, LL, LL, LL, I, I, I, I, I, LL, I, I, P, P]
+    if not hasattr(lib, "kf_prefill"):  # decode_avx2.c: the decode kernel alone
+        return lib, f"built at {path}"
     lib.kf_prefill_init.restype = I
     lib.kf_prefill.restype = I
     lib.kf_prefill.argtypes = [P, P, P, I, *[LL] * 9, I, I, I, LL, LL, I, I, ctypes.c_float, ctypes.c_float, P, I, I, P,
@@ -180,6 +191,19 @@ def why() -> str:
     """Where the kernel was built, or why it was not."""
     available()
     return _why or ""
+
+
+def isa() -> str | None:
+    """The instruction set of the kernels built here: ``"avx512"`` (decode, prefill and backward),
+    ``"avx2"`` (the decode kernel alone, ``decode_avx2.c``), or None where none is built."""
+    if not available():
+        return None
+    return "avx2" if _lib.kf_features() & 8 else "avx512"
+
+
+def backward_available() -> bool:
+    """Whether the backward kernel (``backward.c``, AVX-512) is built here."""
+    return isa() == "avx512"
 
 
 def bf16_dot() -> bool:
@@ -417,8 +441,8 @@ def backward_amx_available(dtype: torch.dtype = torch.bfloat16) -> bool:
 def backward_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> str | None:
     """None when :func:`backward` can run these tensors here (float32, bfloat16 or float16, all one dtype:
     16-bit ones are read as they are, each value exactly a float32), else what it cannot take."""
-    if not available():
-        return f"keyfold's native kernels are not built here: {why()}"
+    if not backward_available():
+        return f"keyfold's native backward kernel is not built here: {why()}"
     if not (q.dim() == k.dim() == v.dim() == 4):
         return f"q, k, v must be 4-d (B, H, N, W); got {q.dim()}, {k.dim()}, {v.dim()} dims"
     if not (q.device.type == k.device.type == v.device.type == "cpu"):

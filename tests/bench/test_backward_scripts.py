@@ -27,7 +27,7 @@ def test_small_calls_times_both_and_writes_its_table(tmp_path):
     assert "Machine:" in table and "| 1 | 2 | 16 | 8 |" in table
 
 
-@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why()}")
+@pytest.mark.skipif(not native.backward_available(), reason=f"native backward kernel: {native.why()}")
 def test_backward_kernel_times_the_kernel_beside_the_op_and_writes_its_table(tmp_path):
     res = subprocess.run([sys.executable, str(KERNEL), "--quick", "--out", str(tmp_path)], capture_output=True,
                          text=True, timeout=300, cwd=ROOT)

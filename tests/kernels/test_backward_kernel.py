@@ -19,7 +19,7 @@ import keyfold as kf
 from keyfold.kernels import cpu, native
 from tests.helpers import assert_backward_by_rule, seeded_qkv
 
-pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why()}")
+pytestmark = pytest.mark.skipif(not native.backward_available(), reason=f"native backward kernel: {native.why()}")
 
 _OP = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default

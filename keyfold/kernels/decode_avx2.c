@@ -1,0 +1,316 @@
+/* keyfold's CPU decode kernel for CPUs with AVX2 and no AVX-512 (AMD Zen 1-3, Intel before Skylake-SP and
+ * its client cores): decode.c's contract on 8-float vectors. Same entry point (kf_decode), same state
+ * (out, lse) of a few query rows over a span of keys, every key or under an additive float32 mask, same
+ * results to rounding; docs/math.md and decode.c's header say what is computed.
+ *
+ * Why it exists: PyTorch's fused CPU op reads a 16-bit cache at a quarter of the memory bandwidth on
+ * these CPUs (bfloat16 6 GB/s and float16 7 GB/s against a 23-26 GB/s stream copy, AMD EPYC Zen 3,
+ * 2 threads), and with 2 to 16 float32 rows a head its multi-threaded sums can break the correctness
+ * rule (cpu.NATIVE_F32_ROWS). Decoding reads each key and value once for a few rows, so the limit is the
+ * bandwidth: this kernel widens 16-bit keys and values in registers and reads each byte once.
+ *
+ * One path for every dtype and row count: a block of BK keys and its values are widened into float32
+ * rows padded to a multiple of 8 (zeros past the head size, in L1), then each row's scores are dot
+ * products in two 8-lane FMA chains (even and odd 8-float slices, so a chain is D/16 terms, as decode.c's
+ * 16-lane one), eight keys reduced by one transpose-and-add tree; an online softmax per row over the
+ * block; P @ V in blocks of four 8-float slices. Work items are (batch entry, key/value head, key chunk),
+ * merged at the end as in decode.c.
+ *
+ * Built by keyfold/kernels/native.py (-march=native -fopenmp) where the CPU has AVX2, FMA and F16C but
+ * not AVX-512 F/BW/VL; the prefill and backward kernels (AVX-512 throughout) are not built there. */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "keyfold's AVX2 decode kernel needs AVX2, FMA and F16C"
+#endif
+
+enum { KF_F32 = 0, KF_BF16 = 1, KF_F16 = 2 };
+#define BK 32           /* keys per block of the online softmax */
+#define PREFETCH 2048   /* bytes ahead of the row being read */
+#define MAXR 64         /* query rows per key/value head (native.MAX_ROWS) */
+#define MAXD 256        /* head sizes up to this (native.MAX_HEAD) */
+
+typedef struct {
+    const float *q;               /* (B, H, R, D) float32, contiguous */
+    float scale;
+    const char *k, *v;            /* key and value bases; rows contiguous, other dims strided */
+    int dtype;                    /* of k and v */
+    long long skb, skh, skn, svb, svh, svn;  /* strides in elements */
+    int B, H, R, D, Dv;
+    long long N;                  /* keys */
+    int chunks;                   /* key chunks per (b, h) */
+    const float *mask;            /* additive, added to the scaled scores, or NULL; keys contiguous */
+    long long smb, smh, smr;      /* its strides in elements (0 where broadcast) */
+    int Dp, Dvp;                  /* D and Dv rounded up to a multiple of 8 */
+    float *acc, *m, *l;           /* per work item: (R, Dvp), (R), (R) */
+    float *out, *lse;             /* (B, H, R, Dv), (B, H, R) */
+} job_t;
+
+/* e^x for x <= 0 (a score minus its row's running max), as decode.c's exp16: x = n ln2 + r with ln2 in
+ * two parts, e^r by Cephes' degree-6 polynomial, 2^n built in the exponent bits (n >= -126 above the
+ * cut). Below -87 (and at -inf) it gives 0; NaN gives NaN (the compare is true for NaN, keeping it). */
+static inline __m256 exp8(__m256 x) {
+    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_NLT_UQ);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    /* n is in [-126, 0] where kept (x in [-87, 0]); a NaN lane's n converts to garbage, but p is NaN */
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+}
+
+static inline float hsum8(__m256 x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline float hmax8(__m256 x) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* Lane j of the result = the sum of t[j]'s lanes: three rounds of horizontal adds and one of lane swaps */
+static inline __m256 tree8(const __m256 *t) {
+    const __m256 a0 = _mm256_hadd_ps(t[0], t[1]), a1 = _mm256_hadd_ps(t[2], t[3]);
+    const __m256 a2 = _mm256_hadd_ps(t[4], t[5]), a3 = _mm256_hadd_ps(t[6], t[7]);
+    const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+static inline float widen1(const char *p, int dtype) {
+    if (dtype == KF_F32) { float x; memcpy(&x, p, 4); return x; }
+    uint16_t h;
+    memcpy(&h, p, 2);
+    if (dtype == KF_F16) return _cvtsh_ss(h);
+    const uint32_t b = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &b, 4);
+    return x;
+}
+
+/* A row of n elements in the given dtype, as float32 into dst, zeros up to np (a multiple of 8) */
+static inline void widen_row(float *dst, const char *src, int dtype, int n, int np) {
+    int i = 0;
+    if (dtype == KF_F32) {
+        for (; i + 8 <= n; i += 8) _mm256_store_ps(dst + i, _mm256_loadu_ps((const float *)src + i));
+    } else {
+        for (; i + 8 <= n; i += 8) {
+            const __m128i h = _mm_loadu_si128((const __m128i *)(src + 2 * (size_t)i));
+            _mm256_store_ps(dst + i, dtype == KF_BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                                                      : _mm256_cvtph_ps(h));
+        }
+    }
+    const size_t es = dtype == KF_F32 ? 4 : 2;
+    for (; i < n; i++) dst[i] = widen1(src + (size_t)i * es, dtype);
+    for (; i < np; i++) dst[i] = 0.0f;
+}
+
+static inline void prefetch_row(const char *p, size_t bytes) {
+    for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+}
+
+/* Floats of one thread's scratch: the block's keys and values widened (BK rows each), the rows' q
+ * (padded), their block scores, accumulators; every part a multiple of 8 floats (32-byte aligned). */
+static size_t scratch_floats(const job_t *J) {
+    return (size_t)BK * J->Dp + (size_t)BK * J->Dvp + (size_t)J->R * J->Dp + (size_t)J->R * BK;
+}
+
+/* One work item: rows of (b, h) over the keys of chunk c */
+static void item(const job_t *J, int w, float *mem) {
+    const int c = w % J->chunks, bh = w / J->chunks, b = bh / J->H, h = bh % J->H;
+    const int R = J->R, D = J->D, Dv = J->Dv, Dp = J->Dp, Dvp = J->Dvp, dt = J->dtype;
+    const int W = Dp / 8, Wv = Dvp / 8;
+    const long long n0 = J->N * c / J->chunks, n1 = J->N * (c + 1) / J->chunks;
+    const size_t es = dt == KF_F32 ? 4 : 2;
+    const size_t kstep = (size_t)J->skn * es, vstep = (size_t)J->svn * es;
+    const size_t krow = (size_t)D * es, vrow = (size_t)Dv * es;
+    const size_t kpf = (PREFETCH / krow + 1) * kstep, vpf = (PREFETCH / vrow + 1) * vstep;
+    const char *kp = J->k + (size_t)(b * J->skb + h * J->skh) * es + (size_t)n0 * kstep;
+    const char *vp = J->v + (size_t)(b * J->svb + h * J->svh) * es + (size_t)n0 * vstep;
+    float *kb = mem, *vb = kb + (size_t)BK * Dp, *qs = vb + (size_t)BK * Dvp, *s = qs + (size_t)R * Dp;
+    float *acc = J->acc + (size_t)w * R * Dvp, *mm = J->m + (size_t)w * R, *ll = J->l + (size_t)w * R;
+    const float *mk = J->mask ? J->mask + b * J->smb + h * J->smh + n0 : NULL;  /* row 0's mask at key n0 */
+    const __m256 scale = _mm256_set1_ps(J->scale);
+    for (int r = 0; r < R; r++) {
+        memset(qs + (size_t)r * Dp, 0, sizeof(float) * Dp);
+        memcpy(qs + (size_t)r * Dp, J->q + ((size_t)bh * R + r) * D, sizeof(float) * D);
+        mm[r] = -INFINITY;
+        ll[r] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)R * Dvp);
+    for (long long n = n0; n < n1; n += BK) {
+        const int nb = (int)(n1 - n < BK ? n1 - n : BK), nb8 = (nb + 7) / 8 * 8;
+        /* the block's keys and values, widened once for every row (zero rows past nb) */
+        for (int j = 0; j < nb; j++) {
+            prefetch_row(kp + (size_t)j * kstep + kpf, krow);
+            prefetch_row(vp + (size_t)j * vstep + vpf, vrow);
+            widen_row(kb + (size_t)j * Dp, kp + (size_t)j * kstep, dt, D, Dp);
+            widen_row(vb + (size_t)j * Dvp, vp + (size_t)j * vstep, dt, Dv, Dvp);
+        }
+        for (int j = nb; j < nb8; j++) memset(kb + (size_t)j * Dp, 0, sizeof(float) * Dp);
+        kp += (size_t)nb * kstep;
+        vp += (size_t)nb * vstep;
+        for (int r = 0; r < R; r++) {
+            const float *qr = qs + (size_t)r * Dp;
+            float *sr = s + (size_t)r * BK;
+            /* scores, eight keys at a time: two FMA chains a key (even and odd slices), one tree */
+            for (int j0 = 0; j0 < nb8; j0 += 8) {
+                __m256 t[8];
+                for (int j = 0; j < 8; j++) {
+                    const float *kr = kb + (size_t)(j0 + j) * Dp;
+                    __m256 x0 = _mm256_mul_ps(_mm256_load_ps(qr), _mm256_load_ps(kr)), x1 = _mm256_setzero_ps();
+                    int i = 1;
+                    for (; i + 1 < W; i += 2) {
+                        x1 = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * i), _mm256_load_ps(kr + 8 * i), x1);
+                        x0 = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * i + 8), _mm256_load_ps(kr + 8 * i + 8), x0);
+                    }
+                    if (i < W) x1 = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * i), _mm256_load_ps(kr + 8 * i), x1);
+                    t[j] = _mm256_add_ps(x0, x1);
+                }
+                _mm256_store_ps(sr + j0, _mm256_mul_ps(tree8(t), scale));
+            }
+            if (mk) {
+                const float *mr = mk + r * J->smr + (n - n0);
+                for (int j = 0; j < nb; j++) sr[j] += mr[j];
+            }
+            for (int j = nb; j < nb8; j++) sr[j] = -INFINITY;  /* past the block's end */
+            /* online softmax: the block's max (NaN wins), what came before rescaled to the new max */
+            __m256 bm = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+            for (int j = 0; j < nb8; j += 8) {
+                const __m256 x = _mm256_load_ps(sr + j);
+                bm = _mm256_max_ps(bm, x);
+                nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+            }
+            const float mx = _mm256_movemask_ps(nan) ? NAN : hmax8(bm);
+            const float mn = (isnan(mx) || mx > mm[r]) ? mx : mm[r];
+            /* under a mask, a row that has seen no key yet keeps m = -inf and subtracts 0: every p and corr
+             * is 0 (without one an -inf max comes from an infinite q or k, and the row stays NaN) */
+            const float base = mk && mn == -INFINITY ? 0.0f : mn;
+            const float corr = _mm256_cvtss_f32(exp8(_mm256_set1_ps(mm[r] - base)));  /* 0 on the first block */
+            const __m256 bv = _mm256_set1_ps(base);
+            __m256 sum = _mm256_setzero_ps();
+            for (int j = 0; j < nb8; j += 8) {
+                const __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(sr + j), bv));
+                _mm256_store_ps(sr + j, p);
+                sum = _mm256_add_ps(sum, p);
+            }
+            float *a = acc + (size_t)r * Dvp;
+            if (corr != 1.0f) {
+                const __m256 cv = _mm256_set1_ps(corr);
+                for (int i = 0; i < Wv; i++) _mm256_store_ps(a + 8 * i, _mm256_mul_ps(cv, _mm256_load_ps(a + 8 * i)));
+            }
+            ll[r] = ll[r] * corr + hsum8(sum);
+            mm[r] = mn;
+            /* values: acc += sum_j p_j v_j, four 8-float slices (four FMA chains) at a time; each block's
+             * sum starts afresh and is added to acc, so a chain is BK keys long (decode.c's blocking) */
+            int i = 0;
+            for (; i + 4 <= Wv; i += 4) {
+                __m256 y0 = _mm256_setzero_ps(), y1 = _mm256_setzero_ps(), y2 = _mm256_setzero_ps(),
+                       y3 = _mm256_setzero_ps();
+                const float *x = vb + 8 * i;
+                for (int j = 0; j < nb; j++, x += Dvp) {
+                    const __m256 p = _mm256_broadcast_ss(sr + j);
+                    y0 = _mm256_fmadd_ps(p, _mm256_load_ps(x), y0);
+                    y1 = _mm256_fmadd_ps(p, _mm256_load_ps(x + 8), y1);
+                    y2 = _mm256_fmadd_ps(p, _mm256_load_ps(x + 16), y2);
+                    y3 = _mm256_fmadd_ps(p, _mm256_load_ps(x + 24), y3);
+                }
+                _mm256_store_ps(a + 8 * i, _mm256_add_ps(_mm256_load_ps(a + 8 * i), y0));
+                _mm256_store_ps(a + 8 * i + 8, _mm256_add_ps(_mm256_load_ps(a + 8 * i + 8), y1));
+                _mm256_store_ps(a + 8 * i + 16, _mm256_add_ps(_mm256_load_ps(a + 8 * i + 16), y2));
+                _mm256_store_ps(a + 8 * i + 24, _mm256_add_ps(_mm256_load_ps(a + 8 * i + 24), y3));
+            }
+            for (; i < Wv; i++) {
+                __m256 y = _mm256_setzero_ps();
+                const float *x = vb + 8 * i;
+                for (int j = 0; j < nb; j++, x += Dvp) y = _mm256_fmadd_ps(_mm256_broadcast_ss(sr + j), _mm256_load_ps(x), y);
+                _mm256_store_ps(a + 8 * i, _mm256_add_ps(_mm256_load_ps(a + 8 * i), y));
+            }
+        }
+    }
+}
+
+/* Merge every head's chunks into out and lse (decode.c's finish). A chunk of no keys (m = -inf, l = 0)
+ * is skipped; any other, NaN included, takes part, so a NaN or infinite score reaches out and lse. */
+static void finish(const job_t *J) {
+    const int R = J->R, Dv = J->Dv, C = J->chunks, P = J->Dvp;
+    for (int bh = 0; bh < J->B * J->H; bh++)
+        for (int r = 0; r < R; r++) {
+            float M = -INFINITY, L = 0.0f;
+            for (int c = 0; c < C; c++) {
+                const size_t i = (size_t)(bh * C + c) * R + r;
+                if (J->l[i] == 0.0f && J->m[i] == -INFINITY) continue;
+                if (isnan(J->m[i]) || isnan(J->l[i])) M = NAN;
+                else if (J->m[i] > M) M = J->m[i];
+            }
+            float *o = J->out + ((size_t)bh * R + r) * Dv;
+            memset(o, 0, sizeof(float) * Dv);
+            for (int c = 0; c < C; c++) {
+                const size_t i = (size_t)(bh * C + c) * R + r;
+                if (J->l[i] == 0.0f && J->m[i] == -INFINITY) continue;
+                const float f = expf(J->m[i] - M);
+                const float *a = J->acc + i * P;
+                L += f * J->l[i];
+                for (int d = 0; d < Dv; d++) o[d] += f * a[d];
+            }
+            if (L == 0.0f && M == -INFINITY) {  /* a row that saw no key (masked): out 0, lse -inf */
+                J->lse[(size_t)bh * R + r] = -INFINITY;
+                continue;
+            }
+            const float inv = 1.0f / L;
+            for (int d = 0; d < Dv; d++) o[d] *= inv;
+            J->lse[(size_t)bh * R + r] = M + logf(L);
+        }
+}
+
+/* decode.c's feature bits: none of its three (no vdpbf16ps, no prefill kernel); bit 3 says this is the
+ * AVX2 build (native.isa()) */
+int kf_features(void) { return 8; }
+
+/* The entry point, decode.c's signature (native.py declares it once for both builds); qbf, a bfloat16
+ * copy of q, is not read here: keys are widened and dotted in float32. Returns 0, or -1 for arguments
+ * out of range, -2 when the scratch memory cannot be had. */
+int kf_decode(const float *q, const uint16_t *qbf, float scale, const void *k, const void *v, int dtype,
+              long long skb, long long skh, long long skn, long long svb, long long svh, long long svn,
+              const float *mask, long long smb, long long smh, long long smr,
+              int B, int H, int R, int D, int Dv, long long N, int chunks, int threads,
+              float *out, float *lse) {
+    (void)qbf;
+    if (B < 1 || H < 1 || R < 1 || R > MAXR || D < 1 || D > MAXD || Dv < 1 || Dv > MAXD || N < 1
+        || chunks < 1 || dtype < KF_F32 || dtype > KF_F16)
+        return -1;
+    job_t J = {q, scale, (const char *)k, (const char *)v, dtype, skb, skh, skn, svb, svh, svn,
+               B, H, R, D, Dv, N, chunks, mask, smb, smh, smr, (D + 7) / 8 * 8, (Dv + 7) / 8 * 8,
+               NULL, NULL, NULL, out, lse};
+    const long long items = (long long)B * H * chunks;
+    J.acc = aligned_alloc(64, (sizeof(float) * (size_t)items * R * J.Dvp + 63) / 64 * 64);  /* vector loads */
+    J.m = malloc(sizeof(float) * (size_t)items * R);
+    J.l = malloc(sizeof(float) * (size_t)items * R);
+    if (threads > items) threads = (int)items;
+    if (threads < 1) threads = 1;
+    /* per-thread scratch from the heap: up to 120 KiB at 64 rows of head size 256, more than a small
+     * thread stack holds (decode.c's few-rows path learnt that on musl's 128 KiB) */
+    const size_t per = (scratch_floats(&J) * sizeof(float) + 63) / 64 * 64;
+    char *scratch = aligned_alloc(64, per * (size_t)threads);
+    if (!J.acc || !J.m || !J.l || !scratch) { free(J.acc); free(J.m); free(J.l); free(scratch); return -2; }
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (long long w = 0; w < items; w++) item(&J, (int)w, (float *)(scratch + per * (size_t)omp_get_thread_num()));
+    finish(&J);
+    free(scratch); free(J.acc); free(J.m); free(J.l);
+    return 0;
+}
