@@ -211,26 +211,50 @@ class PagedKVCache:
             raise CacheFullError(f"PagedKVCache.append: needs {need} free pages but the pool has {self._nfree} "
                                  f"of {self.num_pages} (page_size={self.page_size}); free() finished sequences "
                                  f"or create a larger pool")
-        for i, (s, m) in enumerate(zip(ids, lens)):
-            if m:
-                self._write(s, k[i], v[i], m)
+        # a write that raises (say, an inference tensor updated outside inference mode) leaves the pool
+        # as it was: the block tables, lengths, fills and the pages taken or un-shared are put back. A
+        # page left in a table at an unchanged length was the one a later fork's copy-on-write took
+        # for the last page, so two sequences wrote into one page (a review, 2026-12-07)
+        before = {s: (list(self._tables[s]), self._len[s]) for s in ids}
+        fills = {t[-1]: self._fill[t[-1]] for t, _ in before.values() if t}
+        undo: list[tuple[str, int]] = []
+        try:
+            for i, (s, m) in enumerate(zip(ids, lens)):
+                if m:
+                    self._write(s, k[i], v[i], m, undo)
+        except BaseException:
+            for what, p in reversed(undo):
+                if what == "took":
+                    self._ref[p] = 0
+                    self._release(p)
+                else:  # "unshared": the copy-on-write let go of a shared page
+                    self._ref[p] += 1
+            for s, (table, L) in before.items():
+                self._tables[s], self._len[s] = table, L
+            for p, f in fills.items():
+                self._fill[p] = f
+            raise
 
-    def _write(self, s: int, k: torch.Tensor, v: torch.Tensor, m: int) -> None:
-        """Write ``m`` tokens of k ``(heads, n, D)`` / v at the end of sequence ``s``."""
+    def _write(self, s: int, k: torch.Tensor, v: torch.Tensor, m: int, undo: list) -> None:
+        """Write ``m`` tokens of k ``(heads, n, D)`` / v at the end of sequence ``s``; ``undo`` gets the
+        pages taken and let go of, for :meth:`append` to put back if a write raises."""
         ps, table, L = self.page_size, self._tables[s], self._len[s]
         if L % ps and self._ref[table[-1]] > 1:  # copy-on-write of the shared, partly filled last page
             old, fill = table[-1], L % ps
             new = self._take(table[-2] if len(table) > 1 else None)
+            undo.append(("took", new))
             self.k_pages[:, new, :fill] = self.k_pages[:, old, :fill]
             self.v_pages[:, new, :fill] = self.v_pages[:, old, :fill]
             self._fill[new] = fill
             self._ref[old] -= 1
+            undo.append(("unshared", old))
             table[-1] = new
         done = 0
         while done < m:
             t = L + done
             if t % ps == 0:
                 table.append(self._take(table[-1] if table else None))
+                undo.append(("took", table[-1]))
             p, o = table[t // ps], t % ps
             step = min(m - done, ps - o)
             self.k_pages[:, p, o:o + step] = k[:, done:done + step]

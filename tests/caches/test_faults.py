@@ -130,6 +130,44 @@ def test_paged_append_on_the_wrong_device_raises_before_changing_anything(which)
     assert pool.length(b) == 9 and pool.stats().free == before[0].free - 3   # a copy-on-write page + 2
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_paged_append_whose_write_raises_changes_nothing(shared):
+    """A pool made under inference_mode, one append outside it: the tensor write raises after the page
+    was taken. The page stayed in the block table at the old length, and after a fork the child's
+    copy-on-write copied that empty page, not the partly filled one: the child decoded its parent's
+    token (error 0.76; a review, 2026-12-07). Now the pool is as before, and a fork decodes right."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        pool = PagedKVCache(num_pages=16, page_size=4, heads=H, head_dim=D)
+        a = pool.new_sequence()
+        ka, va = _kv(1, 8 if not shared else 6, gen=gen)
+        pool.append(ka, va, a)
+        other = pool.fork(a) if shared else None    # a shared, partly filled last page: the write copies it
+    before = _paged_state(pool)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="[Ii]nference"):
+        pool.append(*_kv(1, 3, gen=gen), a)
+    after = _paged_state(pool)
+    assert after[:3] == before[:3]                   # tables, lengths, pages free and shared
+    assert torch.equal(pool.keys(a), ka) and torch.equal(pool.values(a), va)   # what is read
+    with torch.inference_mode():
+        k1, v1 = _kv(1, 1, gen=gen)
+        pool.append(k1, v1, a)
+        b = pool.fork(a)
+        kb, vb = _kv(1, 3, gen=gen)
+        pool.append(kb, vb, b)
+        ka2, va2 = _kv(1, 1, gen=gen)
+        pool.append(ka2, va2, a)
+        q = torch.randn(2, H, 1, D, generator=gen)
+        got = decode(q, pool, seq_ids=[a, b])
+    hist_a = (torch.cat([ka, k1, ka2], 2), torch.cat([va, v1, va2], 2))
+    hist_b = (torch.cat([ka, k1, kb], 2), torch.cat([va, v1, vb], 2))
+    for i, (s, (k, v)) in enumerate([(a, hist_a), (b, hist_b)]):
+        assert torch.equal(pool.keys(s), k) and torch.equal(pool.values(s), v)
+        torch.testing.assert_close(got[i:i + 1], _fresh_decode(q[i:i + 1], k, v))
+    if other is not None:
+        assert torch.equal(pool.keys(other), ka)
+
+
 @pytest.mark.parametrize("make", [lambda: KVCache(batch=2, heads=H, head_dim=D, capacity=8),
                                   lambda: WindowCache(4, 1, heads=H, head_dim=D, batch=2)])
 def test_contiguous_and_window_append_on_the_wrong_device_changes_nothing(make):
