@@ -479,11 +479,18 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         _check_mask_builder(module)
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         mask = M.causal() if causal and query.shape[2] > 1 else None
+    elif isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
+        # a prepared 4-D mask, which transformers passes through untouched (its documented way to give
+        # packed or tree-shaped masks): bool (True attends) or additive float, (B, 1 or H, Nq, >= Nk),
+        # read as eager and sdpa read it, cut to the keys of this call; a tensor mask (README "Tensor masks")
+        mask = attention_mask[:, :, :, : key.shape[-2]]
     else:
         raise TypeError(
-            f"keyfold attention got a {type(attention_mask).__name__} attention mask; it takes the mask its "
-            f"own mask builder makes. Call keyfold.integrations.transformers.register() before building "
-            f"the model, and pass the 2-D attention_mask (not a prepared 4-D mask) to the model")
+            f"keyfold attention got a {type(attention_mask).__name__} attention mask"
+            f"{f' of {attention_mask.dim()} dims' if isinstance(attention_mask, torch.Tensor) else ''}; it takes "
+            f"the mask its own mask builder makes, or a prepared 4-D tensor mask. Call "
+            f"keyfold.integrations.transformers.register() before building the model, and pass the 2-D "
+            f"attention_mask or a 4-D one to the model")
     score = None if softcap is None else _softcap(float(softcap))
     out = attention(query, key, value, mask=mask, score=score, scale=scaling, q_offset=q_offset,
                     kv_offset=kv_offset, **extra)                       # (B, Hq, Nq, Dv)

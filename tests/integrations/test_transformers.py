@@ -127,6 +127,35 @@ def test_padding_reaches_keyfold():
     assert isinstance(built, kft.KeyfoldMask) and "padding" in repr(built.mask)
 
 
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_a_prepared_4d_mask_is_read_as_eager_reads_it(kind):
+    """transformers passes a 4-D attention_mask through untouched (packed documents, tree attention):
+    eager and sdpa read it, keyfold raised TypeError (a review, 2026-12-07). Two documents packed per
+    row, causal within each, as a bool (True attends) or additive (0 / finfo.min) mask; logits and
+    gradients match sdpa's (eager adds a bool mask as 0 / 1: it takes additive masks only), and the
+    mask matters (plain causal differs)."""
+    model = build("llama")
+    ids, _ = batch(left=True)
+    doc = torch.tensor([0] * 5 + [1] * 7)
+    allowed = (doc[:, None] == doc[None, :]) & torch.ones(12, 12, dtype=torch.bool).tril()
+    allowed = allowed.expand(3, 1, 12, 12)
+    mask = allowed if kind == "bool" else torch.zeros(3, 1, 12, 12).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    want = run(model, "sdpa", input_ids=ids, attention_mask=mask)
+    got = run(model, "keyfold", input_ids=ids, attention_mask=mask)
+    assert (got - want).abs().max() <= 1e-4
+    if kind == "additive":
+        assert (run(model, "eager", input_ids=ids, attention_mask=mask) - want).abs().max() <= 1e-4
+    assert (run(model, "keyfold", input_ids=ids) - want).abs().max() > 1e-2   # the documents matter
+    grads = {}
+    for impl in ("sdpa", "keyfold"):
+        model.zero_grad()
+        run(model, impl, input_ids=ids, attention_mask=mask).square().mean().backward()
+        grads[impl] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    assert len(grads["sdpa"]) == len(grads["keyfold"]) > 0
+    for a, b in zip(grads["sdpa"], grads["keyfold"]):
+        assert (a - b).abs().max() <= 1e-4 * max(1.0, float(a.abs().max()))
+
+
 def test_attention_alone_without_mask_builder_raises():
     from transformers import AttentionInterface
     model = build("llama")
