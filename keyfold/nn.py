@@ -122,7 +122,13 @@ class AttentionCache:
             self._static = (k, v)
             return k, v
         B, H, n, D = k.shape
-        if self.kv is None or self.kv.batch != B:
+        if self.kv is not None and self.kv.batch != B:
+            # it used to start a new, empty cache here: the history was dropped without a word and the
+            # step attended to itself alone (off by 0.46 in a review, 2026-12-07)
+            raise ValueError(f"AttentionCache.append: the cache holds {self.kv.batch} rows but this step has {B}; "
+                             f"keep the rows still decoding with reorder(index) (index may be shorter: finished "
+                             f"requests dropped) or start over with reset()")
+        if self.kv is None:
             self.kv = KVCache(B, H, D, max(self.capacity, n), dtype=k.dtype, value_dim=v.shape[-1],
                               device=k.device)
         elif self.kv.lengths[0] + n > self.kv.capacity:  # double: amortised O(1) per token
@@ -134,12 +140,31 @@ class AttentionCache:
         return self._held()
 
     def reorder(self, index: torch.Tensor) -> None:
-        """Row ``i`` takes what row ``index[i]`` held (beam search)."""
+        """Row ``i`` takes what row ``index[i]`` held (beam search); an ``index`` of another length
+        makes a batch of that many rows (finished requests dropped, or rows repeated)."""
         if self.static:
             if self._static is not None:
                 self._static = tuple(t.index_select(0, index) for t in self._static)
         elif self.kv is not None:
-            self.kv.reorder(index)
+            index = torch.as_tensor(index, dtype=torch.long)
+            if index.dim() != 1 or index.numel() < 1:
+                raise ValueError(f"AttentionCache.reorder(index): a 1-d tensor of row numbers, got shape "
+                                 f"{tuple(index.shape)}")
+            if index.numel() == self.kv.batch:
+                self.kv.reorder(index)
+                return
+            old, L = self.kv, self.kv.lengths[0]
+            if int(index.min()) < 0 or int(index.max()) >= old.batch:
+                raise ValueError(f"AttentionCache.reorder(index): rows {index.tolist()} of a cache of {old.batch}")
+            idx = index.to(old.k.device)
+            self.kv = KVCache(index.numel(), old.heads, old.head_dim, old.capacity, dtype=old.dtype,
+                              value_dim=old.value_dim, device=old.k.device)
+            if L:
+                self.kv.append(old.k[idx, :, :L], old.v[idx, :, :L])
+
+    def reset(self) -> None:
+        """Forget what is held: the next step starts a new cache (any batch)."""
+        self.kv, self._static = None, None
 
 
 # --------------------------------------------------------------------- MultiheadAttention

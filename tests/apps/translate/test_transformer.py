@@ -265,6 +265,31 @@ def test_attention_cache_grows_reorders_and_decodes_like_attention():
     assert torch.equal(cache.k, held_k[[2, 2, 0]])  # unchanged by the bad call
 
 
+def test_attention_cache_refuses_a_step_of_another_batch_and_shrinks_by_reorder():
+    """A step of 1 row on a cache of 2 started a new, empty cache: the history was dropped and the step
+    was off by 0.46 from causal attention (a review, 2026-12-07). Now it raises, naming reorder() and
+    reset(); reorder with a shorter index keeps the rows still decoding, and the step is exact."""
+    from keyfold.nn import AttentionCache, MultiheadAttention
+    torch.manual_seed(0)
+    mha = MultiheadAttention(16, 4, batch_first=True).eval()
+    x = torch.randn(2, 6, 16)
+    cache = AttentionCache(capacity=4)
+    with torch.no_grad():
+        for t in range(5):
+            mha(x[:, t:t + 1], x[:, t:t + 1], x[:, t:t + 1], cache=cache, need_weights=False)
+        last = x[1:, 5:6]
+        with pytest.raises(ValueError, match="holds 2 rows but this step has 1.*reorder.*reset"):
+            mha(last, last, last, cache=cache, need_weights=False)
+        assert cache.length == 5 and cache.kv.batch == 2                  # unchanged
+        cache.reorder(torch.tensor([1]))                                  # request 0 finished
+        step = mha(last, last, last, cache=cache, need_weights=False)[0]
+        full = mha(x[1:], x[1:], x[1:], mask=keyfold.causal(), need_weights=False)[0]
+    assert cache.length == 6 and cache.kv.batch == 1
+    assert (step[:, 0] - full[:, -1]).abs().max() < 1e-5
+    cache.reset()
+    assert cache.length == 0 and cache.k is None
+
+
 def test_length_penalty_and_beam_output():
     assert length_penalty(torch.tensor(1), 0.6).item() == pytest.approx((6 / 6) ** 0.6)
     assert length_penalty(torch.tensor(7), 0.6).item() == pytest.approx((12 / 6) ** 0.6)
