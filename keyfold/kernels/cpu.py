@@ -179,15 +179,39 @@ NATIVE_F32_AREA = 32768
 NATIVE_MASKED_ROWS = 16
 
 
+#: Where the decode kernel is the AVX2 build (``native.isa() == "avx2"``: ``decode_avx2.c``, CPUs without
+#: AVX-512), its rows are dot products on 8-float vectors, one row at a time, so it pays for fewer rows
+#: than decode.c's several-rows path, and it beats the op for one float32 row too. Kernel / op time
+#: (AMD EPYC Zen 3, 2 threads, D=64, 4k-64k keys, B=1, 2 or 8 heads; /tmp timings of 2026-12-07):
+#: float32 0.71-0.91x at 1 row, 0.68-0.86x at 2-4, 0.85-1.10x at 8-16, 1.15-1.36x at 32; bfloat16
+#: 0.19-0.25x at 1, 0.69-0.97x at 2-4, 1.12-1.40x at 8; float16 (the op converts element by element)
+#: 0.10-0.65x at every count up to 32. float32 keeps going there up to 16 rows for the rule's sake (as
+#: NATIVE_F32_ROWS says) at about even time.
+NATIVE_FEW_ROWS_AVX2 = {torch.float32: 16, torch.float16: 64, torch.bfloat16: 4}
+#: float32 calls from this many rows take the AVX2 kernel (NATIVE_F32_ROWS for decode.c)
+NATIVE_F32_ROWS_AVX2 = 1
+
+
 def _native_may(dtype: torch.dtype, rows: int, n: int, least: int | None = None) -> bool:
     """The routing rule from dtype and sizes alone: up to :data:`NATIVE_ROWS` query rows for a 16-bit
-    cache (float32 from :data:`NATIVE_F32_ROWS`), from there up to :data:`NATIVE_FEW_ROWS` for its dtype,
-    at least ``least`` keys (:func:`_native_keys`; native.MIN_KEYS when not given), a kernel built."""
-    if rows <= NATIVE_ROWS:
-        ok = dtype in (torch.float16, torch.bfloat16) or (dtype is torch.float32 and rows >= NATIVE_F32_ROWS)
-    else:
-        ok = rows <= NATIVE_FEW_ROWS.get(dtype, 0)
-    return ok and n >= (native.MIN_KEYS if least is None else least) and native.available()
+    cache (float32 from :data:`NATIVE_F32_ROWS`), from there up to :data:`NATIVE_FEW_ROWS` for its dtype
+    (the ``_AVX2`` limits where the kernel is that build), at least ``least`` keys (:func:`_native_keys`;
+    native.MIN_KEYS when not given), a kernel built."""
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16) or rows > native.MAX_ROWS:
+        return False
+    if n < (native.MIN_KEYS if least is None else least) or not native.available():
+        return False
+    fewest, most = native_rows(dtype)
+    return fewest <= rows <= most
+
+
+def native_rows(dtype: torch.dtype) -> tuple[int, int]:
+    """``(fewest, most)`` query rows (a GQA group's heads counted) of a call without mask over a cache
+    of ``dtype`` that the decode kernel built here takes (:func:`_native_may`'s rule; the ``_AVX2``
+    limits where the kernel is that build). Where none is built, decode.c's."""
+    avx2 = native.isa() == "avx2"
+    fewest = 1 if dtype is not torch.float32 else NATIVE_F32_ROWS_AVX2 if avx2 else NATIVE_F32_ROWS
+    return fewest, max(NATIVE_ROWS, (NATIVE_FEW_ROWS_AVX2 if avx2 else NATIVE_FEW_ROWS)[dtype])
 
 
 def _native_keys(dtype: torch.dtype, rows: int, d: int) -> int:

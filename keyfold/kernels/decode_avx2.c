@@ -92,6 +92,14 @@ static inline __m256 tree8(const __m256 *t) {
     return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
 }
 
+/* 8 elements of a row in the given dtype (a constant where this is inlined), as float32 */
+static inline __attribute__((always_inline)) __m256 load8(const char *p, const int dtype) {
+    if (dtype == KF_F32) return _mm256_loadu_ps((const float *)p);
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (dtype == KF_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
 static inline float widen1(const char *p, int dtype) {
     if (dtype == KF_F32) { float x; memcpy(&x, p, 4); return x; }
     uint16_t h;
@@ -103,19 +111,11 @@ static inline float widen1(const char *p, int dtype) {
     return x;
 }
 
-/* A row of n elements in the given dtype, as float32 into dst, zeros up to np (a multiple of 8) */
-static inline void widen_row(float *dst, const char *src, int dtype, int n, int np) {
-    int i = 0;
-    if (dtype == KF_F32) {
-        for (; i + 8 <= n; i += 8) _mm256_store_ps(dst + i, _mm256_loadu_ps((const float *)src + i));
-    } else {
-        for (; i + 8 <= n; i += 8) {
-            const __m128i h = _mm_loadu_si128((const __m128i *)(src + 2 * (size_t)i));
-            _mm256_store_ps(dst + i, dtype == KF_BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
-                                                      : _mm256_cvtph_ps(h));
-        }
-    }
+/* A row of n elements as float32 into dst, zeros up to np (a multiple of 8) */
+static inline __attribute__((always_inline)) void widen_row(float *dst, const char *src, const int dtype, int n, int np) {
     const size_t es = dtype == KF_F32 ? 4 : 2;
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_store_ps(dst + i, load8(src + (size_t)i * es, dtype));
     for (; i < n; i++) dst[i] = widen1(src + (size_t)i * es, dtype);
     for (; i < np; i++) dst[i] = 0.0f;
 }
@@ -130,11 +130,66 @@ static size_t scratch_floats(const job_t *J) {
     return (size_t)BK * J->Dp + (size_t)BK * J->Dvp + (size_t)J->R * J->Dp + (size_t)J->R * BK;
 }
 
-/* One work item: rows of (b, h) over the keys of chunk c */
-static void item(const job_t *J, int w, float *mem) {
+/* Scores of one row (q padded to W 8-float slices) for keys j0 .. j0 + 7 of a block at `k` (rows `ks`
+ * bytes apart, dtype `dt`, W slices each; zero rows past the block): two FMA chains a key (even and
+ * odd slices, so a chain is D/16 terms as decode.c's 16-lane one), one transpose-and-add tree */
+static inline __attribute__((always_inline)) __m256 scores8(const float *qr, const char *k, size_t ks, int W,
+                                                            const int dt) {
+    const size_t es = dt == KF_F32 ? 4 : 2;
+    __m256 t[8];
+    for (int j = 0; j < 8; j++, k += ks) {
+        __m256 x0 = _mm256_mul_ps(_mm256_load_ps(qr), load8(k, dt)), x1 = _mm256_setzero_ps();
+        int i = 1;
+        for (; i + 1 < W; i += 2) {
+            x1 = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * i), load8(k + 8 * es * i, dt), x1);
+            x0 = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * i + 8), load8(k + 8 * es * (i + 1), dt), x0);
+        }
+        if (i < W) x1 = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * i), load8(k + 8 * es * i, dt), x1);
+        t[j] = _mm256_add_ps(x0, x1);
+    }
+    return tree8(t);
+}
+
+/* acc (Wv 8-float slices) += sum_j p[j] v_j over nb value rows at `v` (`vs` bytes apart, dtype dt), four
+ * slices (four FMA chains) at a time; each block's sum starts afresh and is added to acc, so a chain
+ * is BK keys long (decode.c's blocking) */
+static inline __attribute__((always_inline)) void values(float *a, const float *p, const char *v, size_t vs,
+                                                         int nb, int Wv, const int dt) {
+    const size_t o = 8 * (dt == KF_F32 ? 4 : 2);
+    int i = 0;
+    for (; i + 4 <= Wv; i += 4) {
+        __m256 y0 = _mm256_setzero_ps(), y1 = _mm256_setzero_ps(), y2 = _mm256_setzero_ps(), y3 = _mm256_setzero_ps();
+        const char *x = v + o * i;
+        for (int j = 0; j < nb; j++, x += vs) {
+            const __m256 pj = _mm256_broadcast_ss(p + j);
+            y0 = _mm256_fmadd_ps(pj, load8(x, dt), y0);
+            y1 = _mm256_fmadd_ps(pj, load8(x + o, dt), y1);
+            y2 = _mm256_fmadd_ps(pj, load8(x + 2 * o, dt), y2);
+            y3 = _mm256_fmadd_ps(pj, load8(x + 3 * o, dt), y3);
+        }
+        _mm256_store_ps(a + 8 * i, _mm256_add_ps(_mm256_load_ps(a + 8 * i), y0));
+        _mm256_store_ps(a + 8 * i + 8, _mm256_add_ps(_mm256_load_ps(a + 8 * i + 8), y1));
+        _mm256_store_ps(a + 8 * i + 16, _mm256_add_ps(_mm256_load_ps(a + 8 * i + 16), y2));
+        _mm256_store_ps(a + 8 * i + 24, _mm256_add_ps(_mm256_load_ps(a + 8 * i + 24), y3));
+    }
+    for (; i < Wv; i++) {
+        __m256 y = _mm256_setzero_ps();
+        const char *x = v + o * i;
+        for (int j = 0; j < nb; j++, x += vs) y = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), load8(x, dt), y);
+        _mm256_store_ps(a + 8 * i, _mm256_add_ps(_mm256_load_ps(a + 8 * i), y));
+    }
+}
+
+/* One work item: rows of (b, h) over the keys of chunk c, keys and values of dtype dt (a constant: one
+ * copy of this per dtype). Keys and values are read where they lie when their rows are whole 8-float
+ * slices and there is one row (or they are float32): each byte meets one row, so widening it first
+ * would only add a store and a load. Otherwise a block of them is widened once into float32 rows
+ * padded with zeros (odd head sizes, a block's last keys), which every row then reads from L1. */
+static inline __attribute__((always_inline)) void item_of(const job_t *J, int w, float *mem, const int dt) {
     const int c = w % J->chunks, bh = w / J->chunks, b = bh / J->H, h = bh % J->H;
-    const int R = J->R, D = J->D, Dv = J->Dv, Dp = J->Dp, Dvp = J->Dvp, dt = J->dtype;
+    const int R = J->R, D = J->D, Dv = J->Dv, Dp = J->Dp, Dvp = J->Dvp;
     const int W = Dp / 8, Wv = Dvp / 8;
+    const int direct = (R == 1 || dt == KF_F32) && D == Dp && Dv == Dvp;
     const long long n0 = J->N * c / J->chunks, n1 = J->N * (c + 1) / J->chunks;
     const size_t es = dt == KF_F32 ? 4 : 2;
     const size_t kstep = (size_t)J->skn * es, vstep = (size_t)J->svn * es;
@@ -153,36 +208,27 @@ static void item(const job_t *J, int w, float *mem) {
         ll[r] = 0.0f;
     }
     memset(acc, 0, sizeof(float) * (size_t)R * Dvp);
+    memset(kb, 0, sizeof(float) * (size_t)BK * Dp);  /* rows past a short block stay zero */
     for (long long n = n0; n < n1; n += BK) {
         const int nb = (int)(n1 - n < BK ? n1 - n : BK), nb8 = (nb + 7) / 8 * 8;
-        /* the block's keys and values, widened once for every row (zero rows past nb) */
         for (int j = 0; j < nb; j++) {
             prefetch_row(kp + (size_t)j * kstep + kpf, krow);
             prefetch_row(vp + (size_t)j * vstep + vpf, vrow);
-            widen_row(kb + (size_t)j * Dp, kp + (size_t)j * kstep, dt, D, Dp);
-            widen_row(vb + (size_t)j * Dvp, vp + (size_t)j * vstep, dt, Dv, Dvp);
         }
-        for (int j = nb; j < nb8; j++) memset(kb + (size_t)j * Dp, 0, sizeof(float) * Dp);
-        kp += (size_t)nb * kstep;
-        vp += (size_t)nb * vstep;
+        const int wide = !direct || nb < nb8;  /* the block's keys widened (a short block's padded) */
+        if (wide) {
+            for (int j = 0; j < nb; j++) widen_row(kb + (size_t)j * Dp, kp + (size_t)j * kstep, dt, D, Dp);
+            for (int j = nb; j < nb8; j++) memset(kb + (size_t)j * Dp, 0, sizeof(float) * Dp);
+        }
+        if (!direct)
+            for (int j = 0; j < nb; j++) widen_row(vb + (size_t)j * Dvp, vp + (size_t)j * vstep, dt, Dv, Dvp);
         for (int r = 0; r < R; r++) {
             const float *qr = qs + (size_t)r * Dp;
             float *sr = s + (size_t)r * BK;
-            /* scores, eight keys at a time: two FMA chains a key (even and odd slices), one tree */
             for (int j0 = 0; j0 < nb8; j0 += 8) {
-                __m256 t[8];
-                for (int j = 0; j < 8; j++) {
-                    const float *kr = kb + (size_t)(j0 + j) * Dp;
-                    __m256 x0 = _mm256_mul_ps(_mm256_load_ps(qr), _mm256_load_ps(kr)), x1 = _mm256_setzero_ps();
-                    int i = 1;
-                    for (; i + 1 < W; i += 2) {
-                        x1 = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * i), _mm256_load_ps(kr + 8 * i), x1);
-                        x0 = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * i + 8), _mm256_load_ps(kr + 8 * i + 8), x0);
-                    }
-                    if (i < W) x1 = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * i), _mm256_load_ps(kr + 8 * i), x1);
-                    t[j] = _mm256_add_ps(x0, x1);
-                }
-                _mm256_store_ps(sr + j0, _mm256_mul_ps(tree8(t), scale));
+                const __m256 x = wide ? scores8(qr, (const char *)(kb + (size_t)j0 * Dp), sizeof(float) * Dp, W, KF_F32)
+                                      : scores8(qr, kp + (size_t)j0 * kstep, kstep, W, dt);
+                _mm256_store_ps(sr + j0, _mm256_mul_ps(x, scale));
             }
             if (mk) {
                 const float *mr = mk + r * J->smr + (n - n0);
@@ -216,34 +262,17 @@ static void item(const job_t *J, int w, float *mem) {
             }
             ll[r] = ll[r] * corr + hsum8(sum);
             mm[r] = mn;
-            /* values: acc += sum_j p_j v_j, four 8-float slices (four FMA chains) at a time; each block's
-             * sum starts afresh and is added to acc, so a chain is BK keys long (decode.c's blocking) */
-            int i = 0;
-            for (; i + 4 <= Wv; i += 4) {
-                __m256 y0 = _mm256_setzero_ps(), y1 = _mm256_setzero_ps(), y2 = _mm256_setzero_ps(),
-                       y3 = _mm256_setzero_ps();
-                const float *x = vb + 8 * i;
-                for (int j = 0; j < nb; j++, x += Dvp) {
-                    const __m256 p = _mm256_broadcast_ss(sr + j);
-                    y0 = _mm256_fmadd_ps(p, _mm256_load_ps(x), y0);
-                    y1 = _mm256_fmadd_ps(p, _mm256_load_ps(x + 8), y1);
-                    y2 = _mm256_fmadd_ps(p, _mm256_load_ps(x + 16), y2);
-                    y3 = _mm256_fmadd_ps(p, _mm256_load_ps(x + 24), y3);
-                }
-                _mm256_store_ps(a + 8 * i, _mm256_add_ps(_mm256_load_ps(a + 8 * i), y0));
-                _mm256_store_ps(a + 8 * i + 8, _mm256_add_ps(_mm256_load_ps(a + 8 * i + 8), y1));
-                _mm256_store_ps(a + 8 * i + 16, _mm256_add_ps(_mm256_load_ps(a + 8 * i + 16), y2));
-                _mm256_store_ps(a + 8 * i + 24, _mm256_add_ps(_mm256_load_ps(a + 8 * i + 24), y3));
-            }
-            for (; i < Wv; i++) {
-                __m256 y = _mm256_setzero_ps();
-                const float *x = vb + 8 * i;
-                for (int j = 0; j < nb; j++, x += Dvp) y = _mm256_fmadd_ps(_mm256_broadcast_ss(sr + j), _mm256_load_ps(x), y);
-                _mm256_store_ps(a + 8 * i, _mm256_add_ps(_mm256_load_ps(a + 8 * i), y));
-            }
+            if (direct) values(a, sr, vp, vstep, nb, Wv, dt);
+            else values(a, sr, (const char *)vb, sizeof(float) * Dvp, nb, Wv, KF_F32);
         }
+        kp += (size_t)nb * kstep;
+        vp += (size_t)nb * vstep;
     }
 }
+
+static void item_f32(const job_t *J, int w, float *mem) { item_of(J, w, mem, KF_F32); }
+static void item_bf16(const job_t *J, int w, float *mem) { item_of(J, w, mem, KF_BF16); }
+static void item_f16(const job_t *J, int w, float *mem) { item_of(J, w, mem, KF_F16); }
 
 /* Merge every head's chunks into out and lse (decode.c's finish). A chunk of no keys (m = -inf, l = 0)
  * is skipped; any other, NaN included, takes part, so a NaN or infinite score reaches out and lse. */
@@ -308,6 +337,7 @@ int kf_decode(const float *q, const uint16_t *qbf, float scale, const void *k, c
     const size_t per = (scratch_floats(&J) * sizeof(float) + 63) / 64 * 64;
     char *scratch = aligned_alloc(64, per * (size_t)threads);
     if (!J.acc || !J.m || !J.l || !scratch) { free(J.acc); free(J.m); free(J.l); free(scratch); return -2; }
+    void (*const item)(const job_t *, int, float *) = dtype == KF_F32 ? item_f32 : dtype == KF_BF16 ? item_bf16 : item_f16;
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (long long w = 0; w < items; w++) item(&J, (int)w, (float *)(scratch + per * (size_t)omp_get_thread_num()));
     finish(&J);
