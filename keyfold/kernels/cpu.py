@@ -811,6 +811,14 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     if Nq == 0 or k.shape[2] == 0 or Hq == 0:  # no pair: every gradient is zero (and the fused op refuses empty input)
         return (torch.zeros(q.shape, dtype=gd, device=q.device), torch.zeros(k.shape, dtype=gd, device=q.device),
                 torch.zeros(v.shape, dtype=gd, device=q.device))
+    if q.dtype is torch.float32 and D != Dv and not native.backward_available():
+        # the op takes one head size, so q, k (or v) are padded with zeros to it; its backward's error then
+        # grows with the padding: float32 gradients past the 3x rule in 5-9 of 20 calls at D=8, Dv=32 (up to
+        # 1.8x the allowance; torch's SDPA takes its math path there and held it; a review, 2026-12-07).
+        # The tile kernel's backward (torch matmuls, each head size its own) holds it; keyfold's own
+        # backward kernel, where built, takes both sizes as the op's would.
+        from . import tiles
+        return tuple(g.to(gd) for g in tiles.backward(q, k, v, out, lse, dout, dlse, plan, pb, whole_rows))
     spare = dlse is not None
     q, k, v = _widen(q, k, v)
     inp = _Inputs(q, k, v, spare=spare)
