@@ -145,6 +145,8 @@ def _group_state(q, group: Group, mask, score, scale, splits, backend, Dv: int) 
 def _groups_state(q, groups: list[Group], mask, score, scale, splits, backend, Dv: int) -> State:
     """Per group of rows, then the rows put back together in order."""
     B = q.shape[0]
+    if not groups:  # no sequence (seq_ids=[]: every request finished): an empty batch, as attention gives
+        return empty_state(0, q.shape[1], q.shape[2], Dv, dtype=state_dtype(q.dtype), device=q.device)
     states = []
     for g in groups:
         m, sc = mask, score
@@ -316,6 +318,10 @@ def cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix_lengths=None, m
     dtype = prefix_k.dtype
     qc = q if q.dtype == dtype else q.to(dtype)
     mask, score = as_mask(mask), as_score(score)
+    if R == 0:  # no request: an empty batch (the prefix call had no rows, and torch.cat no states)
+        st = empty_state(0, Hq, Nq, prefix_v.shape[-1], dtype=state_dtype(dtype), device=q.device)
+        out = st.out.to(q.dtype)
+        return (out, st.lse) if return_lse else out
 
     # the shared prefix, once: request r's queries are rows r*Nq .. r*Nq + Nq - 1 of one call
     qf = qc.permute(1, 0, 2, 3).reshape(1, Hq, R * Nq, qc.shape[-1])       # (1, Hq, R*Nq, D)

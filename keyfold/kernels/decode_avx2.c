@@ -31,7 +31,7 @@
 
 enum { KF_F32 = 0, KF_BF16 = 1, KF_F16 = 2 };
 #define BK 32           /* keys per block of the online softmax */
-#define PREFETCH 2048   /* bytes ahead of the row being read */
+#define PREFETCH 4096   /* bytes ahead of the row being read (2048 left bfloat16 rows 5-20% slower) */
 #define MAXR 64         /* query rows per key/value head (native.MAX_ROWS) */
 #define MAXD 256        /* head sizes up to this (native.MAX_HEAD) */
 

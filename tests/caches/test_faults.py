@@ -279,3 +279,22 @@ def test_contiguous_random_walk_of_resets_and_reorders_matches_fresh_caches(seed
             assert cache.lengths[s] == rows[s][0].shape[2]
             assert not cache.k[s, :, cache.lengths[s]:].any() and not cache.v[s, :, cache.lengths[s]:].any()
     assert checks > 20
+
+
+def test_an_empty_batch_decodes_to_an_empty_batch():
+    """Every request finished: decode(seq_ids=[]) over any cache and cascade with no request raised
+    torch.cat's "expected a non-empty list" (a review, 2026-12-07); now (0, Hq, Nq, Dv), as attention
+    gives for a batch of 0."""
+    c = KVCache(batch=2, heads=H, head_dim=D, capacity=8)
+    c.append(*_kv(2, 3))
+    pool = PagedKVCache(num_pages=4, page_size=4, heads=H, head_dim=D)
+    a = pool.new_sequence()
+    pool.append(*_kv(1, 3), a)
+    q0 = torch.randn(0, H, 1, D)
+    assert keyfold.attention(q0, torch.randn(0, H, 3, D), torch.randn(0, H, 3, D)).shape == (0, H, 1, D)
+    for cache in (c, pool):
+        out, lse = decode(q0, cache, seq_ids=[], return_lse=True)
+        assert out.shape == (0, H, 1, D) and lse.shape == (0, H, 1)
+    for mask in (None, keyfold.causal()):
+        out = cascade(q0, *_kv(1, 4), *_kv(0, 2), mask=mask)
+        assert out.shape == (0, H, 1, D) and out.dtype == q0.dtype
