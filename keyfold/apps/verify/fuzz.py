@@ -155,6 +155,10 @@ def _run_valid(c) -> tuple[Outcome, str]:
         err = observed_error(got.out, ref.out, ref.lse)
         if not bool((err <= bound.out).all()):
             return Outcome.FAILURE, f"error {float((err / bound.out).max()):.2f}x the a-priori bound"
+        # lse too (the docstring's "within the bound" said so; only out was checked before 2026-12-07)
+        lse_err = (got.lse.double() - ref.lse.double()).abs()[seen]
+        if not bool((lse_err <= bound.lse[seen]).all()):
+            return Outcome.FAILURE, f"lse error {float((lse_err / bound.lse[seen]).max()):.2f}x the a-priori bound"
     if c["grad"]:
         return _check_grads(c, q_off)
     return Outcome.CORRECT, ""

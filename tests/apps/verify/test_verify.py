@@ -303,6 +303,22 @@ def test_fuzz_campaign_every_case_is_correct_or_a_clear_error():
     assert set(rep.by_kind) == set(KINDS)      # every kind of case was drawn
 
 
+def test_fuzz_counts_an_lse_outside_the_bound_as_a_failure(monkeypatch):
+    """"correct" means out and lse within the a-priori bound (the module says so); only out was checked,
+    so an attend whose lse was off passed (a review, 2026-12-07). An lse moved by 1e-3 now fails cases."""
+    from keyfold.apps.verify import fuzz
+    from keyfold.state import State
+    real = fuzz.attend
+
+    def off(q, *a, **kw):
+        st = real(q, *a, **kw)
+        return st if q.dtype == torch.float64 else State(st.out, st.lse + 1e-3)
+    monkeypatch.setattr(fuzz, "attend", off)
+    rep = run_fuzz(40, seed=7)
+    assert rep.by_outcome[Outcome.FAILURE.value] > 0
+    assert any("lse error" in str(f) for f in rep.failures), rep.failures[:3]
+
+
 def test_verify_command_writes_its_json(tmp_path):
     from keyfold.apps.verify import report
     out = tmp_path / "v"
