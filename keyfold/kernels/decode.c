@@ -186,9 +186,11 @@ static void item(const job_t *J, int w) {
             __m512 bm = _mm512_set1_ps(-INFINITY);
             for (int j = 0; j < nb; j += 16) bm = _mm512_mask_max_ps(bm, first(nb - j), bm, _mm512_load_ps(&s[r][j]));
             const float mx = _mm512_reduce_max_ps(bm), mn = (isnan(mx) || mx > mm[r]) ? mx : mm[r];
-            /* under a mask, a row that has seen no key yet keeps m = -inf and subtracts 0: every p and corr
-             * is 0 (without one an -inf max comes from an infinite q or k, and the row stays NaN) */
-            const float base = mk && mn == -INFINITY ? 0.0f : mn;
+            /* a row that has seen no key yet (a mask's -inf, or scores of -inf from an infinite k, which
+             * PyTorch's op also takes as hidden keys) keeps m = -inf and subtracts 0: every p and corr is
+             * 0. Without a mask it subtracted -inf, and a first block or chunk of -inf scores made the
+             * row NaN where a later one did not (found in decode_avx2.c's review, 2026-12-07) */
+            const float base = mn == -INFINITY ? 0.0f : mn;
             const float corr = _mm512_cvtss_f32(exp16(_mm512_set1_ps(mm[r] - base)));  /* 0 on the first block */
             const __m512 mnv = _mm512_set1_ps(base);
             __m512 sum = _mm512_setzero_ps();
@@ -471,10 +473,9 @@ static void few_item(const job_t *J, int w, char *mem) {
             for (int m = 0; m < M; m++) bm = _mm512_max_ps(bm, _mm512_load_ps(sp[g][m]));
             bm = _mm512_max_ps(bm, _mm512_shuffle_f32x4(bm, bm, 0x4E));  /* a row's two lanes */
             const __m512 mn = _mm512_max_ps(mv[g], bm);                 /* NaN in bm wins */
-            /* under a mask, rows that have seen no key yet keep m = -inf and subtract 0: p and corr are 0
-             * (without one, as in item()) */
-            const __m512 base = mk ? _mm512_mask_mov_ps(mn, _mm512_cmp_ps_mask(mn, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
-                                                        _mm512_setzero_ps()) : mn;
+            /* rows that have seen no key yet keep m = -inf and subtract 0: p and corr are 0 (as in item()) */
+            const __m512 base = _mm512_mask_mov_ps(mn, _mm512_cmp_ps_mask(mn, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
+                                                   _mm512_setzero_ps());
             const __m512 corr = exp16(_mm512_sub_ps(mv[g], base));       /* 0 on the first block */
             __m512 sum = _mm512_setzero_ps();
             for (int m = 0; m < M; m++) {

@@ -244,9 +244,11 @@ static inline __attribute__((always_inline)) void item_of(const job_t *J, int w,
             }
             const float mx = _mm256_movemask_ps(nan) ? NAN : hmax8(bm);
             const float mn = (isnan(mx) || mx > mm[r]) ? mx : mm[r];
-            /* under a mask, a row that has seen no key yet keeps m = -inf and subtracts 0: every p and corr
-             * is 0 (without one an -inf max comes from an infinite q or k, and the row stays NaN) */
-            const float base = mk && mn == -INFINITY ? 0.0f : mn;
+            /* a row that has seen no key yet (a mask's -inf, or scores of -inf from an infinite k, which
+             * PyTorch's op also takes as hidden keys) keeps m = -inf and subtracts 0: every p and corr is
+             * 0. Without a mask it subtracted -inf, and a first block or chunk of -inf scores made the
+             * row NaN where a later one did not (a review, 2026-12-07) */
+            const float base = mn == -INFINITY ? 0.0f : mn;
             const float corr = _mm256_cvtss_f32(exp8(_mm256_set1_ps(mm[r] - base)));  /* 0 on the first block */
             const __m256 bv = _mm256_set1_ps(base);
             __m256 sum = _mm256_setzero_ps();

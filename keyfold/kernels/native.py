@@ -289,7 +289,8 @@ def _chunks(tasks: int, n: int, threads: int, dtype: torch.dtype = torch.float32
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` in float32 of rows ``q (B, H, R, D)`` over every key of ``k (B, H, N, D)``,
     ``v (B, H, N, Dv)`` (see :func:`pays` for what is taken). A row sees every key, so none is empty;
-    a NaN or infinite score makes its row NaN (out and lse), as in PyTorch's op.
+    a NaN or +inf score makes its row NaN (out and lse), as in PyTorch's op, and a score of -inf (an
+    infinite key) hides its key, as there; a row whose every score is -inf gets out 0 and lse -inf.
 
     Raises RuntimeError when the kernel is not available or refuses the shapes."""
     if not available():

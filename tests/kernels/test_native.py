@@ -113,6 +113,28 @@ def test_a_nan_or_infinite_score_reaches_the_output(bad, chunks, rows, monkeypat
     torch.testing.assert_close(out[:, 1:], good.out, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("lo", [0, 100, 1024])
+def test_scores_of_minus_infinity_hide_their_keys_wherever_they_fall(lo, rows):
+    """An infinite key whose scores are -inf: PyTorch's op gives it p = 0. Without a mask the kernel
+    subtracted the running max -inf from a first block (or a chunk's first) of such scores and made the
+    row NaN, where the same keys later in the cache were hidden (a review, 2026-12-07). Now hidden
+    wherever they fall, as SDPA; a row whose every score is -inf gets out 0 and lse -inf."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, rows, 16)
+    q[..., 0] = 1.0
+    k, v = torch.randn(1, 2, 2048, 16), torch.randn(1, 2, 2048, 16)
+    k[0, 0, lo:lo + 32, 0] = float("-inf")
+    out, lse = native.attend(q, k, v, 0.25)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.25)
+    assert not out.isnan().any() and not lse.isnan().any()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    k[0, 0, :, 0] = float("-inf")                     # every score of head 0 is -inf
+    out, lse = native.attend(q, k, v, 0.25)
+    assert (out[0, 0] == 0).all() and (lse[0, 0] == float("-inf")).all()
+    torch.testing.assert_close(out[0, 1], ref[0, 1], atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("R", [1, 3, 4, 5, 8, 13, 64])
 def test_the_kernel_adds_a_mask_tile_and_leaves_rows_that_see_nothing_at_zero(R, dtype):
