@@ -329,7 +329,7 @@ def _markdown(res, cmd: str) -> str:
                 "the OS allows (`keyfold/caches/_storage.py`), and decode is bound by memory and TLB, so "
                 "that difference is the allocation, not the kernel (timed in a round of their own, keyfold "
                 "alternating with SDPA on the copy: between the others it slowed the call after it). `kernel`: where keyfold's step ran, "
-                "`native` (keyfold's own decode kernel, `keyfold/kernels/decode.c`) or `op` (PyTorch's "
+                "`native` (keyfold's own decode kernel, `keyfold/kernels/decode.c`, or `decode_avx2.c` on CPUs without AVX-512) or `op` (PyTorch's "
                 f"fused CPU op); the native kernel here: {c.get('native', 'n/a')}."]
     fp32 = {r["tokens"]: r for r in res["decode"] if r["case"] == "float32"}
     for half in ("bfloat16", "float16"):
