@@ -23,6 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "decode_merge.h"
+
 #include "simd.h"
 
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__)
@@ -534,37 +536,9 @@ static void few_item(const job_t *J, int w, char *mem) {
     }
 }
 
-/* Merge every head's chunks into out and lse. A chunk of no keys (m = -inf, l = 0) is skipped; any
- * other, NaN included, takes part, so a NaN or infinite score reaches out and lse as NaN. */
+/* Merge every head's chunks into out and lse (decode_merge.h) */
 static void finish(const job_t *J) {
-    const int R = J->R, Dv = J->Dv, C = J->chunks, P = (Dv + 15) / 16 * 16;
-    for (int bh = 0; bh < J->B * J->H; bh++)
-        for (int r = 0; r < R; r++) {
-            float M = -INFINITY, L = 0.0f;
-            for (int c = 0; c < C; c++) {
-                const size_t i = (size_t)(bh * C + c) * R + r;
-                if (J->l[i] == 0.0f && J->m[i] == -INFINITY) continue;
-                if (isnan(J->m[i]) || isnan(J->l[i])) M = NAN;
-                else if (J->m[i] > M) M = J->m[i];
-            }
-            float *o = J->out + ((size_t)bh * R + r) * Dv;
-            memset(o, 0, sizeof(float) * Dv);
-            for (int c = 0; c < C; c++) {
-                const size_t i = (size_t)(bh * C + c) * R + r;
-                if (J->l[i] == 0.0f && J->m[i] == -INFINITY) continue;
-                const float f = expf(J->m[i] - M);
-                const float *a = J->acc + i * P;
-                L += f * J->l[i];
-                for (int d = 0; d < Dv; d++) o[d] += f * a[d];
-            }
-            if (L == 0.0f && M == -INFINITY) {  /* a row that saw no key (masked): out 0, lse -inf */
-                J->lse[(size_t)bh * R + r] = -INFINITY;
-                continue;
-            }
-            const float inv = 1.0f / L;
-            for (int d = 0; d < Dv; d++) o[d] *= inv;
-            J->lse[(size_t)bh * R + r] = M + logf(L);
-        }
+    merge_chunks(J->B * J->H, J->R, J->chunks, J->Dv, (J->Dv + 15) / 16 * 16, J->m, J->l, J->acc, J->out, J->lse);
 }
 
 /* What this build compiled in: bit 0, bfloat16 keys dotted by vdpbf16ps (AVX-512-BF16); bit 1, the

@@ -25,6 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "decode_merge.h"
+
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
 #error "keyfold's AVX2 decode kernel needs AVX2, FMA and F16C"
 #endif
@@ -276,37 +278,9 @@ static void item_f32(const job_t *J, int w, float *mem) { item_of(J, w, mem, KF_
 static void item_bf16(const job_t *J, int w, float *mem) { item_of(J, w, mem, KF_BF16); }
 static void item_f16(const job_t *J, int w, float *mem) { item_of(J, w, mem, KF_F16); }
 
-/* Merge every head's chunks into out and lse (decode.c's finish). A chunk of no keys (m = -inf, l = 0)
- * is skipped; any other, NaN included, takes part, so a NaN or infinite score reaches out and lse. */
+/* Merge every head's chunks into out and lse (decode_merge.h) */
 static void finish(const job_t *J) {
-    const int R = J->R, Dv = J->Dv, C = J->chunks, P = J->Dvp;
-    for (int bh = 0; bh < J->B * J->H; bh++)
-        for (int r = 0; r < R; r++) {
-            float M = -INFINITY, L = 0.0f;
-            for (int c = 0; c < C; c++) {
-                const size_t i = (size_t)(bh * C + c) * R + r;
-                if (J->l[i] == 0.0f && J->m[i] == -INFINITY) continue;
-                if (isnan(J->m[i]) || isnan(J->l[i])) M = NAN;
-                else if (J->m[i] > M) M = J->m[i];
-            }
-            float *o = J->out + ((size_t)bh * R + r) * Dv;
-            memset(o, 0, sizeof(float) * Dv);
-            for (int c = 0; c < C; c++) {
-                const size_t i = (size_t)(bh * C + c) * R + r;
-                if (J->l[i] == 0.0f && J->m[i] == -INFINITY) continue;
-                const float f = expf(J->m[i] - M);
-                const float *a = J->acc + i * P;
-                L += f * J->l[i];
-                for (int d = 0; d < Dv; d++) o[d] += f * a[d];
-            }
-            if (L == 0.0f && M == -INFINITY) {  /* a row that saw no key (masked): out 0, lse -inf */
-                J->lse[(size_t)bh * R + r] = -INFINITY;
-                continue;
-            }
-            const float inv = 1.0f / L;
-            for (int d = 0; d < Dv; d++) o[d] *= inv;
-            J->lse[(size_t)bh * R + r] = M + logf(L);
-        }
+    merge_chunks(J->B * J->H, J->R, J->chunks, J->Dv, J->Dvp, J->m, J->l, J->acc, J->out, J->lse);
 }
 
 /* decode.c's feature bits: none of its three (no vdpbf16ps, no prefill kernel); bit 3 says this is the

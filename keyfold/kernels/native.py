@@ -62,7 +62,8 @@ __all__ = ["available", "why", "isa", "backward_available", "bf16_dot", "pays", 
            "backward_takes", "backward", "backward_sums", "backward_amx_available", "MAX_ROWS", "FEW_ROWS",
            "MIN_KEYS"]
 
-#: The sources, compiled into one library, and the header they share (part of the build's hash).
+#: The sources, compiled into one library, and the header they share (part of the build's hash, with every
+#: other header beside them: decode_merge.h, shared with decode_avx2.c).
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("decode.c", "prefill.c", "backward.c"))
 HEADER = Path(__file__).with_name("simd.h")
 #: The decode kernel alone for CPUs with AVX2, FMA and F16C but no AVX-512 (it includes no header).
@@ -135,7 +136,9 @@ def _load(sources: tuple[Path, ...], header: Path | None) -> tuple[ctypes.CDLL |
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"the C compiler {cc} does not run: {e}"
-    key = hashlib.sha256("\0".join([*(f.read_text() for f in (*sources, *([header] if header else []))), " ".join(FLAGS), version,
+    # every header beside the sources (simd.h, decode_merge.h) is part of what they compile
+    headers = sorted({h for f in sources for h in f.parent.glob("*.h")} | ({Path(header)} if header else set()))
+    key = hashlib.sha256("\0".join([*(f.read_text() for f in (*sources, *headers)), " ".join(FLAGS), version,
                                     " ".join(sorted(cpu_flags()))]).encode()).hexdigest()[:16]
     path = _cache_dir() / f"native-{key}.so"
     if not path.exists():
