@@ -29,12 +29,15 @@ def test_memory_bench_runs_measures_and_skips_what_would_not_fit(tmp_path):
     assert "threads" in md and "VmHWM" in md
     assert md.count("\n| causal | 2048 |") == 1 and md.count("\n| window1024 | 2048 |") == 1
 
-    # --append keeps the rows already there and adds (or replaces) the new ones
-    assert memory.main(["--sizes", "1024", "--variants", "causal", "--append", "--out", str(tmp_path)]) == 0
+    # --append keeps the rows already there and adds (or replaces) the new ones (window1024 with SDPA
+    # skipped: one fresh process, not two)
+    assert memory.main(["--sizes", "1024", "--variants", "window1024", "--max-gib", "1e-6", "--append",
+                        "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "memory.json").read_text())
-    assert [(r["variant"], r["N"]) for r in data["rows"]] == [("causal", 1024), ("causal", 2048), ("window1024", 2048)]
+    assert [(r["variant"], r["N"]) for r in data["rows"]] == [("window1024", 1024), ("causal", 2048),
+                                                               ("window1024", 2048)]
     assert len(data["commands"]) == 2
-    assert (tmp_path / "memory.md").read_text().count("\n| causal | ") == 2
+    assert (tmp_path / "memory.md").read_text().count("\n| window1024 | ") == 2
 
 
 def test_memory_bench_rejects_an_unknown_variant(tmp_path):
