@@ -660,6 +660,11 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
             if isinstance(obj, (weakref.WeakValueDictionary, weakref.WeakKeyDictionary)):
                 stack += [(x, depth + 1) for kv in list(obj.items()) for x in kv]
                 continue
+            if isinstance(obj, types.MethodType):  # a bound method: its function and its object. The method
+                # itself is a fresh object at every attribute access: its id names nothing, and under
+                # torch.compile a guard on it failed in the frame that made it (score=self.score_mod)
+                stack += [(obj.__func__, depth + 1), (obj.__self__, depth + 1)]
+                continue
             if id(obj) in seen or (isinstance(obj, types.FunctionType) and _library(obj)) \
                     or (type(obj).__module__ or "").split(".")[0] in _OPAQUE or isinstance(obj, _LOCKS):
                 continue
@@ -688,6 +693,10 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
                     except ValueError:  # a cell not yet assigned
                         nxt.append(None)
                 nxt += list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
+                # its code too (code objects compare by their bytecode, constants and names): a helper the
+                # mask calls, redefined (a notebook cell run again), or a lambda swapped in a captured dict
+                # kept the old plan (errors 1.6-1.8; a review, 2026-12-07)
+                found.append(obj.__code__)
                 code = _code_names(obj.__code__)
                 names.update(code)
                 g = obj.__globals__

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import types
 
 import torch
 
@@ -43,11 +44,41 @@ _CALLABLES: dict[int, object] = {}  # key -> a user's callable or mask/score obj
 
 
 @torch._dynamo.assume_constant_result
-def _callable_key(fn) -> int:
-    """A stable int naming a user's mask_mod / score_mod callable (run eagerly, even under dynamo)."""
+def _register(fn) -> int:
+    """Keep ``fn`` in the registry under its id (run eagerly, even under dynamo: the op looks it up)."""
     key = id(fn)
     _CALLABLES[key] = fn
     return key
+
+
+def _callable_key(fn) -> int:
+    """A stable int naming a user's mask_mod / score_mod callable.
+
+    Under dynamo the key is a constant of the graph. Comparing it with ``id(fn)`` in traced code makes
+    dynamo guard on the object itself, so another callable of the same code (a mask factory's new
+    closure each batch: attention-gym's document masks, a window of another width) recompiles and gets
+    its own key. Without that guard the graph kept the first closure's key and ran the first closure:
+    errors of 1.6-3.1 after the document boundaries moved (a review, 2026-12-07). The registry keeps
+    every registered callable alive, so no id is reused while a graph names it."""
+    key = _register(fn)
+    if isinstance(fn, types.FunctionType):
+        try:
+            fn.__closure__
+        except AttributeError:  # dynamo's stand-in for a function made inside the traced one: made anew
+            return key          # from the same code at every call (the first one's key serves), and with no
+            # identity to guard on (an id() there breaks the graph)
+    if id(fn) != key:  # never true: the comparison is the guard
+        raise RuntimeError("keyfold: a callable's registry key does not match it")
+    return key
+
+
+def _callable_node(fn) -> str:
+    """The spec node of a user's callable: ``["fn", key]``, or for a bound method (``mask=self.mask_mod``)
+    ``["method", key of its function, key of its object]``: dynamo cannot hand a bound method to
+    :func:`_register` as one constant (``fullgraph=True`` raised its "argument conversion failed")."""
+    if isinstance(fn, types.MethodType):
+        return '["method",' + str(_callable_key(fn.__func__)) + ',' + str(_callable_key(fn.__self__)) + ']'
+    return '["fn",' + str(_callable_key(fn)) + ']'
 
 
 def _num(x) -> str:
@@ -99,7 +130,7 @@ def _flat_mask(m, tensors: list) -> str:
     if type(m) is _DenseMask:  # a dense bool mask (SDPA's attn_mask): its tensor is data
         return '["dense",' + _slot(m.table.t, tensors) + ',' + str(m.q0) + ',' + str(m.k0) + ']'
     if type(m) is M.MaskFn:
-        return '["fn",' + str(_callable_key(m.fn)) + ']'
+        return _callable_node(m.fn)
     # a user's own Mask class: passed by reference (build it outside the compiled function)
     return '["obj",' + str(_callable_key(m)) + ']'
 
@@ -120,7 +151,7 @@ def _flat_score(s, tensors: list, grads) -> str:
         slot = _slot(s.live.detach(), tensors) if i is None else '["g",' + str(i) + ']'
         return '["bias",' + slot + ',' + str(s.q0) + ',' + str(s.k0) + ']'
     if type(s) is S.ScoreFn:
-        return '["fn",' + str(_callable_key(s.fn)) + ']'
+        return _callable_node(s.fn)
     return '["obj",' + str(_callable_key(s)) + ']'
 
 
@@ -193,6 +224,8 @@ def _build_mask(node, tensors):
         return M.varlen(t(args[0]), t(args[1]), window=(args[2], args[3]))
     if op == "fn":
         return M.MaskFn(_CALLABLES[args[0]])
+    if op == "method":
+        return M.MaskFn(types.MethodType(_CALLABLES[args[0]], _CALLABLES[args[1]]))
     if op == "obj":
         return _CALLABLES[args[0]]
     raise ValueError(f"unknown mask node {op!r}")
@@ -218,6 +251,8 @@ def _build_score(node, tensors, grads):
         raise ValueError(f"keyfold.ops: no builder for the score kind {kind}")
     if op == "fn":
         return S.ScoreFn(_CALLABLES[args[0]])
+    if op == "method":
+        return S.ScoreFn(types.MethodType(_CALLABLES[args[0]], _CALLABLES[args[1]]))
     if op == "obj":
         return _CALLABLES[args[0]]
     raise ValueError(f"unknown score node {op!r}")

@@ -410,3 +410,62 @@ def test_a_score_callable_made_inside_the_compiled_function_is_named_in_the_erro
     torch._dynamo.reset()
     got = torch.compile(_score_made_inside, backend="aot_eager")(q, k, v)
     torch.testing.assert_close(got, _score_made_inside(q, k, v))
+
+
+def _window_factory(w):
+    def mask_mod(b, h, q_idx, kv_idx):  # attention-gym style: one closure per setting
+        return (kv_idx <= q_idx) & (q_idx - kv_idx <= w)
+    return mask_mod
+
+
+def _doc_factory(ids):
+    def mask_mod(b, h, q_idx, kv_idx):
+        return ids[q_idx] == ids[kv_idx]
+    return mask_mod
+
+
+def test_a_new_closure_of_the_same_code_is_a_new_mask_under_compile():
+    """A mask factory's new closure (a window of another width, attention-gym's document mask built per
+    batch) was run as the first closure: the graph held the first one's registry key, and dynamo had
+    no guard on the callable (errors 1.6-3.1 against eager; a review, 2026-12-07). Now every step
+    matches eager, passed as an argument or held on a module."""
+    q, k, v = (torch.randn(1, 2, 64, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    layer = torch.compile(lambda q, k, v, m: kf.attention(q, k, v, mask=m), backend="aot_eager", fullgraph=True)
+
+    class Model(torch.nn.Module):
+        def forward(self, q, k, v):
+            return kf.attention(q, k, v, mask=self.mask_mod)
+    model = torch.compile(Model(), backend="aot_eager", fullgraph=True)
+    makers = [_window_factory(w) for w in (10, 40, 3)]
+    makers += [_doc_factory(torch.arange(64) >= cut) for cut in (50, 20)]
+    for make in makers:
+        want = kf.attention(q, k, v, mask=make)
+        torch.testing.assert_close(layer(q, k, v, make), want)
+        model.mask_mod = make
+        torch.testing.assert_close(model(q, k, v), want)
+
+
+def test_a_bound_method_mask_compiles_whole():
+    """mask=self.mask_mod under fullgraph=True raised dynamo's "assume_constant_result argument
+    conversion failed" (a review, 2026-12-07): a bound method is now named by its function and its
+    object. The object's state is read when the op runs (a changed window gives a new plan)."""
+    q, k, v = (torch.randn(1, 2, 64, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = 10
+
+        def mask_mod(self, b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (q_idx - kv_idx <= self.w)
+
+        def score_mod(self, s, b, h, q_idx, kv_idx):
+            return s - 0.01 * self.w * (q_idx - kv_idx).abs()
+
+        def forward(self, q, k, v):
+            return kf.attention(q, k, v, mask=self.mask_mod, score=self.score_mod)
+    eager = Layer()
+    compiled = torch.compile(eager, backend="aot_eager", fullgraph=True)
+    for w in (10, 3):
+        eager.w = w
+        torch.testing.assert_close(compiled(q, k, v), eager(q, k, v))
