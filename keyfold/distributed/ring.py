@@ -203,7 +203,10 @@ class _GatherFn(torch.autograd.Function):
 class _SeqToHeads(torch.autograd.Function):
     """``(B, H, n, X)`` sequence shard -> ``(B, H/P, P*n, X)`` head shard, rows in rank order.
 
-    Its gradient is the inverse all-to-all (and vice versa)."""
+    Its gradient is the inverse all-to-all (and vice versa), itself this Function, so a gradient taken
+    with ``create_graph=True`` differentiates again: the raw all-to-all in the backward cut that path,
+    and a gradient penalty's second derivatives came back without the attention's part, off by O(1)
+    with no error (a review, 2026-12-07)."""
 
     @staticmethod
     def forward(ctx, x, comm: Comm, inverse: bool):
@@ -212,7 +215,7 @@ class _SeqToHeads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return (_seq_to_heads(g, ctx.comm) if ctx.inverse else _heads_to_seq(g, ctx.comm)), None, None
+        return _SeqToHeads.apply(g, ctx.comm, not ctx.inverse), None, None
 
 
 def _seq_to_heads(x, comm: Comm):
@@ -258,7 +261,7 @@ def _ulysses(q, k, v, job: Job, comm: Comm):
 # ------------------------------------------------------------------------------- public
 
 
-def _validate(q, k, v, P, layout, strategy, mask, score, head_groups):
+def _validate(q, k, v, P, layout, strategy, mask, score, head_groups, backend=Backend.AUTO):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D local shard (batch, heads, seq, head_dim), "
@@ -286,6 +289,18 @@ def _validate(q, k, v, P, layout, strategy, mask, score, head_groups):
         mask.check_positions(0, N, 0, N)
     if score is not None:
         score.check_heads(q.shape[1])
+    # what the ring's and all-gather's piece backward cannot do, refused before any rank sends a byte: in
+    # the backward it raised with advice for another function, and a ring left its transfers posted, so
+    # the group's next call timed out (a review, 2026-12-07)
+    if strategy is not Strategy.ALL_TO_ALL and torch.is_grad_enabled():
+        if backend is Backend.REFERENCE and any(t.requires_grad for t in (q, k, v)):
+            raise ValueError(f"ring_attention(backend=Backend.REFERENCE) with Strategy.{strategy.name}: its backward "
+                             f"runs a piece backward, which the reference has not; use Strategy.ALL_TO_ALL (over "
+                             f"REFERENCE it differentiates twice) or Backend.AUTO")
+        if score is not None and any(t.requires_grad for t in score.tensors()):
+            raise NotImplementedError(f"ring_attention with Strategy.{strategy.name}: the score modifier reads "
+                                      f"tensors that require grad, which its piece backward does not give; use "
+                                      f"Strategy.ALL_TO_ALL, or detach them")
 
 
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
@@ -324,8 +339,8 @@ def ring_attention(q, k, v, *, group=None, mask=None, score=None, scale=None,
     error = None
     try:
         mask, score = as_mask(mask), as_score(score)
-        _validate(q, k, v, comm.size, layout, strategy, mask, score, head_groups)
-    except (ValueError, TypeError) as e:
+        _validate(q, k, v, comm.size, layout, strategy, mask, score, head_groups, backend)
+    except (ValueError, TypeError, NotImplementedError) as e:
         error = e
     meta = {n: tuple(getattr(t, "shape", ())) for n, t in (("q", q), ("k", k), ("v", v))}
     meta.update(dtype=str(getattr(q, "dtype", None)), layout=getattr(layout, "name", layout),

@@ -211,3 +211,36 @@ _CALL_W = 3
 class _CallBand:
     def __call__(self, b, h, qi, ki):
         return (qi - ki).abs() <= _CALL_W
+
+
+def _worker_backward_it_cannot_run(rank, P):
+    from keyfold.distributed import Strategy
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 8, 8, generator=g).requires_grad_(True) for _ in range(3))
+    table = torch.zeros(2, requires_grad=True)
+    said = []
+    for strategy in (Strategy.RING, Strategy.ALL_GATHER):
+        for kw in (dict(backend=keyfold.Backend.REFERENCE),
+                   dict(score=lambda s, b, h, qi, ki: s + table[h])):
+            try:
+                ring_attention(q, k, v, mask=keyfold.causal(), strategy=strategy, **kw).sum().backward()
+                said.append("no error")
+            except ShardError as e:
+                said.append(str(e))
+    # the group is still whole: a plain call runs on every rank
+    out = ring_attention(q, k, v, mask=keyfold.causal())
+    out.sum().backward()
+    return said, bool(torch.isfinite(q.grad).all())
+
+
+def test_what_the_ring_backward_cannot_run_is_refused_before_the_forward():
+    """Backend.REFERENCE, or a score whose tensors train, over RING or ALL_GATHER: the forward ran,
+    the backward raised (with advice for attend_backward, a function the user never called), and the
+    ring left transfers posted, so the next collective timed out (a review, 2026-12-07). Now each is
+    refused on every rank before a byte is sent, naming what to use, and the group stays usable."""
+    for status, (said, finite) in ((s, v) for s, v in launch(_worker_backward_it_cannot_run, 2, pg_timeout=20,
+                                                             deadline=90).values()):
+        assert status == "ok"
+        assert len(said) == 4 and finite
+        assert all("Strategy.ALL_TO_ALL" in m for m in said), said
+        assert "piece backward" in said[0] and "require grad" in said[1]
