@@ -167,7 +167,8 @@ def main(argv=None) -> int:
                f"{'keyfold ms':>12}{'SDPA ms':>14}{'ratio':>8}"
         print("\n" + "\n".join([head, "-" * len(head)] + rows))
         print("\nOne new token over a KVCache in each cache dtype; SDPA reads the same cache. kernel: where keyfold's"
-              "\nstep ran, PyTorch's fused op or keyfold's native decode kernel (keyfold/kernels/decode.c).")
+              "\nstep ran, PyTorch's fused op or keyfold's native decode kernel (keyfold/kernels/decode.c;"
+              "\ndecode_avx2.c on CPUs without AVX-512).")
     return 1 if failures else 0
 
 
