@@ -606,6 +606,21 @@ def _static_attr(space, name: str):
     return _MISSING
 
 
+def same_callable(a, b) -> bool:
+    """``a`` and ``b`` are one callable: the same object, or bound methods of one function on one object
+    (``self.mask_mod`` is a new method object at every attribute access: compared by identity, every
+    call missed the plan cache)."""
+    if a is b:
+        return True
+    return (isinstance(a, types.MethodType) and isinstance(b, types.MethodType)
+            and a.__func__ is b.__func__ and a.__self__ is b.__self__)
+
+
+def callable_id(fn) -> int | tuple:
+    """What :func:`same_callable` compares, as a hashable value."""
+    return (id(fn.__func__), id(fn.__self__)) if isinstance(fn, types.MethodType) else id(fn)
+
+
 def captured(fn, leaf=None) -> tuple[list, bool]:
     """Everything a callable can read that its result may depend on: tensors, numpy arrays and
     plain values in its closure cells, defaults, the globals its code names, a bound method's

@@ -1029,10 +1029,10 @@ class MaskFn(Mask):
         return f"mask_fn({_fn_name(self.fn)})"
 
     def __eq__(self, other):
-        return type(other) is MaskFn and self.fn is other.fn
+        return type(other) is MaskFn and _callables.same_callable(self.fn, other.fn)
 
     def __hash__(self):
-        return hash(("fn", id(self.fn)))
+        return hash(("fn", _callables.callable_id(self.fn)))
 
 
 # ------------------------------------------------------------ what a callable captures

@@ -61,12 +61,12 @@ def _callable_key(fn) -> int:
     errors of 1.6-3.1 after the document boundaries moved (a review, 2026-12-07). The registry keeps
     every registered callable alive, so no id is reused while a graph names it."""
     key = _register(fn)
-    if isinstance(fn, types.FunctionType):
-        try:
-            fn.__closure__
-        except AttributeError:  # dynamo's stand-in for a function made inside the traced one: made anew
-            return key          # from the same code at every call (the first one's key serves), and with no
-            # identity to guard on (an id() there breaks the graph)
+    if not isinstance(fn, types.FunctionType):  # a partial, a callable object, a Mask class: keyed as before
+        return key                              # (one made inside the traced function has no identity to guard)
+    try:
+        fn.__closure__
+    except AttributeError:  # dynamo's stand-in for a function made inside the traced one: made anew from the
+        return key          # same code at every call (the first one's key serves); an id() there breaks the graph
     if id(fn) != key:  # never true: the comparison is the guard
         raise RuntimeError("keyfold: a callable's registry key does not match it")
     return key
@@ -76,8 +76,11 @@ def _callable_node(fn) -> str:
     """The spec node of a user's callable: ``["fn", key]``, or for a bound method (``mask=self.mask_mod``)
     ``["method", key of its function, key of its object]``: dynamo cannot hand a bound method to
     :func:`_register` as one constant (``fullgraph=True`` raised its "argument conversion failed")."""
-    if isinstance(fn, types.MethodType):
-        return '["method",' + str(_callable_key(fn.__func__)) + ',' + str(_callable_key(fn.__self__)) + ']'
+    if isinstance(fn, types.MethodType):  # its object guarded by identity too: it holds what the method reads
+        obj = _register(fn.__self__)
+        if id(fn.__self__) != obj:
+            raise RuntimeError("keyfold: a callable's registry key does not match it")
+        return '["method",' + str(_callable_key(fn.__func__)) + ',' + str(obj) + ']'
     return '["fn",' + str(_callable_key(fn)) + ']'
 
 

@@ -224,11 +224,11 @@ class ScoreFn(ScoreMod):
         return f"score_fn({_fn_name(self.fn)})"
 
     def __eq__(self, other):
-        return (type(other) is ScoreFn and self.fn is other.fn and len(self.extra) == len(other.extra)
-                and all(a is b for a, b in zip(self.extra, other.extra)))
+        return (type(other) is ScoreFn and _callables.same_callable(self.fn, other.fn)
+                and len(self.extra) == len(other.extra) and all(a is b for a, b in zip(self.extra, other.extra)))
 
     def __hash__(self):
-        return hash(("score_fn", id(self.fn), tuple(id(t) for t in self.extra)))
+        return hash(("score_fn", _callables.callable_id(self.fn), tuple(id(t) for t in self.extra)))
 
 
 class _Chain(ScoreMod):

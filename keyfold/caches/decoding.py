@@ -146,7 +146,7 @@ def _groups_state(q, groups: list[Group], mask, score, scale, splits, backend, D
     """Per group of rows, then the rows put back together in order."""
     B = q.shape[0]
     if not groups:  # no sequence (seq_ids=[]: every request finished): an empty batch, as attention gives
-        return empty_state(0, q.shape[1], q.shape[2], Dv, dtype=state_dtype(q.dtype), device=q.device)
+        return empty_state(0, q.shape[1], q.shape[2], Dv, dtype=state_dtype(q.dtype), device=q.device, of=(q,))
     states = []
     for g in groups:
         m, sc = mask, score
@@ -319,7 +319,8 @@ def cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix_lengths=None, m
     qc = q if q.dtype == dtype else q.to(dtype)
     mask, score = as_mask(mask), as_score(score)
     if R == 0:  # no request: an empty batch (the prefix call had no rows, and torch.cat no states)
-        st = empty_state(0, Hq, Nq, prefix_v.shape[-1], dtype=state_dtype(dtype), device=q.device)
+        st = empty_state(0, Hq, Nq, prefix_v.shape[-1], dtype=state_dtype(dtype), device=q.device,
+                         of=(q, prefix_k, prefix_v, suffix_k, suffix_v))
         out = st.out.to(q.dtype)
         return (out, st.lse) if return_lse else out
 

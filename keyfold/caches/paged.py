@@ -215,8 +215,11 @@ class PagedKVCache:
         # as it was: the block tables, lengths, fills and the pages taken or un-shared are put back. A
         # page left in a table at an unchanged length was the one a later fork's copy-on-write took
         # for the last page, so two sequences wrote into one page (a review, 2026-12-07)
-        before = {s: (list(self._tables[s]), self._len[s]) for s in ids}
-        fills = {t[-1]: self._fill[t[-1]] for t, _ in before.values() if t}
+        # what a write can change, O(1) a sequence (a decoding step must not copy whole block tables):
+        # a table only grows at its end or has its last page replaced (copy-on-write)
+        before = {s: (len(self._tables[s]), self._tables[s][-1] if self._tables[s] else None, self._len[s])
+                  for s in ids}
+        fills = {last: self._fill[last] for _, last, _ in before.values() if last is not None}
         undo: list[tuple[str, int]] = []
         try:
             for i, (s, m) in enumerate(zip(ids, lens)):
@@ -229,8 +232,12 @@ class PagedKVCache:
                     self._release(p)
                 else:  # "unshared": the copy-on-write let go of a shared page
                     self._ref[p] += 1
-            for s, (table, L) in before.items():
-                self._tables[s], self._len[s] = table, L
+            for s, (n, last, L) in before.items():
+                table = self._tables[s]
+                del table[n:]
+                if last is not None:
+                    table[-1] = last
+                self._len[s] = L
             for p, f in fills.items():
                 self._fill[p] = f
             raise
