@@ -42,7 +42,7 @@ def _builds(specs: list[str], dtype: str | None) -> dict:
         missing = [str(f) for f in (*sources, d / "simd.h") if not f.exists()]
         if missing:
             raise SystemExit(f"builds: {name} lacks {', '.join(missing)}; copy keyfold/kernels and change it")
-        lib, why = native._load(sources, d / "simd.h")
+        lib, why = native._load(sources)
         if lib is None:
             raise SystemExit(f"builds: {name} did not build: {why}")
         if dtype == "bfloat16" and lib.kf_prefill_init() != 0:

@@ -716,8 +716,6 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
                 names.update(code)
                 g = obj.__globals__
                 nxt += [g[n] for n in code if n in g]
-            elif isinstance(obj, types.MethodType):
-                nxt += [obj.__func__, obj.__self__]
             elif isinstance(obj, functools.partial):
                 nxt += [obj.func, *obj.args, *obj.keywords.values()]
             elif isinstance(obj, (list, tuple, collections.deque)):  # (a deque: its items now)

@@ -132,10 +132,7 @@ class AttentionCache:
             self.kv = KVCache(B, H, D, max(self.capacity, n), dtype=k.dtype, value_dim=v.shape[-1],
                               device=k.device)
         elif self.kv.lengths[0] + n > self.kv.capacity:  # double: amortised O(1) per token
-            old, L = self.kv, self.kv.lengths[0]
-            self.kv = KVCache(B, H, D, max(2 * old.capacity, L + n), dtype=old.dtype, value_dim=old.value_dim,
-                              device=k.device)
-            self.kv.append(old.k[:, :, :L], old.v[:, :, :L])
+            self._copy(slice(None), max(2 * self.kv.capacity, self.kv.lengths[0] + n))
         self.kv.append(k, v)
         return self._held()
 
@@ -153,14 +150,19 @@ class AttentionCache:
             if index.numel() == self.kv.batch:
                 self.kv.reorder(index)
                 return
-            old, L = self.kv, self.kv.lengths[0]
-            if int(index.min()) < 0 or int(index.max()) >= old.batch:
-                raise ValueError(f"AttentionCache.reorder(index): rows {index.tolist()} of a cache of {old.batch}")
-            idx = index.to(old.k.device)
-            self.kv = KVCache(index.numel(), old.heads, old.head_dim, old.capacity, dtype=old.dtype,
-                              value_dim=old.value_dim, device=old.k.device)
-            if L:
-                self.kv.append(old.k[idx, :, :L], old.v[idx, :, :L])
+            if int(index.min()) < 0 or int(index.max()) >= self.kv.batch:
+                raise ValueError(f"AttentionCache.reorder(index): rows {index.tolist()} of a cache of "
+                                 f"{self.kv.batch}")
+            self._copy(index.to(self.kv.k.device), self.kv.capacity)
+
+    def _copy(self, rows, capacity: int) -> None:
+        """A new cache of ``capacity`` tokens holding ``rows`` (an index or a slice) of what is held."""
+        old, L = self.kv, self.kv.lengths[0]
+        B = old.batch if isinstance(rows, slice) else rows.numel()
+        self.kv = KVCache(B, old.heads, old.head_dim, capacity, dtype=old.dtype, value_dim=old.value_dim,
+                          device=old.k.device)
+        if L:
+            self.kv.append(old.k[rows, :, :L], old.v[rows, :, :L])
 
     def reset(self) -> None:
         """Forget what is held: the next step starts a new cache (any batch)."""

@@ -60,14 +60,20 @@ def _callable_key(fn) -> int:
     its own key. Without that guard the graph kept the first closure's key and ran the first closure:
     errors of 1.6-3.1 after the document boundaries moved (a review, 2026-12-07). The registry keeps
     every registered callable alive, so no id is reused while a graph names it."""
-    key = _register(fn)
     if not isinstance(fn, types.FunctionType):  # a partial, a callable object, a Mask class: keyed as before
-        return key                              # (one made inside the traced function has no identity to guard)
+        return _register(fn)                    # (one made inside the traced function has no identity to guard)
     try:
         fn.__closure__
     except AttributeError:  # dynamo's stand-in for a function made inside the traced one: made anew from the
-        return key          # same code at every call (the first one's key serves); an id() there breaks the graph
-    if id(fn) != key:  # never true: the comparison is the guard
+        return _register(fn)  # same code at every call (the first one's key serves); an id() there breaks the graph
+    return _guarded(fn)
+
+
+def _guarded(x) -> int:
+    """``x``'s registry key, compared with ``id(x)`` in traced code: the comparison (never true) is what
+    makes dynamo guard on ``x`` itself."""
+    key = _register(x)
+    if id(x) != key:
         raise RuntimeError("keyfold: a callable's registry key does not match it")
     return key
 
@@ -77,11 +83,14 @@ def _callable_node(fn) -> str:
     ``["method", key of its function, key of its object]``: dynamo cannot hand a bound method to
     :func:`_register` as one constant (``fullgraph=True`` raised its "argument conversion failed")."""
     if isinstance(fn, types.MethodType):  # its object guarded by identity too: it holds what the method reads
-        obj = _register(fn.__self__)
-        if id(fn.__self__) != obj:
-            raise RuntimeError("keyfold: a callable's registry key does not match it")
-        return '["method",' + str(_callable_key(fn.__func__)) + ',' + str(obj) + ']'
+        return '["method",' + str(_callable_key(fn.__func__)) + ',' + str(_guarded(fn.__self__)) + ']'
     return '["fn",' + str(_callable_key(fn)) + ']'
+
+
+def _callable_of(op: str, args) -> object:
+    """The callable a ``["fn", key]`` or ``["method", function key, object key]`` node names."""
+    fn = _CALLABLES[args[0]]
+    return types.MethodType(fn, _CALLABLES[args[1]]) if op == "method" else fn
 
 
 def _num(x) -> str:
@@ -225,10 +234,8 @@ def _build_mask(node, tensors):
         return M.full() if bool(table.all()) else _DenseMask(table, args[1], args[2])
     if op == "varlen":  # through the public builder, which checks the lengths
         return M.varlen(t(args[0]), t(args[1]), window=(args[2], args[3]))
-    if op == "fn":
-        return M.MaskFn(_CALLABLES[args[0]])
-    if op == "method":
-        return M.MaskFn(types.MethodType(_CALLABLES[args[0]], _CALLABLES[args[1]]))
+    if op in ("fn", "method"):
+        return M.MaskFn(_callable_of(op, args))
     if op == "obj":
         return _CALLABLES[args[0]]
     raise ValueError(f"unknown mask node {op!r}")
@@ -252,10 +259,8 @@ def _build_score(node, tensors, grads):
         if kind is S.ScoreKind.SOFTCAP:
             return S.softcap(p["cap"])
         raise ValueError(f"keyfold.ops: no builder for the score kind {kind}")
-    if op == "fn":
-        return S.ScoreFn(_CALLABLES[args[0]])
-    if op == "method":
-        return S.ScoreFn(types.MethodType(_CALLABLES[args[0]], _CALLABLES[args[1]]))
+    if op in ("fn", "method"):
+        return S.ScoreFn(_callable_of(op, args))
     if op == "obj":
         return _CALLABLES[args[0]]
     raise ValueError(f"unknown score node {op!r}")

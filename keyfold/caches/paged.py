@@ -217,9 +217,10 @@ class PagedKVCache:
         # for the last page, so two sequences wrote into one page (a review, 2026-12-07)
         # what a write can change, O(1) a sequence (a decoding step must not copy whole block tables):
         # a table only grows at its end or has its last page replaced (copy-on-write)
-        before = {s: (len(self._tables[s]), self._tables[s][-1] if self._tables[s] else None, self._len[s])
-                  for s in ids}
-        fills = {last: self._fill[last] for _, last, _ in before.values() if last is not None}
+        before = {}
+        for s in ids:
+            last = self._tables[s][-1] if self._tables[s] else None
+            before[s] = (len(self._tables[s]), last, None if last is None else self._fill[last], self._len[s])
         undo: list[tuple[str, int]] = []
         try:
             for i, (s, m) in enumerate(zip(ids, lens)):
@@ -232,14 +233,12 @@ class PagedKVCache:
                     self._release(p)
                 else:  # "unshared": the copy-on-write let go of a shared page
                     self._ref[p] += 1
-            for s, (n, last, L) in before.items():
+            for s, (n, last, fill, L) in before.items():
                 table = self._tables[s]
                 del table[n:]
                 if last is not None:
-                    table[-1] = last
+                    table[-1], self._fill[last] = last, fill
                 self._len[s] = L
-            for p, f in fills.items():
-                self._fill[p] = f
             raise
 
     def _write(self, s: int, k: torch.Tensor, v: torch.Tensor, m: int, undo: list) -> None:

@@ -174,7 +174,6 @@ def _global_values(fn) -> list:
     return out
 
 
-
 def _has_contents(cell) -> bool:
     try:
         cell.cell_contents

@@ -62,11 +62,11 @@ __all__ = ["available", "why", "isa", "backward_available", "bf16_dot", "pays", 
            "backward_takes", "backward", "backward_sums", "backward_amx_available", "MAX_ROWS", "FEW_ROWS",
            "MIN_KEYS"]
 
-#: The sources, compiled into one library, and the header they share (part of the build's hash, with every
-#: other header beside them: decode_merge.h, shared with decode_avx2.c).
+#: The sources, compiled into one library, and the header of their SIMD helpers (every header beside the
+#: sources, this one and decode_merge.h, shared with decode_avx2.c, is part of the build's hash).
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("decode.c", "prefill.c", "backward.c"))
 HEADER = Path(__file__).with_name("simd.h")
-#: The decode kernel alone for CPUs with AVX2, FMA and F16C but no AVX-512 (it includes no header).
+#: The decode kernel alone for CPUs with AVX2, FMA and F16C but no AVX-512 (it includes decode_merge.h).
 SOURCES_AVX2 = (Path(__file__).with_name("decode_avx2.c"),)
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast",
          "-fPIC", "-shared", "-fopenmp")
@@ -116,17 +116,17 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         return None, f"needs an x86-64 CPU with AVX-512 (this is {platform.machine()})"
     missing = {"avx512f", "avx512bw", "avx512vl"} - cpu_flags()
     if not missing:
-        return _load(SOURCES, HEADER)
+        return _load(SOURCES)
     lacks = {"avx2", "fma", "f16c"} - cpu_flags()
     if lacks:
         return None, f"this CPU lacks {', '.join(sorted(missing | lacks))}"
-    lib, said = _load(SOURCES_AVX2, None)
+    lib, said = _load(SOURCES_AVX2)
     return lib, (f"{said} (the AVX2 decode kernel alone: this CPU lacks {', '.join(sorted(missing))}, which the "
                  "prefill and backward kernels need)" if lib is not None else said)
 
 
-def _load(sources: tuple[Path, ...], header: Path | None) -> tuple[ctypes.CDLL | None, str]:
-    """Compile ``sources`` (decode.c, prefill.c and backward.c, with ``header``) into the cache unless built
+def _load(sources: tuple[Path, ...]) -> tuple[ctypes.CDLL | None, str]:
+    """Compile ``sources`` (decode.c, prefill.c and backward.c, or decode_avx2.c) into the cache unless built
     already, load the library and declare its entry points. ``benchmarks/kernel_ab.py`` loads
     changed copies of the sources this way."""
     cc = _compiler()
@@ -137,7 +137,7 @@ def _load(sources: tuple[Path, ...], header: Path | None) -> tuple[ctypes.CDLL |
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"the C compiler {cc} does not run: {e}"
     # every header beside the sources (simd.h, decode_merge.h) is part of what they compile
-    headers = sorted({h for f in sources for h in f.parent.glob("*.h")} | ({Path(header)} if header else set()))
+    headers = sorted({h for f in sources for h in f.parent.glob("*.h")})
     key = hashlib.sha256("\0".join([*(f.read_text() for f in (*sources, *headers)), " ".join(FLAGS), version,
                                     " ".join(sorted(cpu_flags()))]).encode()).hexdigest()[:16]
     path = _cache_dir() / f"native-{key}.so"
