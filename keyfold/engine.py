@@ -23,7 +23,7 @@ from .planner import Plan, _plan
 from .scores import as_score
 from .state import State, empty_state, state_dtype
 
-__all__ = ["attend", "attention", "attend_backward", "Backend"]
+__all__ = ["attend", "attention", "attend_backward", "attend_row_sums", "Backend"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 TILE_SPAN = 1024  # longest key span of a piece whose scores are materialised (tiles, bias)
@@ -136,15 +136,17 @@ class _Call:
                 return st
         return _tiles.forward(q, k, v, self.plan, self.pb, lse_exact=lse_exact)
 
-    def backward(self, q, k, v, out, lse, dout, dlse, whole_rows: bool = True):
+    def backward(self, q, k, v, out, lse, dout, dlse, whole_rows: bool = True, sums=None):
         """``(dq, dk, dv, d_score_tensors)``; the last is a tuple aligned with ``score_tensors``.
+        sums: the rows' totals of :func:`tiles.row_sums` (``attend_backward(row_sums=...)``; the call
+        was made on Backend.TILES for them).
 
         The fused CPU op gives no dS, so when a score tensor needs its gradient the CPU backend
         runs the backward's pieces through the tile path (torch ops), which differentiates the
         score modifier tile by tile; the forward stays fused."""
-        if self.score_tensors:
+        if self.score_tensors or sums is not None:
             dq, dk, dv, dts = _tiles.backward_with_score(q, k, v, out, lse, dout, dlse, self.plan, self.pb,
-                                                         self.score_tensors, whole_rows)
+                                                         self.score_tensors, whole_rows, sums)
             # a score tensor no piece read (a float mask that hides every pair) gets zeros, as in SDPA
             return dq, dk, dv, tuple(torch.zeros_like(t) if d is None else d for t, d in zip(self.score_tensors, dts))
         if self.backend is Backend.CPU:
@@ -512,9 +514,54 @@ def unshifted_lse(q, k, v, call: _Call, lse: torch.Tensor, lse_shift: torch.Tens
     return rel.to(lse.dtype)
 
 
+def _piece_call(name, q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, dropout_p, dropout_seed,
+                renormalised: bool) -> _Call:
+    """The resolved call of one piece's backward (:func:`attend_backward`, :func:`attend_row_sums`).
+    ``renormalised``: it runs with a row's totals, which only the tile kernel takes (its P and dP are
+    the ones :func:`attend_row_sums` sums; another kernel's would differ in the last bits)."""
+    if q_offset is None and isinstance(k, torch.Tensor) and k.dim() == 4 and q.dim() == 4:
+        q_offset = default_q_offset(_mask_object(mask), q.shape[2], k.shape[2], kv_offset)
+    if backend is Backend.REFERENCE:
+        raise ValueError(f"{name}(backend=Backend.REFERENCE): the reference has no piece backward (it "
+                         f"differentiates its own forward with autograd); use Backend.TILES, or Backend.AUTO")
+    if renormalised:
+        if backend not in (Backend.AUTO, Backend.TILES):
+            raise ValueError(f"{name}(backend={backend}) with row sums: P and dP must be the ones attend_row_sums "
+                             f"sums, which the tile kernel computes; use Backend.TILES, or Backend.AUTO")
+        backend = Backend.TILES
+    with torch.enable_grad():  # backward hooks run without grad mode; the score tensors still need theirs
+        return _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, False,
+                     *_dropout_args(dropout_p, dropout_seed, None))
+
+
+def _piece_lse(q, k, v, call: _Call, lse):
+    lse = lse.detach()
+    return lse if call.lse_shift is None else unshifted_lse(q, k, v, call, lse, call.lse_shift)
+
+
+def attend_row_sums(q, k, v, lse, dout, *, mask=None, score=None, scale=None, q_offset=None, kv_offset=0,
+                    block_size=None, dropout_p=0.0, dropout_seed=0):
+    """One piece's share of each row's totals for a renormalised :func:`attend_backward`:
+    ``(3, B, Hq, Nq)`` float64, the sums over this piece's keys of P = exp(s - lse), of P dP
+    (dP = dO V^T) and of keys with P > 0 (``keyfold.kernels.tiles.ROW_SUMS``).
+
+    lse: the *global* lse of the rows ``(B, Hq, Nq)``; dout: the global output's gradient. Sum
+    the shares over every piece of the rows' keys and hand the total to each piece's
+    ``attend_backward(..., row_sums=total)`` with the same arguments: its P then sums to 1 over
+    the row and D_i = sum P dP, as one softmax's backward takes them, whatever the rounding of
+    the forward's lse, and a row whose P is one key's gets dS = 0 there exactly. Ring attention's
+    backward does this (a pass over the key shards before the gradients). Runs on the tile kernel.
+    """
+    call = _piece_call("attend_row_sums", q, k, v, mask, score, scale, q_offset, kv_offset, Backend.AUTO, block_size,
+                       dropout_p, dropout_seed, True)
+    with torch.no_grad():
+        return _tiles.row_sums(q.detach(), k.detach(), v.detach(), _piece_lse(q, k, v, call, lse), dout.detach(),
+                               call.plan, call.pb)
+
+
 def attend_backward(q, k, v, out, lse, dout, *, mask=None, score=None, scale=None, q_offset=None,
                     kv_offset=0, dlse=None, backend=Backend.AUTO, block_size=None, score_grads=False,
-                    dropout_p=0.0, dropout_seed=0):
+                    dropout_p=0.0, dropout_seed=0, row_sums=None):
     """Gradients of one piece of keys, given the *global* ``out`` and ``lse`` (docs/math.md §2).
 
     out: ``(B, Hq, Nq, Dv)`` the final merged output; lse ``(B, Hq, Nq)`` the final lse; dout
@@ -522,28 +569,30 @@ def attend_backward(q, k, v, out, lse, dout, *, mask=None, score=None, scale=Non
     (float64 for float64 inputs): dq is this piece's share (sum the shares over pieces), dk and
     dv are this piece's keys' full gradients. Ring attention and split-KV backward use this.
 
+    row_sums: ``(3, B, Hq, Nq)`` float64, the totals of :func:`attend_row_sums` over every piece
+    of the rows' keys, or None. With them P is renormalised over the whole row and D_i is
+    sum P dP instead of dO . O: gradients as one process's backward gives them (a row that
+    sees one key gets dq = dk = 0 exactly). They run on the tile kernel (Backend.AUTO or TILES).
+
     score_grads: also return the gradients of the tensors the score modifier reads that have
     ``requires_grad`` (``score.tensors()``), as a fourth item: a tuple ``((tensor, grad), ...)``
     of this piece's shares (sum them over pieces; grad is None where the tensor had no
     effect). Without it, such tensors make this raise rather than lose their gradient.
     """
-    if q_offset is None and isinstance(k, torch.Tensor) and k.dim() == 4 and q.dim() == 4:
-        q_offset = default_q_offset(_mask_object(mask), q.shape[2], k.shape[2], kv_offset)
-    if backend is Backend.REFERENCE:
-        raise ValueError("attend_backward(backend=Backend.REFERENCE): the reference has no piece backward (it "
-                         "differentiates its own forward with autograd); use Backend.TILES, or Backend.AUTO")
-    with torch.enable_grad():  # backward hooks run without grad mode; the score tensors still need theirs
-        call = _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, False,
-                     *_dropout_args(dropout_p, dropout_seed, None))
+    if row_sums is not None:
+        if not isinstance(row_sums, torch.Tensor) or tuple(row_sums.shape) != (3, *q.shape[:3]):
+            raise ValueError(f"row_sums must be the (3, B, Hq, Nq) = (3, {', '.join(map(str, q.shape[:3]))}) totals "
+                             f"of attend_row_sums over the rows' pieces, got {getattr(row_sums, 'shape', row_sums)!r}")
+    call = _piece_call("attend_backward", q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size,
+                       dropout_p, dropout_seed, row_sums is not None)
     if call.score_tensors and not score_grads:
         raise ValueError(f"attend_backward: the score modifier {call.pb.score!r} reads "
                          f"{len(call.score_tensors)} tensor(s) with requires_grad; pass score_grads=True "
                          f"and add the returned gradients to them, or detach them")
-    lse = lse.detach()
-    if call.lse_shift is not None:
-        lse = unshifted_lse(q, k, v, call, lse, call.lse_shift)
+    lse = _piece_lse(q, k, v, call, lse)
     dq, dk, dv, dts = call.backward(q.detach(), k.detach(), v.detach(), out.detach(), lse,
-                                    dout.detach(), None if dlse is None else dlse.detach(), whole_rows=False)
+                                    dout.detach(), None if dlse is None else dlse.detach(), whole_rows=False,
+                                    sums=None if row_sums is None else row_sums.detach().to(torch.float64))
     if score_grads:
         return dq, dk, dv, tuple(zip(call.score_tensors, dts))
     return dq, dk, dv

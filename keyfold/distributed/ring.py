@@ -27,7 +27,7 @@ from ..scores import as_score
 from ..state import State, empty_state, state_dtype
 from .comm import Comm, Described
 from .layout import Layout, Run, check_length, gather_order
-from .pieces import Job, accumulate, piece_grads
+from .pieces import Job, accumulate, piece_grads, piece_sums
 from .views import piece_args
 
 __all__ = ["Strategy", "ring_attention"]
@@ -80,13 +80,30 @@ def _ring_forward(q, k, v, job: Job, comm: Comm) -> State:
     return acc
 
 
+def _ring_sums(q, k, v, lse, dout, job: Job, comm: Comm):
+    """Each local row's totals of P and P dP over every key shard (:func:`piece_sums`): one
+    rotation of K/V before the gradients', each transfer posted before its shard is computed."""
+    B, Hq, n, _ = q.shape
+    sums = torch.zeros(3, B, Hq, n, dtype=torch.float64, device=q.device)
+    kv = _pack(k, v)
+    for step in range(comm.size):
+        pending = comm.shift(kv, what=f"ring row sums step {step}") if step < comm.size - 1 else None
+        kt, vt = _unpack(kv, k.shape, v.shape)
+        piece_sums(q, kt, vt, lse, dout, job, (comm.rank - step) % comm.size, sums)
+        if pending is not None:
+            kv = pending.wait()
+    return sums
+
+
 def _ring_backward(q, k, v, out, lse, dout, dlse, job: Job, comm: Comm):
-    """K/V rotate as in forward; the float32 dK/dV of the shard being visited travel with it.
+    """K/V rotate twice: once for the rows' totals (:func:`_ring_sums`), once for the gradients,
+    where the float32 dK/dV of the shard being visited travel with it.
 
     At step t rank r holds shard (r - t) and its dK/dV accumulated by ranks r-t .. r-1; it adds
     its own share and passes both on. After P shifts every shard's dK/dV is home, complete.
     """
     sd = state_dtype(q.dtype)
+    sums = _ring_sums(q, k, v, lse, dout, job, comm)
     dq = torch.zeros(q.shape, dtype=sd, device=q.device)
     kv = _pack(k, v)
     dkv_pending = None
@@ -95,7 +112,7 @@ def _ring_backward(q, k, v, out, lse, dout, dlse, job: Job, comm: Comm):
         kt, vt = _unpack(kv, k.shape, v.shape)
         dk = torch.zeros(k.shape, dtype=sd, device=q.device)
         dv = torch.zeros(v.shape, dtype=sd, device=q.device)
-        piece_grads(q, kt, vt, out, lse, dout, dlse, job, (comm.rank - step) % comm.size, dq, dk, dv)
+        piece_grads(q, kt, vt, out, lse, dout, dlse, job, (comm.rank - step) % comm.size, dq, dk, dv, sums)
         dkv = _pack(dk, dv)
         if dkv_pending is not None:  # the shard's dK/dV from the ranks before us
             dkv += dkv_pending.wait()
@@ -179,13 +196,16 @@ class _GatherFn(torch.autograd.Function):
         with no_autocast(q):  # a backward run inside an autocast region
             for a, b, shards in _gathered(k, v, comm, ctx.groups, "all-gather backward"):
                 h = slice(a * g, b * g)
+                heads = (a * g, b * g, Hq)
+                sums = torch.zeros(3, q.shape[0], h.stop - h.start, q.shape[2], dtype=torch.float64, device=q.device)
+                for src, (kt, vt) in enumerate(shards):  # the rows' totals first, from the keys at hand
+                    piece_sums(q[:, h], kt, vt, lse[:, h], dout[:, h], job, src, sums, heads=heads)
                 per_src = []
                 for src, (kt, vt) in enumerate(shards):
                     gk = torch.zeros(kt.shape, dtype=sd, device=q.device)
                     gv = torch.zeros(vt.shape, dtype=sd, device=q.device)
                     piece_grads(q[:, h], kt, vt, out[:, h], lse[:, h], dout[:, h],
-                                None if dlse is None else dlse[:, h], job, src, dq[:, h], gk, gv,
-                                heads=(a * g, b * g, Hq))
+                                None if dlse is None else dlse[:, h], job, src, dq[:, h], gk, gv, sums, heads=heads)
                     per_src.append(_pack(gk, gv))
                 # each shard's dK/dV summed over the ranks and delivered to its owner
                 scatters.append((a, b, comm.reduce_scatter(torch.stack(per_src), what=f"dK/dV heads {a}:{b}")))

@@ -12,7 +12,7 @@ from ..planner import Plan
 from ..state import State, empty_state, merge_into, state_dtype
 from ._common import NEG_INF, Problem, dropout_keep, group_matmul, positions, row_divisor, softcap_cap, visible
 
-__all__ = ["forward", "backward", "backward_with_score"]
+__all__ = ["forward", "backward", "backward_with_score", "row_sums"]
 
 
 def _scores(qp_, kp_, pb: Problem):
@@ -181,20 +181,117 @@ def forward(q, k, v, plan: Plan, pb: Problem, lse_exact: bool = True) -> State:
     return acc
 
 
-def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows: bool = True):
+def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows: bool = True, sums=None):
     """Gradients of every piece from the global ``out``/``lse`` (and ``dlse``), summed.
 
     whole_rows: these keys are all the keys the rows see (the engine's own backward). False
     for a piece of a larger computation (``attend_backward``): a row's D_i must then come
-    from the global ``out``, as the pieces outside this call also contribute to it."""
-    return backward_with_score(q, k, v, out, lse, dout, dlse, plan, pb, (), whole_rows)[:3]
+    from the global ``out``, as the pieces outside this call also contribute to it, unless
+    ``sums`` gives the row's totals (see :func:`row_sums`)."""
+    return backward_with_score(q, k, v, out, lse, dout, dlse, plan, pb, (), whole_rows, sums)[:3]
+
+
+def _piece_terms(q, k, v, dout, safe_lse, plan: Plan, pb: Problem, alone, need_grad: bool, cap):
+    """Per piece of the plan: ``(piece, raw, s, p, dp, z)`` with p = exp(s - lse) (or, on rows
+    ``alone`` marks, exp(s - row max)) and dp = dO V^T (times dropout's z, which is None
+    without dropout). :func:`row_sums` and the backward both take P and dP from here, so a
+    sum of the one matches the other's terms bit for bit (the same tiles, the same ops). q, k, v, dout:
+    already in the state dtype; cap: :func:`_sigmoid_softcap` of the caller's q."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Dv = k.shape[1], v.shape[-1]
+    g = Hq // Hkv
+    sd = q.dtype
+    nonadd = pb.score is not None and not pb.score.additive
+    for piece in plan.pieces:
+        vis = _visible_cached(q, piece, pb, plan)
+        pos = positions(q, piece, pb) if pb.score is not None or pb.dropout_p else None
+        rows, keys = slice(piece.q0, piece.q1), slice(piece.k0, piece.k1)
+        qs, ks, vs = q[:, :, rows], k[:, :, keys], v[:, :, keys]
+        do = dout[:, :, rows].to(sd)
+        L, S = piece.q1 - piece.q0, piece.k1 - piece.k0
+        sep = None if nonadd else _separable(piece, pb, q.device, sd)
+        lse_p = safe_lse[:, :, rows] - sep[0] if sep is not None else safe_lse[:, :, rows]
+        own = alone[rows].to(q.device)
+        if need_grad:  # s keeps its graph to raw and the score's tensors; P from a detached copy
+            with torch.enable_grad():
+                raw = _scores(qs, ks, pb)
+                if nonadd:
+                    raw.requires_grad_(True)
+                if sep is not None:  # as in forward: the row term stays in lse
+                    s = raw + sep[1]
+                    s = s.masked_fill(~vis, NEG_INF) if vis is not None else s
+                else:
+                    s = _modify(raw, pb, pos, vis)
+            s_p = s.detach()
+            if cap is not None:  # P from the scores the forward used (its sigmoid form); dS/draw from apply above
+                s_p = _softcap_(raw.detach().clone(), cap)
+                s_p = s_p.masked_fill_(~vis, NEG_INF) if vis is not None else s_p
+        else:  # the same values, in place, hidden pairs cut by clamp_max against the cached tile (NaN aside)
+            raw = _scores(qs, ks, pb)
+            if cap is not None:
+                s_p = _softcap_(raw, cap)
+            elif sep is not None:
+                s_p = raw.add_(sep[1])
+            else:
+                s_p = pb.score.apply(raw, *pos) if pb.score is not None else raw
+            bounds = _bounds_cached(q, piece, pb, plan, sd) if vis is not None else None
+            if bounds is not None:
+                s_p = s_p.clamp_max_(bounds[0])
+            raw = s = None  # nobody differentiates them
+        base = lse_p.unsqueeze(-1)
+        if bool(own.any()):  # rows one piece covers: P as the naive softmax takes it, in the backward
+            m = s_p.amax(-1, keepdim=True)
+            base = torch.where(own.unsqueeze(-1), torch.where(torch.isfinite(m), m, torch.zeros_like(m)), base)
+        p = torch.exp(s_p - base) if need_grad else s_p.sub_(base).exp_()   # (B, Hq, L, S)
+        dp = (do.reshape(B, Hkv, g, L, Dv) @ vs.unsqueeze(2).transpose(-1, -2)).reshape(B, Hq, L, S)
+        keep = _keep(q, piece, pb, pos)
+        z = None
+        if keep is not None:  # out = (P * Z) V with Z = keep / (1 - p): dP = Z * dO V^T, dV = (P Z)^T dO
+            z = keep.to(sd) / (1.0 - pb.dropout_p)
+            dp = dp * z
+        yield piece, raw, s, p, dp, z, own, vis
+
+
+#: what :func:`row_sums` gives per row, in this order
+ROW_SUMS = ("sum P", "sum P dP", "keys with P > 0")
+
+
+def row_sums(q, k, v, lse, dout, plan: Plan, pb: Problem) -> torch.Tensor:
+    """``(3, B, Hq, Nq)`` float64: each row's sums over this call's keys of P = exp(s - lse), of
+    P dP (dP = dO V^T) and of sign(P) (its keys with P > 0), with P and dP exactly as
+    :func:`backward` takes them (:data:`ROW_SUMS`).
+
+    A row whose keys lie in several calls (ring attention's shards) sums these over the calls and
+    hands the totals to each call's backward (``sums``): P is then renormalised to sum to 1 over
+    the row and D_i = sum P dP, as one softmax's backward takes them, and a row whose P is one key's
+    gets P = 1 and D_i = dP there exactly (dq = dk = 0). With D_i = dO . O and the forward's float32
+    lse instead, P is off by lse's rounding (up to 2^-24 |lse| relative) and D_i by another summation
+    order: a row with one key got dq, dk of 1e-6 to 3e-5 where they are exactly 0, and gradients up
+    to 2.1x the correctness rule's allowance (a review, 2026-12-07). Each tile's sums are float32
+    (as the naive backward's D_i), the pieces' are added in float64."""
+    sd = state_dtype(q.dtype)
+    B, Hq, Nq, _ = q.shape
+    out = torch.zeros(3, B, Hq, Nq, dtype=torch.float64, device=q.device)
+    safe_lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).to(sd)
+    alone = torch.zeros(Nq, dtype=torch.bool)
+    qs, ks, vs = q.to(sd), k.to(sd), v.to(sd)
+    terms = _piece_terms(qs, ks, vs, dout.to(sd), safe_lse, plan, pb, alone, False, _sigmoid_softcap(q, pb))
+    for piece, _, _, p, dp, _, _, _ in terms:
+        rows = slice(piece.q0, piece.q1)
+        out[0, :, :, rows] += p.sum(-1)
+        out[1, :, :, rows] += torch.linalg.vecdot(p, dp)
+        out[2, :, :, rows] += torch.sign(p).sum(-1)  # a count: 5x faster than count_nonzero
+    return out
 
 
 def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, score_tensors=(),
-                        whole_rows: bool = True):
+                        whole_rows: bool = True, sums=None):
     """``(dq, dk, dv, dts)``: as :func:`backward`, plus the gradients of ``score_tensors`` (tensors
     the score modifier reads, see ``ScoreMod.tensors``), one per tensor (None if unused), by
-    autograd of ``score.apply`` on each tile, ``grad(s, [raw, *tensors], dS)``, summed over pieces."""
+    autograd of ``score.apply`` on each tile, ``grad(s, [raw, *tensors], dS)``, summed over pieces.
+
+    sums: ``(3, B, Hq, Nq)`` float64 totals of :func:`row_sums` over all of each row's keys (this
+    call's and others'), or None: P is divided by the first and D_i is the second over the first."""
     sd = state_dtype(q.dtype)
     B, Hq, Nq, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
@@ -204,12 +301,18 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
     dv = torch.zeros(v.shape, dtype=sd, device=q.device)
     dts: list = [None] * len(score_tensors)
     safe_lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).to(sd)
-    delta = (dout.to(sd) * out.to(sd)).sum(-1)                               # (B, Hq, Nq)
-    if dlse is not None:
-        delta = delta - dlse.to(sd)
+    divisor = single = None
+    if sums is not None:  # the rows' own totals: P renormalised, D_i = sum P dP over the whole row
+        total = row_divisor(sums[0])
+        divisor = total.to(sd)
+        delta = (sums[1] / total).to(sd)
+        single = sums[2] == 1  # P is 1 at one key, 0 elsewhere: D_i = that key's dP, taken below
+    else:
+        delta = (dout.to(sd) * out.to(sd)).sum(-1)                           # (B, Hq, Nq)
+    # dlse joins dS as its own term, P * dlse, not through D_i: dP - (D_i - dlse) rounds D_i - dlse
+    # first, and a row with one key got dS = dlse off by an ulp of dP (dq, dk 5e-6 at |dP| ~ 50)
+    dl = None if dlse is None else dlse.to(sd)
     nonadd = pb.score is not None and not pb.score.additive
-    cap = _sigmoid_softcap(q, pb)
-    q, k, v = q.to(sd), k.to(sd), v.to(sd)  # once per call, sliced per piece as in forward
     # Rows that one piece covers alone take D_i = sum_j P_ij dP_ij from that piece (equal to
     # dO_i . O_i in exact arithmetic, as softmax's own backward computes it): then dS cancels
     # exactly where it should, e.g. a row with one visible key gets dS = 1 * (dP - dP) = 0,
@@ -217,43 +320,22 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
     cover = torch.zeros(Nq, dtype=torch.int32)
     for piece in plan.pieces:
         cover[piece.q0:piece.q1] += 1
-    alone = (cover == 1) & whole_rows
-    for piece in plan.pieces:
-        vis = _visible_cached(q, piece, pb, plan)
-        pos = positions(q, piece, pb) if pb.score is not None or pb.dropout_p else None
+    alone = (cover == 1) & whole_rows & (sums is None)
+    qd, kd, vd = q.to(sd), k.to(sd), v.to(sd)  # once per call, sliced per piece as in forward
+    need_grad = nonadd or bool(score_tensors)
+    for piece, raw, s, p, dp, z, own, vis in _piece_terms(qd, kd, vd, dout.to(sd), safe_lse, plan, pb, alone,
+                                                          need_grad, _sigmoid_softcap(q, pb)):
         rows, keys = slice(piece.q0, piece.q1), slice(piece.k0, piece.k1)
-        qs, ks, vs = q[:, :, rows], k[:, :, keys], v[:, :, keys]
+        qs, ks = qd[:, :, rows], kd[:, :, keys]
         do = dout[:, :, rows].to(sd)
         L, S = piece.q1 - piece.q0, piece.k1 - piece.k0
-        sep = None if nonadd else _separable(piece, pb, q.device, sd)
-        with torch.enable_grad():
-            raw = _scores(qs, ks, pb)
-            if nonadd:
-                raw.requires_grad_(True)
-            if sep is not None:  # as in forward: the row term stays in lse
-                s = raw + sep[1]
-                s = s.masked_fill(~vis, NEG_INF) if vis is not None else s
-            else:
-                s = _modify(raw, pb, pos, vis)
-        lse_p = safe_lse[:, :, rows] - sep[0] if sep is not None else safe_lse[:, :, rows]
-        s_p = s.detach()
-        if cap is not None:  # P from the scores the forward used (its sigmoid form); dS/draw from apply above
-            s_p = _softcap_(raw.detach().clone(), cap)
-            s_p = s_p.masked_fill_(~vis, NEG_INF) if vis is not None else s_p
-        own = alone[rows].to(q.device)
-        base = lse_p.unsqueeze(-1)
-        if bool(own.any()):  # rows one piece covers: P as the naive softmax takes it, below
-            m = s_p.amax(-1, keepdim=True)
-            base = torch.where(own.unsqueeze(-1), torch.where(torch.isfinite(m), m, torch.zeros_like(m)), base)
-        p = torch.exp(s_p - base)                                            # (B, Hq, L, S)
-        dp = (do.reshape(B, Hkv, g, L, Dv) @ vs.unsqueeze(2).transpose(-1, -2)).reshape(B, Hq, L, S)
-        keep = _keep(q, piece, pb, pos)
-        pv = p                                                               # the probabilities V saw
-        if keep is not None:  # out = (P * Z) V with Z = keep / (1 - p): dP = Z * dO V^T, dV = (P Z)^T dO
-            z = keep.to(sd) / (1.0 - pb.dropout_p)
-            dp, pv = dp * z, p * z
         d_rows = delta[:, :, rows]
-        if bool(own.any()):
+        if divisor is not None:
+            p = p.div_(divisor[:, :, rows].unsqueeze(-1))
+            one = single[:, :, rows]
+            if bool(one.any()):  # a sum of one nonzero term is that term: dS = 1 * (dP - dP) = 0 exactly
+                d_rows = torch.where(one, (p * dp).sum(-1), d_rows)
+        elif bool(own.any()):
             # P = exp(s - row max) / its sum on those rows, as the naive softmax takes it by its own
             # scores: exp(s - lse) is off by lse's rounding, a relative error of every P of the row (up
             # to 2^-24 |lse|), which took score callables and softcap past the 3x rule in 6 of 400
@@ -266,10 +348,11 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
             # key has P = 1 exactly: ALiBi's row term taken off lse rounds, and P's excess times dP
             # left dq and dk of 1e-5 where they are 0 (a helper's fuzz)
             p = torch.where(own.unsqueeze(-1), p / row_divisor(p.sum(-1, keepdim=True)), p)
-            pv = p if keep is None else p * z
-            local = (p * dp).sum(-1) - (dlse[:, :, rows].to(sd) if dlse is not None else 0)
-            d_rows = torch.where(own, local, d_rows)
-        ds = p * (dp - d_rows.unsqueeze(-1))
+            d_rows = torch.where(own, (p * dp).sum(-1), d_rows)
+        pv = p if z is None else p * z                                       # the probabilities V saw
+        ds = dp.sub_(d_rows.unsqueeze(-1)).mul_(p)                            # P (dP - D_i), dP's tile reused
+        if dl is not None:  # lse_i = log sum_j e^(s_ij): d lse_i / d s_ij = P_ij
+            ds = ds.addcmul_(p, dl[:, :, rows].unsqueeze(-1))
         if score_tensors and s.requires_grad:
             inputs = ([raw] if nonadd else []) + list(score_tensors)
             grads = torch.autograd.grad(s, inputs, ds, allow_unused=True)

@@ -235,6 +235,58 @@ def test_attend_backward_matches_autograd_per_piece():
     torch.testing.assert_close(torch.cat(dvs, 2), vv.grad)
 
 
+def test_attend_backward_with_row_sums_holds_the_rule_over_pieces_of_few_keys():
+    """Pieces of 1-8 keys with the rows' totals (attend_row_sums summed, then row_sums=) hold the 3x
+    rule at score spread 6; without them P = exp(s - lse) against the forward's float32 lse and
+    D_i = dO . O went past it in 16 of 20 such calls (up to 4.3x the allowance; 8 of 20 at spread 3),
+    which is what ring attention's backward did before it took the totals (2026-12-07)."""
+    cuts = [0, 1, 2, 5, 9, 10, 16, 24]
+    m = kf.causal()
+    for seed in range(6):
+        g = torch.Generator().manual_seed(seed)
+        q, k = (torch.randn(1, 2, 24, 32, generator=g) * 6 ** .5 for _ in range(2))
+        v, dout = (torch.randn(1, 2, 24, 32, generator=g) for _ in range(2))
+        out, lse = kf.attention(q, k, v, mask=m, return_lse=True)
+        pieces = [dict(k=k[:, :, a:b], v=v[:, :, a:b], mask=m, q_offset=0, kv_offset=a)
+                  for a, b in zip(cuts, cuts[1:])]
+        sums = sum(kf.attend_row_sums(q, p["k"], p["v"], lse, dout, mask=m, q_offset=0, kv_offset=p["kv_offset"])
+                   for p in pieces)
+        assert sums.shape == (3, 1, 2, 24) and sums.dtype == torch.float64
+        torch.testing.assert_close(sums[0], torch.ones_like(sums[0]), rtol=0, atol=1e-5)  # lse's rounding only
+        dq, dks, dvs = torch.zeros_like(q), [], []
+        for p in pieces:
+            gq, gk, gv = kf.attend_backward(q, p.pop("k"), p.pop("v"), out, lse, dout, row_sums=sums, **p)
+            dq += gq
+            dks.append(gk)
+            dvs.append(gv)
+        got = (dq, torch.cat(dks, 2), torch.cat(dvs, 2))
+
+        def grads(fn, dtype):
+            a, b, c = (t.to(dtype).requires_grad_(True) for t in (q, k, v))
+            return torch.autograd.grad((fn(a, b, c).double() * dout.double()).sum(), (a, b, c))
+
+        ref = grads(lambda a, b, c: kf.attention(a, b, c, mask=m, backend=Backend.REFERENCE), torch.float64)
+        nai = grads(lambda a, b, c: torch.softmax((a @ b.transpose(-1, -2) * 32 ** -0.5).masked_fill(
+            ~torch.ones(24, 24, dtype=torch.bool).tril(), float("-inf")), -1) @ c, torch.float32)
+        for name, gg, r, n in zip(("dq", "dk", "dv"), got, ref, nai):
+            assert_close_by_rule(gg, r, n, None, factor=3.0, what=f"seed {seed} {name}")
+
+
+def test_attend_backward_row_sums_are_checked():
+    q, k, v = _qkv(B=1, Nq=8, Nk=8, D=16)
+    out, lse = kf.attention(q, k, v, return_lse=True)
+    dout = torch.randn_like(out)
+    sums = kf.attend_row_sums(q, k, v, lse, dout)
+    with pytest.raises(ValueError, match=r"row_sums must be the \(3, B, Hq, Nq\)"):
+        kf.attend_backward(q, k, v, out, lse, dout, row_sums=sums[0])
+    with pytest.raises(ValueError, match="use Backend.TILES, or Backend.AUTO"):
+        kf.attend_backward(q, k, v, out, lse, dout, row_sums=sums, backend=Backend.CPU)
+    # one piece with its own totals: the engine's own backward, to rounding
+    want = kf.attend_backward(q, k, v, out, lse, dout, backend=Backend.TILES)
+    for got, w in zip(kf.attend_backward(q, k, v, out, lse, dout, row_sums=sums), want):
+        torch.testing.assert_close(got, w)
+
+
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("mask", [None, kf.causal(), kf.window(40, 40), kf.documents(torch.arange(150) // 37)],
                          ids=["dense", "causal", "bidir_window", "documents"])
@@ -348,6 +400,22 @@ def test_float16_gradients_of_a_huge_lse_gradient_stay_finite(backend):
     for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, nai):
         assert torch.isfinite(g).all(), f"{name} has {int((~torch.isfinite(g)).sum())} non-finite entries"
         assert_close_by_rule(g, r, n, None, factor=3.0, what=name)
+
+
+@pytest.mark.parametrize("backend", [Backend.TILES, Backend.CPU])
+def test_a_gradient_through_lse_on_rows_of_one_key_is_exact_at_large_dp(backend):
+    """dlse enters dS as its own term, P dlse: the tile backward took dS = P (dP - (D_i - dlse)) with
+    D_i - dlse rounded first, and on a row of one key (D_i = dP) got dlse off by an ulp of dP: with v
+    and dout 8x, dq and dk 5e-6 off where they are scale * dlse * k and q exactly (2026-12-07)."""
+    torch.manual_seed(3)
+    q, k, v, dout = torch.randn(1, 2, 64, 64), torch.randn(1, 2, 64, 64), torch.randn(1, 2, 64, 64) * 8, None
+    a, b, c = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out, lse = kf.attention(a, b, c, mask=kf.causal() & kf.window(0), backend=backend, return_lse=True)
+    dout, dlse = torch.randn_like(out) * 8, torch.randn_like(lse)
+    torch.autograd.backward([out, lse], [dout, dlse])
+    torch.testing.assert_close(a.grad, 64 ** -0.5 * dlse.unsqueeze(-1) * k, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(b.grad, 64 ** -0.5 * dlse.unsqueeze(-1) * q, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(c.grad, dout, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("backend", [Backend.TILES, Backend.CPU])
