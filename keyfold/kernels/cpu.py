@@ -28,7 +28,7 @@ from ..state import State, empty_state, merge_all, merge_into, state_dtype
 from . import native
 from ._common import NEG_INF, Problem, cpu_flags, empty_rows, positions, softcap_cap, visible
 
-__all__ = ["AVAILABLE", "dense", "forward", "prefill", "backward"]
+__all__ = ["AVAILABLE", "dense", "forward", "prefill", "backward", "backward_on_tiles"]
 
 # The C++ bindings where torch exposes them: ``torch.ops.aten.X`` resolves its overload in
 # Python on every call, ~10-20 us that a 0.4 ms decode step notices.
@@ -792,6 +792,19 @@ def _fp16_down(dtype, dout, dlse) -> float:
     return 2.0 ** math.ceil(math.log2(big / 2.0 ** 14))
 
 
+def backward_on_tiles(q, k) -> bool:
+    """Whether a CPU-backend backward of these inputs runs on the tile kernel instead (the engine
+    replans it there): float32 where keyfold's backward kernel is not built (CPUs without AVX-512).
+
+    PyTorch's fused float32 backward recomputes P with an e^x that loses precision: on the AMD EPYC
+    (AVX2) its gradients broke the 3x rule in 58 of 200 random calls (up to 3.4x the allowance; 24
+    of 73 at score spread 3, 31 of 66 at 6), the tile kernel's in none (a 2026-12-07 fuzz); with
+    q/k and v head sizes apart (the op pads them to one) in 5-9 of 20 at D=8, Dv=32. keyfold's backward
+    kernel, where built, holds the rule and is faster than both. 16-bit and float64 stay on the op
+    (0 of 240 16-bit calls past the rule in the same fuzz), and so do empty inputs (zeros, no plan)."""
+    return q.dtype is torch.float32 and q.numel() > 0 and k.numel() > 0 and not native.backward_available()
+
+
 def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows: bool = True, grad_dtype=None):
     """Per-piece gradients with the global (out, lse), summed in float32 (docs/math.md §2).
 
@@ -811,14 +824,6 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     if Nq == 0 or k.shape[2] == 0 or Hq == 0:  # no pair: every gradient is zero (and the fused op refuses empty input)
         return (torch.zeros(q.shape, dtype=gd, device=q.device), torch.zeros(k.shape, dtype=gd, device=q.device),
                 torch.zeros(v.shape, dtype=gd, device=q.device))
-    if q.dtype is torch.float32 and D != Dv and not native.backward_available():
-        # the op takes one head size, so q, k (or v) are padded with zeros to it; its backward's error then
-        # grows with the padding: float32 gradients past the 3x rule in 5-9 of 20 calls at D=8, Dv=32 (up to
-        # 1.8x the allowance; torch's SDPA takes its math path there and held it; a review, 2026-12-07).
-        # The tile kernel's backward (torch matmuls, each head size its own) holds it; keyfold's own
-        # backward kernel, where built, takes both sizes as the op's would.
-        from . import tiles
-        return tuple(g.to(gd) for g in tiles.backward(q, k, v, out, lse, dout, dlse, plan, pb, whole_rows))
     spare = dlse is not None
     q, k, v = _widen(q, k, v)
     inp = _Inputs(q, k, v, spare=spare)

@@ -191,7 +191,7 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     return backward_with_score(q, k, v, out, lse, dout, dlse, plan, pb, (), whole_rows, sums)[:3]
 
 
-def _piece_terms(q, k, v, dout, safe_lse, plan: Plan, pb: Problem, alone, need_grad: bool, cap):
+def _piece_terms(q, k, v, dout, safe_lse, plan: Plan, pb: Problem, alone, need_grad: bool, cap, pieces=None):
     """Per piece of the plan: ``(piece, raw, s, p, dp, z)`` with p = exp(s - lse) (or, on rows
     ``alone`` marks, exp(s - row max)) and dp = dO V^T (times dropout's z, which is None
     without dropout). :func:`row_sums` and the backward both take P and dP from here, so a
@@ -202,7 +202,7 @@ def _piece_terms(q, k, v, dout, safe_lse, plan: Plan, pb: Problem, alone, need_g
     g = Hq // Hkv
     sd = q.dtype
     nonadd = pb.score is not None and not pb.score.additive
-    for piece in plan.pieces:
+    for piece in plan.pieces if pieces is None else pieces:
         vis = _visible_cached(q, piece, pb, plan)
         pos = positions(q, piece, pb) if pb.score is not None or pb.dropout_p else None
         rows, keys = slice(piece.q0, piece.q1), slice(piece.k0, piece.k1)
@@ -226,23 +226,34 @@ def _piece_terms(q, k, v, dout, safe_lse, plan: Plan, pb: Problem, alone, need_g
             if cap is not None:  # P from the scores the forward used (its sigmoid form); dS/draw from apply above
                 s_p = _softcap_(raw.detach().clone(), cap)
                 s_p = s_p.masked_fill_(~vis, NEG_INF) if vis is not None else s_p
-        else:  # the same values, in place, hidden pairs cut by clamp_max against the cached tile (NaN aside)
-            raw = _scores(qs, ks, pb)
-            if cap is not None:
-                s_p = _softcap_(raw, cap)
-            elif sep is not None:
-                s_p = raw.add_(sep[1])
-            else:
-                s_p = pb.score.apply(raw, *pos) if pb.score is not None else raw
-            bounds = _bounds_cached(q, piece, pb, plan, sd) if vis is not None else None
-            if bounds is not None:
-                s_p = s_p.clamp_max_(bounds[0])
+        else:  # the same values, in place, hidden pairs cut by clamp_max against the cached tile (NaN aside);
+            # outside autograd even under create_graph (P is not differentiated again: only v is, through dP)
+            with torch.no_grad():
+                raw = _scores(qs, ks, pb)
+                if cap is not None:
+                    s_p = _softcap_(raw, cap)
+                elif sep is not None:
+                    s_p = raw.add_(sep[1])
+                else:
+                    s_p = pb.score.apply(raw, *pos) if pb.score is not None else raw
+                bounds = _bounds_cached(q, piece, pb, plan, sd) if vis is not None else None
+                if bounds is not None:
+                    s_p = s_p.clamp_max_(bounds[0])
+                    # clamp_max keeps a NaN a NaN: a score that is NaN only where the mask hides the pair must
+                    # leave no trace, as in forward (NaN gradients through ring attention, a review 2026-12-07);
+                    # the row maxima show one for the cost of a reduction
+                    if bool(torch.isnan(s_p.amax(-1)).any()):
+                        s_p = s_p.masked_fill_(~vis, NEG_INF)
             raw = s = None  # nobody differentiates them
         base = lse_p.unsqueeze(-1)
         if bool(own.any()):  # rows one piece covers: P as the naive softmax takes it, in the backward
             m = s_p.amax(-1, keepdim=True)
             base = torch.where(own.unsqueeze(-1), torch.where(torch.isfinite(m), m, torch.zeros_like(m)), base)
-        p = torch.exp(s_p - base) if need_grad else s_p.sub_(base).exp_()   # (B, Hq, L, S)
+        if need_grad:
+            p = torch.exp(s_p - base)                                        # (B, Hq, L, S)
+        else:
+            with torch.no_grad():  # (s_p is a view made there)
+                p = s_p.sub_(base).exp_()
         dp = (do.reshape(B, Hkv, g, L, Dv) @ vs.unsqueeze(2).transpose(-1, -2)).reshape(B, Hq, L, S)
         keep = _keep(q, piece, pb, pos)
         z = None
@@ -250,13 +261,14 @@ def _piece_terms(q, k, v, dout, safe_lse, plan: Plan, pb: Problem, alone, need_g
             z = keep.to(sd) / (1.0 - pb.dropout_p)
             dp = dp * z
         yield piece, raw, s, p, dp, z, own, vis
+        del raw, s, s_p, p, dp, z  # the next piece's tiles are made without this one's beside them
 
 
 #: what :func:`row_sums` gives per row, in this order
 ROW_SUMS = ("sum P", "sum P dP", "keys with P > 0")
 
 
-def row_sums(q, k, v, lse, dout, plan: Plan, pb: Problem) -> torch.Tensor:
+def row_sums(q, k, v, lse, dout, plan: Plan, pb: Problem, pieces=None) -> torch.Tensor:
     """``(3, B, Hq, Nq)`` float64: each row's sums over this call's keys of P = exp(s - lse), of
     P dP (dP = dO V^T) and of sign(P) (its keys with P > 0), with P and dP exactly as
     :func:`backward` takes them (:data:`ROW_SUMS`).
@@ -268,20 +280,27 @@ def row_sums(q, k, v, lse, dout, plan: Plan, pb: Problem) -> torch.Tensor:
     lse instead, P is off by lse's rounding (up to 2^-24 |lse| relative) and D_i by another summation
     order: a row with one key got dq, dk of 1e-6 to 3e-5 where they are exactly 0, and gradients up
     to 2.1x the correctness rule's allowance (a review, 2026-12-07). Each tile's sums are float32
-    (as the naive backward's D_i), the pieces' are added in float64."""
+    (as the naive backward's D_i), the pieces' are added in float64. pieces: those of the plan to
+    sum (default all; rows no piece given touches get zeros)."""
     sd = state_dtype(q.dtype)
     B, Hq, Nq, _ = q.shape
     out = torch.zeros(3, B, Hq, Nq, dtype=torch.float64, device=q.device)
     safe_lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).to(sd)
     alone = torch.zeros(Nq, dtype=torch.bool)
     qs, ks, vs = q.to(sd), k.to(sd), v.to(sd)
-    terms = _piece_terms(qs, ks, vs, dout.to(sd), safe_lse, plan, pb, alone, False, _sigmoid_softcap(q, pb))
+    terms = _piece_terms(qs, ks, vs, dout.to(sd), safe_lse, plan, pb, alone, False, _sigmoid_softcap(q, pb), pieces)
     for piece, _, _, p, dp, _, _, _ in terms:
         rows = slice(piece.q0, piece.q1)
         out[0, :, :, rows] += p.sum(-1)
         out[1, :, :, rows] += torch.linalg.vecdot(p, dp)
         out[2, :, :, rows] += torch.sign(p).sum(-1)  # a count: 5x faster than count_nonzero
+        del p, dp
     return out
+
+
+#: |lse| past which rows several pieces cover are renormalised in the backward: float32 rounds it by
+#: up to 2^-24 |lse| (2^-20 here), a relative error of every P that exp's own rounding no longer hides
+RENORM_LSE = 16.0
 
 
 def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, score_tensors=(),
@@ -301,28 +320,45 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
     dv = torch.zeros(v.shape, dtype=sd, device=q.device)
     dts: list = [None] * len(score_tensors)
     safe_lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).to(sd)
+    # Rows that one piece covers alone take P and D_i = sum_j P_ij dP_ij from that piece (equal to
+    # dO_i . O_i in exact arithmetic, as softmax's own backward computes it): then dS cancels
+    # exactly where it should, e.g. a row with one visible key gets dS = 1 * (dP - dP) = 0,
+    # while dO . O (a different summation order than the dP product) leaves ~1e-7. Rows that
+    # several pieces cover (more keys than TILE_SPAN) take them from the pieces' totals
+    # (:func:`row_sums`, a pass over those pieces first), as rows of a larger computation do when
+    # their caller gives the totals (``sums``).
+    cover = torch.zeros(Nq, dtype=torch.int32)
+    for piece in plan.pieces:
+        cover[piece.q0:piece.q1] += 1
+    renorm = None  # (Nq,) bool: rows that take the totals
+    if sums is not None:
+        renorm = torch.ones(Nq, dtype=torch.bool)
+    elif whole_rows and bool((cover > 1).any()):
+        # only where lse's rounding passes e^x's own (|lse| > RENORM_LSE): the pass costs ~40% of the rows'
+        # backward, and below it exp(s - lse) held the rule (a fuzz of 1,100-2,100 keys, 2026-12-07)
+        big = (safe_lse.abs() > RENORM_LSE).flatten(0, 1).any(0).cpu()
+        renorm = (cover > 1) & big
+        if bool(renorm.any()):
+            shared = [pc for pc in plan.pieces if bool(renorm[pc.q0:pc.q1].any())]
+            sums = row_sums(q, k, v, lse, dout, plan, pb, shared)
+        else:
+            renorm = None
+    alone = (cover == 1) & whole_rows & (renorm is None or ~renorm)
     divisor = single = None
+    delta = None if renorm is not None and bool(renorm.all()) else (dout.to(sd) * out.to(sd)).sum(-1)  # (B, Hq, Nq)
     if sums is not None:  # the rows' own totals: P renormalised, D_i = sum P dP over the whole row
         total = row_divisor(sums[0])
-        divisor = total.to(sd)
-        delta = (sums[1] / total).to(sd)
-        single = sums[2] == 1  # P is 1 at one key, 0 elsewhere: D_i = that key's dP, taken below
-    else:
-        delta = (dout.to(sd) * out.to(sd)).sum(-1)                           # (B, Hq, Nq)
+        keep = renorm.to(q.device)
+        divisor = torch.where(keep, total, 1.0).to(sd)  # other rows: P / 1, unchanged
+        delta = (sums[1] / total).to(sd) if delta is None else torch.where(keep, (sums[1] / total).to(sd), delta)
+        single = (sums[2] == 1) & keep  # P is 1 at one key, 0 elsewhere: D_i = that key's dP, taken below
     # dlse joins dS as its own term, P * dlse, not through D_i: dP - (D_i - dlse) rounds D_i - dlse
     # first, and a row with one key got dS = dlse off by an ulp of dP (dq, dk 5e-6 at |dP| ~ 50)
     dl = None if dlse is None else dlse.to(sd)
     nonadd = pb.score is not None and not pb.score.additive
-    # Rows that one piece covers alone take D_i = sum_j P_ij dP_ij from that piece (equal to
-    # dO_i . O_i in exact arithmetic, as softmax's own backward computes it): then dS cancels
-    # exactly where it should, e.g. a row with one visible key gets dS = 1 * (dP - dP) = 0,
-    # while dO . O (a different summation order than the dP product) leaves ~1e-7.
-    cover = torch.zeros(Nq, dtype=torch.int32)
-    for piece in plan.pieces:
-        cover[piece.q0:piece.q1] += 1
-    alone = (cover == 1) & whole_rows & (sums is None)
     qd, kd, vd = q.to(sd), k.to(sd), v.to(sd)  # once per call, sliced per piece as in forward
     need_grad = nonadd or bool(score_tensors)
+    inplace = not torch.is_grad_enabled()
     for piece, raw, s, p, dp, z, own, vis in _piece_terms(qd, kd, vd, dout.to(sd), safe_lse, plan, pb, alone,
                                                           need_grad, _sigmoid_softcap(q, pb)):
         rows, keys = slice(piece.q0, piece.q1), slice(piece.k0, piece.k1)
@@ -330,12 +366,12 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
         do = dout[:, :, rows].to(sd)
         L, S = piece.q1 - piece.q0, piece.k1 - piece.k0
         d_rows = delta[:, :, rows]
-        if divisor is not None:
-            p = p.div_(divisor[:, :, rows].unsqueeze(-1))
+        if divisor is not None and bool(renorm[rows].any()):
+            p = p.div_(divisor[:, :, rows].unsqueeze(-1)) if inplace else p / divisor[:, :, rows].unsqueeze(-1)
             one = single[:, :, rows]
             if bool(one.any()):  # a sum of one nonzero term is that term: dS = 1 * (dP - dP) = 0 exactly
                 d_rows = torch.where(one, (p * dp).sum(-1), d_rows)
-        elif bool(own.any()):
+        if bool(own.any()):
             # P = exp(s - row max) / its sum on those rows, as the naive softmax takes it by its own
             # scores: exp(s - lse) is off by lse's rounding, a relative error of every P of the row (up
             # to 2^-24 |lse|), which took score callables and softcap past the 3x rule in 6 of 400
@@ -347,12 +383,19 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
             # error with it, 2.8x without); only rows one piece covers can do this. A row with one
             # key has P = 1 exactly: ALiBi's row term taken off lse rounds, and P's excess times dP
             # left dq and dk of 1e-5 where they are 0 (a helper's fuzz)
-            p = torch.where(own.unsqueeze(-1), p / row_divisor(p.sum(-1, keepdim=True)), p)
-            d_rows = torch.where(own, (p * dp).sum(-1), d_rows)
+            if bool(own.all()) and inplace:  # in place: the tile's temporaries are what its memory peak is made of
+                p = p.div_(row_divisor(p.sum(-1, keepdim=True)))
+                d_rows = torch.linalg.vecdot(p, dp)
+            else:
+                p = torch.where(own.unsqueeze(-1), p / row_divisor(p.sum(-1, keepdim=True)), p)
+                d_rows = torch.where(own, torch.linalg.vecdot(p, dp), d_rows)
         pv = p if z is None else p * z                                       # the probabilities V saw
-        ds = dp.sub_(d_rows.unsqueeze(-1)).mul_(p)                            # P (dP - D_i), dP's tile reused
+        if inplace:
+            ds = dp.sub_(d_rows.unsqueeze(-1)).mul_(p)                        # P (dP - D_i), dP's tile reused
+        else:  # under create_graph dP carries v's graph (a second derivative through v)
+            ds = (dp - d_rows.unsqueeze(-1)) * p
         if dl is not None:  # lse_i = log sum_j e^(s_ij): d lse_i / d s_ij = P_ij
-            ds = ds.addcmul_(p, dl[:, :, rows].unsqueeze(-1))
+            ds = ds.addcmul_(p, dl[:, :, rows].unsqueeze(-1)) if inplace else ds + p * dl[:, :, rows].unsqueeze(-1)
         if score_tensors and s.requires_grad:
             inputs = ([raw] if nonadd else []) + list(score_tensors)
             grads = torch.autograd.grad(s, inputs, ds, allow_unused=True)
@@ -369,4 +412,5 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
         dq[:, :, rows] += (ds5 @ ks.unsqueeze(2)).reshape(B, Hq, L, D) * pb.scale
         dk[:, :, keys] += (ds5.transpose(-1, -2) @ qs.reshape(B, Hkv, g, L, D)).sum(2) * pb.scale
         dv[:, :, keys] += (pv.reshape(B, Hkv, g, L, S).transpose(-1, -2) @ do.reshape(B, Hkv, g, L, Dv)).sum(2)
+        del raw, s, p, dp, pv, ds, ds5  # (and the generator drops its own): one piece's tiles alive at a time
     return dq, dk, dv, tuple(dts)

@@ -196,6 +196,8 @@ def test_the_causal_flag_beside_a_mask_that_hides_above_the_diagonal_changes_no_
     n = 600
     mask = kf.causal() & (kf.window(100) | kf.sinks(4))
     g = torch.Generator().manual_seed(8)
+    if cpu.backward_on_tiles(torch.ones(1, dtype=dtype), torch.ones(1, dtype=dtype)):
+        pytest.skip("float32 gradients come from the tile kernel on this CPU (no backward kernel)")
     q, k, v = (torch.randn(1, 2, n, 16, generator=g).to(dtype) for _ in range(3))
     dout = torch.randn(1, 2, n, 16, generator=g).to(dtype)
     taken = []

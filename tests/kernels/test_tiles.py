@@ -52,6 +52,40 @@ def test_a_score_nan_only_where_the_mask_hides_the_pair_leaves_no_trace():
         torch.testing.assert_close(out, clean, atol=0, rtol=0)
 
 
+class _SqrtDistance(kf.ScoreMod):
+    """An additive bias that is NaN where a key lies after the query (sqrt of a negative distance)."""
+    additive = True
+
+    def apply(self, s, b, h, qp, kp):
+        return s - 0.3 * torch.sqrt((qp - kp).float())
+
+
+def test_a_score_nan_only_where_the_mask_hides_the_pair_leaves_no_trace_in_gradients():
+    """The backward's in-place path (scores nobody differentiates: additive scores, and every row-sum
+    pass) hid pairs with clamp_max, which keeps a NaN: gradients NaN for an additive bias that is NaN
+    only at hidden pairs, and through attend_row_sums in ring attention (a review, 2026-12-07). The
+    gradients must be those of the same bias made finite there."""
+    q, k, v = (t.requires_grad_(True) for t in _qkv(N=48))
+    clean = lambda s, b, h, qi, ki: s - 0.3 * torch.sqrt((qi - ki).clamp_min(0).float())  # noqa: E731
+    want = torch.autograd.grad(kf.attention(q, k, v, mask=kf.causal(), score=clean, backend=Backend.TILES,
+                                            block_size=16).sum(), (q, k, v))
+    got = torch.autograd.grad(kf.attention(q, k, v, mask=kf.causal(), score=_SqrtDistance(), backend=Backend.TILES,
+                                           block_size=16).sum(), (q, k, v))
+    for g, w in zip(got, want):
+        assert not bool(g.isnan().any())
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    out, lse = kf.attention(qd, kd, vd, mask=kf.causal(), score=clean, backend=Backend.TILES, return_lse=True)
+    dout = torch.ones_like(out)
+    pieces = [(0, 16), (16, 48)]
+    kw = [dict(mask=kf.causal(), score=_SqrtDistance(), q_offset=0, kv_offset=a) for a, _ in pieces]
+    sums = sum(kf.attend_row_sums(qd, kd[:, :, a:b], vd[:, :, a:b], lse, dout, **w) for (a, b), w in zip(pieces, kw))
+    assert not bool(sums.isnan().any())
+    dq = sum(kf.attend_backward(qd, kd[:, :, a:b], vd[:, :, a:b], out, lse, dout, row_sums=sums, **w)[0]
+             for (a, b), w in zip(pieces, kw))
+    torch.testing.assert_close(dq, want[0], atol=1e-5, rtol=1e-5)
+
+
 def test_a_score_nan_at_a_visible_pair_stays_nan():
     """A NaN the mask does not hide is the caller's: it is not cleaned up."""
     q, k, v = _qkv()
