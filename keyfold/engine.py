@@ -179,15 +179,17 @@ class _Call:
             return _plan(mask, Nq, Nk, q_offset=q_offset, kv_offset=kv_offset, B=B, H=Hq, block_size=bs,
                          max_span=TILE_SPAN)
 
-        if block_size is not None:
-            return planned(block_size)
-        bk = default_block(Nq, Nk)[1]
-        rows = TILE_ROWS[0]
+        if block_size is None:
+            bk, rows = default_block(Nq, Nk)[1], TILE_ROWS[0]
+        else:  # the caller's key blocks; row bands no wider than TILE_ROWS[0] (a 2048-row block held 3.3x
+            # the memory of the CPU op's backward)
+            bq, bk = (block_size, block_size) if isinstance(block_size, int) else block_size
+            rows = min(bq, TILE_ROWS[0])
         plan = planned((min(rows, max(1, Nq)), bk))
         # a tile's few (rows x span) float32 tensors are a constant beside the call's own (Nq x D) ones:
         # narrower row bands where they would outweigh q, so the peak stays SDPA's on short calls
         span = max((pc.k1 - pc.k0 for pc in plan.pieces), default=0)
-        for narrower in TILE_ROWS[1:]:
+        for narrower in (r for r in TILE_ROWS[1:] if r < rows):
             if rows * span <= Nq * D:
                 break
             rows = narrower

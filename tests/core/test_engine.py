@@ -278,6 +278,37 @@ def test_rows_longer_than_a_tile_are_renormalised_at_large_lse(backend):
         assert_close_by_rule(g, r, n, None, factor=1.0, what=name)
 
 
+@pytest.mark.parametrize("backend", [Backend.AUTO, Backend.TILES])
+def test_rows_longer_than_a_tile_hold_the_rule_at_ordinary_lse(backend):
+    """Long rows at |lse| 14-19 (a review's fuzz, 2026-12-07): renormalised only past |lse| 16, P =
+    exp(s - lse) against the CPU op's forward lse (off by up to 3x float32's rounding) left them at
+    1.07-3.12x the allowance on AUTO; every row several pieces cover is renormalised now."""
+    cases = [(960794, 1, 4, 1, 1, 1337, 64, 3.3163, dict(mask=kf.causal() & kf.window(1100)), False),
+             (22428, 1, 2, 1, 1, 1616, 32, 5.2402, dict(mask=kf.causal(), kv_offset=5,
+                                                         score=kf.alibi(kf.alibi_slopes(2))), False),
+             (389584, 2, 4, 2, 2, 1303, 8, 5.5571, dict(mask=kf.causal(), q_offset=1302,
+                                                        score=kf.alibi(kf.alibi_slopes(4))), True)]
+    for seed, B, Hq, Hkv, Nq, Nk, D, std, kw, lse_grad in cases:
+        q, k, v = seeded_qkv(seed, B, Hq, Hkv, Nq, Nk, D, std=std)
+        assert_backward_by_rule(q, k, v, lse_grad=lse_grad, backend=backend, **kw)
+
+
+def test_a_row_of_one_key_behind_a_long_band_gets_dq_exactly_zero():
+    """A one-token document after a 1500-token one: its row's band spans more than a tile, so it is
+    no piece's own row; with only rows past |lse| 16 renormalised its dq was 2e-5 where it is 0 (5.5x
+    the allowance, a review 2026-12-07). Renormalised, P = 1 exactly there and dS = 0."""
+    ids = torch.tensor([0] * 1500 + [1] + [2] * 99)
+    mask = kf.documents(ids) & kf.causal()
+    q, k, v = seeded_qkv(3, 1, 2, 2, 1600, 1600, 64, std=0.3)
+    q[:, :, 1500] *= 0.1
+    k[:, :, 1500] *= 60
+    for backend in (Backend.AUTO, Backend.TILES):
+        a = q.clone().requires_grad_(True)
+        out = kf.attention(a, k, v, mask=mask, backend=backend)
+        out.backward(torch.randn_like(out))
+        assert float(a.grad[0, :, 1500].abs().max()) == 0.0, backend
+
+
 def test_attend_backward_with_row_sums_holds_the_rule_over_pieces_of_few_keys():
     """Pieces of 1-8 keys with the rows' totals (attend_row_sums summed, then row_sums=) hold the 3x
     rule at score spread 6; without them P = exp(s - lse) against the forward's float32 lse and
