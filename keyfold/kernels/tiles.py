@@ -290,12 +290,30 @@ def row_sums(q, k, v, lse, dout, plan: Plan, pb: Problem, pieces=None) -> torch.
     qs, ks, vs = q.to(sd), k.to(sd), v.to(sd)
     terms = _piece_terms(qs, ks, vs, dout.to(sd), safe_lse, plan, pb, alone, False, _sigmoid_softcap(q, pb), pieces)
     for piece, _, _, p, dp, _, _, _ in terms:
-        rows = slice(piece.q0, piece.q1)
-        out[0, :, :, rows] += p.sum(-1)
-        out[1, :, :, rows] += torch.linalg.vecdot(p, dp)
-        out[2, :, :, rows] += torch.sign(p).sum(-1)  # a count: 5x faster than count_nonzero
+        _add_row_sums(out[:, :, :, piece.q0:piece.q1], p, dp)
         del p, dp
     return out
+
+
+def _add_row_sums(acc, p, dp) -> None:
+    """Add a tile's row sums of P, P dP and sign(P) to ``acc`` ``(3, B, Hq, L)`` float64 (a view)."""
+    acc[0] += p.sum(-1)
+    acc[1] += torch.linalg.vecdot(p, dp)
+    acc[2] += torch.sign(p).sum(-1)  # a count: 5x faster than count_nonzero
+
+
+#: A row band whose rows several pieces cover runs in one pass when its pieces' P and dP tiles together
+#: take at most this: held whole, its rows' totals come from them before their gradients. Past it the
+#: band's pieces are computed twice (a pass for the totals first). A constant, never a function of N.
+BAND_BYTES = 32 << 20
+
+
+def _row_bands(pieces) -> list[list]:
+    """The pieces grouped by their row band (q0, q1), in the order the bands first appear."""
+    bands: dict = {}
+    for pc in pieces:
+        bands.setdefault((pc.q0, pc.q1), []).append(pc)
+    return list(bands.values())
 
 
 def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, score_tensors=(),
@@ -326,16 +344,28 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
     for piece in plan.pieces:
         cover[piece.q0:piece.q1] += 1
     renorm = None  # (Nq,) bool: rows that take the totals
+    groups = [list(plan.pieces)]  # pieces run in these groups; a banded one sums its rows' totals itself
+    banded: set[int] = set()
     if sums is not None:
         renorm = torch.ones(Nq, dtype=torch.bool)
     elif whole_rows and bool((cover > 1).any()):
-        # every such row (the pass costs ~40% of the rows' backward): with the CPU op's forward lse, off by
-        # up to 3x float32's rounding at |lse| 13, a renormalisation only past |lse| 16 left 5 of 400 long
-        # rows past the rule (3.1x), and a row of one key behind a long band got dq 2e-5 where it is 0
-        # (a review, 2026-12-07); renormalising them all: 0 of 400, worst 0.54
+        # every such row: with the CPU op's forward lse, off by up to 3x float32's rounding at |lse| 13, a
+        # renormalisation only past |lse| 16 left 5 of 400 long rows past the rule (3.1x), and a row of one
+        # key behind a long band got dq 2e-5 where it is 0 (a review, 2026-12-07); all of them: 0 of 400.
+        # A row band whose pieces are all its rows' keys and whose tiles fit BAND_BYTES is held whole and
+        # summed as it runs; the others take a pass over their pieces first (~40% of their backward)
         renorm = cover > 1
-        shared = [pc for pc in plan.pieces if bool(renorm[pc.q0:pc.q1].any())]
-        sums = row_sums(q, k, v, lse, dout, plan, pb, shared)
+        groups = _row_bands(plan.pieces)
+        width = B * Hq * 2 * 4  # bytes per (row, key) of a band's P and dP
+        for i, grp in enumerate(groups):
+            q0, q1 = grp[0].q0, grp[0].q1
+            if (len(grp) > 1 and bool((cover[q0:q1] == len(grp)).all())
+                    and width * (q1 - q0) * sum(pc.k1 - pc.k0 for pc in grp) <= BAND_BYTES):
+                banded.add(i)
+        shared = [pc for i, grp in enumerate(groups) if i not in banded for pc in grp
+                  if bool(renorm[pc.q0:pc.q1].any())]
+        sums = (row_sums(q, k, v, lse, dout, plan, pb, shared) if shared
+                else torch.zeros(3, B, Hq, Nq, dtype=torch.float64, device=q.device))
     alone = (cover == 1) & whole_rows & (renorm is None or ~renorm)
     divisor = single = None
     delta = None if renorm is not None and bool(renorm.all()) else (dout.to(sd) * out.to(sd)).sum(-1)  # (B, Hq, Nq)
@@ -352,8 +382,9 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
     qd, kd, vd = q.to(sd), k.to(sd), v.to(sd)  # once per call, sliced per piece as in forward
     need_grad = nonadd or bool(score_tensors)
     inplace = not torch.is_grad_enabled()
-    for piece, raw, s, p, dp, z, own, vis in _piece_terms(qd, kd, vd, dout.to(sd), safe_lse, plan, pb, alone,
-                                                          need_grad, _sigmoid_softcap(q, pb)):
+
+    def _grads_of(term):  # one piece's share of dq, dk, dv and the score tensors' gradients
+        piece, raw, s, p, dp, z, own, vis = term
         rows, keys = slice(piece.q0, piece.q1), slice(piece.k0, piece.k1)
         qs, ks = qd[:, :, rows], kd[:, :, keys]
         do = dout[:, :, rows].to(sd)
@@ -405,5 +436,25 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
         dq[:, :, rows] += (ds5 @ ks.unsqueeze(2)).reshape(B, Hq, L, D) * pb.scale
         dk[:, :, keys] += (ds5.transpose(-1, -2) @ qs.reshape(B, Hkv, g, L, D)).sum(2) * pb.scale
         dv[:, :, keys] += (pv.reshape(B, Hkv, g, L, S).transpose(-1, -2) @ do.reshape(B, Hkv, g, L, Dv)).sum(2)
-        del raw, s, p, dp, pv, ds, ds5  # (and the generator drops its own): one piece's tiles alive at a time
+
+    cap = _sigmoid_softcap(q, pb)
+    for i, grp in enumerate(groups):
+        terms = _piece_terms(qd, kd, vd, dout.to(sd), safe_lse, plan, pb, alone, need_grad, cap, grp)
+        if i in banded:  # the band's tiles held together: its rows' totals from them, then their gradients
+            terms = list(terms)
+            rows = slice(grp[0].q0, grp[0].q1)
+            tot = torch.zeros(3, B, Hq, rows.stop - rows.start, dtype=torch.float64, device=q.device)
+            for term in terms:
+                _add_row_sums(tot, term[3], term[4])
+            t0 = row_divisor(tot[0])
+            divisor[:, :, rows] = t0.to(sd)
+            delta[:, :, rows] = (tot[1] / t0).to(sd)
+            single[:, :, rows] = tot[2] == 1
+            del tot, t0
+            while terms:  # each piece's tiles let go once its gradients are in
+                _grads_of(terms.pop(0))
+        else:
+            for term in terms:
+                _grads_of(term)
+                del term  # the generator makes the next piece's tiles without this one's beside them
     return dq, dk, dv, tuple(dts)

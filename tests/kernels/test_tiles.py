@@ -155,3 +155,20 @@ def test_the_tile_backward_takes_p_by_its_own_scores_on_rows_one_piece_covers(ca
     q, k, v = seeded_qkv(seed, B, Hq, Hkv, Nq, Nk, D, Dv, std)
     assert_backward_by_rule(q, k, v, lse_grad=lse_grad, score=score, mask=kf.causal() if causal else None,
                             backend=Backend.AUTO)
+
+
+@pytest.mark.parametrize("mask", [None, kf.causal() & kf.window(1100)], ids=["dense", "window"])
+def test_a_long_row_band_held_whole_gives_the_gradients_of_two_passes(mask, monkeypatch):
+    """Rows longer than a tile are renormalised by their pieces' totals: a row band that fits
+    BAND_BYTES holds its pieces' P and dP and sums them as it runs; the others take a pass for the
+    totals first. Both are the same arithmetic on the same tiles: the gradients agree bit for bit."""
+    from keyfold.kernels import tiles
+    q, k, v = _qkv(B=1, H=2, N=1300, D=16, mag=2.0)
+    got = []
+    for budget in (tiles.BAND_BYTES, 0):
+        monkeypatch.setattr(tiles, "BAND_BYTES", budget)
+        a, b, c = (t.clone().requires_grad_(True) for t in (q, k, v))
+        out, lse = kf.attention(a, b, c, mask=mask, backend=Backend.TILES, return_lse=True)
+        torch.autograd.backward([out, lse], [torch.ones_like(out), torch.full_like(lse, 0.5)])
+        got.append((a.grad, b.grad, c.grad))
+    assert all(torch.equal(x, y) for x, y in zip(*got))
