@@ -356,7 +356,9 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
         # summed as it runs; the others take a pass over their pieces first (~40% of their backward)
         renorm = cover > 1
         groups = _row_bands(plan.pieces)
-        width = B * Hq * 2 * 4  # bytes per (row, key) of a band's P and dP
+        # bytes per (row, key) a held band keeps: P and dP, and the scores beside them where autograd needs them
+        width = B * Hq * torch.finfo(sd).bits // 8 * (4 if pb.score is not None and not pb.score.additive
+                                                      or score_tensors else 2)
         for i, grp in enumerate(groups):
             q0, q1 = grp[0].q0, grp[0].q1
             if (len(grp) > 1 and bool((cover[q0:q1] == len(grp)).all())
@@ -364,8 +366,9 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
                 banded.add(i)
         shared = [pc for i, grp in enumerate(groups) if i not in banded for pc in grp
                   if bool(renorm[pc.q0:pc.q1].any())]
-        sums = (row_sums(q, k, v, lse, dout, plan, pb, shared) if shared
-                else torch.zeros(3, B, Hq, Nq, dtype=torch.float64, device=q.device))
+        with torch.no_grad():  # totals are not differentiated again (under create_graph only v is, via dP)
+            sums = (row_sums(q, k, v, lse, dout, plan, pb, shared) if shared
+                    else torch.zeros(3, B, Hq, Nq, dtype=torch.float64, device=q.device))
     alone = (cover == 1) & whole_rows & (renorm is None or ~renorm)
     divisor = single = None
     delta = None if renorm is not None and bool(renorm.all()) else (dout.to(sd) * out.to(sd)).sum(-1)  # (B, Hq, Nq)
@@ -443,13 +446,15 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
         if i in banded:  # the band's tiles held together: its rows' totals from them, then their gradients
             terms = list(terms)
             rows = slice(grp[0].q0, grp[0].q1)
-            tot = torch.zeros(3, B, Hq, rows.stop - rows.start, dtype=torch.float64, device=q.device)
-            for term in terms:
-                _add_row_sums(tot, term[3], term[4])
-            t0 = row_divisor(tot[0])
-            divisor[:, :, rows] = t0.to(sd)
-            delta[:, :, rows] = (tot[1] / t0).to(sd)
-            single[:, :, rows] = tot[2] == 1
+            with torch.no_grad():  # as the totals of a pass before: outside autograd (a review: under
+                # create_graph the in-place writes of one band's totals broke the next band's saved view)
+                tot = torch.zeros(3, B, Hq, rows.stop - rows.start, dtype=torch.float64, device=q.device)
+                for term in terms:
+                    _add_row_sums(tot, term[3], term[4])
+                t0 = row_divisor(tot[0])
+                divisor[:, :, rows] = t0.to(sd)
+                delta[:, :, rows] = (tot[1] / t0).to(sd)
+                single[:, :, rows] = tot[2] == 1
             del tot, t0
             while terms:  # each piece's tiles let go once its gradients are in
                 _grads_of(terms.pop(0))
