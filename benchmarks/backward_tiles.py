@@ -6,6 +6,7 @@ This measures what that costs: backward alone, forward+backward, and the forward
 memory, each against SDPA on the same inputs, alternating, best of ``--repeat``.
 
     .venv/bin/python benchmarks/backward_tiles.py [--out benchmarks/results] [--name backward-tiles] [--quick]
+        [--sizes 1024,4096] [--repeat 3]
 
 Writes NAME.md and NAME.json under --out, naming the machine.
 """
@@ -67,8 +68,9 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="backward-tiles")
     ap.add_argument("--quick", action="store_true", help="1k tokens, 2 repeats, no memory column")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--sizes", default=None, help="comma-separated token counts (default 1024,4096; --quick 1024)")
     args = ap.parse_args(argv)
-    sizes = [1024] if args.quick else [1024, 4096]
+    sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else [1024] if args.quick else [1024, 4096]
     repeat = 2 if args.quick else args.repeat
     H, D = 8, 64
     probe = torch.ones(1, dtype=torch.float32)
