@@ -114,7 +114,7 @@ class _Call:
                     raise _triton.refusal(why)
                 self.backend = Backend.TILES   # AUTO: the tile kernel runs everything
         self.plan: Plan | None = None
-        self._tile_plan_args = (mask, Nq, Nk, q_offset, kv_offset, B, Hq, D, block_size)
+        self._sizes = (B, Hq, Nq, Nk, D, block_size)  # for tile_plan; mask and offsets are in pb
         if self.backend is Backend.TRITON:  # it plans at its own tile size (cached)
             if mask is not None:
                 mask.check_positions(q_offset, q_offset + Nq, kv_offset, kv_offset + Nk)
@@ -167,17 +167,14 @@ class _Call:
             return (*_triton.backward(q, k, v, out, lse, dout, dlse, self.plan, self.pb, fallback=self.auto), ())
         return (*_tiles.backward(q, k, v, out, lse, dout, dlse, self.plan, self.pb, whole_rows), ())
 
-
     def tile_plan(self) -> Plan:
-        """The plan the tile kernel runs this call by (its pieces at most TILE_SPAN keys wide): the
-        call's own where it has one so bounded, else planned (cached) for the tile kernel."""
-        if self.backend is Backend.TILES and self.plan is not None:
-            return self.plan
-        mask, Nq, Nk, q_offset, kv_offset, B, Hq, D, block_size = self._tile_plan_args
+        """The plan (cached) by which the tile kernel's backward stands in for the CPU backend's: pieces
+        at most TILE_SPAN keys wide, row bands of TILE_ROWS."""
+        B, Hq, Nq, Nk, D, block_size = self._sizes
 
         def planned(bs):
-            return _plan(mask, Nq, Nk, q_offset=q_offset, kv_offset=kv_offset, B=B, H=Hq, block_size=bs,
-                         max_span=TILE_SPAN)
+            return _plan(self.pb.mask, Nq, Nk, q_offset=self.pb.q_offset, kv_offset=self.pb.kv_offset, B=B, H=Hq,
+                         block_size=bs, max_span=TILE_SPAN)
 
         if block_size is None:
             bk, rows = default_block(Nq, Nk)[1], TILE_ROWS[0]

@@ -66,32 +66,32 @@ def _head_groups(Hkv: int, groups: int) -> list[tuple[int, int]]:
 # --------------------------------------------------------------------------------- ring
 
 
+def _around(k, v, comm: Comm, what: str):
+    """Yield ``(src, k, v)`` of every rank's shard in ring order, from this rank's own: the next
+    transfer is posted before a shard is handed out, so the bytes travel while it is computed."""
+    kv = _pack(k, v)
+    for step in range(comm.size):
+        pending = comm.shift(kv, what=f"{what} step {step}") if step < comm.size - 1 else None
+        yield (comm.rank - step) % comm.size, *_unpack(kv, k.shape, v.shape)
+        if pending is not None:
+            kv = pending.wait()
+
+
 def _ring_forward(q, k, v, job: Job, comm: Comm) -> State:
     B, Hq, n, _ = q.shape
     acc = empty_state(B, Hq, n, v.shape[-1], dtype=state_dtype(q.dtype), device=q.device)
-    kv = _pack(k, v)
-    for step in range(comm.size):
-        # post the next transfer first: the bytes travel while this shard is computed
-        pending = comm.shift(kv, what=f"ring forward step {step}") if step < comm.size - 1 else None
-        kt, vt = _unpack(kv, k.shape, v.shape)
-        accumulate(acc, q, kt, vt, job, src=(comm.rank - step) % comm.size)
-        if pending is not None:
-            kv = pending.wait()
+    for src, kt, vt in _around(k, v, comm, "ring forward"):
+        accumulate(acc, q, kt, vt, job, src=src)
     return acc
 
 
 def _ring_sums(q, k, v, lse, dout, job: Job, comm: Comm):
     """Each local row's totals of P and P dP over every key shard (:func:`piece_sums`): one
-    rotation of K/V before the gradients', each transfer posted before its shard is computed."""
+    rotation of K/V before the gradients'."""
     B, Hq, n, _ = q.shape
     sums = torch.zeros(3, B, Hq, n, dtype=torch.float64, device=q.device)
-    kv = _pack(k, v)
-    for step in range(comm.size):
-        pending = comm.shift(kv, what=f"ring row sums step {step}") if step < comm.size - 1 else None
-        kt, vt = _unpack(kv, k.shape, v.shape)
-        piece_sums(q, kt, vt, lse, dout, job, (comm.rank - step) % comm.size, sums)
-        if pending is not None:
-            kv = pending.wait()
+    for src, kt, vt in _around(k, v, comm, "ring row sums"):
+        piece_sums(q, kt, vt, lse, dout, job, src, sums)
     return sums
 
 

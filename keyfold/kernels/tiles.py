@@ -207,7 +207,7 @@ def _piece_terms(q, k, v, dout, safe_lse, plan: Plan, pb: Problem, alone, need_g
         pos = positions(q, piece, pb) if pb.score is not None or pb.dropout_p else None
         rows, keys = slice(piece.q0, piece.q1), slice(piece.k0, piece.k1)
         qs, ks, vs = q[:, :, rows], k[:, :, keys], v[:, :, keys]
-        do = dout[:, :, rows].to(sd)
+        do = dout[:, :, rows]
         L, S = piece.q1 - piece.q0, piece.k1 - piece.k0
         sep = None if nonadd else _separable(piece, pb, q.device, sd)
         lse_p = safe_lse[:, :, rows] - sep[0] if sep is not None else safe_lse[:, :, rows]
@@ -283,16 +283,31 @@ def row_sums(q, k, v, lse, dout, plan: Plan, pb: Problem, pieces=None) -> torch.
     (as the naive backward's D_i), the pieces' are added in float64. pieces: those of the plan to
     sum (default all; rows no piece given touches get zeros)."""
     sd = state_dtype(q.dtype)
-    B, Hq, Nq, _ = q.shape
-    out = torch.zeros(3, B, Hq, Nq, dtype=torch.float64, device=q.device)
-    safe_lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).to(sd)
+    return _row_sums(q.to(sd), k.to(sd), v.to(sd), dout.to(sd), _safe_lse(lse, sd), plan, pb, pieces,
+                     _sigmoid_softcap(q, pb))
+
+
+def _safe_lse(lse, sd):
+    """lse with -inf (rows that see no key) as 0, in ``sd``: every P of such a row is 0 anyway."""
+    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).to(sd)
+
+
+def _row_sums(qd, kd, vd, dd, safe_lse, plan: Plan, pb: Problem, pieces, cap) -> torch.Tensor:
+    """:func:`row_sums` on inputs already in the state dtype (the backward's own casts)."""
+    B, Hq, Nq, _ = qd.shape
+    out = torch.zeros(3, B, Hq, Nq, dtype=torch.float64, device=qd.device)
     alone = torch.zeros(Nq, dtype=torch.bool)
-    qs, ks, vs = q.to(sd), k.to(sd), v.to(sd)
-    terms = _piece_terms(qs, ks, vs, dout.to(sd), safe_lse, plan, pb, alone, False, _sigmoid_softcap(q, pb), pieces)
-    for piece, _, _, p, dp, _, _, _ in terms:
+    for piece, _, _, p, dp, _, _, _ in _piece_terms(qd, kd, vd, dd, safe_lse, plan, pb, alone, False, cap, pieces):
         _add_row_sums(out[:, :, :, piece.q0:piece.q1], p, dp)
         del p, dp
     return out
+
+
+def _from_totals(tot, sd):
+    """``(divisor, delta, single)`` of rows with these totals (``(3, ...)`` float64): P's divisor, D_i =
+    sum P dP / sum P, and whether P is 1 at one key and 0 elsewhere (D_i is then that key's dP)."""
+    total = row_divisor(tot[0])
+    return total.to(sd), (tot[1] / total).to(sd), tot[2] == 1
 
 
 def _add_row_sums(acc, p, dp) -> None:
@@ -332,7 +347,11 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
     dk = torch.zeros(k.shape, dtype=sd, device=q.device)
     dv = torch.zeros(v.shape, dtype=sd, device=q.device)
     dts: list = [None] * len(score_tensors)
-    safe_lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).to(sd)
+    safe_lse = _safe_lse(lse, sd)
+    nonadd = pb.score is not None and not pb.score.additive
+    need_grad = nonadd or bool(score_tensors)
+    cap = _sigmoid_softcap(q, pb)
+    qd, kd, vd, dd = q.to(sd), k.to(sd), v.to(sd), dout.to(sd)  # once per call, sliced per piece as in forward
     # Rows that one piece covers alone take P and D_i = sum_j P_ij dP_ij from that piece (equal to
     # dO_i . O_i in exact arithmetic, as softmax's own backward computes it): then dS cancels
     # exactly where it should, e.g. a row with one visible key gets dS = 1 * (dP - dP) = 0,
@@ -357,8 +376,7 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
         renorm = cover > 1
         groups = _row_bands(plan.pieces)
         # bytes per (row, key) a held band keeps: P and dP, and the scores beside them where autograd needs them
-        width = B * Hq * torch.finfo(sd).bits // 8 * (4 if pb.score is not None and not pb.score.additive
-                                                      or score_tensors else 2)
+        width = B * Hq * torch.finfo(sd).bits // 8 * (4 if need_grad else 2)
         for i, grp in enumerate(groups):
             q0, q1 = grp[0].q0, grp[0].q1
             if (len(grp) > 1 and bool((cover[q0:q1] == len(grp)).all())
@@ -367,30 +385,26 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
         shared = [pc for i, grp in enumerate(groups) if i not in banded for pc in grp
                   if bool(renorm[pc.q0:pc.q1].any())]
         with torch.no_grad():  # totals are not differentiated again (under create_graph only v is, via dP)
-            sums = (row_sums(q, k, v, lse, dout, plan, pb, shared) if shared
+            sums = (_row_sums(qd, kd, vd, dd, safe_lse, plan, pb, shared, cap) if shared
                     else torch.zeros(3, B, Hq, Nq, dtype=torch.float64, device=q.device))
     alone = (cover == 1) & whole_rows & (renorm is None or ~renorm)
     divisor = single = None
-    delta = None if renorm is not None and bool(renorm.all()) else (dout.to(sd) * out.to(sd)).sum(-1)  # (B, Hq, Nq)
+    delta = None if renorm is not None and bool(renorm.all()) else (dd * out.to(sd)).sum(-1)  # (B, Hq, Nq)
     if sums is not None:  # the rows' own totals: P renormalised, D_i = sum P dP over the whole row
-        total = row_divisor(sums[0])
         keep = renorm.to(q.device)
-        divisor = torch.where(keep, total, 1.0).to(sd)  # other rows: P / 1, unchanged
-        delta = (sums[1] / total).to(sd) if delta is None else torch.where(keep, (sums[1] / total).to(sd), delta)
-        single = (sums[2] == 1) & keep  # P is 1 at one key, 0 elsewhere: D_i = that key's dP, taken below
+        divisor, from_sums, single = _from_totals(sums, sd)
+        divisor = torch.where(keep, divisor, 1.0)  # other rows: P / 1, unchanged
+        delta = from_sums if delta is None else torch.where(keep, from_sums, delta)
+        single = single & keep  # D_i = that key's dP, taken below
     # dlse joins dS as its own term, P * dlse, not through D_i: dP - (D_i - dlse) rounds D_i - dlse
     # first, and a row with one key got dS = dlse off by an ulp of dP (dq, dk 5e-6 at |dP| ~ 50)
     dl = None if dlse is None else dlse.to(sd)
-    nonadd = pb.score is not None and not pb.score.additive
-    qd, kd, vd = q.to(sd), k.to(sd), v.to(sd)  # once per call, sliced per piece as in forward
-    need_grad = nonadd or bool(score_tensors)
     inplace = not torch.is_grad_enabled()
 
     def _grads_of(term):  # one piece's share of dq, dk, dv and the score tensors' gradients
         piece, raw, s, p, dp, z, own, vis = term
         rows, keys = slice(piece.q0, piece.q1), slice(piece.k0, piece.k1)
-        qs, ks = qd[:, :, rows], kd[:, :, keys]
-        do = dout[:, :, rows].to(sd)
+        qs, ks, do = qd[:, :, rows], kd[:, :, keys], dd[:, :, rows]
         L, S = piece.q1 - piece.q0, piece.k1 - piece.k0
         d_rows = delta[:, :, rows]
         if divisor is not None and bool(renorm[rows].any()):
@@ -440,9 +454,8 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
         dk[:, :, keys] += (ds5.transpose(-1, -2) @ qs.reshape(B, Hkv, g, L, D)).sum(2) * pb.scale
         dv[:, :, keys] += (pv.reshape(B, Hkv, g, L, S).transpose(-1, -2) @ do.reshape(B, Hkv, g, L, Dv)).sum(2)
 
-    cap = _sigmoid_softcap(q, pb)
     for i, grp in enumerate(groups):
-        terms = _piece_terms(qd, kd, vd, dout.to(sd), safe_lse, plan, pb, alone, need_grad, cap, grp)
+        terms = _piece_terms(qd, kd, vd, dd, safe_lse, plan, pb, alone, need_grad, cap, grp)
         if i in banded:  # the band's tiles held together: its rows' totals from them, then their gradients
             terms = list(terms)
             rows = slice(grp[0].q0, grp[0].q1)
@@ -451,11 +464,8 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
                 tot = torch.zeros(3, B, Hq, rows.stop - rows.start, dtype=torch.float64, device=q.device)
                 for term in terms:
                     _add_row_sums(tot, term[3], term[4])
-                t0 = row_divisor(tot[0])
-                divisor[:, :, rows] = t0.to(sd)
-                delta[:, :, rows] = (tot[1] / t0).to(sd)
-                single[:, :, rows] = tot[2] == 1
-            del tot, t0
+                divisor[:, :, rows], delta[:, :, rows], single[:, :, rows] = _from_totals(tot, sd)
+            del tot
             while terms:  # each piece's tiles let go once its gradients are in
                 _grads_of(terms.pop(0))
         else:
