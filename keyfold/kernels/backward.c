@@ -1,4 +1,5 @@
-/* keyfold's float32 attention backward on AVX-512 FMAs (bfloat16's products on AMX tiles): the gradients
+/* keyfold's float32 attention backward on AVX-512 FMAs (bfloat16's products on AMX tiles), or on AVX2 FMAs
+ * where the CPU has no AVX-512 (simd.h's 16-lane vectors as two 8-lane halves, the same bits): the gradients
  * of one fused call (a piece of a plan: its rows, its keys, a causal flag or a mask tile), from the global
  * out and lse, as PyTorch's fused CPU op gives them, with P recomputed by an e^x of about 1 ulp.
  *
@@ -38,7 +39,7 @@
  * 2 threads, Intel Xeon with AMX).
  *
  * Products are register tiles of RR rows (scores, dP, dQ) or CK keys (dK, dV) by a chunk of up to 64
- * columns (four vectors). Hidden keys (the causal flag, a bool mask, padding past the call's keys) get
+ * columns (four vectors; one on AVX2, whose 16 registers hold RR x 2 halves). Hidden keys (the causal flag, a bool mask, padding past the call's keys) get
  * P = 0 exactly; a tile whose P is all 0 does none of the four products after its scores. A NaN or
  * infinite score reaches the gradients as it does in the op. */
 #include <immintrin.h>
@@ -134,18 +135,12 @@ static scratch_t carve(const bjob_t *J, char *m, size_t *bytes) {
     return s;
 }
 
-/* 16 bfloat16 values as the float32 values they are */
-static inline __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-
 /* the lanes m of x[i..i+16) as float32, x of dtype dt (0 float32, 1 bfloat16, 2 float16): 16-bit
  * inputs are read as they are, each value exactly a float32 */
-static inline __m512 ld(const char *x, size_t i, __mmask16 m, int dt) {
+static inline vf ld(const char *x, size_t i, __mmask16 m, int dt) {
     if (dt == 0)
-        return _mm512_maskz_loadu_ps(m, (const float *)x + i);
-    const __m256i h = _mm256_maskz_loadu_epi16(m, (const unsigned short *)x + i);
-    if (dt == 1)
-        return widen_bf16(h);
-    return _mm512_cvtph_ps(h);
+        return vf_maskz_loadu(m, (const float *)x + i);
+    return vf_load16((const uint16_t *)x + i, m, dt == 1);
 }
 
 /* rows [0, n) of x (dtype dt, row stride W) into dst (float32, row stride Wp), zero past W and past n
@@ -154,19 +149,13 @@ static void pack_rows(float *dst, double *dd, const char *x, int dt, long long n
     for (int r = 0; r < rows; r++) {
         float *d = dst + (size_t)r * Wp;
         if (r < n) {
-            for (int w = 0; w < Wp; w += 16) _mm512_store_ps(d + w, ld(x, (size_t)r * W + w, lanes(0, W - w), dt));
+            for (int w = 0; w < Wp; w += 16) vf_store(d + w, ld(x, (size_t)r * W + w, lanes(0, W - w), dt));
         } else {
             memset(d, 0, sizeof(float) * Wp);
         }
         if (dd)
             for (int w = 0; w < W; w++) dd[(size_t)r * W + w] = d[w];
     }
-}
-
-/* lanes 0-7 (half 0) or 8-15 (half 1) of x in float64 */
-static inline __m512d half(__m512 x, int h) {
-    return _mm512_cvtps_pd(h ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))
-                             : _mm512_castps512_ps256(x));
 }
 
 /* keys [0, n) of x (dtype dt, row stride W) transposed into dst (W x BC; float64 when wide), zero past
@@ -181,62 +170,83 @@ static void pack_t(float *dst, const char *x, int dt, long long n, int W, int wi
                 continue;
             }
             const __mmask16 cols = lanes(0, W - w);
-            __m512i r[16];
-            for (int i = 0; i < 16; i++)
-                r[i] = _mm512_castps_si512(c + i < n ? ld(x, (size_t)(c + i) * W + w, cols, dt) : _mm512_setzero_ps());
-            transpose16(r);
+            vf r[16];
+            for (int i = 0; i < 16; i++) r[i] = c + i < n ? ld(x, (size_t)(c + i) * W + w, cols, dt) : vf_zero();
+            vf_transpose(r);
             for (int i = 0; i < 16 && w + i < W; i++) {
                 const size_t at = (size_t)(w + i) * BC + c;
-                const __m512 y = _mm512_castsi512_ps(r[i]);
                 if (wide) {
-                    _mm512_store_pd((double *)dst + at, half(y, 0));
-                    _mm512_store_pd((double *)dst + at + 8, half(y, 1));
+                    vd_store((double *)dst + at, vf_half(r[i], 0));
+                    vd_store((double *)dst + at + 8, vf_half(r[i], 1));
                 } else {
-                    _mm512_store_ps(dst + at, y);
+                    vf_store(dst + at, r[i]);
                 }
             }
         }
 }
 
-/* acc[r][0..nk) = sum over w < W of a[r][w] * bt[w][0..16 nk), one FMA a term in order of w (as the
+/* t[r][0..nx) = sum over w < W of a[r][w] * bt[w][0..16 nx), one FMA a term in order of w (as the
  * prefill kernel's and the GEMM's scores), for nr rows (row stride lda) */
-static inline __attribute__((always_inline)) void dot(const int nr, const int nk, const float *a, int lda,
-                                                     const float *bt, int W, __m512 acc[RR][4]) {
+static inline __attribute__((always_inline)) void dot_part(const int nr, const int nx, const float *a, int lda,
+                                                          const float *bt, int W, vf t[RR][VF_TILE]) {
     for (int r = 0; r < nr; r++)
-        for (int x = 0; x < nk; x++) acc[r][x] = _mm512_setzero_ps();
+        for (int x = 0; x < nx; x++) t[r][x] = vf_zero();
     for (int w = 0; w < W; w++) {
         const float *b = bt + (size_t)w * BC;
-        __m512 bx[4];
-        for (int x = 0; x < nk; x++) bx[x] = _mm512_load_ps(b + 16 * x);
+        vf bx[VF_TILE];
+        for (int x = 0; x < nx; x++) bx[x] = vf_load(b + 16 * x);
         for (int r = 0; r < nr; r++) {
-            const __m512 s = _mm512_set1_ps(a[(size_t)r * lda + w]);
-            for (int x = 0; x < nk; x++) acc[r][x] = _mm512_fmadd_ps(s, bx[x], acc[r][x]);
+            const vf s = vf_set1(a[(size_t)r * lda + w]);
+            for (int x = 0; x < nx; x++) t[r][x] = vf_fmadd(s, bx[x], t[r][x]);
         }
     }
 }
 
-/* acc[r][0..7] = sum over w < W of a[r][w] * bt[w][0..63] in float64, for nr <= 3 rows (row stride W) */
-static inline __attribute__((always_inline)) void dot64(const int nr, const double *a, const double *bt, int W,
-                                                       __m512d acc[3][8]) {
+/* acc[r][0..nk) as dot_part, VF_TILE key vectors at a time (a register tile of AVX2 holds one) */
+static inline __attribute__((always_inline)) void dot(const int nr, const int nk, const float *a, int lda,
+                                                     const float *bt, int W, vf acc[RR][4]) {
+#if VF_TILE == 4
+    dot_part(nr, nk, a, lda, bt, W, acc);
+#else
+    for (int x0 = 0; x0 < nk; x0 += VF_TILE) {
+        vf t[RR][VF_TILE];
+        dot_part(nr, VF_TILE, a, lda, bt + 16 * x0, W, t);
+        for (int r = 0; r < nr; r++)
+            for (int x = 0; x < VF_TILE; x++) acc[r][x0 + x] = t[r][x];
+    }
+#endif
+}
+
+/* t[r][0..VD_TILE) = sum over w < W of a[r][w] * bt[w][0..8 VD_TILE) in float64, for nr <= 3 rows (row stride W) */
+static inline __attribute__((always_inline)) void dot64_part(const int nr, const double *a, const double *bt, int W,
+                                                            vd t[3][VD_TILE]) {
     for (int r = 0; r < nr; r++)
-        for (int x = 0; x < 8; x++) acc[r][x] = _mm512_setzero_pd();
+        for (int x = 0; x < VD_TILE; x++) t[r][x] = vd_zero();
     for (int w = 0; w < W; w++) {
         const double *b = bt + (size_t)w * BC;
-        __m512d s[3];
-        for (int r = 0; r < nr; r++) s[r] = _mm512_set1_pd(a[(size_t)r * W + w]);
-        for (int x = 0; x < 8; x++) {
-            const __m512d bx = _mm512_load_pd(b + 8 * x);
-            for (int r = 0; r < nr; r++) acc[r][x] = _mm512_fmadd_pd(s[r], bx, acc[r][x]);
+        vd s[3];
+        for (int r = 0; r < nr; r++) s[r] = vd_set1(a[(size_t)r * W + w]);
+        for (int x = 0; x < VD_TILE; x++) {
+            const vd bx = vd_load(b + 8 * x);
+            for (int r = 0; r < nr; r++) t[r][x] = vd_fmadd(s[r], bx, t[r][x]);
         }
     }
 }
 
-/* 16 float32 lanes from two float64 vectors (lanes 0-7, 8-15), each rounded once */
-static inline __m512 narrow(__m512d lo, __m512d hi) {
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm512_cvtpd_ps(lo))),
-                                               _mm256_castps_pd(_mm512_cvtpd_ps(hi)), 1));
+/* acc[r][0..7]: the block's 64 keys as dot64_part, VD_TILE vectors of 8 at a time */
+static inline __attribute__((always_inline)) void dot64(const int nr, const double *a, const double *bt, int W,
+                                                       vd acc[3][8]) {
+#if VD_TILE == 8
+    dot64_part(nr, a, bt, W, acc);
+#else
+    for (int x0 = 0; x0 < 8; x0 += VD_TILE) {
+        vd t[3][VD_TILE];
+        dot64_part(nr, a, bt + 8 * x0, W, t);
+        for (int r = 0; r < nr; r++)
+            for (int x = 0; x < VD_TILE; x++) acc[r][x0 + x] = t[r][x];
+    }
+#endif
 }
-
 
 /* the key lanes of vector x in row gr that the call shows it: inside the call's keys, at or left of
  * the diagonal under the causal flag, true in a bool mask */
@@ -245,18 +255,16 @@ static inline __mmask16 seen(const bjob_t *J, const unsigned char *mrow, long lo
     __mmask16 k = lanes(0, nc - 16 * x);
     if (J->causal)
         k &= lanes(0, gr - (c0 + 16 * x) + 1);
-    if (J->mkind == 1) {
-        const __m128i b = _mm_maskz_loadu_epi8(k, mrow + c0 + 16 * x);
-        k &= _mm512_test_epi32_mask(_mm512_cvtepu8_epi32(b), _mm512_cvtepu8_epi32(b));
-    }
+    if (J->mkind == 1)
+        k = bytes_set(k, mrow + c0 + 16 * x);
     return k;
 }
 
 /* P = e^t on the lanes of k (0 elsewhere) stored at dst; whether any is not 0 */
-static inline int put_p(float *dst, __mmask16 k, __m512 t) {
-    const __m512 p = _mm512_maskz_mov_ps(k, exp16(t));
-    _mm512_store_ps(dst, p);
-    return _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _MM_CMPINT_NE) != 0;
+static inline int put_p(float *dst, __mmask16 k, vf t) {
+    const vf p = vf_maskz(k, vf_exp(t));
+    vf_store(dst, p);
+    return vf_nonzero(p) != 0;
 }
 
 /* P of nr rows (tile rows r0.. of the row block at global row i0; key block at c0 of nc keys) into
@@ -265,28 +273,27 @@ static inline __attribute__((always_inline)) int rows_p(const int nr, const int 
                                                        const scratch_t *T, int r0,
                                                        long long i0, long long c0, long long nc, const float *lse,
                                                        const float *lo, const unsigned char *mrow0) {
-    __m512 acc[RR][4];
+    vf acc[RR][4];
     int any = 0;
     if (J->amx)
         for (int r = 0; r < nr; r++)
-            for (int x = 0; x < nk; x++) acc[r][x] = _mm512_load_ps(T->p + (size_t)(r0 + r) * BC + 16 * x);
+            for (int x = 0; x < nk; x++) acc[r][x] = vf_load(T->p + (size_t)(r0 + r) * BC + 16 * x);
     else
         dot(nr, nk, T->qp + (size_t)r0 * J->Wp, J->Wp, T->kt, J->W, acc);
-    const __m512 sc = _mm512_set1_ps(J->scale);
+    const vf sc = vf_set1(J->scale);
     for (int r = 0; r < nr; r++) {
         const long long gr = i0 + r0 + r;
         const unsigned char *mrow = J->mask ? mrow0 + (size_t)gr * J->msl * (J->mkind == 2 ? 4 : 1) : NULL;
-        const __m512 nl = _mm512_set1_ps(-lse[gr]);
+        const vf nl = vf_set1(-lse[gr]);
         for (int x = 0; x < nk; x++) {
             const __mmask16 k = seen(J, mrow, gr, c0, x, nc);
-            __m512 t;
+            vf t;
             if (J->mkind == 2)
-                t = _mm512_add_ps(
-                    _mm512_fmadd_ps(acc[r][x], sc, _mm512_maskz_loadu_ps(k, (const float *)mrow + c0 + 16 * x)), nl);
+                t = vf_add(vf_fmadd(acc[r][x], sc, vf_maskz_loadu(k, (const float *)mrow + c0 + 16 * x)), nl);
             else
-                t = _mm512_fmadd_ps(acc[r][x], sc, nl);
+                t = vf_fmadd(acc[r][x], sc, nl);
             if (lo)  /* the exponent is near 0 where P matters: the low part keeps its bits there */
-                t = _mm512_sub_ps(t, _mm512_set1_ps(lo[gr]));
+                t = vf_sub(t, vf_set1(lo[gr]));
             any |= put_p(T->p + (size_t)(r0 + r) * BC + 16 * x, k, t);
         }
     }
@@ -295,17 +302,17 @@ static inline __attribute__((always_inline)) int rows_p(const int nr, const int 
 
 /* sigma += sum P, tau += sum P dP of one row over its first 16 nk keys (float64), dP in float64 as two
  * vectors a 16 keys */
-static inline __attribute__((always_inline)) void add_sums(const int nk, const float *pr, const __m512d *dp,
+static inline __attribute__((always_inline)) void add_sums(const int nk, const float *pr, const vd *dp,
                                                            double *sigma, double *tau) {
-    __m512d s = _mm512_setzero_pd(), t = _mm512_setzero_pd();
+    vd s = vd_zero(), t = vd_zero();
     for (int x = 0; x < nk; x++) {
-        const __m512 p = _mm512_load_ps(pr + 16 * x);
-        s = _mm512_add_pd(s, _mm512_add_pd(half(p, 0), half(p, 1)));
-        t = _mm512_fmadd_pd(half(p, 0), dp[2 * x], t);
-        t = _mm512_fmadd_pd(half(p, 1), dp[2 * x + 1], t);
+        const vf p = vf_load(pr + 16 * x);
+        s = vd_add(s, vd_add(vf_half(p, 0), vf_half(p, 1)));
+        t = vd_fmadd(vf_half(p, 0), dp[2 * x], t);
+        t = vd_fmadd(vf_half(p, 1), dp[2 * x + 1], t);
     }
-    *sigma += _mm512_reduce_add_pd(s);
-    *tau += _mm512_reduce_add_pd(t);
+    *sigma += vd_sum(s);
+    *tau += vd_sum(t);
 }
 
 /* dS = scale P (dP - delta) of nr rows into T->ds; with `sigma`, instead the row sums (add_sums) */
@@ -313,29 +320,28 @@ static inline __attribute__((always_inline)) void rows_ds(const int nr, const in
                                                          const scratch_t *T, int r0,
                                                          long long i0, const float *delta, double *sigma,
                                                          double *tau) {
-    __m512 acc[RR][4];
+    vf acc[RR][4];
     if (J->amx)
         for (int r = 0; r < nr; r++)
-            for (int x = 0; x < nk; x++) acc[r][x] = _mm512_load_ps(T->ds + (size_t)(r0 + r) * BC + 16 * x);
+            for (int x = 0; x < nk; x++) acc[r][x] = vf_load(T->ds + (size_t)(r0 + r) * BC + 16 * x);
     else
         dot(nr, nk, T->dop + (size_t)r0 * J->Wp, J->Wp, T->vt, J->W, acc);
-    const __m512 sc = _mm512_set1_ps(J->scale);
+    const vf sc = vf_set1(J->scale);
     for (int r = 0; r < nr; r++) {
         const float *pr = T->p + (size_t)(r0 + r) * BC;
         if (sigma) {
-            __m512d dp[8];
+            vd dp[8];
             for (int x = 0; x < nk; x++) {
-                dp[2 * x] = half(acc[r][x], 0);
-                dp[2 * x + 1] = half(acc[r][x], 1);
+                dp[2 * x] = vf_half(acc[r][x], 0);
+                dp[2 * x + 1] = vf_half(acc[r][x], 1);
             }
             add_sums(nk, pr, dp, sigma + i0 + r0 + r, tau + i0 + r0 + r);
             continue;
         }
-        const __m512 dl = _mm512_set1_ps(delta[i0 + r0 + r]);
+        const vf dl = vf_set1(delta[i0 + r0 + r]);
         for (int x = 0; x < nk; x++)
-            _mm512_store_ps(T->ds + (size_t)(r0 + r) * BC + 16 * x,
-                            _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(pr + 16 * x), sc),
-                                          _mm512_sub_ps(acc[r][x], dl)));
+            vf_store(T->ds + (size_t)(r0 + r) * BC + 16 * x,
+                     vf_mul(vf_mul(vf_load(pr + 16 * x), sc), vf_sub(acc[r][x], dl)));
     }
 }
 
@@ -343,23 +349,23 @@ static inline __attribute__((always_inline)) void rows_ds(const int nr, const in
 static inline __attribute__((always_inline)) int rows_p64(const int nr, const bjob_t *J, const scratch_t *T, int r0,
                                                          long long i0, long long c0, long long nc, const float *lse,
                                                          const float *lo, const unsigned char *mrow0) {
-    __m512d acc[3][8];
+    vd acc[3][8];
     int any = 0;
     dot64(nr, T->qd + (size_t)r0 * J->W, (const double *)T->kt, J->W, acc);
-    const __m512d sc = _mm512_set1_pd(J->scale);
+    const vd sc = vd_set1(J->scale);
     for (int r = 0; r < nr; r++) {
         const long long gr = i0 + r0 + r;
         const unsigned char *mrow = J->mask ? mrow0 + (size_t)gr * J->msl * (J->mkind == 2 ? 4 : 1) : NULL;
-        const __m512d nl = _mm512_set1_pd(-((double)lse[gr] + (lo ? (double)lo[gr] : 0.0)));
+        const vd nl = vd_set1(-((double)lse[gr] + (lo ? (double)lo[gr] : 0.0)));
         for (int x = 0; x < 4; x++) {
             const __mmask16 k = seen(J, mrow, gr, c0, x, nc);
-            __m512d a = nl, b = nl;
+            vd a = nl, b = nl;
             if (J->mkind == 2) {
-                const __m512 m = _mm512_maskz_loadu_ps(k, (const float *)mrow + c0 + 16 * x);
-                a = _mm512_add_pd(nl, half(m, 0));
-                b = _mm512_add_pd(nl, half(m, 1));
+                const vf m = vf_maskz_loadu(k, (const float *)mrow + c0 + 16 * x);
+                a = vd_add(nl, vf_half(m, 0));
+                b = vd_add(nl, vf_half(m, 1));
             }
-            const __m512 t = narrow(_mm512_fmadd_pd(acc[r][2 * x], sc, a), _mm512_fmadd_pd(acc[r][2 * x + 1], sc, b));
+            const vf t = vd_narrow(vd_fmadd(acc[r][2 * x], sc, a), vd_fmadd(acc[r][2 * x + 1], sc, b));
             any |= put_p(T->p + (size_t)(r0 + r) * BC + 16 * x, k, t);
         }
     }
@@ -373,20 +379,19 @@ static inline __attribute__((always_inline)) int rows_p64(const int nr, const bj
 static inline __attribute__((always_inline)) void rows_ds64(const int nr, const bjob_t *J, const scratch_t *T, int r0,
                                                            long long i0, const float *delta, const float *dlo,
                                                            double *sigma, double *tau) {
-    __m512d acc[3][8];
+    vd acc[3][8];
     dot64(nr, T->dod + (size_t)r0 * J->W, (const double *)T->vt, J->W, acc);
-    const __m512 sc = _mm512_set1_ps(J->scale);
+    const vf sc = vf_set1(J->scale);
     for (int r = 0; r < nr; r++) {
         const float *pr = T->p + (size_t)(r0 + r) * BC;
         if (sigma) {
             add_sums(4, pr, acc[r], sigma + i0 + r0 + r, tau + i0 + r0 + r);
             continue;
         }
-        const __m512d dl = _mm512_set1_pd((double)delta[i0 + r0 + r] + (dlo ? (double)dlo[i0 + r0 + r] : 0.0));
+        const vd dl = vd_set1((double)delta[i0 + r0 + r] + (dlo ? (double)dlo[i0 + r0 + r] : 0.0));
         for (int x = 0; x < 4; x++) {
-            const __m512 d = narrow(_mm512_sub_pd(acc[r][2 * x], dl), _mm512_sub_pd(acc[r][2 * x + 1], dl));
-            _mm512_store_ps(T->ds + (size_t)(r0 + r) * BC + 16 * x,
-                            _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(pr + 16 * x), sc), d));
+            const vf d = vd_narrow(vd_sub(acc[r][2 * x], dl), vd_sub(acc[r][2 * x + 1], dl));
+            vf_store(T->ds + (size_t)(r0 + r) * BC + 16 * x, vf_mul(vf_mul(vf_load(pr + 16 * x), sc), d));
         }
     }
 }
@@ -423,6 +428,9 @@ static inline __attribute__((always_inline)) void ds32(const int nk, const bjob_
 }
 
 #ifdef KF_AMX
+/* 16 bfloat16 values as the float32 values they are */
+static inline __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
 /* The tile path (J->amx), for bfloat16: the five products of a tile on AMX (tdpbf16ps: bfloat16 pairs, exact
  * products, summed in float32), everything between them as on the float32 path (P, dS and the sums from
  * the scores and dP the tiles leave in p and ds). The scores and dP multiply the 16-bit inputs as they are.
@@ -669,31 +677,36 @@ static int scores(const bjob_t *J, const scratch_t *T, int nr, long long i0, lon
 static inline __attribute__((always_inline)) void outer_chunk(const int nv, float *dacc, const float *pt,
                                                              const float *a, int nr, long long nc, int Wp, int w0) {
     for (int c0 = 0; c0 < nc; c0 += CK) {
-        __m512 acc[CK][4];
+        vf acc[CK][VF_TILE];
         for (int c = 0; c < CK; c++)
-            for (int x = 0; x < nv; x++) acc[c][x] = _mm512_setzero_ps();
+            for (int x = 0; x < nv; x++) acc[c][x] = vf_zero();
         for (int r = 0; r < nr; r++) {
-            __m512 av[4];
-            for (int x = 0; x < nv; x++) av[x] = _mm512_load_ps(a + (size_t)r * Wp + w0 + 16 * x);
+            vf av[VF_TILE];
+            for (int x = 0; x < nv; x++) av[x] = vf_load(a + (size_t)r * Wp + w0 + 16 * x);
             for (int c = 0; c < CK; c++) {
-                const __m512 s = _mm512_set1_ps(pt[(size_t)r * BC + c0 + c]);
-                for (int x = 0; x < nv; x++) acc[c][x] = _mm512_fmadd_ps(s, av[x], acc[c][x]);
+                const vf s = vf_set1(pt[(size_t)r * BC + c0 + c]);
+                for (int x = 0; x < nv; x++) acc[c][x] = vf_fmadd(s, av[x], acc[c][x]);
             }
         }
         for (int c = 0; c < CK; c++)
             for (int x = 0; x < nv; x++) {
                 float *d = dacc + (size_t)(c0 + c) * Wp + w0 + 16 * x;
-                _mm512_store_ps(d, _mm512_add_ps(_mm512_load_ps(d), acc[c][x]));
+                vf_store(d, vf_add(vf_load(d), acc[c][x]));
             }
     }
 }
 
+/* column chunks of VF_TILE vectors (the last one narrower) */
+static inline int chunk_vectors(int Wp, int w0) { return (Wp - w0) / 16 >= VF_TILE ? VF_TILE : (Wp - w0) / 16; }
+
 static void outer(float *dacc, const float *pt, const float *a, int nr, long long nc, int Wp) {
-    for (int w0 = 0; w0 < Wp; w0 += 64) {
-        switch ((Wp - w0) >= 64 ? 4 : (Wp - w0) / 16) {
+    for (int w0 = 0; w0 < Wp; w0 += 16 * VF_TILE) {
+        switch (chunk_vectors(Wp, w0)) {
+#if VF_TILE == 4
         case 4: outer_chunk(4, dacc, pt, a, nr, nc, Wp, w0); break;
         case 3: outer_chunk(3, dacc, pt, a, nr, nc, Wp, w0); break;
         case 2: outer_chunk(2, dacc, pt, a, nr, nc, Wp, w0); break;
+#endif
         default: outer_chunk(1, dacc, pt, a, nr, nc, Wp, w0); break;
         }
     }
@@ -702,31 +715,33 @@ static void outer(float *dacc, const float *pt, const float *a, int nr, long lon
 /* dq rows (row stride Wp) += ds kn: nr rows, keys [0, nc), one column chunk of nv vectors at w0 */
 static inline __attribute__((always_inline)) void dq_chunk(const int nv, const int nr, float *dq, const float *ds,
                                                           const float *kn, long long nc, int Wp, int w0) {
-    __m512 acc[RR][4];
+    vf acc[RR][VF_TILE];
     for (int r = 0; r < nr; r++)
-        for (int x = 0; x < nv; x++) acc[r][x] = _mm512_setzero_ps();
+        for (int x = 0; x < nv; x++) acc[r][x] = vf_zero();
     for (int c = 0; c < nc; c++) {
-        __m512 kv[4];
-        for (int x = 0; x < nv; x++) kv[x] = _mm512_load_ps(kn + (size_t)c * Wp + w0 + 16 * x);
+        vf kv[VF_TILE];
+        for (int x = 0; x < nv; x++) kv[x] = vf_load(kn + (size_t)c * Wp + w0 + 16 * x);
         for (int r = 0; r < nr; r++) {
-            const __m512 s = _mm512_set1_ps(ds[(size_t)r * BC + c]);
-            for (int x = 0; x < nv; x++) acc[r][x] = _mm512_fmadd_ps(s, kv[x], acc[r][x]);
+            const vf s = vf_set1(ds[(size_t)r * BC + c]);
+            for (int x = 0; x < nv; x++) acc[r][x] = vf_fmadd(s, kv[x], acc[r][x]);
         }
     }
     for (int r = 0; r < nr; r++)
         for (int x = 0; x < nv; x++) {
             float *d = dq + (size_t)r * Wp + w0 + 16 * x;
-            _mm512_storeu_ps(d, _mm512_add_ps(_mm512_loadu_ps(d), acc[r][x]));
+            vf_storeu(d, vf_add(vf_loadu(d), acc[r][x]));
         }
 }
 
 static inline __attribute__((always_inline)) void dq_rows(const int nr, float *dq, const float *ds, const float *kn,
                                                          long long nc, int Wp) {
-    for (int w0 = 0; w0 < Wp; w0 += 64) {
-        switch ((Wp - w0) >= 64 ? 4 : (Wp - w0) / 16) {
+    for (int w0 = 0; w0 < Wp; w0 += 16 * VF_TILE) {
+        switch (chunk_vectors(Wp, w0)) {
+#if VF_TILE == 4
         case 4: dq_chunk(4, nr, dq, ds, kn, nc, Wp, w0); break;
         case 3: dq_chunk(3, nr, dq, ds, kn, nc, Wp, w0); break;
         case 2: dq_chunk(2, nr, dq, ds, kn, nc, Wp, w0); break;
+#endif
         default: dq_chunk(1, nr, dq, ds, kn, nc, Wp, w0); break;
         }
     }
@@ -839,14 +854,14 @@ static void row_sums(const bjob_t *J, const scratch_t *T, int b, int hk, long lo
 
 /* dO . O of a row in float64, rounded once (the caller's spare column, if any, makes it dO . O - dlse) */
 static double dot_row(const char *a, const char *o, int W, int dt) {
-    __m512d s = _mm512_setzero_pd();
+    vd s = vd_zero();
     for (int w = 0; w < W; w += 16) {
         const __mmask16 m = lanes(0, W - w);
-        const __m512 x = ld(a, w, m, dt), y = ld(o, w, m, dt);
-        s = _mm512_fmadd_pd(half(x, 0), half(y, 0), s);
-        s = _mm512_fmadd_pd(half(x, 1), half(y, 1), s);
+        const vf x = ld(a, w, m, dt), y = ld(o, w, m, dt);
+        s = vd_fmadd(vf_half(x, 0), vf_half(y, 0), s);
+        s = vd_fmadd(vf_half(x, 1), vf_half(y, 1), s);
     }
-    return _mm512_reduce_add_pd(s);
+    return vd_sum(s);
 }
 
 /* The gradients into dq (zeros), dk, dv (row stride Wp); delta_in: each row's delta (NULL: dO . O), delta_lo:

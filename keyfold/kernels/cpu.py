@@ -794,10 +794,11 @@ def _fp16_down(dtype, dout, dlse) -> float:
 
 def backward_on_tiles(q, k) -> bool:
     """Whether a CPU-backend backward of these inputs runs on the tile kernel instead (the engine
-    replans it there): float32 where keyfold's backward kernel is not built (CPUs without AVX-512).
+    replans it there): float32 where keyfold's backward kernel is not built (CPUs without AVX2, another
+    architecture, no C compiler, ``KEYFOLD_NATIVE=0``; on AVX2 CPUs it is built since 2026-12-07).
 
     PyTorch's fused float32 backward recomputes P with an e^x that loses precision: on the AMD EPYC
-    (AVX2) its gradients broke the 3x rule in 58 of 200 random calls (up to 3.4x the allowance; 24
+    (AVX2, before its backward kernel) its gradients broke the 3x rule in 58 of 200 random calls (up to 3.4x the allowance; 24
     of 73 at score spread 3, 31 of 66 at 6), the tile kernel's in none (a 2026-12-07 fuzz); with
     q/k and v head sizes apart (the op pads them to one) in 5-9 of 20 at D=8, Dv=32. keyfold's backward
     kernel, where built, holds the rule and is faster than both. 16-bit and float64 stay on the op
@@ -867,7 +868,8 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     # call gives it (16-bit: rounded once, by the op), with no float32 sum and cast after
     acc = _Grads(q, k, W, sd, gd if alone else sd, gd if alone or (_rows_disjoint(pieces) and not own) else sd)
     delta = lse_lo = delta_lo = None
-    renorm = own and whole_rows and (Nq * inp.g < RENORM_ROWS or W > ORDERED_HEAD or D < RENORM_HEAD)
+    renorm = own and whole_rows and (Nq * inp.g < RENORM_ROWS or W > ORDERED_HEAD or D < RENORM_HEAD
+                                     or (q.dtype is torch.float32 and not native.prefill_available(torch.float32)))
     wide = renorm and (W > WIDE_HEAD or Nq <= WIDE_ROWS)  # float64 sums only with the renormalised lse
     if renorm:
         # P and delta renormalised by the kernel's own scores (backward.c) where the forward's lse does not
@@ -876,7 +878,9 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
         # not this kernel's (at 128 or 256 rows instead of 512, a 700-case fuzz found 2-3 cases past the
         # rule, at 512 none; skipping it after the prefill kernel's forward, 12 more in 1,500); past
         # ORDERED_HEAD no forward sums in this kernel's order; under RENORM_HEAD the forward's lse rounding
-        # outweighs the naive error
+        # outweighs the naive error; and at every size where no float32 prefill kernel is built (AVX2): the
+        # forward ran on the op, whose GEMM there blocks long dot products its own way (unrenormalised, 9 of
+        # 230 random float32 calls past the rule, dk 3.8x at head size 256; renormalised none)
         lse_safe, lse_lo, delta, delta_lo = _renormalised(inp, pieces, pb, q, memo, plan.tiles, lse_safe, o, do,
                                                           spare, wide)
     for piece in pieces:

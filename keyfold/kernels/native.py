@@ -1,8 +1,10 @@
 """keyfold's own CPU kernels, built on first use with the system C compiler: ``decode.c`` (a few query
 rows over a long cache, any CPU with AVX-512) and ``prefill.c`` (a whole plan: bfloat16 on AMX tiles,
-float32 on AVX-512 FMAs). On a CPU with AVX2 but no AVX-512 (AMD Zen 1-3, Intel client cores) only the
-decode kernel is built, from ``decode_avx2.c`` (the same contract on 8-float vectors): :func:`available`
-is True there, :func:`prefill_available` and :func:`backward_available` False, :func:`isa` says which.
+float32 on AVX-512 FMAs) and ``backward.c`` (the gradients of a piece). On a CPU with AVX2 but no AVX-512
+(AMD Zen 1-3, Intel client cores) the decode kernel is built from ``decode_avx2.c`` (the same contract on
+8-float vectors) and the backward kernel from the same ``backward.c`` (its 16-lane vectors as two 8-lane
+halves, simd.h; the same bits): :func:`available` and :func:`backward_available` are True there,
+:func:`prefill_available` False, :func:`isa` says which.
 
 Decoding reads every cached key and value once for a few query rows, so its limit is the memory
 bandwidth, not arithmetic. PyTorch's fused CPU op reaches that limit for a float32 cache but not
@@ -66,8 +68,9 @@ __all__ = ["available", "why", "isa", "backward_available", "bf16_dot", "pays", 
 #: sources, this one and decode_merge.h, shared with decode_avx2.c, is part of the build's hash).
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("decode.c", "prefill.c", "backward.c"))
 HEADER = Path(__file__).with_name("simd.h")
-#: The decode kernel alone for CPUs with AVX2, FMA and F16C but no AVX-512 (it includes decode_merge.h).
-SOURCES_AVX2 = (Path(__file__).with_name("decode_avx2.c"),)
+#: What CPUs with AVX2, FMA and F16C but no AVX-512 build: the AVX2 decode kernel (it includes
+#: decode_merge.h) and the backward kernel (backward.c on simd.h's AVX2 vectors); no prefill kernel.
+SOURCES_AVX2 = (Path(__file__).with_name("decode_avx2.c"), Path(__file__).with_name("backward.c"))
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast",
          "-fPIC", "-shared", "-fopenmp")
 
@@ -121,12 +124,12 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     if lacks:
         return None, f"this CPU lacks {', '.join(sorted(missing | lacks))}"
     lib, said = _load(SOURCES_AVX2)
-    return lib, (f"{said} (the AVX2 decode kernel alone: this CPU lacks {', '.join(sorted(missing))}, which the "
-                 "prefill and backward kernels need)" if lib is not None else said)
+    return lib, (f"{said} (the AVX2 decode and backward kernels: this CPU lacks {', '.join(sorted(missing))}, "
+                 "which the prefill kernel needs)" if lib is not None else said)
 
 
 def _load(sources: tuple[Path, ...]) -> tuple[ctypes.CDLL | None, str]:
-    """Compile ``sources`` (decode.c, prefill.c and backward.c, or decode_avx2.c) into the cache unless built
+    """Compile ``sources`` (decode.c, prefill.c and backward.c, or decode_avx2.c and backward.c) into the cache unless built
     already, load the library and declare its entry points. ``benchmarks/kernel_ab.py`` loads
     changed copies of the sources this way."""
     cc = _compiler()
@@ -167,12 +170,11 @@ def _load(sources: tuple[Path, ...]) -> tuple[ctypes.CDLL | None, str]:
     lib.kf_decode.restype = I
     lib.kf_features.restype = I
     lib.kf_decode.argtypes = [P, P, ctypes.c_float, P, P, I, *[LL] * 6, P, LL, LL, LL, I, I, I, I, I, LL, I, I, P, P]
-    if not hasattr(lib, "kf_prefill"):  # decode_avx2.c: the decode kernel alone
-        return lib, f"built at {path}"
-    lib.kf_prefill_init.restype = I
-    lib.kf_prefill.restype = I
-    lib.kf_prefill.argtypes = [P, P, P, I, *[LL] * 9, I, I, I, LL, LL, I, I, ctypes.c_float, ctypes.c_float, P, I, I, P,
-                               P, I]
+    if hasattr(lib, "kf_prefill"):  # not in the AVX2 build
+        lib.kf_prefill_init.restype = I
+        lib.kf_prefill.restype = I
+        lib.kf_prefill.argtypes = [P, P, P, I, *[LL] * 9, I, I, I, LL, LL, I, I, ctypes.c_float, ctypes.c_float, P, I,
+                                   I, P, P, I]
     if any(f.name == "backward.c" for f in sources):  # benchmarks/kernel_ab.py builds the forward kernels alone
         lib.kf_backward.restype = I
         lib.kf_backward.argtypes = [*[P] * 10, I, I, LL, LL, LL, I, I, I, LL, LL, I, I, ctypes.c_float, I, I, I, P, P, P,
@@ -198,15 +200,15 @@ def why() -> str:
 
 def isa() -> str | None:
     """The instruction set of the kernels built here: ``"avx512"`` (decode, prefill and backward),
-    ``"avx2"`` (the decode kernel alone, ``decode_avx2.c``), or None where none is built."""
+    ``"avx2"`` (the decode kernel of ``decode_avx2.c`` and the backward kernel), or None where none is built."""
     if not available():
         return None
     return "avx2" if _lib.kf_features() & 8 else "avx512"
 
 
 def backward_available() -> bool:
-    """Whether the backward kernel (``backward.c``, AVX-512) is built here."""
-    return isa() == "avx512"
+    """Whether the backward kernel (``backward.c``: AVX-512, or AVX2 where the CPU has no AVX-512) is built here."""
+    return available() and hasattr(_lib, "kf_backward")
 
 
 def bf16_dot() -> bool:

@@ -1,12 +1,27 @@
 /* What keyfold's native kernels (decode.c, prefill.c, backward.c) share: float32 e^x on 16 lanes, a transposing
  * reduction of 16 vectors, lane masks, a 16 x 16 transpose of 32-bit words, and what the AMX kernels share
- * (the tile layout, the pairing of two bfloat16 rows). Each kernel is compiled with AVX-512 F, BW and VL
- * (keyfold/kernels/native.py). */
+ * (the tile layout, the pairing of two bfloat16 rows). decode.c and prefill.c are compiled with AVX-512 F, BW
+ * and VL (keyfold/kernels/native.py); backward.c also where the CPU has AVX2 but no AVX-512, through the
+ * 16-lane layer at the end of this file ("16 lanes on either ISA"). */
 #ifndef KEYFOLD_SIMD_H
 #define KEYFOLD_SIMD_H
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+
+/* the first n lanes of 16 */
+static inline __mmask16 first(int n) { return n >= 16 ? 0xFFFF : (__mmask16)(0xFFFFu >> (16 - n)); }
+
+/* lanes [lo, hi) of 16 (clipped) */
+static inline __mmask16 lanes(long long lo, long long hi) {
+    if (lo < 0) lo = 0;
+    if (hi > 16) hi = 16;
+    return hi <= lo ? 0 : (__mmask16)(first((int)hi) & ~first((int)lo));
+}
+
+#define TILE 512  /* bfloat16 elements in one 16 x 64-byte AMX tile */
+
+#ifdef __AVX512F__
 
 /* AMX-BF16 in the build (-march=native on a CPU with it): the bfloat16 products of prefill.c and backward.c
  * on tiles; Linux lets a process use the tile registers once it has asked (kf_prefill_init) */
@@ -51,18 +66,9 @@ static inline __m512 tree16(const __m512 *t) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
-/* the first n lanes of 16 */
-static inline __mmask16 first(int n) { return n >= 16 ? 0xFFFF : (__mmask16)(0xFFFFu >> (16 - n)); }
 /* the first n lanes of 32 (16-bit elements); none for n <= 0 */
 static inline __mmask32 first32(int n) {
     return n <= 0 ? 0 : n >= 32 ? 0xFFFFFFFFu : (__mmask32)(0xFFFFFFFFu >> (32 - n));
-}
-
-/* lanes [lo, hi) of 16 (clipped) */
-static inline __mmask16 lanes(long long lo, long long hi) {
-    if (lo < 0) lo = 0;
-    if (hi > 16) hi = 16;
-    return hi <= lo ? 0 : (__mmask16)(first((int)hi) & ~first((int)lo));
 }
 
 /* x[r] lane c becomes x[c] lane r: a 16 x 16 transpose of 32-bit words in four rounds of shuffles
@@ -100,8 +106,6 @@ static inline __m512i pair_rows(__m256i a, __m256i b) {
     return _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), _mm512_load_si512(order), _mm512_castsi256_si512(b));
 }
 
-#define TILE 512  /* bfloat16 elements in one 16 x 64-byte AMX tile */
-
 #ifdef KF_AMX
 
 /* the AMX tile configuration: palette 1, all eight tiles 16 rows x 64 bytes */
@@ -117,6 +121,203 @@ static inline tilecfg_t tiles16x64(void) {
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
     return cfg;
+}
+#endif
+
+#endif  /* __AVX512F__ */
+
+/* 16 lanes on either ISA: what backward.c computes with, so one source runs on AVX-512 and on AVX2 (two
+ * 8-lane halves, lanes 0-7 and 8-15). Each lane does the same arithmetic in the same order on both, so the
+ * two builds give the same bits; only how many vectors a register tile holds differs (VF_TILE 16-float
+ * and VD_TILE 8-double vectors a row: AVX2 has 16 registers, AVX-512 32 of twice the width).
+ *     vf: 16 float32    vd: 8 float64    __mmask16: a lane mask, bit i lane i */
+#ifdef __AVX512F__
+typedef __m512 vf;
+typedef __m512d vd;
+#define VF_TILE 4
+#define VD_TILE 8
+static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
+static inline vf vf_set1(float x) { return _mm512_set1_ps(x); }
+static inline vf vf_load(const float *p) { return _mm512_load_ps(p); }
+static inline vf vf_loadu(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vf_store(float *p, vf x) { _mm512_store_ps(p, x); }
+static inline void vf_storeu(float *p, vf x) { _mm512_storeu_ps(p, x); }
+static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vf_maskz_loadu(__mmask16 m, const float *p) { return _mm512_maskz_loadu_ps(m, p); }
+static inline vf vf_maskz(__mmask16 m, vf x) { return _mm512_maskz_mov_ps(m, x); }
+/* the lanes that are not 0 (NaN counts as not 0) */
+static inline __mmask16 vf_nonzero(vf x) { return _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_NEQ_UQ); }
+static inline vf vf_exp(vf x) { return exp16(x); }
+/* the lanes m of 16 bfloat16 (bf 1) or float16 (bf 0) values at p, as the float32 values they are */
+static inline vf vf_load16(const uint16_t *p, __mmask16 m, int bf) {
+    const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    return bf ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
+}
+/* the lanes of m whose byte at p is not 0 (bytes outside m are not read) */
+static inline __mmask16 bytes_set(__mmask16 m, const unsigned char *p) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, p));
+    return m & _mm512_test_epi32_mask(b, b);
+}
+/* x[r] lane c becomes x[c] lane r */
+static inline __attribute__((always_inline)) void vf_transpose(vf *x) {
+    transpose16((__m512i *)x);  /* both vector types may alias */
+}
+static inline vd vd_zero(void) { return _mm512_setzero_pd(); }
+static inline vd vd_set1(double x) { return _mm512_set1_pd(x); }
+static inline vd vd_load(const double *p) { return _mm512_load_pd(p); }
+static inline void vd_store(double *p, vd x) { _mm512_store_pd(p, x); }
+static inline vd vd_add(vd a, vd b) { return _mm512_add_pd(a, b); }
+static inline vd vd_sub(vd a, vd b) { return _mm512_sub_pd(a, b); }
+static inline vd vd_fmadd(vd a, vd b, vd c) { return _mm512_fmadd_pd(a, b, c); }
+static inline double vd_sum(vd x) { return _mm512_reduce_add_pd(x); }
+/* lanes 0-7 (half 0) or 8-15 (half 1) of x in float64 */
+static inline vd vf_half(vf x, int h) {
+    return _mm512_cvtps_pd(h ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))
+                             : _mm512_castps512_ps256(x));
+}
+/* 16 float32 lanes from two float64 vectors (lanes 0-7, 8-15), each rounded once */
+static inline vf vd_narrow(vd lo, vd hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm512_cvtpd_ps(lo))),
+                                               _mm256_castps_pd(_mm512_cvtpd_ps(hi)), 1));
+}
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+typedef struct { __m256 lo, hi; } vf;
+typedef struct { __m256d lo, hi; } vd;
+#define VF_TILE 1
+#define VD_TILE 2
+static inline vf vf_two(__m256 lo, __m256 hi) { vf r = {lo, hi}; return r; }
+static inline vd vd_two(__m256d lo, __m256d hi) { vd r = {lo, hi}; return r; }
+/* all ones in the lanes whose bit of m (8 bits) is set */
+static inline __m256i bits8(unsigned m) {
+    const __m256i b = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)m), b), b);
+}
+static inline vf vf_zero(void) { return vf_two(_mm256_setzero_ps(), _mm256_setzero_ps()); }
+static inline vf vf_set1(float x) { return vf_two(_mm256_set1_ps(x), _mm256_set1_ps(x)); }
+static inline vf vf_load(const float *p) { return vf_two(_mm256_load_ps(p), _mm256_load_ps(p + 8)); }
+static inline vf vf_loadu(const float *p) { return vf_two(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
+static inline void vf_store(float *p, vf x) { _mm256_store_ps(p, x.lo); _mm256_store_ps(p + 8, x.hi); }
+static inline void vf_storeu(float *p, vf x) { _mm256_storeu_ps(p, x.lo); _mm256_storeu_ps(p + 8, x.hi); }
+static inline vf vf_add(vf a, vf b) { return vf_two(_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)); }
+static inline vf vf_sub(vf a, vf b) { return vf_two(_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)); }
+static inline vf vf_mul(vf a, vf b) { return vf_two(_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)); }
+static inline vf vf_fmadd(vf a, vf b, vf c) {
+    return vf_two(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi));
+}
+static inline vf vf_maskz_loadu(__mmask16 m, const float *p) {  /* lanes outside m are not read */
+    if (m == 0xFFFF)
+        return vf_loadu(p);
+    return vf_two(_mm256_maskload_ps(p, bits8(m & 255)), _mm256_maskload_ps(p + 8, bits8(m >> 8)));
+}
+static inline vf vf_maskz(__mmask16 m, vf x) {
+    return vf_two(_mm256_and_ps(x.lo, _mm256_castsi256_ps(bits8(m & 255))),
+                  _mm256_and_ps(x.hi, _mm256_castsi256_ps(bits8(m >> 8))));
+}
+static inline __mmask16 vf_nonzero(vf x) {
+    const __m256 z = _mm256_setzero_ps();
+    return (__mmask16)(_mm256_movemask_ps(_mm256_cmp_ps(x.lo, z, _CMP_NEQ_UQ)) |
+                       _mm256_movemask_ps(_mm256_cmp_ps(x.hi, z, _CMP_NEQ_UQ)) << 8);
+}
+/* exp16 on 8 lanes, 2^n built in the exponent bits instead of vscalefps: the same bits where x >= -87
+ * (n >= -126, 2^n normal, p 2^n rounded once either way); n capped at 128 gives inf above e^88.7, as
+ * vscalefps does. Below -87 (and at -inf) 0, NaN gives NaN (the compare keeps it, min_ps returns 128 for
+ * a NaN n but p is NaN). */
+static inline __m256 exp8(__m256 x) {
+    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_NLT_UQ);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_min_ps(n, _mm256_set1_ps(128.0f))), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+}
+static inline vf vf_exp(vf x) { return vf_two(exp8(x.lo), exp8(x.hi)); }
+static inline vf vf_load16(const uint16_t *p, __mmask16 m, int bf) {
+    __m256i h;
+    if (m == 0xFFFF) {
+        h = _mm256_loadu_si256((const __m256i *)p);
+    } else {
+        uint16_t t[16] = {0};
+        for (int i = 0; i < 16; i++)
+            if (m >> i & 1) t[i] = p[i];
+        h = _mm256_loadu_si256((const __m256i *)t);
+    }
+    const __m128i a = _mm256_castsi256_si128(h), b = _mm256_extracti128_si256(h, 1);
+    if (bf)
+        return vf_two(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16)),
+                      _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16)));
+    return vf_two(_mm256_cvtph_ps(a), _mm256_cvtph_ps(b));
+}
+static inline __mmask16 bytes_set(__mmask16 m, const unsigned char *p) {
+    if (m == 0xFFFF)
+        return (__mmask16)~_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_loadu_si128((const __m128i *)p), _mm_setzero_si128()));
+    __mmask16 r = 0;
+    for (int i = 0; i < 16; i++)
+        if ((m >> i & 1) && p[i]) r |= (__mmask16)(1u << i);
+    return r;
+}
+/* an 8 x 8 transpose: unpacks, then shuffles within 128-bit lanes, then the lanes swapped */
+static inline __attribute__((always_inline)) void transpose8(__m256 *r) {
+    __m256 t[8], s[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {  /* s[4i + k]: rows 4i .. 4i + 3 of columns k and k + 4 */
+        s[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        s[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        s[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        s[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int k = 0; k < 4; k++) {
+        r[k] = _mm256_permute2f128_ps(s[k], s[4 + k], 0x20);
+        r[4 + k] = _mm256_permute2f128_ps(s[k], s[4 + k], 0x31);
+    }
+}
+/* x[r] lane c becomes x[c] lane r: four 8 x 8 transposes of the halves */
+static inline __attribute__((always_inline)) void vf_transpose(vf *x) {
+    __m256 a[8], b[8], c[8], d[8];
+    for (int i = 0; i < 8; i++) { a[i] = x[i].lo; b[i] = x[i].hi; c[i] = x[8 + i].lo; d[i] = x[8 + i].hi; }
+    transpose8(a);
+    transpose8(b);
+    transpose8(c);
+    transpose8(d);
+    for (int i = 0; i < 8; i++) { x[i] = vf_two(a[i], c[i]); x[8 + i] = vf_two(b[i], d[i]); }
+}
+static inline vd vd_zero(void) { return vd_two(_mm256_setzero_pd(), _mm256_setzero_pd()); }
+static inline vd vd_set1(double x) { return vd_two(_mm256_set1_pd(x), _mm256_set1_pd(x)); }
+static inline vd vd_load(const double *p) { return vd_two(_mm256_load_pd(p), _mm256_load_pd(p + 4)); }
+static inline void vd_store(double *p, vd x) { _mm256_store_pd(p, x.lo); _mm256_store_pd(p + 4, x.hi); }
+static inline vd vd_add(vd a, vd b) { return vd_two(_mm256_add_pd(a.lo, b.lo), _mm256_add_pd(a.hi, b.hi)); }
+static inline vd vd_sub(vd a, vd b) { return vd_two(_mm256_sub_pd(a.lo, b.lo), _mm256_sub_pd(a.hi, b.hi)); }
+static inline vd vd_fmadd(vd a, vd b, vd c) {
+    return vd_two(_mm256_fmadd_pd(a.lo, b.lo, c.lo), _mm256_fmadd_pd(a.hi, b.hi, c.hi));
+}
+/* in _mm512_reduce_add_pd's order: the halves, then the 128-bit halves, then the pair */
+static inline double vd_sum(vd x) {
+    const __m256d s = _mm256_add_pd(x.lo, x.hi);
+    const __m128d t = _mm_add_pd(_mm256_castpd256_pd128(s), _mm256_extractf128_pd(s, 1));
+    return _mm_cvtsd_f64(t) + _mm_cvtsd_f64(_mm_unpackhi_pd(t, t));
+}
+static inline vd vf_half(vf x, int h) {
+    const __m256 y = h ? x.hi : x.lo;
+    return vd_two(_mm256_cvtps_pd(_mm256_castps256_ps128(y)), _mm256_cvtps_pd(_mm256_extractf128_ps(y, 1)));
+}
+static inline vf vd_narrow(vd lo, vd hi) {
+    return vf_two(_mm256_set_m128(_mm256_cvtpd_ps(lo.hi), _mm256_cvtpd_ps(lo.lo)),
+                  _mm256_set_m128(_mm256_cvtpd_ps(hi.hi), _mm256_cvtpd_ps(hi.lo)));
 }
 #endif
 

@@ -44,6 +44,8 @@ def test_backward_tiles_times_keyfold_beside_sdpa_and_writes_its_tables(tmp_path
     assert res.returncode == 0, res.stderr[-2000:]
     data = json.loads((tmp_path / "bt.json").read_text())
     assert data["machine"]["cpu"] and {r["variant"] for r in data["rows"]} == {"dense", "causal", "window256"}
-    assert all(r["keyfold_bwd_s"] > 0 and r["sdpa_bwd_s"] > 0 and r["sdpa_peak_mib"] > 0 for r in data["rows"])
+    assert all(r["keyfold_bwd_s"] > 0 and r["sdpa_bwd_s"] > 0 and r["tiles_bwd_s"] > 0 and r["sdpa_peak_mib"] > 0
+               for r in data["rows"])
+    assert data["machine"]["dtype"] == "float32"
     table = (tmp_path / "bt.md").read_text()
     assert "Machine:" in table and "| 256 | causal |" in table
