@@ -194,7 +194,10 @@ static inline __attribute__((always_inline)) void dot_part(const int nr, const i
     for (int w = 0; w < W; w++) {
         const float *b = bt + (size_t)w * BC;
         vf bx[VF_TILE];
-        for (int x = 0; x < nx; x++) bx[x] = vf_load(b + 16 * x);
+        for (int x = 0; x < nx; x++) {
+            bx[x] = vf_load(b + 16 * x);
+            vf_keep(&bx[x]);
+        }
         for (int r = 0; r < nr; r++) {
             const vf s = vf_set1(a[(size_t)r * lda + w]);
             for (int x = 0; x < nx; x++) t[r][x] = vf_fmadd(s, bx[x], t[r][x]);
@@ -227,7 +230,8 @@ static inline __attribute__((always_inline)) void dot64_part(const int nr, const
         vd s[3];
         for (int r = 0; r < nr; r++) s[r] = vd_set1(a[(size_t)r * W + w]);
         for (int x = 0; x < VD_TILE; x++) {
-            const vd bx = vd_load(b + 8 * x);
+            vd bx = vd_load(b + 8 * x);
+            vd_keep(&bx);
             for (int r = 0; r < nr; r++) t[r][x] = vd_fmadd(s[r], bx, t[r][x]);
         }
     }
@@ -682,7 +686,10 @@ static inline __attribute__((always_inline)) void outer_chunk(const int nv, floa
             for (int x = 0; x < nv; x++) acc[c][x] = vf_zero();
         for (int r = 0; r < nr; r++) {
             vf av[VF_TILE];
-            for (int x = 0; x < nv; x++) av[x] = vf_load(a + (size_t)r * Wp + w0 + 16 * x);
+            for (int x = 0; x < nv; x++) {
+                av[x] = vf_load(a + (size_t)r * Wp + w0 + 16 * x);
+                vf_keep(&av[x]);
+            }
             for (int c = 0; c < CK; c++) {
                 const vf s = vf_set1(pt[(size_t)r * BC + c0 + c]);
                 for (int x = 0; x < nv; x++) acc[c][x] = vf_fmadd(s, av[x], acc[c][x]);
@@ -720,7 +727,10 @@ static inline __attribute__((always_inline)) void dq_chunk(const int nv, const i
         for (int x = 0; x < nv; x++) acc[r][x] = vf_zero();
     for (int c = 0; c < nc; c++) {
         vf kv[VF_TILE];
-        for (int x = 0; x < nv; x++) kv[x] = vf_load(kn + (size_t)c * Wp + w0 + 16 * x);
+        for (int x = 0; x < nv; x++) {
+            kv[x] = vf_load(kn + (size_t)c * Wp + w0 + 16 * x);
+            vf_keep(&kv[x]);
+        }
         for (int r = 0; r < nr; r++) {
             const vf s = vf_set1(ds[(size_t)r * BC + c]);
             for (int x = 0; x < nv; x++) acc[r][x] = vf_fmadd(s, kv[x], acc[r][x]);

@@ -555,14 +555,20 @@ def _prefill_may(q, k, v, pb: Problem, plain: bool = False, dense: bool = False)
     return native.prefill_available(dt) and native.prefill_takes(q, k, v, dt) is None
 
 
+def _plan_on_prefill(q, k, v, plan: Plan, pb: Problem) -> bool:
+    """Whether :func:`prefill` runs this plan on the prefill kernel (:func:`_prefill_may` with the plan's
+    ``plain`` and ``dense``); the backward asks too, to know which forward gave it lse."""
+    plain = pb.score is None and all(p.kind is not PieceKind.MASKED for p in plan.pieces)
+    dense = plain and len(plan.pieces) == 1 and plan.pieces[0].kind is PieceKind.FULL
+    return _prefill_may(q, k, v, pb, plain, dense)
+
+
 def prefill(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State | None:
     """Every piece of the plan in one call of the prefill kernel, or None where it does not run
     (:func:`_prefill_may`). The pieces' mask tiles (and a separable bias's row terms) are the ones the
     fused op would get; the kernel merges the pieces of a row inside its softmax, so nothing is merged
     here, and out comes back in bfloat16 for bfloat16 inputs with ``keep_dtype`` (else float32)."""
-    plain = pb.score is None and all(p.kind is not PieceKind.MASKED for p in plan.pieces)
-    dense = plain and len(plan.pieces) == 1 and plan.pieces[0].kind is PieceKind.FULL
-    if not _prefill_may(q, k, v, pb, plain, dense):
+    if not _plan_on_prefill(q, k, v, plan, pb):
         return None
     q_orig = q
     q, k, v = _widen(q, k, v)  # float16 on a CPU without its units: the float32 kernel
@@ -868,9 +874,13 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     # call gives it (16-bit: rounded once, by the op), with no float32 sum and cast after
     acc = _Grads(q, k, W, sd, gd if alone else sd, gd if alone or (_rows_disjoint(pieces) and not own) else sd)
     delta = lse_lo = delta_lo = None
+    # on AVX2 the op's GEMM sums a score in its own blocks (at head size 256, or over a few keys): a float32
+    # forward there that did not run on the prefill kernel gave an lse the kernel's sums do not match
+    op_order = q.dtype is torch.float32 and native.isa() == "avx2" and not _plan_on_prefill(q, k, v, plan, pb)
     renorm = own and whole_rows and (Nq * inp.g < RENORM_ROWS or W > ORDERED_HEAD or D < RENORM_HEAD
-                                     or (q.dtype is torch.float32 and not native.prefill_available(torch.float32)))
-    wide = renorm and (W > WIDE_HEAD or Nq <= WIDE_ROWS)  # float64 sums only with the renormalised lse
+                                     or k.shape[2] <= RENORM_KEYS or op_order)
+    # float64 sums only with the renormalised lse
+    wide = renorm and (W > WIDE_HEAD or Nq <= WIDE_ROWS or k.shape[2] <= WIDE_KEYS)
     if renorm:
         # P and delta renormalised by the kernel's own scores (backward.c) where the forward's lse does not
         # give them: a forward of so few rows ran on the op or the decode kernel, which sum scores in
@@ -878,9 +888,9 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
         # not this kernel's (at 128 or 256 rows instead of 512, a 700-case fuzz found 2-3 cases past the
         # rule, at 512 none; skipping it after the prefill kernel's forward, 12 more in 1,500); past
         # ORDERED_HEAD no forward sums in this kernel's order; under RENORM_HEAD the forward's lse rounding
-        # outweighs the naive error; and at every size where no float32 prefill kernel is built (AVX2): the
-        # forward ran on the op, whose GEMM there blocks long dot products its own way (unrenormalised, 9 of
-        # 230 random float32 calls past the rule, dk 3.8x at head size 256; renormalised none)
+        # outweighs the naive error; and on AVX2 where the forward ran on the op (op_order), whose GEMM there
+        # blocks dot products its own way (unrenormalised, 9 of 230 random float32 calls past the rule, dk
+        # 3.8x at head size 256, dv 4.2x at 64 over 5 keys; renormalised none)
         lse_safe, lse_lo, delta, delta_lo = _renormalised(inp, pieces, pb, q, memo, plan.tiles, lse_safe, o, do,
                                                           spare, wide)
     for piece in pieces:
@@ -995,6 +1005,17 @@ LOW_ON_KERNEL = (torch.float16, torch.bfloat16)
 #: kernel renormalises (head 256 with an lse gradient, 257 wide, broke the rule on the op: dv 4.7x,
 #: dk 4.6x, dq 8.7x in a 1,500-case fuzz)
 ORDERED_HEAD = 256
+#: Keys (of the call) up to which the float32 backward renormalises and sums in float64 whatever its rows and
+#: head size: a naive attention over so few keys multiplies q by k^T in a small product that sums each
+#: score more exactly than one FMA a dimension, and at sharp scores (std 6-20) the kernel's float32 sums
+#: broke the 3x rule in 8 of 300 calls of 2-8 keys (dq 1.6x the allowance; the tile backward 4 of 300),
+#: none of 16 or more keys; float64 sums: 0.02-0.34 of it (a review's fuzz, 2026-12-07)
+WIDE_KEYS = 8
+#: Keys (of the call) up to which the float32 backward renormalises at any row count: rows over so few
+#: keys at sharp scores (std 12) met the forward's float32 lse rounding (2^-24 |lse| in every P) beside
+#: a naive error that few keys keep small: dv 1.17-1.26x the allowance over 16 and 40 keys at 600 rows
+#: a kv head (2 of 300 in a fuzz of 2-64 keys with the forward on the prefill kernel), none renormalised
+RENORM_KEYS = 64
 #: Query rows (per query head) up to which a renormalised float32 backward sums in float64 whatever its
 #: head size: a naive float32 attention of up to 3 rows a head sums each score along the head dimension in
 #: vectors (torch's matmul takes a GEMV there; from 4 rows one FMA a dimension in order, as this kernel),

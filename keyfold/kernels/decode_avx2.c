@@ -17,7 +17,8 @@
  * merged at the end as in decode.c.
  *
  * Built by keyfold/kernels/native.py (-march=native -fopenmp) where the CPU has AVX2, FMA and F16C but
- * not AVX-512 F/BW/VL; the prefill and backward kernels (AVX-512 throughout) are not built there. */
+ * not AVX-512 F/BW/VL, into one library with prefill.c (its float32 path) and backward.c, which compute
+ * there through simd.h's 16-lane layer (two 8-lane halves). */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -283,9 +284,10 @@ static void finish(const job_t *J) {
     merge_chunks(J->B * J->H, J->R, J->chunks, J->Dv, J->Dvp, J->m, J->l, J->acc, J->out, J->lse);
 }
 
-/* decode.c's feature bits: none of its three (no vdpbf16ps, no prefill kernel); bit 3 says this is the
+/* decode.c's feature bits: bit 2, the prefill kernel's float32 path (prefill.c, linked beside this file
+ * in the AVX2 build and computing on simd.h's AVX2 lanes); no vdpbf16ps, no AMX; bit 3 says this is the
  * AVX2 build (native.isa()) */
-int kf_features(void) { return 8; }
+int kf_features(void) { return 8 | 4; }
 
 /* The entry point, decode.c's signature (native.py declares it once for both builds); qbf, a bfloat16
  * copy of q, is not read here: keys are widened and dotted in float32. Returns 0, or -1 for arguments

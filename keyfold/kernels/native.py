@@ -2,9 +2,10 @@
 rows over a long cache, any CPU with AVX-512) and ``prefill.c`` (a whole plan: bfloat16 on AMX tiles,
 float32 on AVX-512 FMAs) and ``backward.c`` (the gradients of a piece). On a CPU with AVX2 but no AVX-512
 (AMD Zen 1-3, Intel client cores) the decode kernel is built from ``decode_avx2.c`` (the same contract on
-8-float vectors) and the backward kernel from the same ``backward.c`` (its 16-lane vectors as two 8-lane
-halves, simd.h; the same bits): :func:`available` and :func:`backward_available` are True there,
-:func:`prefill_available` False, :func:`isa` says which.
+8-float vectors) and the prefill kernel's float32 path and the backward kernel from the same
+``prefill.c`` and ``backward.c`` (their 16-lane vectors as two 8-lane halves, simd.h; the same
+arithmetic lane by lane): :func:`available`, :func:`backward_available` and ``prefill_available(float32)``
+are True there, bfloat16 prefill False (no AMX), :func:`isa` says which.
 
 Decoding reads every cached key and value once for a few query rows, so its limit is the memory
 bandwidth, not arithmetic. PyTorch's fused CPU op reaches that limit for a float32 cache but not
@@ -69,8 +70,9 @@ __all__ = ["available", "why", "isa", "backward_available", "bf16_dot", "pays", 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("decode.c", "prefill.c", "backward.c"))
 HEADER = Path(__file__).with_name("simd.h")
 #: What CPUs with AVX2, FMA and F16C but no AVX-512 build: the AVX2 decode kernel (it includes
-#: decode_merge.h) and the backward kernel (backward.c on simd.h's AVX2 vectors); no prefill kernel.
-SOURCES_AVX2 = (Path(__file__).with_name("decode_avx2.c"), Path(__file__).with_name("backward.c"))
+#: decode_merge.h), the prefill kernel's float32 path and the backward kernel (prefill.c and backward.c
+#: on simd.h's AVX2 vectors).
+SOURCES_AVX2 = tuple(Path(__file__).with_name(n) for n in ("decode_avx2.c", "prefill.c", "backward.c"))
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast",
          "-fPIC", "-shared", "-fopenmp")
 
@@ -124,12 +126,12 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     if lacks:
         return None, f"this CPU lacks {', '.join(sorted(missing | lacks))}"
     lib, said = _load(SOURCES_AVX2)
-    return lib, (f"{said} (the AVX2 decode and backward kernels: this CPU lacks {', '.join(sorted(missing))}, "
-                 "which the prefill kernel needs)" if lib is not None else said)
+    return lib, (f"{said} (the AVX2 build: decode, float32 prefill and backward; this CPU lacks "
+                 f"{', '.join(sorted(missing))})" if lib is not None else said)
 
 
 def _load(sources: tuple[Path, ...]) -> tuple[ctypes.CDLL | None, str]:
-    """Compile ``sources`` (decode.c, prefill.c and backward.c, or decode_avx2.c and backward.c) into the cache unless built
+    """Compile ``sources`` (decode.c or decode_avx2.c, prefill.c and backward.c) into the cache unless built
     already, load the library and declare its entry points. ``benchmarks/kernel_ab.py`` loads
     changed copies of the sources this way."""
     cc = _compiler()
@@ -170,7 +172,7 @@ def _load(sources: tuple[Path, ...]) -> tuple[ctypes.CDLL | None, str]:
     lib.kf_decode.restype = I
     lib.kf_features.restype = I
     lib.kf_decode.argtypes = [P, P, ctypes.c_float, P, P, I, *[LL] * 6, P, LL, LL, LL, I, I, I, I, I, LL, I, I, P, P]
-    if hasattr(lib, "kf_prefill"):  # not in the AVX2 build
+    if hasattr(lib, "kf_prefill"):  # benchmarks/kernel_ab.py may build without it
         lib.kf_prefill_init.restype = I
         lib.kf_prefill.restype = I
         lib.kf_prefill.argtypes = [P, P, P, I, *[LL] * 9, I, I, I, LL, LL, I, I, ctypes.c_float, ctypes.c_float, P, I,
@@ -200,7 +202,8 @@ def why() -> str:
 
 def isa() -> str | None:
     """The instruction set of the kernels built here: ``"avx512"`` (decode, prefill and backward),
-    ``"avx2"`` (the decode kernel of ``decode_avx2.c`` and the backward kernel), or None where none is built."""
+    ``"avx2"`` (``decode_avx2.c``'s decode kernel, float32 prefill and the backward kernel), or None where none is
+    built."""
     if not available():
         return None
     return "avx2" if _lib.kf_features() & 8 else "avx512"
@@ -220,7 +223,7 @@ def bf16_dot() -> bool:
 def prefill_available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the prefill kernel runs ``dtype`` here: bfloat16 needs a build with AMX-BF16
     (``-march=native`` on a CPU that has it) and the tile registers granted to this process by the
-    OS; float32 needs AVX-512 (F, BW, DQ). Other dtypes: False."""
+    OS; float32 needs AVX-512 (F, BW, DQ) or AVX2 (with FMA and F16C). Other dtypes: False."""
     global _amx
     if dtype is torch.float32:
         return available() and bool(_lib.kf_features() & 4)

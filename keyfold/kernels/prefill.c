@@ -50,8 +50,9 @@
 
 #include "simd.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-#define KF_F32 1
+#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)) || \
+    (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#define KF_F32 1  /* float32 on AVX-512, or on AVX2 through simd.h's 16-lane layer */
 #endif
 
 #define QB 32          /* query rows per block (two 16-row tiles) */
@@ -60,8 +61,14 @@
 #define KB (SB * NS)   /* keys per step of the online softmax */
 #define GMAX 16        /* most blocks of QB rows per work item (job_t.G) */
 #define MAXD 256       /* largest head size (q, k and v) */
+#if VF_TILE == 4
 #define QR 8           /* float32: query rows of one Q K^T register tile (8 x 32 scores) */
-#define PR 4           /* float32: query rows of one P V register tile (4 x 64 columns) */
+#define QK 2           /* float32: 16-key vectors of that tile */
+#else
+#define QR 4           /* AVX2, 16 registers: 4 x 16 scores a tile, the sub-block's two halves in turn */
+#define QK 1
+#endif
+#define PR 4           /* float32: query rows of one P V register tile (4 x 16 VF_TILE columns) */
 #define LOG2E 1.44269504088896341f
 
 int kf_prefill_init(void) {
@@ -128,6 +135,7 @@ static block_t block_at(const job_t *J, long long t, size_t esize) {
     return X;
 }
 
+#ifdef KF_AMX
 /* The rows of key block t + 1 (when the head has one) on their way to L1 while block t is packed. A
  * contiguous bfloat16 head's block at head size 64 is one 4 KiB page of keys and one of values, where
  * the hardware's prefetcher starts afresh: packing 4k keys read from memory, 119-130 us a head with
@@ -143,6 +151,7 @@ static void prefetch_block(const job_t *J, long long t, size_t esize) {
         for (int d = 0; d < J->Dv; d += per) _mm_prefetch(Y.v + (j * J->svn + d) * (long long)esize, _MM_HINT_T0);
     }
 }
+#endif
 
 /* Key block t = ((b * Hkv + h) * nkb + kb) in float32, into kp and vp: K^T, row d = dim d of the
  * block's 32 keys (the vector operand of Q K^T), and V, row j = key j's values, Dvp long. Past S or
@@ -157,7 +166,7 @@ static void pack_f32(const job_t *J, long long t, char *kpb, char *vpb) {
     for (int j = 0; j < SB; j++)
         for (int d = 0; d < J->Dvp; d += 16) {
             const __mmask16 m = j < nk && d < J->Dv ? first(J->Dv - d) : 0;
-            _mm512_store_ps(vp + j * J->Dvp + d, _mm512_maskz_loadu_ps(m, v + j * J->svn + d));
+            vf_store(vp + j * J->Dvp + d, vf_maskz_loadu(m, v + j * J->svn + d));
         }
 }
 
@@ -217,22 +226,21 @@ static void pack_block(const job_t *J, long long t, char *kp, char *vp) {
  * >= 0.39 loses no more than a few ulp; below 1/4 its odd Taylor polynomial to y^9 (the next term is
  * about 1.5e-8 relative at 1/4), so the error stays relative to the score for any cap (the quotient alone
  * would leave an absolute error of about cap * 2^-24: 0.06 for a cap of 1e6). */
-static inline __m512 softcap16(__m512 s, float cap) {
-    const __m512 y = _mm512_mul_ps(s, _mm512_set1_ps(1.0f / cap));
-    const __m512 a = _mm512_abs_ps(y);
-    const __m512 t = exp16(_mm512_mul_ps(a, _mm512_set1_ps(-2.0f)));
-    const __m512 one = _mm512_set1_ps(1.0f);
-    __m512 th = _mm512_div_ps(_mm512_sub_ps(one, t), _mm512_add_ps(one, t));
-    th = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(th),
-                                             _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32((int)0x80000000u))));
-    const __m512 y2 = _mm512_mul_ps(y, y);
-    __m512 p = _mm512_set1_ps(62.0f / 2835.0f);
-    p = _mm512_fmadd_ps(p, y2, _mm512_set1_ps(-17.0f / 315.0f));
-    p = _mm512_fmadd_ps(p, y2, _mm512_set1_ps(2.0f / 15.0f));
-    p = _mm512_fmadd_ps(p, y2, _mm512_set1_ps(-1.0f / 3.0f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, y2), y, y);
-    th = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.25f), _CMP_LT_OQ), th, p);
-    return _mm512_mul_ps(th, _mm512_set1_ps(cap));
+static inline vf softcap16(vf s, float cap) {
+    const vf y = vf_mul(s, vf_set1(1.0f / cap));
+    const vf a = vf_abs(y);
+    const vf t = vf_exp(vf_mul(a, vf_set1(-2.0f)));
+    const vf one = vf_set1(1.0f);
+    vf th = vf_div(vf_sub(one, t), vf_add(one, t));
+    th = vf_or_sign(th, y);
+    const vf y2 = vf_mul(y, y);
+    vf p = vf_set1(62.0f / 2835.0f);
+    p = vf_fmadd(p, y2, vf_set1(-17.0f / 315.0f));
+    p = vf_fmadd(p, y2, vf_set1(2.0f / 15.0f));
+    p = vf_fmadd(p, y2, vf_set1(-1.0f / 3.0f));
+    p = vf_fmadd(vf_mul(p, y2), y, y);
+    th = vf_blend(vf_lt(a, vf_set1(0.25f)), th, p);
+    return vf_mul(th, vf_set1(cap));
 }
 
 /* 2^x for x <= 0 on the lanes of `keep` (0 elsewhere): x = n + f with n = floor(x), f in [0, 1] by
@@ -240,33 +248,40 @@ static inline __m512 softcap16(__m512 s, float cap) {
  * a row's largest score gets P = 1, so a row with one key gives that key's value exactly), and 2^n by vscalefps
  * of x itself (it scales by 2^floor). x = -inf gives 0 (vreduceps gives f = 0, vscalefps scales by
  * 2^-inf), as does any x below -150; NaN gives NaN. */
-static inline __m512 exp2_16(__mmask16 keep, __m512 x) {
-    const __m512 f = _mm512_reduce_ps(x, 0x09);  /* x - floor(x): round down, no precision exception */
-    __m512 p = _mm512_set1_ps(1.8671966390684247e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.016658179461956e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.580046772956848e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.401641458272934e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931513547897339e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(keep, p, x);
+static inline vf exp2_16(__mmask16 keep, vf x) {
+    const vf f = vf_frac(x);  /* x - floor(x): round down, no precision exception */
+    vf p = vf_set1(1.8671966390684247e-3f);
+    p = vf_fmadd(p, f, vf_set1(9.016658179461956e-3f));
+    p = vf_fmadd(p, f, vf_set1(5.580046772956848e-2f));
+    p = vf_fmadd(p, f, vf_set1(2.401641458272934e-1f));
+    p = vf_fmadd(p, f, vf_set1(6.931513547897339e-1f));
+    p = vf_fmadd(p, f, vf_set1(1.0f));
+    return vf_scale2(keep, p, x);
 }
 
+#ifdef KF_AMX
 /* exp2_16 for a P that is rounded to bfloat16 next (a relative step of 2^-8): a degree-3 polynomial,
  * relative error below 9e-5 (so lse is within 9e-5 too), p(0) = 1 exactly (a row's largest score still
  * gets P = 1). Two FMAs fewer than exp2_16: 0.92-0.94x the time of bfloat16 dense, causal and window
  * prefill at 4k (degree 4: 0.95-0.98x). */
-static inline __m512 exp2_16_bf(__mmask16 keep, __m512 x) {
-    const __m512 f = _mm512_reduce_ps(x, 0x09);
-    __m512 p = _mm512_set1_ps(7.706519961357117e-2f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.2764700651168823e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.951163411140442e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(keep, p, x);
+static inline vf exp2_16_bf(__mmask16 keep, vf x) {
+    const vf f = vf_frac(x);
+    vf p = vf_set1(7.706519961357117e-2f);
+    p = vf_fmadd(p, f, vf_set1(2.2764700651168823e-1f));
+    p = vf_fmadd(p, f, vf_set1(6.951163411140442e-1f));
+    p = vf_fmadd(p, f, vf_set1(1.0f));
+    return vf_scale2(keep, p, x);
 }
+#endif
 
 /* P's 2^x: exp2_16 for float32, exp2_16_bf for a P rounded to bfloat16 */
-static inline __m512 exp2_p(__mmask16 keep, __m512 x, const int f32) {
+static inline vf exp2_p(__mmask16 keep, vf x, const int f32) {
+#ifdef KF_AMX
     return f32 ? exp2_16(keep, x) : exp2_16_bf(keep, x);
+#else
+    (void)f32;  /* no bfloat16 path without AMX */
+    return exp2_16(keep, x);
+#endif
 }
 
 /* whether the mask rows [r0, r1) (of the piece) show any of the 32 keys from j (of the piece) on the
@@ -274,13 +289,12 @@ static inline __m512 exp2_p(__mmask16 keep, __m512 x, const int f32) {
  * output) shows */
 static int block_seen(const float *m, long long ml, long long r0, long long r1, long long j, long long lo,
                       long long hi) {
-    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    const vf ninf = vf_set1(-INFINITY);
     const __mmask16 a = lanes(lo, hi), b = lanes(lo - 16, hi - 16);
     if (ml == 0) r1 = r0 + 1;
     for (long long r = r0; r < r1; r++) {
         const float *x = m + r * ml + j;
-        if (_mm512_mask_cmp_ps_mask(a, _mm512_maskz_loadu_ps(a, x), ninf, _CMP_NEQ_UQ)
-            | _mm512_mask_cmp_ps_mask(b, _mm512_maskz_loadu_ps(b, x + 16), ninf, _CMP_NEQ_UQ))
+        if ((a & vf_ne(vf_maskz_loadu(a, x), ninf)) | (b & vf_ne(vf_maskz_loadu(b, x + 16), ninf)))
             return 1;
     }
     return 0;
@@ -384,16 +398,15 @@ static int next_unit(const job_t *J, iter_t *it, unit_t *U, rows_t *blocks, int 
 /* O = O alpha on the rows of unit U whose max moved (NaN alpha included; the one pass leaves most
  * rows' max where it was), before its P V */
 static void rescale_o(const job_t *J, const unit_t *U) {
-    const __m512 one = _mm512_set1_ps(1.0f);
-    uint32_t rows = (uint32_t)_mm512_cmp_ps_mask(_mm512_load_ps(U->alpha), one, _CMP_NEQ_UQ)
-                    | (uint32_t)_mm512_cmp_ps_mask(_mm512_load_ps(U->alpha + 16), one, _CMP_NEQ_UQ) << 16;
+    const vf one = vf_set1(1.0f);
+    uint32_t rows = (uint32_t)vf_ne(vf_load(U->alpha), one) | (uint32_t)vf_ne(vf_load(U->alpha + 16), one) << 16;
     if (U->B->nr < QB) rows &= (1u << U->B->nr) - 1;
     while (rows) {  /* the rows whose alpha is not 1 (NaN included) */
         const int r = __builtin_ctz(rows);
         rows &= rows - 1;
-        const __m512 a = _mm512_set1_ps(U->alpha[r]);
+        const vf a = vf_set1(U->alpha[r]);
         float *o = U->B->acc + r * J->Dvp;
-        for (int d = 0; d < J->Dvp; d += 16) _mm512_store_ps(o + d, _mm512_mul_ps(_mm512_load_ps(o + d), a));
+        for (int d = 0; d < J->Dvp; d += 16) vf_store(o + d, vf_mul(vf_load(o + d), a));
     }
 }
 
@@ -511,27 +524,32 @@ typedef struct { int none; } tasks_t;
 static void pump(tasks_t *T) { (void)T; }
 #endif
 
-/* S = Q K^T in float32 for sub-block u and the row groups [g0, g1) of QR rows: an 8 x 32 tile of
- * scores in 16 registers, a broadcast of q times a vector of K^T (32 keys of one dim) per FMA */
+/* S = Q K^T in float32 for sub-block u and the row groups [g0, g1) of QR rows: a QR x 16 QK tile of
+ * scores in registers (8 x 32 in 16 of AVX-512's), a broadcast of q times a vector of K^T (16 keys of one
+ * dim) per FMA */
 static void scores_f32(const job_t *J, const rows_t *B, float *sbuf, int u, const char *kt, int g0, int g1) {
     const int D = J->D, Dp = J->Dp;
-    const float *k = (const float *)kt;
     for (int g = g0; g < g1; g++) {
         const float *q = (const float *)B->qbuf + g * QR * Dp;
-        __m512 a[QR][2];
-        for (int r = 0; r < QR; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
-        for (int d = 0; d < D; d++) {
-            const __m512 k0 = _mm512_load_ps(k + d * SB), k1 = _mm512_load_ps(k + d * SB + 16);
-            for (int r = 0; r < QR; r++) {
-                const __m512 x = _mm512_set1_ps(q[r * Dp + d]);
-                a[r][0] = _mm512_fmadd_ps(x, k0, a[r][0]);
-                a[r][1] = _mm512_fmadd_ps(x, k1, a[r][1]);
+        for (int h = 0; h < 2; h += QK) {
+            const float *k = (const float *)kt + 16 * h;
+            vf a[QR][QK];
+            for (int r = 0; r < QR; r++)
+                for (int x = 0; x < QK; x++) a[r][x] = vf_zero();
+            for (int d = 0; d < D; d++) {
+                vf kx[QK];
+                for (int x = 0; x < QK; x++) {
+                    kx[x] = vf_load(k + d * SB + 16 * x);
+                    vf_keep(&kx[x]);
+                }
+                for (int r = 0; r < QR; r++) {
+                    const vf y = vf_set1(q[r * Dp + d]);
+                    for (int x = 0; x < QK; x++) a[r][x] = vf_fmadd(y, kx[x], a[r][x]);
+                }
             }
-        }
-        float *s = sbuf + g * QR * KB + SB * u;
-        for (int r = 0; r < QR; r++) {
-            _mm512_store_ps(s + r * KB, a[r][0]);
-            _mm512_store_ps(s + r * KB + 16, a[r][1]);
+            float *s = sbuf + g * QR * KB + SB * u + 16 * h;
+            for (int r = 0; r < QR; r++)
+                for (int x = 0; x < QK; x++) vf_store(s + r * KB + 16 * x, a[r][x]);
         }
     }
 }
@@ -541,19 +559,22 @@ static void scores_f32(const job_t *J, const rows_t *B, float *sbuf, int u, cons
  * times a vector of V per FMA */
 static inline __attribute__((always_inline)) void pv_tile(float *o, int Dvp, const float *p, const float *vt,
                                                           int n, int c, const int nv) {
-    __m512 a[PR][4];
+    vf a[PR][VF_TILE];
     for (int r = 0; r < PR; r++)
-        for (int x = 0; x < nv; x++) a[r][x] = _mm512_load_ps(o + r * Dvp + c + 16 * x);
+        for (int x = 0; x < nv; x++) a[r][x] = vf_load(o + r * Dvp + c + 16 * x);
     for (int j = 0; j < n; j++) {
-        __m512 w[4];
-        for (int x = 0; x < nv; x++) w[x] = _mm512_load_ps(vt + j * Dvp + c + 16 * x);
+        vf w[VF_TILE];
+        for (int x = 0; x < nv; x++) {
+            w[x] = vf_load(vt + j * Dvp + c + 16 * x);
+            vf_keep(&w[x]);
+        }
         for (int r = 0; r < PR; r++) {
-            const __m512 y = _mm512_set1_ps(p[r * KB + j]);
-            for (int x = 0; x < nv; x++) a[r][x] = _mm512_fmadd_ps(y, w[x], a[r][x]);
+            const vf y = vf_set1(p[r * KB + j]);
+            for (int x = 0; x < nv; x++) a[r][x] = vf_fmadd(y, w[x], a[r][x]);
         }
     }
     for (int r = 0; r < PR; r++)
-        for (int x = 0; x < nv; x++) _mm512_store_ps(o + r * Dvp + c + 16 * x, a[r][x]);
+        for (int x = 0; x < nv; x++) vf_store(o + r * Dvp + c + 16 * x, a[r][x]);
 }
 
 #define PU 2  /* float32: sub-blocks (of those in a run) one O tile takes before it is stored */
@@ -575,24 +596,26 @@ static void values_f32(const job_t *J, const unit_t *U, const char *vp) {
             float *o = B->acc + g * PR * Dvp;
             const float *p = U->p32 + g * PR * KB + SB * u;
             int c = 0;
-            for (; c + 64 <= Dvp; c += 64) pv_tile(o, Dvp, p, vt, SB * m, c, 4);
+            for (; c + 16 * VF_TILE <= Dvp; c += 16 * VF_TILE) pv_tile(o, Dvp, p, vt, SB * m, c, VF_TILE);
+#if VF_TILE == 4
             switch ((Dvp - c) / 16) {
                 case 3: pv_tile(o, Dvp, p, vt, SB * m, c, 3); break;
                 case 2: pv_tile(o, Dvp, p, vt, SB * m, c, 2); break;
                 case 1: pv_tile(o, Dvp, p, vt, SB * m, c, 1); break;
                 default: break;
             }
+#endif
         }
         u += m;
     }
 }
 
 /* P of row r, sub-block u (keys 0-15 in p0, 16-31 in p1): float32 at p32, or bfloat16 for the tiles */
-static inline __attribute__((always_inline)) void store_p(unit_t *U, int r, int u, __m512 p0, __m512 p1,
+static inline __attribute__((always_inline)) void store_p(unit_t *U, int r, int u, vf p0, vf p1,
                                                           const int f32) {
     if (f32) {
-        _mm512_store_ps(U->p32 + r * KB + SB * u, p0);
-        _mm512_store_ps(U->p32 + r * KB + SB * u + 16, p1);
+        vf_store(U->p32 + r * KB + SB * u, p0);
+        vf_store(U->p32 + r * KB + SB * u + 16, p1);
     } else {
 #ifdef KF_AMX
         _mm512_store_si512(U->pbuf + r * KB + SB * u, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
@@ -602,40 +625,40 @@ static inline __attribute__((always_inline)) void store_p(unit_t *U, int r, int 
 
 /* The lane-wise max of a row's scores at pr over every lane of the sub-blocks up to ns (two chains of
  * the max: a row's latency is short) */
-static inline __attribute__((always_inline)) __m512 row_max(const float *pr, int ns) {
-    __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0;
+static inline __attribute__((always_inline)) vf row_max(const float *pr, int ns) {
+    vf m0 = vf_set1(-INFINITY), m1 = m0;
     for (int u = 0; u < ns; u++) {
-        m0 = _mm512_max_ps(m0, _mm512_load_ps(pr + SB * u));
-        m1 = _mm512_max_ps(m1, _mm512_load_ps(pr + SB * u + 16));
+        m0 = vf_max(m0, vf_load(pr + SB * u));
+        m1 = vf_max(m1, vf_load(pr + SB * u + 16));
     }
-    return _mm512_max_ps(m0, m1);
+    return vf_max(m0, m1);
 }
 
 /* P of row r (its S or y at pr) over every lane of every sub-block up to ns: 2^((S a - b) c), stored;
  * returns its sum in 16 lanes (NaN when a score was NaN). Where the product overflows to -inf (a mask
  * of -3e38), vreduceps gives 0 and vscalefps scales by 2^-inf: P = 0, no clamp needed. */
-static inline __attribute__((always_inline)) __m512 row_p(unit_t *U, int r, const float *pr, __m512 a, __m512 b,
-                                                          __m512 c, const int f32) {
-    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+static inline __attribute__((always_inline)) vf row_p(unit_t *U, int r, const float *pr, vf a, vf b,
+                                                          vf c, const int f32) {
+    vf s0 = vf_zero(), s1 = vf_zero();
     for (int u = 0; u < U->ns; u++) {
-        const __m512 x0 = _mm512_mul_ps(_mm512_fmsub_ps(_mm512_load_ps(pr + SB * u), a, b), c);
-        const __m512 x1 = _mm512_mul_ps(_mm512_fmsub_ps(_mm512_load_ps(pr + SB * u + 16), a, b), c);
-        const __m512 p0 = exp2_p(0xFFFF, x0, f32), p1 = exp2_p(0xFFFF, x1, f32);
-        s0 = _mm512_add_ps(s0, p0);
-        s1 = _mm512_add_ps(s1, p1);
+        const vf x0 = vf_mul(vf_fmsub(vf_load(pr + SB * u), a, b), c);
+        const vf x1 = vf_mul(vf_fmsub(vf_load(pr + SB * u + 16), a, b), c);
+        const vf p0 = exp2_p(0xFFFF, x0, f32), p1 = exp2_p(0xFFFF, x1, f32);
+        s0 = vf_add(s0, p0);
+        s1 = vf_add(s1, p1);
         store_p(U, r, u, p0, p1, f32);
     }
-    return _mm512_add_ps(s0, s1);
+    return vf_add(s0, s1);
 }
 
 /* row_p for a row whose buffer keeps S unscaled: (y - m) log2 e as (S - smax) scale log2 e when this
  * step holds the row's max (`here`: exactly 0 at the max, so P = 1), else as (S scale - m) log2 e, the
  * product and subtraction in one rounding */
-static inline __attribute__((always_inline)) __m512 row_p_raw(unit_t *U, int r, const float *pr, float scale,
+static inline __attribute__((always_inline)) vf row_p_raw(unit_t *U, int r, const float *pr, float scale,
                                                               int here, float smax, float m, const int f32) {
     const float log2e = LOG2E;
-    return row_p(U, r, pr, _mm512_set1_ps(here ? 1.0f : scale), _mm512_set1_ps(here ? smax : m),
-                 _mm512_set1_ps(here ? scale * log2e : log2e), f32);
+    return row_p(U, r, pr, vf_set1(here ? 1.0f : scale), vf_set1(here ? smax : m),
+                 vf_set1(here ? scale * log2e : log2e), f32);
 }
 
 /* The end of a unit's softmax that took part (U->any): P = 0 for rows past nr (bfloat16: the last
@@ -648,16 +671,16 @@ static inline __attribute__((always_inline)) void unit_close(unit_t *U, const fl
     if (!f32)
         for (int r = B->nr; r < QB; r++)
             for (int u = 0; u < U->ns; u++)
-                if (U->seen[u]) store_p(U, r, u, _mm512_setzero_ps(), _mm512_setzero_ps(), f32);
-    const __m512 log2e = _mm512_set1_ps(LOG2E);
+                if (U->seen[u]) store_p(U, r, u, vf_zero(), vf_zero(), f32);
+    const vf log2e = vf_set1(LOG2E);
     for (int r = 0; r < QB; r += 16)
-        _mm512_store_ps(U->alpha + r, exp2_16(0xFFFF, _mm512_mul_ps(_mm512_load_ps(dm + r), log2e)));
+        vf_store(U->alpha + r, exp2_16(0xFFFF, vf_mul(vf_load(dm + r), log2e)));
     if (B->nr < QB) rows &= (1u << B->nr) - 1;
     while (rows) {
         const int r = __builtin_ctz(rows);
         rows &= rows - 1;
         float *l = B->l + 16 * r;
-        _mm512_store_ps(l, _mm512_fmadd_ps(_mm512_load_ps(l), _mm512_set1_ps(U->alpha[r]), _mm512_load_ps(rs + 16 * r)));
+        vf_store(l, vf_fmadd(vf_load(l), vf_set1(U->alpha[r]), vf_load(rs + 16 * r)));
     }
 }
 
@@ -670,33 +693,33 @@ static inline __attribute__((always_inline)) void unit_close(unit_t *U, const fl
 
 /* Sub-block u of stale_row: P on the lanes k0 (keys 0-15) and k1 (16-31), stored, added to s0, s1 */
 static inline __attribute__((always_inline)) void stale_sub(unit_t *U, int r, const float *pr, int u, __mmask16 k0,
-                                                            __mmask16 k1, __m512 a, __m512 b, __m512 c,
-                                                            const int exact, const int f32, __m512 *s0, __m512 *s1) {
-    __m512 x0 = _mm512_fmsub_ps(_mm512_load_ps(pr + SB * u), a, b);
-    __m512 x1 = _mm512_fmsub_ps(_mm512_load_ps(pr + SB * u + 16), a, b);
+                                                            __mmask16 k1, vf a, vf b, vf c,
+                                                            const int exact, const int f32, vf *s0, vf *s1) {
+    vf x0 = vf_fmsub(vf_load(pr + SB * u), a, b);
+    vf x1 = vf_fmsub(vf_load(pr + SB * u + 16), a, b);
     if (exact) {
-        x0 = _mm512_mul_ps(x0, c);
-        x1 = _mm512_mul_ps(x1, c);
+        x0 = vf_mul(x0, c);
+        x1 = vf_mul(x1, c);
     }
-    const __m512 p0 = exp2_p(k0, x0, f32), p1 = exp2_p(k1, x1, f32);
-    *s0 = _mm512_add_ps(*s0, p0);
-    *s1 = _mm512_add_ps(*s1, p1);
+    const vf p0 = exp2_p(k0, x0, f32), p1 = exp2_p(k1, x1, f32);
+    *s0 = vf_add(*s0, p0);
+    *s1 = vf_add(*s1, p1);
     store_p(U, r, u, p0, p1, f32);
 }
 
 /* P of row r over the first e keys of the step's ns sub-blocks (lanes past them 0; the first `full`
  * sub-blocks are whole, and take no lane masks), stored; returns its sum in 16 lanes. `exact`:
  * (S - smax) c, exactly 0 at the max (P = 1); else S c - b in one FMA */
-static inline __attribute__((always_inline)) __m512 stale_row(unit_t *U, int r, const float *pr, int e, int full,
-                                                              int ns, __m512 c, __m512 b, const int exact,
+static inline __attribute__((always_inline)) vf stale_row(unit_t *U, int r, const float *pr, int e, int full,
+                                                              int ns, vf c, vf b, const int exact,
                                                               const int f32) {
-    const __m512 a = exact ? _mm512_set1_ps(1.0f) : c;
-    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+    const vf a = exact ? vf_set1(1.0f) : c;
+    vf s0 = vf_zero(), s1 = vf_zero();
     int u = 0;
     for (; u < full; u++) stale_sub(U, r, pr, u, 0xFFFF, 0xFFFF, a, b, c, exact, f32, &s0, &s1);
     for (; u < ns; u++)  /* the diagonal's sub-block, then those past the row's last key: P = 0 */
         stale_sub(U, r, pr, u, lanes(0, e - SB * u), lanes(0, e - SB * u - 16), a, b, c, exact, f32, &s0, &s1);
-    return _mm512_add_ps(s0, s1);
+    return vf_add(s0, s1);
 }
 
 /* The one-pass softmax of a unit with plain scores (no mask tile, shift or softcap; S unscaled: scale >
@@ -719,20 +742,18 @@ static inline __attribute__((always_inline)) int stale_rows(const job_t *J, unit
     const piece_t *P = U->P;
     const int nr = B->nr, ns = U->ns;
     const float sc = f32 && J->qs ? 1.0f : J->scale;  /* y = S sc (1 where q came pre-scaled) */
-    const __m512 a = _mm512_set1_ps(sc * LOG2E), ninf = _mm512_set1_ps(-INFINITY);
-    const __m512 tau = _mm512_set1_ps(STALE_P);
+    const vf a = vf_set1(sc * LOG2E), ninf = vf_set1(-INFINITY);
+    const vf tau = vf_set1(STALE_P);
     /* per row: m_old - m_new, a redone row's step sum (16 lanes), a first step's seed */
     float dm[QB] __attribute__((aligned(64))), rs[QB * 16] __attribute__((aligned(64))), seed[QB];
     int end[QB];  /* keys of the step each row sees: [j0, j0 + end) (all: every key, ns SB) */
     uint32_t moved = 0, fresh = 0, seeds = (uint32_t)-1 >> (QB - nr);  /* rows that may need a seed */
     if (all) {  /* every row sees the step: the running maxima checked 16 at a time, and only rows
                  * with none yet (-inf) go on below, for their seed */
-        const __m512 stm = _mm512_set1_ps(STALE_M);
-        const __m512 m0 = _mm512_loadu_ps(B->m), m1 = _mm512_loadu_ps(B->m + 16);
-        const uint32_t none = (uint32_t)_mm512_cmp_ps_mask(m0, ninf, _CMP_EQ_OQ)
-                              | (uint32_t)_mm512_cmp_ps_mask(m1, ninf, _CMP_EQ_OQ) << 16;
-        const uint32_t ok = (uint32_t)_mm512_cmp_ps_mask(_mm512_abs_ps(m0), stm, _CMP_LT_OQ)
-                            | (uint32_t)_mm512_cmp_ps_mask(_mm512_abs_ps(m1), stm, _CMP_LT_OQ) << 16;
+        const vf stm = vf_set1(STALE_M);
+        const vf m0 = vf_loadu(B->m), m1 = vf_loadu(B->m + 16);
+        const uint32_t none = (uint32_t)vf_eq(m0, ninf) | (uint32_t)vf_eq(m1, ninf) << 16;
+        const uint32_t ok = (uint32_t)vf_lt(vf_abs(m0), stm) | (uint32_t)vf_lt(vf_abs(m1), stm) << 16;
         if (seeds & ~none & ~ok) return 0;  /* NaN, +inf or too large */
         seeds &= none;
     }
@@ -749,9 +770,9 @@ static inline __attribute__((always_inline)) int stale_rows(const job_t *J, unit
         const float m = B->m[r];
         if (m == -INFINITY && end[r] > 0) {  /* the row's first keys: the seed */
             const float *pr = U->sbuf + r * KB;
-            const __m512 x0 = _mm512_mask_load_ps(ninf, lanes(0, end[r]), pr);
-            const __m512 x = _mm512_mask_max_ps(x0, lanes(0, end[r] - 16), x0, _mm512_load_ps(pr + 16));
-            seed[r] = _mm512_reduce_max_ps(x);  /* of S; the row's max of y is seed sc */
+            const vf x0 = vf_mask_load(ninf, lanes(0, end[r]), pr);
+            const vf x = vf_mask_max(x0, lanes(0, end[r] - 16), x0, vf_load(pr + 16));
+            seed[r] = vf_reduce_max(x);  /* of S; the row's max of y is seed sc */
             if (!(fabsf(seed[r] * sc) < STALE_M)) return 0;
             fresh |= 1u << r;
         } else if (m != -INFINITY && !(fabsf(m) < STALE_M)) {  /* NaN, +inf or too large */
@@ -763,55 +784,55 @@ static inline __attribute__((always_inline)) int stale_rows(const job_t *J, unit
                  * groups of PR rows reach get 0 */
         U->p32 = U->p32own;
         for (int r = nr; r < (nr + PR - 1) / PR * PR; r++)
-            for (int u = 0; u < ns; u++) store_p(U, r, u, _mm512_setzero_ps(), _mm512_setzero_ps(), 1);
+            for (int u = 0; u < ns; u++) store_p(U, r, u, vf_zero(), vf_zero(), 1);
     }
     for (int r = 0; r < nr; r++) {
         if (T && r % PUMP_ROWS == 0) pump(T);
         const float *pr = U->sbuf + r * KB;
         const int e = all ? ns * SB : end[r], full = all ? ns : e / SB;
-        __m512 sum;
+        vf sum;
         if (fresh >> r & 1) {  /* O and l are 0: alpha = e^-inf = 0 scales nothing. P against the seed,
                                 * exactly 1 at it (a row with one key, or one that dominates, gets its
                                 * value exactly) */
             dm[r] = -INFINITY;
             B->m[r] = seed[r] * sc;
-            sum = stale_row(U, r, pr, e, full, ns, a, _mm512_set1_ps(seed[r]), 1, f32);
+            sum = stale_row(U, r, pr, e, full, ns, a, vf_set1(seed[r]), 1, f32);
         } else {
             /* y - m in log2 units as S (scale log2 e) - m log2 e, one FMA: not exact at any key, which
              * no row needs here (P's relative error from it is |y| 2^-24, against bfloat16's 2^-9) */
-            sum = stale_row(U, r, pr, e, full, ns, a, _mm512_set1_ps(B->m[r] * LOG2E), 0, f32);
+            sum = stale_row(U, r, pr, e, full, ns, a, vf_set1(B->m[r] * LOG2E), 0, f32);
         }
         /* a P above 2^8 makes its lane's sum so; a lane's 16 P's summing past it otherwise is rare,
          * and its redo is exact anyway. A NaN sum stays (NaN is the row's answer). A row kept adds
          * its sum to l here (alpha 1; a seeded row's l is 0); a redone row's l = l alpha + sum at
          * the close. */
-        if (_mm512_cmp_ps_mask(sum, tau, _CMP_GT_OQ)) {
+        if (vf_gt(sum, tau)) {
             moved |= 1u << r;
         } else {
             float *l = B->l + 16 * r;
-            _mm512_store_ps(l, _mm512_add_ps(_mm512_load_ps(l), sum));
+            vf_store(l, vf_add(vf_load(l), sum));
         }
     }
     for (uint32_t left = moved; left; left &= left - 1) {  /* rare after a row's first steps */
         const int r = __builtin_ctz(left);
         const float *pr = U->sbuf + r * KB;
         const int e = all ? ns * SB : end[r];
-        __m512 mx = ninf;
+        vf mx = ninf;
         for (int u = 0; u * SB < e; u++) {
-            mx = _mm512_mask_max_ps(mx, lanes(0, e - SB * u), mx, _mm512_load_ps(pr + SB * u));
-            mx = _mm512_mask_max_ps(mx, lanes(0, e - SB * u - 16), mx, _mm512_load_ps(pr + SB * u + 16));
+            mx = vf_mask_max(mx, lanes(0, e - SB * u), mx, vf_load(pr + SB * u));
+            mx = vf_mask_max(mx, lanes(0, e - SB * u - 16), mx, vf_load(pr + SB * u + 16));
         }
-        const float smax = _mm512_reduce_max_ps(mx), mn = smax * sc;
+        const float smax = vf_reduce_max(mx), mn = smax * sc;
         if (!(fabsf(mn) < INFINITY)) {  /* y = S scale overflows: the row is NaN, as in the general
                                          * softmax (and PyTorch's op) */
             B->m[r] = dm[r] = NAN;
-            _mm512_store_ps(rs + 16 * r, _mm512_set1_ps(NAN));
+            vf_store(rs + 16 * r, vf_set1(NAN));
             continue;
         }
         dm[r] += B->m[r] - mn;  /* a seeded row's stays -inf */
         B->m[r] = mn;
         /* (S - smax) scale log2 e: exactly 0 at the max, P = 1 */
-        _mm512_store_ps(rs + 16 * r, stale_row(U, r, pr, e, e / SB, ns, a, _mm512_set1_ps(smax), 1, f32));
+        vf_store(rs + 16 * r, stale_row(U, r, pr, e, e / SB, ns, a, vf_set1(smax), 1, f32));
     }
     U->any = 1;
     unit_close(U, dm, rs, moved, f32);
@@ -842,8 +863,8 @@ static inline __attribute__((always_inline)) void softmax(const job_t *J, unit_t
     const float *pm = U->pm, *ps = U->ps;
     const long long ra = U->ra, rb = U->rb, ka = P->k0, kz = U->kz, j0 = U->j0;
     const int ns = U->ns, *seen = U->seen;
-    const __m512 ninf = _mm512_set1_ps(-INFINITY), log2e = _mm512_set1_ps(LOG2E);
-    const __m512 scale = _mm512_set1_ps(J->scale);
+    const vf ninf = vf_set1(-INFINITY), log2e = vf_set1(LOG2E);
+    const vf scale = vf_set1(J->scale);
     const int plain = !pm && !ps && J->cap == 0.0f;  /* scores as they come (q pre-scaled: y = S) */
     const int qs = f32 && J->qs;  /* (f32 is a constant here: bfloat16's branches on it fold away) */
     /* per row: dm = m_old - m_new and the step's sum of P; alpha = e^dm and l = l alpha + sum are
@@ -851,7 +872,7 @@ static inline __attribute__((always_inline)) void softmax(const job_t *J, unit_t
     float dm[QB] __attribute__((aligned(64))), rs[QB * 16] __attribute__((aligned(64)));
     for (int r = 0; r < QB; r++) {
         dm[r] = 0.0f;
-        _mm512_store_ps(rs + 16 * r, _mm512_setzero_ps());
+        vf_store(rs + 16 * r, vf_zero());
     }
     int any = 0;
     for (int r = 0; r < B->nr; r++) {
@@ -860,7 +881,7 @@ static inline __attribute__((always_inline)) void softmax(const job_t *J, unit_t
         if (T && r % PUMP_ROWS == 0) pump(T);
         if (i < ra || i >= rb) {  /* not a row of this piece: no P, nothing to rescale */
             for (int u = 0; u < ns; u++)
-                if (seen[u]) store_p(U, r, u, _mm512_setzero_ps(), _mm512_setzero_ps(), f32);
+                if (seen[u]) store_p(U, r, u, vf_zero(), vf_zero(), f32);
             continue;
         }
         long long kr = kz;  /* past the row's last key */
@@ -868,7 +889,7 @@ static inline __attribute__((always_inline)) void softmax(const job_t *J, unit_t
         const float *mr = pm ? pm + (i - P->q0) * P->ml - P->k0 : NULL;  /* at key j: mr[j] */
         const int full = ka <= j0 && kr >= j0 + (long long)ns * SB;  /* the row sees every key of the step */
         __mmask16 vis[2 * NS];
-        __m512 m0 = ninf, m1 = ninf;  /* two chains of the max (in registers: a row's latency is short) */
+        vf m0 = ninf, m1 = ninf;  /* two chains of the max (in registers: a row's latency is short) */
         /* pass 1: y in place of S, its max. Where q came pre-scaled, S is y unless a softcap, mask or
          * shift applies */
         const int raw = !qs && full && plain && J->scale > 0.0f;  /* the buffer keeps S */
@@ -877,34 +898,34 @@ static inline __attribute__((always_inline)) void softmax(const job_t *J, unit_t
                                                * S's times scale (rounding is monotone) */
             m1 = row_max(pr, ns);  /* second operand of the max below: a NaN lane stays NaN */
         } else {
-            const __m512 shift = ps ? _mm512_set1_ps(ps[i - P->q0]) : _mm512_setzero_ps();
+            const vf shift = ps ? vf_set1(ps[i - P->q0]) : vf_zero();
             const float cap = J->cap;
             for (int x = 0; x < 2 * ns; x++) {
                 vis[x] = 0;
                 if (!seen[x / 2]) continue;
                 const long long jx = j0 + 16 * x;
                 vis[x] = full ? 0xFFFF : lanes(ka - jx, kr - jx);
-                __m512 t = _mm512_load_ps(pr + 16 * x);
+                vf t = vf_load(pr + 16 * x);
                 /* y rounded once here and kept: the row's largest y minus the max is exactly 0 (a
                  * product fused into the later subtraction would not be) */
                 if (cap > 0.0f)
-                    t = softcap16(qs ? t : _mm512_mul_ps(t, scale), cap);
+                    t = softcap16(qs ? t : vf_mul(t, scale), cap);
                 else if (!qs)
-                    t = _mm512_mul_round_ps(t, scale, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                    t = vf_mul_rn(t, scale);
                 if (mr) {  /* a pair the mask hides (-inf) is out of vis: its P is exactly 0 */
-                    const __m512 add = _mm512_maskz_loadu_ps(vis[x], mr + jx);
-                    vis[x] &= _mm512_cmp_ps_mask(add, ninf, _CMP_NEQ_UQ);
-                    t = _mm512_add_ps(t, add);
+                    const vf add = vf_maskz_loadu(vis[x], mr + jx);
+                    vis[x] &= vf_ne(add, ninf);
+                    t = vf_add(t, add);
                 }
-                if (ps) t = _mm512_add_ps(t, shift);
-                _mm512_store_ps(pr + 16 * x, t);
+                if (ps) t = vf_add(t, shift);
+                vf_store(pr + 16 * x, t);
                 if (x & 1)
-                    m1 = _mm512_mask_max_ps(m1, vis[x], m1, t);
+                    m1 = vf_mask_max(m1, vis[x], m1, t);
                 else
-                    m0 = _mm512_mask_max_ps(m0, vis[x], m0, t);
+                    m0 = vf_mask_max(m0, vis[x], m0, t);
             }
         }
-        const float sm = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1)), bm = raw ? sm * J->scale : sm;
+        const float sm = vf_reduce_max(vf_max(m0, m1)), bm = raw ? sm * J->scale : sm;
         if (isnan(bm) || bm == INFINITY || isnan(B->m[r])) {  /* the row is NaN from here on (out and lse) */
             B->m[r] = dm[r] = NAN;
             any = 1;
@@ -913,31 +934,31 @@ static inline __attribute__((always_inline)) void softmax(const job_t *J, unit_t
         const float mn = bm > B->m[r] ? bm : B->m[r];
         if (mn == -INFINITY) {  /* nothing seen yet: no P, nothing to rescale */
             for (int u = 0; u < ns; u++)
-                if (seen[u]) store_p(U, r, u, _mm512_setzero_ps(), _mm512_setzero_ps(), f32);
+                if (seen[u]) store_p(U, r, u, vf_zero(), vf_zero(), f32);
             continue;
         }
         any = 1;
         dm[r] = B->m[r] - mn;  /* -inf on the row's first keys: alpha 0 scales an O and l of 0 */
-        const __m512 mv = _mm512_set1_ps(mn);
-        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+        const vf mv = vf_set1(mn);
+        vf s0 = vf_zero(), s1 = vf_zero();
         /* pass 2: P = e^(y - m) = 2^((y - m) log2 e). Where the product overflows to -inf (a mask of
          * -3e38), vreduceps gives 0 and vscalefps scales by 2^-inf: P = 0, no clamp needed */
         if (raw) {
             s0 = row_p_raw(U, r, pr, J->scale, mn == bm, sm, mn, f32);  /* s1 stays 0 */
         } else if (full && !pm) {  /* every lane of every sub-block up to ns: no lane masks (vis unset) */
-            s0 = row_p(U, r, pr, _mm512_set1_ps(1.0f), mv, log2e, f32);
+            s0 = row_p(U, r, pr, vf_set1(1.0f), mv, log2e, f32);
         } else {
             for (int u = 0; u < ns; u++) {
                 if (!seen[u]) continue;
-                const __m512 x0 = _mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(pr + SB * u), mv), log2e);
-                const __m512 x1 = _mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(pr + SB * u + 16), mv), log2e);
-                const __m512 p0 = exp2_p(vis[2 * u], x0, f32), p1 = exp2_p(vis[2 * u + 1], x1, f32);
-                s0 = _mm512_add_ps(s0, p0);
-                s1 = _mm512_add_ps(s1, p1);
+                const vf x0 = vf_mul(vf_sub(vf_load(pr + SB * u), mv), log2e);
+                const vf x1 = vf_mul(vf_sub(vf_load(pr + SB * u + 16), mv), log2e);
+                const vf p0 = exp2_p(vis[2 * u], x0, f32), p1 = exp2_p(vis[2 * u + 1], x1, f32);
+                s0 = vf_add(s0, p0);
+                s1 = vf_add(s1, p1);
                 store_p(U, r, u, p0, p1, f32);
             }
         }
-        _mm512_store_ps(rs + 16 * r, _mm512_add_ps(s0, s1));  /* NaN when a score was NaN */
+        vf_store(rs + 16 * r, vf_add(s0, s1));  /* NaN when a score was NaN */
         B->m[r] = mn;
     }
     U->any = any;
@@ -990,19 +1011,21 @@ static inline __attribute__((always_inline)) void item(const job_t *J, long long
                 for (int d = 0; d < Dp; d += 16) {
                     const __mmask16 k = first(Dp - d);  /* Dp = D in float32 */
                     const __mmask16 in = live ? k : 0;
-                    _mm512_mask_storeu_ps(dst + d, k, _mm512_maskz_mul_ps(in, _mm512_maskz_loadu_ps(in, src + d),
-                                                                          _mm512_set1_ps(J->qs ? J->scale : 1.0f)));
+                    vf_mask_storeu(dst + d, k, vf_maskz(in, vf_mul(vf_maskz_loadu(in, src + d),
+                                                                   vf_set1(J->qs ? J->scale : 1.0f))));
                 }
             } else {
+#ifdef KF_AMX
                 uint16_t *dst = (uint16_t *)B->qbuf + r * Dp;
                 const uint16_t *src = (const uint16_t *)q + (live ? r : 0) * J->sqn;
                 for (int d = 0; d < Dp; d += 32) {
                     const __mmask32 k = live ? first32(J->D - d) : 0;
                     _mm512_storeu_si512(dst + d, _mm512_maskz_loadu_epi16(k, src + d));
                 }
+#endif
             }
             B->m[r] = -INFINITY;
-            _mm512_store_ps(B->l + 16 * r, _mm512_setzero_ps());
+            vf_store(B->l + 16 * r, vf_zero());
         }
         B->fresh = !f32;
         if (f32) memset(B->acc, 0, sizeof(float) * QB * Dvp);
@@ -1059,21 +1082,21 @@ static inline __attribute__((always_inline)) void item(const job_t *J, long long
         const rows_t *B = &blocks[g];
         for (int r = 0; r < B->nr; r++) {
             const size_t row = (size_t)(bh * J->L + B->i0 + r);
-            const float l = _mm512_reduce_add_ps(_mm512_load_ps(B->l + 16 * r));
+            const float l = vf_reduce_add(vf_load(B->l + 16 * r));
             const int empty = B->m[r] == -INFINITY && l == 0.0f;
-            const __m512 inv = _mm512_set1_ps(empty ? 0.0f : 1.0f / l);
+            const vf inv = vf_set1(empty ? 0.0f : 1.0f / l);
             J->lse[row] = empty ? -INFINITY : B->m[r] + logf(l);
             for (int d = 0; d < Dv; d += 16) {
                 const __mmask16 k = first(Dv - d);
                 /* an empty row is 0 even where a hidden key's NaN value reached O through a 0 in P */
-                const __m512 y = empty ? _mm512_setzero_ps() : _mm512_mul_ps(_mm512_load_ps(B->acc + r * Dvp + d), inv);
+                const vf y = empty ? vf_zero() : vf_mul(vf_load(B->acc + r * Dvp + d), inv);
 #ifdef KF_AMX
                 if (J->out_bf16) {
                     _mm256_mask_storeu_epi16((uint16_t *)J->out + row * Dv + d, k, (__m256i)_mm512_cvtneps_pbh(y));
                     continue;
                 }
 #endif
-                _mm512_mask_storeu_ps((float *)J->out + row * Dv + d, k, y);
+                vf_mask_storeu((float *)J->out + row * Dv + d, k, y);
             }
         }
     }

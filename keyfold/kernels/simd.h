@@ -6,6 +6,7 @@
 #ifndef KEYFOLD_SIMD_H
 #define KEYFOLD_SIMD_H
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -130,8 +131,9 @@ static inline tilecfg_t tiles16x64(void) {
  * 8-lane halves, lanes 0-7 and 8-15). Each lane does the same arithmetic in the same order on both, so the
  * two builds give the same bits; only how many vectors a register tile holds differs (VF_TILE 16-float
  * and VD_TILE 8-double vectors a row: AVX2 has 16 registers, AVX-512 32 of twice the width).
- *     vf: 16 float32    vd: 8 float64    __mmask16: a lane mask, bit i lane i */
-#ifdef __AVX512F__
+ *     vf: 16 float32    vd: 8 float64    __mmask16: a lane mask, bit i lane i
+ * The AVX-512 layer needs F, BW, VL and DQ; a CPU with AVX-512 F alone (Xeon Phi) takes the AVX2 one. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 typedef __m512 vf;
 typedef __m512d vd;
 #define VF_TILE 4
@@ -184,6 +186,39 @@ static inline vf vd_narrow(vd lo, vd hi) {
                                                _mm256_castps_pd(_mm512_cvtpd_ps(hi)), 1));
 }
 
+/* x stays in registers: the AVX2 layer's vectors are pairs that GCC would rather reload in every FMA that
+ * reads them (a memory operand each), which made the products load-bound; a no-op on AVX-512 */
+static inline __attribute__((always_inline)) void vf_keep(vf *x) { (void)x; }
+static inline __attribute__((always_inline)) void vd_keep(vd *x) { (void)x; }
+static inline vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }  /* b where either is NaN */
+static inline vf vf_fmsub(vf a, vf b, vf c) { return _mm512_fmsub_ps(a, b, c); }
+static inline vf vf_abs(vf a) { return _mm512_abs_ps(a); }
+static inline vf vf_div(vf a, vf b) { return _mm512_div_ps(a, b); }
+/* a rounded to nearest whatever MXCSR says */
+static inline vf vf_mul_rn(vf a, vf b) { return _mm512_mul_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+/* |a| with b's sign bit or'ed in */
+static inline vf vf_or_sign(vf a, vf b) {
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(a),
+                                               _mm512_and_si512(_mm512_castps_si512(b), _mm512_set1_epi32((int)0x80000000u))));
+}
+static inline __mmask16 vf_ne(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_NEQ_UQ); }
+static inline __mmask16 vf_eq(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+static inline __mmask16 vf_lt(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+static inline __mmask16 vf_gt(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+/* b on the lanes of m, a elsewhere */
+static inline vf vf_blend(__mmask16 m, vf a, vf b) { return _mm512_mask_blend_ps(m, a, b); }
+/* max(a, b) on the lanes of m, src elsewhere */
+static inline vf vf_mask_max(vf src, __mmask16 m, vf a, vf b) { return _mm512_mask_max_ps(src, m, a, b); }
+/* p (64-byte aligned) on the lanes of m, src elsewhere */
+static inline vf vf_mask_load(vf src, __mmask16 m, const float *p) { return _mm512_mask_load_ps(src, m, p); }
+static inline void vf_mask_storeu(float *p, __mmask16 m, vf x) { _mm512_mask_storeu_ps(p, m, x); }
+static inline float vf_reduce_max(vf x) { return _mm512_reduce_max_ps(x); }
+static inline float vf_reduce_add(vf x) { return _mm512_reduce_add_ps(x); }
+/* x - floor(x) (vreduceps: 0 at +-inf), and p 2^floor(x) on the lanes of keep, 0 elsewhere (vscalefps:
+ * 0 at x = -inf and, with MXCSR's flush to zero, below 2^-126; inf past 2^128; NaN in p or x gives NaN) */
+static inline vf vf_frac(vf x) { return _mm512_reduce_ps(x, 0x09); }
+static inline vf vf_scale2(__mmask16 keep, vf p, vf x) { return _mm512_maskz_scalef_ps(keep, p, x); }
+
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 typedef struct { __m256 lo, hi; } vf;
 typedef struct { __m256d lo, hi; } vd;
@@ -222,10 +257,11 @@ static inline __mmask16 vf_nonzero(vf x) {
     return (__mmask16)(_mm256_movemask_ps(_mm256_cmp_ps(x.lo, z, _CMP_NEQ_UQ)) |
                        _mm256_movemask_ps(_mm256_cmp_ps(x.hi, z, _CMP_NEQ_UQ)) << 8);
 }
-/* exp16 on 8 lanes, 2^n built in the exponent bits instead of vscalefps: the same bits where x >= -87
- * (n >= -126, 2^n normal, p 2^n rounded once either way); n capped at 128 gives inf above e^88.7, as
- * vscalefps does. Below -87 (and at -inf) 0, NaN gives NaN (the compare keeps it, min_ps returns 128 for
- * a NaN n but p is NaN). */
+/* exp16 on 8 lanes, 2^n built in the exponent bits instead of vscalefps: the same bits at every x. Where
+ * x >= -87, n >= -126 and 2^n is normal, so p 2^n is rounded once either way; n = 128 (x from 88.38 to
+ * 88.72) takes p 2^127 (exact) times 2, finite while p < 1 as vscalefps's is (2^128 built in the bits
+ * would be inf: a review found it), n > 128 times inf. Below -87 (and at -inf) 0, NaN gives NaN (the
+ * compare keeps it; min_ps returns 127 for a NaN n, but p is NaN). */
 static inline __m256 exp8(__m256 x) {
     const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_NLT_UQ);
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
@@ -240,8 +276,11 @@ static inline __m256 exp8(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
     p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     const __m256i e = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_min_ps(n, _mm256_set1_ps(128.0f))), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+        _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_min_ps(n, _mm256_set1_ps(127.0f))), _mm256_set1_epi32(127)), 23);
+    __m256 two = _mm256_blendv_ps(_mm256_set1_ps(1.0f), _mm256_set1_ps(2.0f),
+                                  _mm256_cmp_ps(n, _mm256_set1_ps(127.0f), _CMP_GT_OQ));
+    two = _mm256_blendv_ps(two, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(n, _mm256_set1_ps(128.0f), _CMP_GT_OQ));
+    return _mm256_and_ps(_mm256_mul_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), two), keep);
 }
 static inline vf vf_exp(vf x) { return vf_two(exp8(x.lo), exp8(x.hi)); }
 static inline vf vf_load16(const uint16_t *p, __mmask16 m, int bf) {
@@ -319,6 +358,75 @@ static inline vf vd_narrow(vd lo, vd hi) {
     return vf_two(_mm256_set_m128(_mm256_cvtpd_ps(lo.hi), _mm256_cvtpd_ps(lo.lo)),
                   _mm256_set_m128(_mm256_cvtpd_ps(hi.hi), _mm256_cvtpd_ps(hi.lo)));
 }
+static inline __attribute__((always_inline)) void vf_keep(vf *x) { __asm__("" : "+x"(x->lo), "+x"(x->hi)); }
+static inline __attribute__((always_inline)) void vd_keep(vd *x) { __asm__("" : "+x"(x->lo), "+x"(x->hi)); }
+static inline vf vf_max(vf a, vf b) { return vf_two(_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)); }
+static inline vf vf_fmsub(vf a, vf b, vf c) {
+    return vf_two(_mm256_fmsub_ps(a.lo, b.lo, c.lo), _mm256_fmsub_ps(a.hi, b.hi, c.hi));
+}
+static inline vf vf_abs(vf a) {
+    const __m256 m = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    return vf_two(_mm256_and_ps(a.lo, m), _mm256_and_ps(a.hi, m));
+}
+static inline vf vf_div(vf a, vf b) { return vf_two(_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)); }
+static inline vf vf_mul_rn(vf a, vf b) { return vf_mul(a, b); }  /* MXCSR's rounding: keyfold leaves it to nearest */
+static inline vf vf_or_sign(vf a, vf b) {
+    const __m256 s = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
+    return vf_two(_mm256_or_ps(a.lo, _mm256_and_ps(b.lo, s)), _mm256_or_ps(a.hi, _mm256_and_ps(b.hi, s)));
+}
+#define KF_CMP16(a, b, p) ((__mmask16)(_mm256_movemask_ps(_mm256_cmp_ps((a).lo, (b).lo, p)) | \
+                                      _mm256_movemask_ps(_mm256_cmp_ps((a).hi, (b).hi, p)) << 8))
+static inline __mmask16 vf_ne(vf a, vf b) { return KF_CMP16(a, b, _CMP_NEQ_UQ); }
+static inline __mmask16 vf_eq(vf a, vf b) { return KF_CMP16(a, b, _CMP_EQ_OQ); }
+static inline __mmask16 vf_lt(vf a, vf b) { return KF_CMP16(a, b, _CMP_LT_OQ); }
+static inline __mmask16 vf_gt(vf a, vf b) { return KF_CMP16(a, b, _CMP_GT_OQ); }
+#undef KF_CMP16
+static inline vf vf_blend(__mmask16 m, vf a, vf b) {
+    return vf_two(_mm256_blendv_ps(a.lo, b.lo, _mm256_castsi256_ps(bits8(m & 255))),
+                  _mm256_blendv_ps(a.hi, b.hi, _mm256_castsi256_ps(bits8(m >> 8))));
+}
+static inline vf vf_mask_max(vf src, __mmask16 m, vf a, vf b) { return vf_blend(m, src, vf_max(a, b)); }
+static inline vf vf_mask_load(vf src, __mmask16 m, const float *p) { return vf_blend(m, src, vf_maskz_loadu(m, p)); }
+static inline void vf_mask_storeu(float *p, __mmask16 m, vf x) {
+    _mm256_maskstore_ps(p, bits8(m & 255), x.lo);
+    _mm256_maskstore_ps(p + 8, bits8(m >> 8), x.hi);
+}
+/* in _mm512_reduce_max_ps's and _mm512_reduce_add_ps's order (GCC's: the halves, the 128-bit halves, then
+ * pairs), so a NaN lane goes where it goes there */
+static inline float vf_reduce_max(vf x) {
+    const __m256 t3 = _mm256_max_ps(x.hi, x.lo);
+    const __m128 t6 = _mm_max_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+    const __m128 t8 = _mm_max_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+    const __m128 t10 = _mm_max_ps(t8, _mm_shuffle_ps(t8, t8, _MM_SHUFFLE(0, 1, 0, 1)));
+    return _mm_cvtss_f32(t10);
+}
+static inline float vf_reduce_add(vf x) {
+    const __m256 t3 = _mm256_add_ps(x.hi, x.lo);
+    const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+    const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, _MM_SHUFFLE(1, 1, 1, 1)));
+}
+/* x clamped to [-151, 129] (NaN stays NaN: min and max return their second operand for it), where
+ * vreduceps and vscalefps give what they give at the ends */
+static inline __m256 clamp8(__m256 x) {
+    return _mm256_max_ps(_mm256_set1_ps(-151.0f), _mm256_min_ps(_mm256_set1_ps(129.0f), x));
+}
+static inline __m256 frac8(__m256 x) {
+    const __m256 c = clamp8(x);
+    return _mm256_sub_ps(c, _mm256_round_ps(c, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+}
+/* p 2^n, n = floor(x), built in the exponent bits: 0 below 2^-126 (n < -126, as vscalefps under flush to
+ * zero, which keyfold's kernels set), inf from n = 128; a NaN x keeps its lane (the compare is true for
+ * NaN) and p, NaN there, gives NaN */
+static inline __m256 scale8(__m256 p, __m256 x) {
+    const __m256 n = _mm256_round_ps(clamp8(x), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m256 ok = _mm256_cmp_ps(n, _mm256_set1_ps(-126.0f), _CMP_NLT_UQ);
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_min_ps(n, _mm256_set1_ps(128.0f))), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), ok);
+}
+static inline vf vf_frac(vf x) { return vf_two(frac8(x.lo), frac8(x.hi)); }
+static inline vf vf_scale2(__mmask16 keep, vf p, vf x) { return vf_maskz(keep, vf_two(scale8(p.lo, x.lo), scale8(p.hi, x.hi))); }
 #endif
 
 #endif

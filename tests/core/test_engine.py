@@ -266,6 +266,21 @@ def test_float32_gradients_of_many_rows_hold_the_rule_where_the_forward_ran_on_t
         assert_backward_by_rule(q, k, v, mask=mask, backend=backend)
 
 
+def test_float32_gradients_over_few_keys_at_sharp_scores_hold_the_rule():
+    """Calls of few keys (2-64) at score spreads of 6-20: a naive attention over so few keys sums each
+    score in a small product, more exactly than one FMA a dimension, and keeps its own error small, so
+    the backward kernel's float32 sums (dq 1.6x the allowance over 5 keys, 1.46x over 8) and the forward's
+    float32 lse (dv 1.26x over 40 keys at 600 rows) bent the 3x rule (a review's fuzz, 2026-12-07: 8 of
+    300, then 2 of 300). Calls of at most `cpu.WIDE_KEYS` keys now renormalise in float64 sums, of at most
+    `cpu.RENORM_KEYS` renormalise. These are the fuzz's cases, seeds as drawn."""
+    cases = [(287, 2, 1, 9, 5, 32, 20.0, None), (66, 2, 1, 20, 8, 96, 12.0, kf.causal()),
+             (293, 4, 2, 20, 2, 128, 20.0, None), (80, 4, 2, 300, 16, 96, 12.0, kf.causal()),
+             (183, 1, 1, 600, 40, 16, 12.0, kf.causal())]
+    for seed, Hq, Hkv, Nq, Nk, D, std, mask in cases:
+        q, k, v = seeded_qkv(seed, 1, Hq, Hkv, Nq, Nk, D, std=std)
+        assert_backward_by_rule(q, k, v, mask=mask)
+
+
 @pytest.mark.parametrize("backend", [Backend.AUTO, Backend.TILES])
 def test_rows_longer_than_a_tile_are_renormalised_at_large_lse(backend):
     """Rows over more keys than a tile (TILE_SPAN) are covered by several pieces; their P came from
