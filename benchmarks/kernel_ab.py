@@ -2,8 +2,8 @@
 
 A change to ``keyfold/kernels/prefill.c`` moves a 4k call by a few percent, less than this machine's
 noise between runs (two shared cores); only builds timed side by side in one process tell. Each
-argument is ``name=folder``, the folder holding ``decode.c``, ``prefill.c`` and ``simd.h`` (a copy of
-``keyfold/kernels`` with the change). Every round times each build once, in a shuffled order, each
+argument is ``name=folder``, the folder holding ``decode.c`` (``decode_avx2.c`` on a CPU without
+AVX-512), ``prefill.c`` and ``simd.h`` (a copy of ``keyfold/kernels`` with the change). Every round times each build once, in a shuffled order, each
 call after a 2048 x 2048 GEMM of the dtype (the bench's rounds do the same: caches and clocks as a
 call inside a model meets them); the answer is the median over rounds of each build's time over the
 first's, and whether its output is bit for bit the first's::
@@ -38,7 +38,8 @@ def _builds(specs: list[str], dtype: str | None) -> dict:
         if not sep or not name:
             raise SystemExit(f"builds: {spec!r} is not name=folder (e.g. now=keyfold/kernels)")
         d = Path(folder)
-        sources = (d / "decode.c", d / "prefill.c")
+        # the decode kernel the library carries on this CPU (decode_avx2.c where it has no AVX-512)
+        sources = (d / ("decode_avx2.c" if native.isa() == "avx2" else "decode.c"), d / "prefill.c")
         missing = [str(f) for f in (*sources, d / "simd.h") if not f.exists()]
         if missing:
             raise SystemExit(f"builds: {name} lacks {', '.join(missing)}; copy keyfold/kernels and change it")

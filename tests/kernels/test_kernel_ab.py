@@ -16,7 +16,7 @@ TOOL = ROOT / "benchmarks" / "kernel_ab.py"
 KERNELS = ROOT / "keyfold" / "kernels"
 
 pytestmark = pytest.mark.skipif(not native.prefill_available(torch.float32),
-                                reason=f"the prefill kernel needs AVX-512 and a native build ({native.why()})")
+                                reason=f"the prefill kernel needs AVX-512 or AVX2 and a native build ({native.why()})")
 
 
 #: timing at a tiny size
@@ -39,7 +39,7 @@ def cache(tmp_path_factory) -> Path:
 def _copy(tmp_path: Path, name: str) -> Path:
     d = tmp_path / name
     d.mkdir()
-    for f in ("decode.c", "prefill.c", "simd.h"):
+    for f in ("decode.c", "decode_avx2.c", "decode_merge.h", "prefill.c", "simd.h"):
         shutil.copy(KERNELS / f, d / f)
     return d
 
