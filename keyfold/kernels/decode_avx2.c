@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "decode_merge.h"
+#include "simd.h"
 
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
 #error "keyfold's AVX2 decode kernel needs AVX2, FMA and F16C"
@@ -54,26 +55,7 @@ typedef struct {
     float *out, *lse;             /* (B, H, R, Dv), (B, H, R) */
 } job_t;
 
-/* e^x for x <= 0 (a score minus its row's running max), as decode.c's exp16: x = n ln2 + r with ln2 in
- * two parts, e^r by Cephes' degree-6 polynomial, 2^n built in the exponent bits (n >= -126 above the
- * cut). Below -87 (and at -inf) it gives 0; NaN gives NaN (the compare is true for NaN, keeping it). */
-static inline __m256 exp8(__m256 x) {
-    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_NLT_UQ);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    /* n is in [-126, 0] where kept (x in [-87, 0]); a NaN lane's n converts to garbage, but p is NaN */
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
-}
+/* e^x: simd.h's exp8 (decode.c's exp16 on 8 lanes) */
 
 static inline float hsum8(__m256 x) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
