@@ -483,8 +483,10 @@ PREFILL_CAPS = (1e-20, 1e20)
 
 
 #: float32 calls with no mask and no score (one piece of every pair) at head sizes above this stay on
-#: the fused op: it runs them at 0.94-0.99x the prefill kernel's time at D = 128 (4k keys, Intel Xeon
-#: with AMX), where every masked or causal plan is faster on the kernel (0.90-0.96x the op's).
+#: the fused op on AVX-512: it runs them at 0.94-0.99x the prefill kernel's time at D = 128 (4k keys,
+#: Intel Xeon with AMX), where every masked or causal plan is faster on the kernel (0.90-0.96x the op's).
+#: On AVX2 the kernel takes them (0.90x the op's time at D = 96, 0.96x at 128, 4k keys; 1.01x at 1k,
+#: AMD EPYC), and its lse is the one the backward kernel's sums match: the op's there is renormalised.
 PREFILL_F32_DENSE_MAX_HEAD = 64
 
 #: Query rows per key/value head (rows x GQA group) from which a call goes to the prefill kernel. It
@@ -545,7 +547,8 @@ def _prefill_may(q, k, v, pb: Problem, plain: bool = False, dense: bool = False)
         return False
     if plain and rows * PREFILL_KEYS_PER_ROW < k.shape[2]:
         return False
-    if dense and dt is torch.float32 and max(q.shape[-1], v.shape[-1]) > PREFILL_F32_DENSE_MAX_HEAD:
+    if (dense and dt is torch.float32 and max(q.shape[-1], v.shape[-1]) > PREFILL_F32_DENSE_MAX_HEAD
+            and native.isa() != "avx2"):
         return False
     cap = softcap_cap(pb)
     if pb.dropout_p or not (pb.score is None or pb.score.additive or cap is not None):
