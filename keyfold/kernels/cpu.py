@@ -510,6 +510,16 @@ PREFILL_KEYS_PER_ROW = 8
 #: spare column the backward's width stays within it: float32 sums, the same arithmetic as this forward)
 PREFILL_SQUARE_ROWS = 64
 
+#: On AVX2 (the kernel's float32 path through simd.h's 8-lane halves) float32 calls whose q/k head size
+#: passes this, or with fewer keys than PREFILL_AVX2_MIN_KEYS, stay on the fused op: the naive attention's
+#: GEMM on such a CPU (AMD EPYC Zen 3) sums a longer dot product in blocks and a product of few keys
+#: otherwise, more exactly than one FMA chain a score, and the kernel's forward broke the 2x rule there
+#: (a review's fuzz, 2026-12-07: head sizes 193-256 at score std 20, 1-3 of 6 calls, up to 1.73x on
+#: plain causal, 4.5x with ALiBi over 5 keys; 2-8 keys, 22 of 137, up to 2.06x); up to head size 192
+#: and from 16 keys its error equalled the naive's (0 of 105). The backward renormalises after the op.
+PREFILL_AVX2_MAX_HEAD = 192
+PREFILL_AVX2_MIN_KEYS = 16
+
 #: float32 GQA calls of at most this many rows a head stay off the prefill kernel (see _prefill_may): its
 #: fuzz failures were at 1-5 rows, none in 235 calls of 9-16 rows (head sizes 63-128, 2 threads), and
 #: 9-16 rows a head ran up to 1.6x slower one member at a time (MEMBER_ROWS).
@@ -538,6 +548,9 @@ def _prefill_may(q, k, v, pb: Problem, plain: bool = False, dense: bool = False)
         return False
     if q.dtype is torch.float32 and q.shape[1] != k.shape[1] and q.shape[2] <= PREFILL_MEMBER_ROWS:
         return False  # see the docstring: a float32 GQA group of few rows a head
+    if dt is torch.float32 and native.isa() == "avx2" and (q.shape[-1] > PREFILL_AVX2_MAX_HEAD
+                                                           or k.shape[2] < PREFILL_AVX2_MIN_KEYS):
+        return False  # the naive's GEMM sums these more exactly here (PREFILL_AVX2_MAX_HEAD)
     if rows < PREFILL_MIN_ROWS and not (dt is torch.float32 and rows >= PREFILL_SQUARE_ROWS
                                         and rows * PREFILL_KEYS_PER_ROW >= k.shape[2]
                                         and (pb.score is None or pb.score.additive)

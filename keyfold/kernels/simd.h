@@ -369,7 +369,13 @@ static inline vf vf_abs(vf a) {
     return vf_two(_mm256_and_ps(a.lo, m), _mm256_and_ps(a.hi, m));
 }
 static inline vf vf_div(vf a, vf b) { return vf_two(_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)); }
-static inline vf vf_mul_rn(vf a, vf b) { return vf_mul(a, b); }  /* MXCSR's rounding: keyfold leaves it to nearest */
+/* MXCSR's rounding (keyfold leaves it to nearest), the product fenced so -ffp-contract never fuses it
+ * into a later add, as vmulps with embedded rounding never is on AVX-512 */
+static inline vf vf_mul_rn(vf a, vf b) {
+    vf r = vf_mul(a, b);
+    __asm__("" : "+x"(r.lo), "+x"(r.hi));
+    return r;
+}
 static inline vf vf_or_sign(vf a, vf b) {
     const __m256 s = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
     return vf_two(_mm256_or_ps(a.lo, _mm256_and_ps(b.lo, s)), _mm256_or_ps(a.hi, _mm256_and_ps(b.hi, s)));
@@ -411,9 +417,15 @@ static inline float vf_reduce_add(vf x) {
 static inline __m256 clamp8(__m256 x) {
     return _mm256_max_ps(_mm256_set1_ps(-151.0f), _mm256_min_ps(_mm256_set1_ps(129.0f), x));
 }
+/* x - floor(x) as vreduceps gives it: its subtraction rounds down, so where x - n rounded up (only
+ * -1 < x < 0, where 1 + x is inexact; f + n is then exact) it is one ulp less (x = -1e-8: 0.99999994,
+ * not 1; a review found every x in (-0.5, 0) could differ, 1 ulp of P) */
 static inline __m256 frac8(__m256 x) {
     const __m256 c = clamp8(x);
-    return _mm256_sub_ps(c, _mm256_round_ps(c, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+    const __m256 n = _mm256_round_ps(c, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(c, n);
+    const __m256 up = _mm256_cmp_ps(_mm256_add_ps(f, n), c, _CMP_GT_OQ);  /* all ones: -1 as an integer */
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(f), _mm256_castps_si256(up)));
 }
 /* p 2^n, n = floor(x), built in the exponent bits: 0 below 2^-126 (n < -126, as vscalefps under flush to
  * zero, which keyfold's kernels set), inf from n = 128; a NaN x keeps its lane (the compare is true for
@@ -425,6 +437,9 @@ static inline __m256 scale8(__m256 p, __m256 x) {
         _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_min_ps(n, _mm256_set1_ps(128.0f))), _mm256_set1_epi32(127)), 23);
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), ok);
 }
+/* vf_frac and vf_scale2 are vreduceps's and vscalefps's twins as exp2 pairs them (scale2(keep, p(frac(x)),
+ * x)): the same bits at every x (outside [-151, 129] the product is 0 or inf either way, and p is NaN
+ * where x is), not for every operand alone */
 static inline vf vf_frac(vf x) { return vf_two(frac8(x.lo), frac8(x.hi)); }
 static inline vf vf_scale2(__mmask16 keep, vf p, vf x) { return vf_maskz(keep, vf_two(scale8(p.lo, x.lo), scale8(p.hi, x.hi))); }
 #endif

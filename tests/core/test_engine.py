@@ -281,6 +281,26 @@ def test_float32_gradients_over_few_keys_at_sharp_scores_hold_the_rule():
         assert_backward_by_rule(q, k, v, mask=mask)
 
 
+def test_float32_forwards_the_naive_gemm_sums_more_exactly_stay_on_the_op():
+    """On AVX2 (AMD EPYC Zen 3) the naive attention's GEMM sums a q/k dot product past 192 head dimensions
+    in blocks, and a product over a handful of keys otherwise, more exactly than the prefill kernel's one
+    FMA chain a score: its float32 forward broke the 2x rule there (a review's fuzz, 2026-12-07: 1.6-1.7x
+    the allowance on plain causal calls at head sizes 194-256, 4.5x with ALiBi over 5 keys, 2.06x over 8
+    keys). Those calls stay on the op there (cpu.PREFILL_AVX2_MAX_HEAD, PREFILL_AVX2_MIN_KEYS); elsewhere
+    the kernel takes them and holds the rule. The review's cases, seeds as drawn, score std 20."""
+    cases = [(55, 1, 600, 5, 200, dict(mask=kf.causal(), score=kf.alibi(kf.alibi_slopes(1)), scale=1.0, q_offset=0)),
+             (1280, 1, 512, 40, 200, dict(mask=kf.causal(), scale=1.0, q_offset=0)),
+             (1358, 1, 512, 512, 256, dict(mask=kf.causal(), scale=1.0)),
+             (7002, 1, 512, 512, 194, dict(mask=kf.causal(), scale=1.0)),
+             (12, 1, 300, 8, 128, dict(mask=kf.causal(), q_offset=0)),
+             (108, 2, 64, 3, 96, dict(mask=kf.causal(), q_offset=0)),
+             (345, 1, 100, 5, 64, dict(q_offset=0))]
+    for seed, Hq, Nq, Nk, D, kw in cases:
+        q, k, v = seeded_qkv(seed, 1, Hq, 1, Nq, Nk, D, std=20.0)
+        for backend in (kf.Backend.CPU, kf.Backend.AUTO):
+            assert_forward_by_rule(q, k, v, backend=backend, **kw)
+
+
 @pytest.mark.parametrize("backend", [Backend.AUTO, Backend.TILES])
 def test_rows_longer_than_a_tile_are_renormalised_at_large_lse(backend):
     """Rows over more keys than a tile (TILE_SPAN) are covered by several pieces; their P came from

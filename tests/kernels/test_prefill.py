@@ -20,7 +20,7 @@ pytestmark = pytest.mark.parametrize("dt", [
     pytest.param(BF16, id="bf16", marks=pytest.mark.skipif(
         not native.prefill_available(BF16), reason=f"bfloat16 prefill needs AMX-BF16 and a native build ({native.why()})")),
     pytest.param(F32, id="f32", marks=pytest.mark.skipif(
-        not native.prefill_available(F32), reason=f"float32 prefill needs AVX-512 and a native build ({native.why()})")),
+        not native.prefill_available(F32), reason=f"float32 prefill needs AVX-512 or AVX2 and a native build ({native.why()})")),
 ])
 
 
@@ -39,9 +39,13 @@ def assert_lse_close(lse, ref, dt):
 @pytest.fixture(autouse=True)
 def _small_problems_run_on_the_kernel(monkeypatch):
     """The kernel takes calls from PREFILL_MIN_ROWS rows per key/value head (512): the cases here are
-    smaller, so the threshold drops to the decoding step's for them (test_routing checks it)."""
+    smaller, so the threshold drops to the decoding step's for them (test_routing checks it); and on AVX2
+    the kernel takes head sizes past 192 and calls of few keys here too, which route to the op there
+    (test_float32_forwards_the_naive_gemm_sums_more_exactly_stay_on_the_op in tests/core checks that)."""
     monkeypatch.setattr(cpu, "PREFILL_MIN_ROWS", cpu.NATIVE_ROWS + 1)
     monkeypatch.setattr(cpu, "PREFILL_KEYS_PER_ROW", 1 << 30)
+    monkeypatch.setattr(cpu, "PREFILL_AVX2_MAX_HEAD", native.PREFILL_MAX_HEAD)
+    monkeypatch.setattr(cpu, "PREFILL_AVX2_MIN_KEYS", 1)
 
 
 def _qkv(B=1, H=2, N=300, D=64, Hkv=None, Nk=None, Dv=None, seed=0, dt=BF16):
@@ -577,6 +581,7 @@ def test_runs_on_a_thread_with_a_small_stack(dt):
     kernel: with the 512-row threshold this one had run on the op unseen (found this session)."""
     assert_runs_on_a_small_stack(
         "import keyfold as kf\nfrom keyfold.kernels import cpu, native\ncpu.PREFILL_MIN_ROWS = 5\n"
+        "cpu.PREFILL_AVX2_MAX_HEAD = 256\n"
         f"q = k = v = torch.randn(1, 2, 256, 256).to({dt})",
         "kf.attention(q, k, v, mask=kf.causal())",
         "assert native.prefill_calls == 1, native.prefill_calls")
@@ -628,3 +633,4 @@ def test_the_output_does_not_depend_on_the_thread_count(B, H, Hkv, dt):
     assert_forward_by_rule(q, k, v, mask=kf.causal())
     for out, lse in outs[1:]:
         assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
+
