@@ -528,7 +528,8 @@ PREFILL_MEMBER_ROWS = 8
 
 def _prefill_may(q, k, v, pb: Problem, plain: bool = False, dense: bool = False) -> bool:
     """Whether a call runs on keyfold's prefill kernel (:func:`native.prefill`): bfloat16 on a CPU with
-    AMX, or float32 (float16 too, widened, where :data:`FP16_AS_FP32`) on one with AVX-512; at least
+    AMX, or float32 (float16 too, widened, where :data:`FP16_AS_FP32`) on one with AVX-512 or AVX2 (there
+    up to :data:`PREFILL_AVX2_MAX_HEAD` and from :data:`PREFILL_AVX2_MIN_KEYS` keys); at least
     :data:`PREFILL_MIN_ROWS` query rows per key/value head (float32 from :data:`PREFILL_SQUARE_ROWS` with
     the keys at most :data:`PREFILL_KEYS_PER_ROW` times the rows), and for a ``plain`` plan of full and causal
     pieces at least the keys over :data:`PREFILL_KEYS_PER_ROW`; a score that is additive (its tiles)
