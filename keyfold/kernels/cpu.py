@@ -891,8 +891,8 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     # call gives it (16-bit: rounded once, by the op), with no float32 sum and cast after
     acc = _Grads(q, k, W, sd, gd if alone else sd, gd if alone or (_rows_disjoint(pieces) and not own) else sd)
     delta = lse_lo = delta_lo = None
-    # on AVX2 the op's GEMM sums a score in its own blocks (at head size 256, or over a few keys): a float32
-    # forward there that did not run on the prefill kernel gave an lse the kernel's sums do not match
+    # on AVX2 the op's GEMM sums a score in its own blocks (past head size 192, or over a few keys): a
+    # float32 forward there that did not run on the prefill kernel gave an lse the kernel's sums do not match
     op_order = q.dtype is torch.float32 and native.isa() == "avx2" and not _plan_on_prefill(q, k, v, plan, pb)
     renorm = own and whole_rows and (Nq * inp.g < RENORM_ROWS or W > ORDERED_HEAD or D < RENORM_HEAD
                                      or k.shape[2] <= RENORM_KEYS or op_order)

@@ -127,10 +127,11 @@ static inline tilecfg_t tiles16x64(void) {
 
 #endif  /* __AVX512F__ */
 
-/* 16 lanes on either ISA: what backward.c computes with, so one source runs on AVX-512 and on AVX2 (two
- * 8-lane halves, lanes 0-7 and 8-15). Each lane does the same arithmetic in the same order on both, so the
- * two builds give the same bits; only how many vectors a register tile holds differs (VF_TILE 16-float
- * and VD_TILE 8-double vectors a row: AVX2 has 16 registers, AVX-512 32 of twice the width).
+/* 16 lanes on either ISA: what backward.c and prefill.c's float32 path compute with, so one source runs on
+ * AVX-512 and on AVX2 (two 8-lane halves, lanes 0-7 and 8-15). Each lane does the same arithmetic in the
+ * same order on both, so the two builds give the same bits; only how many vectors a register tile holds
+ * differs (VF_TILE 16-float and VD_TILE 8-double vectors a row: AVX2 has 16 registers, AVX-512 32 of
+ * twice the width).
  *     vf: 16 float32    vd: 8 float64    __mmask16: a lane mask, bit i lane i
  * The AVX-512 layer needs F, BW, VL and DQ; a CPU with AVX-512 F alone (Xeon Phi) takes the AVX2 one. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
