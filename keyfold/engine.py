@@ -155,7 +155,7 @@ class _Call:
                                                          self.score_tensors, whole_rows, sums)
             # a score tensor no piece read (a float mask that hides every pair) gets zeros, as in SDPA
             return dq, dk, dv, tuple(torch.zeros_like(t) if d is None else d for t, d in zip(self.score_tensors, dts))
-        if self.backend is Backend.CPU and _cpu.backward_on_tiles(q, k):
+        if self.backend is Backend.CPU and _cpu.backward_on_tiles(q, k, v, self.plan, self.pb, whole_rows):
             return (*_tiles.backward(q, k, v, out, lse, dout, dlse, self.tile_plan(), self.pb, whole_rows), ())
         if self.backend is Backend.CPU:
             # the engine's own backward takes the gradients in the input dtype (a one-piece plan's

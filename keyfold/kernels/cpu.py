@@ -463,7 +463,7 @@ def _bias_needed(pb: Problem) -> bool:
 def dense(q, k, v, scale: float, keep_dtype: bool = False) -> State:
     """One fused call over every key, no mask: the op's (out, lse) is the whole state (the prefill
     kernel's where it runs: bfloat16 with AMX, float32 at head sizes up to
-    :data:`PREFILL_F32_DENSE_MAX_HEAD`).
+    :data:`PREFILL_F32_DENSE_MAX_HEAD` on AVX-512, :data:`PREFILL_AVX2_MAX_HEAD` on AVX2).
     keep_dtype: out stays in the op's dtype (the input's, float32 for widened float16), for a
     caller that casts it to the input dtype anyway."""
     sd = state_dtype(q.dtype)
@@ -815,10 +815,16 @@ def _fp16_down(dtype, dout, dlse) -> float:
     return 2.0 ** math.ceil(math.log2(big / 2.0 ** 14))
 
 
-def backward_on_tiles(q, k) -> bool:
+def backward_on_tiles(q, k, v=None, plan: Plan | None = None, pb: Problem | None = None,
+                      whole_rows: bool = True) -> bool:
     """Whether a CPU-backend backward of these inputs runs on the tile kernel instead (the engine
     replans it there): float32 where keyfold's backward kernel is not built (CPUs without AVX2, another
-    architecture, no C compiler, ``KEYFOLD_NATIVE=0``; on AVX2 CPUs it is built since 2026-12-07).
+    architecture, no C compiler, ``KEYFOLD_NATIVE=0``; on AVX2 CPUs it is built since 2026-12-07); and on
+    AVX2, float32 pieces of a larger call (``attend_backward``, ``whole_rows`` False, given ``v``, the
+    plan and its problem) whose forward ran on the op (:func:`_plan_on_prefill` False): the kernel can
+    renormalise only over a row's every key, and P against the op's lse there put dv at 10.6x the rule's
+    allowance (head size 256 over 5 keys; 4.0x at 64; a review, 2026-12-07), where the tile kernel's P,
+    from torch's GEMM as the op's, held it (1.4x its naive error at most).
 
     PyTorch's fused float32 backward recomputes P with an e^x that loses precision: on the AMD EPYC
     (AVX2, before its backward kernel) its gradients broke the 3x rule in 58 of 200 random calls (up to 3.4x the allowance; 24
@@ -826,7 +832,12 @@ def backward_on_tiles(q, k) -> bool:
     q/k and v head sizes apart (the op pads them to one) in 5-9 of 20 at D=8, Dv=32. keyfold's backward
     kernel, where built, holds the rule and is faster than both. 16-bit and float64 stay on the op
     (0 of 240 16-bit calls past the rule in the same fuzz), and so do empty inputs (zeros, no plan)."""
-    return q.dtype is torch.float32 and q.numel() > 0 and k.numel() > 0 and not native.backward_available()
+    if not (q.dtype is torch.float32 and q.numel() > 0 and k.numel() > 0):
+        return False
+    if not native.backward_available():
+        return True
+    return (not whole_rows and plan is not None and native.isa() == "avx2"
+            and not _plan_on_prefill(q, k, v, plan, pb))
 
 
 def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows: bool = True, grad_dtype=None):
@@ -849,6 +860,9 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
         return (torch.zeros(q.shape, dtype=gd, device=q.device), torch.zeros(k.shape, dtype=gd, device=q.device),
                 torch.zeros(v.shape, dtype=gd, device=q.device))
     spare = dlse is not None
+    # which forward gave lse: the prefill kernel's routing, asked with the call's own dtypes (float16 is
+    # widened below, as the forward widened it after asking)
+    on_prefill = native.isa() == "avx2" and _plan_on_prefill(q, k, v, plan, pb)
     q, k, v = _widen(q, k, v)
     inp = _Inputs(q, k, v, spare=spare)
     W = inp.W
@@ -893,7 +907,7 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     delta = lse_lo = delta_lo = None
     # on AVX2 the op's GEMM sums a score in its own blocks (past head size 192, or over a few keys): a
     # float32 forward there that did not run on the prefill kernel gave an lse the kernel's sums do not match
-    op_order = q.dtype is torch.float32 and native.isa() == "avx2" and not _plan_on_prefill(q, k, v, plan, pb)
+    op_order = q.dtype is torch.float32 and native.isa() == "avx2" and not on_prefill
     renorm = own and whole_rows and (Nq * inp.g < RENORM_ROWS or W > ORDERED_HEAD or D < RENORM_HEAD
                                      or k.shape[2] <= RENORM_KEYS or op_order)
     # float64 sums only with the renormalised lse

@@ -24,8 +24,8 @@ additive score's), which :func:`run` adds to the scores. Everything else stays o
 
 ``prefill.c`` runs every piece of a plan in one call (:func:`prefill_available` says for which dtype):
 one online softmax per 32 query rows over the keys of all the pieces they are in, scores and ``P @ V``
-on AMX tiles in bfloat16 (CPUs with AMX-BF16) or on AVX-512 FMAs in float32, the softmax in float32
-AVX-512, 32 x 32 sub-blocks a mask hides skipped, a softcap computed in the tile. ``cpu.py`` routes
+on AMX tiles in bfloat16 (CPUs with AMX-BF16) or on AVX-512 or AVX2 FMAs in float32, the softmax in
+float32 16-lane vectors (simd.h), 32 x 32 sub-blocks a mask hides skipped, a softcap computed in the tile. ``cpu.py`` routes
 bfloat16 and float32 calls to it (:func:`prefill`); the pieces' mask tiles are the ones the fused op
 would get.
 

@@ -1,5 +1,6 @@
 /* keyfold's prefill kernel: the partial state (out, lse) of docs/math.md of a whole plan at once, in
- * bfloat16 on CPUs with AMX or in float32 on any CPU with AVX-512. A plan is a list of pieces
+ * bfloat16 on CPUs with AMX or in float32 on any CPU with AVX-512 or AVX2 (simd.h's 16-lane layer, two 8-lane
+ * halves there; register tiles of 4 x 16 scores and 4 x 16 columns of O instead). A plan is a list of pieces
  * (planner.py): rows [q0, q1) see keys [k0, k1), every pair, or under the causal flag (row q0 + t sees
  * keys k0 .. k0 + t), or under an additive float mask tile (-inf hides a pair), with an optional
  * per-row shift (a separable bias's row term); a softcap may apply to every score. Pieces never share
@@ -9,9 +10,9 @@
  * block runs one online softmax over the keys of every piece its rows are in, KB keys a step, the G
  * blocks one after another on each step (so the step's keys are read once for G x 32 rows):
  *   S = Q K^T     bfloat16: AMX (tdpbf16ps), products summed in float32, K packed to the tile's pairs;
- *                 float32: AVX-512 FMAs on 8 x 32 register tiles, K packed transposed, q pre-scaled
+ *                 float32: FMAs on 8 x 32 register tiles (AVX2: 4 x 16), K packed transposed, q pre-scaled
  *                 where the scale is a power of two (exact), else y = S scale rounded once;
- *   softmax       AVX-512 in float32: scale, softcap, mask, running max m, sum l, P = e^(y - m) as
+ *   softmax       16 lanes in float32: scale, softcap, mask, running max m, sum l, P = e^(y - m) as
  *                 2^((y - m) log2 e) (scores stay in base e: a mask of -3e38, HF's finfo.min,
  *                 would overflow to -inf in base 2); bfloat16's 2^x is a degree-3 polynomial, as P
  *                 is rounded to bfloat16 next (as FlashAttention-4 computes part of its 2^x). In
@@ -21,7 +22,7 @@
  *                 S, O rescaled only when the max moves), a row's first step against the max of
  *                 its first 32 keys;
  *   O += P V      bfloat16: AMX, P rounded to bfloat16 (as PyTorch's and oneDNN's CPU kernels do), V
- *                 packed; float32: FMAs on 4 x 64 register tiles of O, P in float32;
+ *                 packed; float32: FMAs on 4 x 64 register tiles of O (AVX2: 4 x 16), P in float32;
  * with O rescaled by e^(m_old - m_new) in float32 between steps. So the pieces of one row are merged
  * inside the softmax, with no partial state in memory: a sliding window's sink keys and its band are
  * one softmax. A 32 x 32 sub-block that the mask hides, or that lies past a causal piece's diagonal,
@@ -1145,7 +1146,7 @@ static long long next_item(run_t *runs, int nt, int me) {
 }
 
 /* The entry point (keyfold/kernels/native.py). q (B, Hq, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv)
- * bfloat16 (dtype 1: on AMX, D even) or float32 (dtype 0: on AVX-512 FMAs), rows contiguous; `pieces`
+ * bfloat16 (dtype 1: on AMX, D even) or float32 (dtype 0: on AVX-512 or AVX2 FMAs), rows contiguous; `pieces`
  * the plan's np pieces. out (B, Hq, L, Dv) bfloat16 (out_bf16, bfloat16 inputs only) or float32, lse
  * (B, Hq, L), both contiguous. Returns 0; -1 for arguments out of range; -2 when scratch memory cannot
  * be had; -3 when this build cannot run the dtype (bfloat16 without AMX). */

@@ -1,8 +1,8 @@
 /* What keyfold's native kernels (decode.c, prefill.c, backward.c) share: float32 e^x on 16 lanes, a transposing
  * reduction of 16 vectors, lane masks, a 16 x 16 transpose of 32-bit words, and what the AMX kernels share
- * (the tile layout, the pairing of two bfloat16 rows). decode.c and prefill.c are compiled with AVX-512 F, BW
- * and VL (keyfold/kernels/native.py); backward.c also where the CPU has AVX2 but no AVX-512, through the
- * 16-lane layer at the end of this file ("16 lanes on either ISA"). */
+ * (the tile layout, the pairing of two bfloat16 rows). decode.c is compiled with AVX-512 F, BW and VL
+ * (keyfold/kernels/native.py); prefill.c (its float32 path) and backward.c also where the CPU has AVX2 but no
+ * AVX-512, through the 16-lane layer at the end of this file ("16 lanes on either ISA"). */
 #ifndef KEYFOLD_SIMD_H
 #define KEYFOLD_SIMD_H
 #include <immintrin.h>

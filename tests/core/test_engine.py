@@ -239,10 +239,10 @@ def test_attend_backward_matches_autograd_per_piece():
 @pytest.mark.parametrize("std", [3.0, 6.0])
 def test_float32_gradients_hold_the_rule_at_sharp_scores(std):
     """float32 backward on the CPU backend at score spreads 3 and 6. Where keyfold's backward kernel is
-    not built (CPUs without AVX-512), the CPU backend ran PyTorch's fused backward, whose e^x loses
-    precision: on an AMD EPYC (AVX2) 58 of 200 random calls past the 3x rule, up to 3.4x the
-    allowance (2026-12-07); these shapes include the fuzz's worst. Now the tile kernel's backward
-    runs there (`kernels.cpu.backward_on_tiles`); the kernel, where built, holds it itself."""
+    not built (on the AMD EPYC with AVX2 alone until 2026-12-07), the CPU backend ran PyTorch's fused
+    backward, whose e^x loses precision: 58 of 200 random calls past the 3x rule, up to 3.4x the
+    allowance; these shapes include the fuzz's worst. Now the tile kernel's backward runs where no
+    backward kernel is built (`kernels.cpu.backward_on_tiles`); the kernel, where built, holds it itself."""
     cases = [(2, 4, 1, 33, 128, kf.causal() & (kf.window(4) | kf.sinks(2))), (1, 4, 1, 64, 32, None),
              (2, 2, 2, 128, 128, kf.causal()), (1, 4, 2, 33, 32, kf.causal() & (kf.window(4) | kf.sinks(2))),
              (2, 4, 2, 64, 64, kf.causal() & kf.window(16))]
@@ -254,16 +254,39 @@ def test_float32_gradients_hold_the_rule_at_sharp_scores(std):
 
 @pytest.mark.parametrize("backend", [Backend.AUTO, Backend.CPU])
 def test_float32_gradients_of_many_rows_hold_the_rule_where_the_forward_ran_on_the_op(backend):
-    """On a CPU with keyfold's backward kernel but no float32 prefill kernel (AVX2: the backward kernel is
-    built there since 2026-12-07), a float32 forward of 512+ rows runs on PyTorch's fused op, whose GEMM
-    sums long dot products in its own blocks, so P = exp(s - lse) recomputed by the kernel was off by the
-    difference: 9 of 230 random calls past the 3x rule (dk 3.8x at head size 256, dv 4.2x at 64 over 5
-    keys). The kernel renormalises there at every row count. These are the fuzz's cases (seeds as drawn)."""
+    """On AVX2 (the backward kernel is built there since 2026-12-07) a float32 forward that did not run on
+    the prefill kernel (past head size 192, under 16 keys; before the prefill kernel ran there, any)
+    ran on PyTorch's fused op, whose GEMM sums dot products in its own blocks, so P = exp(s - lse)
+    recomputed by the kernel was off by the difference: 9 of 230 random calls past the 3x rule (dk 3.8x
+    at head size 256, dv 4.2x at 64 over 5 keys). The kernel renormalises after such a forward
+    (`op_order` in `kernels.cpu.backward`). These are the fuzz's cases (seeds as drawn)."""
     cases = [(25, 2, 1, 1, 600, 5, 256, 12.0, None), (276, 2, 1, 1, 600, 5, 64, 6.0, None),
              (225, 1, 4, 1, 300, 300, 256, 3.0, kf.causal()), (134, 2, 4, 1, 130, 700, 256, 3.0, None)]
     for seed, B, Hq, Hkv, Nq, Nk, D, std, mask in cases:
         q, k, v = seeded_qkv(seed, B, Hq, Hkv, Nq, Nk, D, std=std)
         assert_backward_by_rule(q, k, v, mask=mask, backend=backend)
+
+
+def test_attend_backward_holds_the_rule_where_the_forward_ran_on_the_op():
+    """attend_backward (a piece of a larger call: the kernel cannot renormalise over a row's keys it does
+    not see) given the out and lse of kf.attend, whose float32 forward ran on the op: on AVX2 past head
+    size 192 or under 16 keys. Since the backward kernel runs on AVX2 (2026-12-07) it recomputed P against
+    the op's lse, which its sums do not match there: dv 10.6x the rule's allowance at head size 256 over 5
+    keys, 4.0x at 64 (a review). Such pieces take the tile kernel's backward there
+    (`kernels.cpu.backward_on_tiles`). One piece over all the keys, against the whole call's gradients."""
+    from tests.helpers import _grads, max_err
+    cases = [(25, 2, 1, 1, 600, 5, 256, 12.0, None), (276, 2, 1, 1, 600, 5, 64, 6.0, None),
+             (225, 1, 4, 1, 300, 300, 256, 3.0, kf.causal())]
+    for seed, B, Hq, Hkv, Nq, Nk, D, std, mask in cases:
+        q, k, v = seeded_qkv(seed, B, Hq, Hkv, Nq, Nk, D, std=std)
+        dout = torch.randn(q.shape[:3] + (v.shape[-1],), dtype=torch.float64).float()
+        ref = _grads(lambda a, b, c: kf.attention(a, b, c, backend=Backend.REFERENCE, mask=mask),
+                     q.double(), k.double(), v.double(), dout.double())
+        nai = _grads(lambda a, b, c: naive_attention(a, b, c, mask=mask), q, k, v, dout)
+        st = kf.attend(q, k, v, mask=mask)
+        got = kf.attend_backward(q, k, v, st.out, st.lse, dout, mask=mask)
+        for name, g, r, n in zip(("dq", "dk", "dv"), got, ref[1:], nai[1:]):
+            assert_close_by_rule(g, r, n, None, factor=3.0, what=f"seed {seed} {name}")
 
 
 def test_float32_gradients_over_few_keys_at_sharp_scores_hold_the_rule():

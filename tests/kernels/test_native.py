@@ -355,7 +355,7 @@ def test_without_the_kernel_decoding_stays_on_the_op(how, tmp_path, monkeypatch,
     and float16 decoding gives the same answer on PyTorch's op."""
     q, k, v = _inputs(torch.float16, 1, 2, 1, 3000, 64, 64)
     with_kernel = kf.attend(q, k, v)
-    full = native.isa() == "avx512"  # all three sources; else the AVX2 decode kernel alone
+    full = native.isa() == "avx512"  # decode.c first; else decode_avx2.c (with prefill.c and backward.c)
     native._reset()
     monkeypatch.setenv("KEYFOLD_CACHE", str(tmp_path))
     if how == "disabled":

@@ -1,5 +1,5 @@
 """keyfold's prefill kernel (keyfold/kernels/prefill.c, native.prefill), bfloat16 on AMX tiles and
-float32 on AVX-512 FMAs: every variant held to the rule against float64 through ``attention``, the
+float32 on AVX-512 or AVX2 FMAs: every variant held to the rule against float64 through ``attention``, the
 pieces of a row merged inside the kernel's softmax exactly as a whole, hidden and NaN rows right, and
 routed only where it runs. Every test runs once per dtype (skipped where the build lacks it)."""
 
@@ -633,4 +633,3 @@ def test_the_output_does_not_depend_on_the_thread_count(B, H, Hkv, dt):
     assert_forward_by_rule(q, k, v, mask=kf.causal())
     for out, lse in outs[1:]:
         assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
-
