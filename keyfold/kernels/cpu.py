@@ -73,9 +73,14 @@ def _rows(x):
     return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
 
 
+def _widened(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a call of ``dtype`` computes in: float32 for float16 where :data:`FP16_AS_FP32`."""
+    return torch.float32 if FP16_AS_FP32 and dtype is torch.float16 else dtype
+
+
 def _widen(q, k, v):
     """q, k, v in float32 where :data:`FP16_AS_FP32` says so for float16; others pass through."""
-    if FP16_AS_FP32 and q.dtype is torch.float16:
+    if _widened(q.dtype) is not q.dtype:
         return q.float(), k.float(), v.float()
     return q, k, v
 
@@ -543,7 +548,7 @@ def _prefill_may(q, k, v, pb: Problem, plain: bool = False, dense: bool = False)
     fuzz (1-5 rows, 16-64 heads over 1-4, head sizes 63-128, scores of std 6; up to 3.4x the naive
     error); the op's one call per member (:func:`_by_members`) or the decode kernel's blocked sums
     take them instead."""
-    dt = torch.float32 if q.dtype is torch.float16 and FP16_AS_FP32 else q.dtype
+    dt = _widened(q.dtype)
     rows = q.shape[2] * (q.shape[1] // max(k.shape[1], 1))
     if dt not in (torch.bfloat16, torch.float32) or rows <= NATIVE_ROWS:
         return False
@@ -578,6 +583,15 @@ def _plan_on_prefill(q, k, v, plan: Plan, pb: Problem) -> bool:
     plain = pb.score is None and all(p.kind is not PieceKind.MASKED for p in plan.pieces)
     dense = plain and len(plan.pieces) == 1 and plan.pieces[0].kind is PieceKind.FULL
     return _prefill_may(q, k, v, pb, plain, dense)
+
+
+def _lse_from_op_on_avx2(q, k, v, plan: Plan, pb: Problem) -> bool:
+    """Whether this plan's forward, float32 (float16 widened too) on an AVX2 CPU, ran on the fused op
+    rather than the prefill kernel (asked with the call's own dtypes, as the forward asked): its lse
+    is then the op's, whose GEMM sums a score in blocks of its own (past head size 192, or over a few
+    keys), which the backward kernel's sums do not match (see :func:`backward`)."""
+    return (native.isa() == "avx2" and _widened(q.dtype) is torch.float32
+            and not _plan_on_prefill(q, k, v, plan, pb))
 
 
 def prefill(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State | None:
@@ -821,7 +835,7 @@ def backward_on_tiles(q, k, v=None, plan: Plan | None = None, pb: Problem | None
     replans it there): float32 where keyfold's backward kernel is not built (CPUs without AVX2, another
     architecture, no C compiler, ``KEYFOLD_NATIVE=0``; on AVX2 CPUs it is built since 2026-12-07); and on
     AVX2, float32 pieces of a larger call (``attend_backward``, ``whole_rows`` False, given ``v``, the
-    plan and its problem) whose forward ran on the op (:func:`_plan_on_prefill` False): the kernel can
+    plan and its problem) whose forward ran on the op (:func:`_lse_from_op_on_avx2`): the kernel can
     renormalise only over a row's every key, and P against the op's lse there put dv at 10.6x the rule's
     allowance (head size 256 over 5 keys; 4.0x at 64; a review, 2026-12-07), where the tile kernel's P,
     from torch's GEMM as the op's, held it (1.4x its naive error at most).
@@ -836,8 +850,7 @@ def backward_on_tiles(q, k, v=None, plan: Plan | None = None, pb: Problem | None
         return False
     if not native.backward_available():
         return True
-    return (not whole_rows and plan is not None and native.isa() == "avx2"
-            and not _plan_on_prefill(q, k, v, plan, pb))
+    return not whole_rows and plan is not None and _lse_from_op_on_avx2(q, k, v, plan, pb)
 
 
 def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows: bool = True, grad_dtype=None):
@@ -860,9 +873,7 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
         return (torch.zeros(q.shape, dtype=gd, device=q.device), torch.zeros(k.shape, dtype=gd, device=q.device),
                 torch.zeros(v.shape, dtype=gd, device=q.device))
     spare = dlse is not None
-    # which forward gave lse: the prefill kernel's routing, asked with the call's own dtypes (float16 is
-    # widened below, as the forward widened it after asking)
-    on_prefill = native.isa() == "avx2" and _plan_on_prefill(q, k, v, plan, pb)
+    op_order = _lse_from_op_on_avx2(q, k, v, plan, pb)  # asked before float16 is widened, as the forward asked
     q, k, v = _widen(q, k, v)
     inp = _Inputs(q, k, v, spare=spare)
     W = inp.W
@@ -905,9 +916,6 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
     # call gives it (16-bit: rounded once, by the op), with no float32 sum and cast after
     acc = _Grads(q, k, W, sd, gd if alone else sd, gd if alone or (_rows_disjoint(pieces) and not own) else sd)
     delta = lse_lo = delta_lo = None
-    # on AVX2 the op's GEMM sums a score in its own blocks (past head size 192, or over a few keys): a
-    # float32 forward there that did not run on the prefill kernel gave an lse the kernel's sums do not match
-    op_order = q.dtype is torch.float32 and native.isa() == "avx2" and not on_prefill
     renorm = own and whole_rows and (Nq * inp.g < RENORM_ROWS or W > ORDERED_HEAD or D < RENORM_HEAD
                                      or k.shape[2] <= RENORM_KEYS or op_order)
     # float64 sums only with the renormalised lse

@@ -274,7 +274,7 @@ def test_attend_backward_holds_the_rule_where_the_forward_ran_on_the_op():
     the op's lse, which its sums do not match there: dv 10.6x the rule's allowance at head size 256 over 5
     keys, 4.0x at 64 (a review). Such pieces take the tile kernel's backward there
     (`kernels.cpu.backward_on_tiles`). One piece over all the keys, against the whole call's gradients."""
-    from tests.helpers import _grads, max_err
+    from tests.helpers import _grads
     cases = [(25, 2, 1, 1, 600, 5, 256, 12.0, None), (276, 2, 1, 1, 600, 5, 64, 6.0, None),
              (225, 1, 4, 1, 300, 300, 256, 3.0, kf.causal())]
     for seed, B, Hq, Hkv, Nq, Nk, D, std, mask in cases:
