@@ -126,21 +126,23 @@ class _Call:
         elif mask is not None:
             mask.check_positions(q_offset, q_offset + Nq, kv_offset, kv_offset + Nk)
 
-    def forward(self, q, k, v, in_dtype: bool = False, lse_exact: bool = True) -> State:
+    def forward(self, q, k, v, in_dtype: bool = False, lse_exact: bool = True, wide_lse: bool = False) -> State:
         """The merged State; with ``in_dtype`` the CPU backend may give ``out`` in the input dtype
         (a one-piece plan: the op's own tensor, not a float32 copy of it). ``lse_exact=False``: nobody
         uses lse beyond merging this call's pieces (no backward, no caller), so the tile kernel need
-        not compute it the way a backward recomputes P."""
+        not compute it the way a backward recomputes P. ``wide_lse``: float32 inputs give lse in
+        float64 on the CPU and tile backends (:func:`attend_wide`)."""
+        wide = wide_lse and q.dtype is torch.float32
         if self.backend is Backend.CPU:
-            return _cpu.forward(q, k, v, self.plan, self.pb, keep_dtype=in_dtype)
+            return _cpu.forward(q, k, v, self.plan, self.pb, keep_dtype=in_dtype, wide_lse=wide)
         if self.backend is Backend.TRITON:
             from .kernels import triton as _triton
             return _triton.forward(q, k, v, self.plan, self.pb, fallback=self.auto)
         if self.auto and q.is_cpu:  # a softcap: the prefill kernel (None where it does not run)
-            st = _cpu.prefill(q, k, v, self.plan, self.pb, keep_dtype=in_dtype)
+            st = _cpu.prefill(q, k, v, self.plan, self.pb, keep_dtype=in_dtype, wide_lse=wide)
             if st is not None:
                 return st
-        return _tiles.forward(q, k, v, self.plan, self.pb, lse_exact=lse_exact)
+        return _tiles.forward(q, k, v, self.plan, self.pb, lse_exact=lse_exact, wide_lse=wide)
 
     def backward(self, q, k, v, out, lse, dout, dlse, whole_rows: bool = True, sums=None):
         """``(dq, dk, dv, d_score_tensors)``; the last is a tuple aligned with ``score_tensors``.
@@ -317,9 +319,10 @@ class _AttendFn(torch.autograd.Function):
         return (dq, dk, dv, None, None, *dts)
 
 
-def _run(q, k, v, call: _Call, in_dtype: bool = False, lse_exact: bool = True) -> State:
+def _run(q, k, v, call: _Call, in_dtype: bool = False, lse_exact: bool = True, wide_lse: bool = False) -> State:
     """The call's State; ``in_dtype``: out may come back in the input dtype (see _AttendFn);
-    ``lse_exact``: as in :meth:`_Call.forward` (a backward always needs it)."""
+    ``lse_exact``: as in :meth:`_Call.forward` (a backward always needs it); ``wide_lse``: as there,
+    for a call autograd does not record (a recorded one's lse is float32, what its backward reads)."""
     if q.shape[1] == 0:  # no heads (and k, v have none): an empty output, as SDPA gives
         return empty_state(q.shape[0], 0, q.shape[2], v.shape[-1], dtype=state_dtype(q.dtype), device=q.device,
                            of=(q, k, v))
@@ -328,7 +331,7 @@ def _run(q, k, v, call: _Call, in_dtype: bool = False, lse_exact: bool = True) -
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or call.score_tensors):
         out, lse = _AttendFn.apply(q, k, v, call, in_dtype, *call.score_tensors)
         return State(out, lse)
-    return call.forward(q, k, v, in_dtype=in_dtype, lse_exact=lse_exact)
+    return call.forward(q, k, v, in_dtype=in_dtype, lse_exact=lse_exact, wide_lse=wide_lse)
 
 
 # ------------------------------------------------------------------------------ public
@@ -377,6 +380,19 @@ def attend(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offs
                    dropout_seed, generator, in_dtype=False, lse_exact=True)
 
 
+def attend_wide(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offset=0,
+                backend=Backend.AUTO) -> State:
+    """:func:`attend` for keyfold's own callers that merge the states they get (decoding's split-KV
+    chunks, a window cache's sinks and band, pages, a cascade's prefix and suffix): for float32 inputs
+    outside autograd the state's lse is float64 (out float32; a wide lse, see :class:`State`) on the
+    CPU and tile backends, the decode kernel's own or its pieces' ``m + log(sum)`` summed there. A
+    float32 lse carries 2^-24 |lse| (4e-6 at lse 65), which a merge passes to out: merged pieces
+    broke the 2x rule where one call over the same keys did not. Other dtypes, a call autograd
+    records, and the Triton kernel (its lse is float32): what :func:`attend` gives."""
+    return _attend(q, k, v, mask, score, scale, q_offset, kv_offset, backend, None, False, 0.0, None, None,
+                   in_dtype=False, lse_exact=True, wide_lse=True)
+
+
 _AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -413,7 +429,7 @@ def settle_autocast(q, k, v):
 
 
 def _attend(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs, dropout_p,
-            dropout_seed, generator, in_dtype: bool, lse_exact: bool) -> State:
+            dropout_seed, generator, in_dtype: bool, lse_exact: bool, wide_lse: bool = False) -> State:
     """:func:`attend`; with ``in_dtype`` (``attention``, which casts out to the input dtype) out
     may already come back in it, sparing a float32 copy of out (see _AttendFn); ``lse_exact=False``
     when the caller drops lse (see :meth:`_Call.forward`).
@@ -426,12 +442,12 @@ def _attend(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_siz
     q, k, v, settled = settle_autocast(q, k, v)
     with settled:
         return _attend_here(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs,
-                            dropout_p, dropout_seed, generator, in_dtype, lse_exact)
+                            dropout_p, dropout_seed, generator, in_dtype, lse_exact, wide_lse)
 
 
 def _attend_here(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs, dropout_p,
-                 dropout_seed, generator, in_dtype: bool, lse_exact: bool) -> State:
-    """:func:`_attend` with autocast settled"""
+                 dropout_seed, generator, in_dtype: bool, lse_exact: bool, wide_lse: bool = False) -> State:
+    """:func:`_attend` with autocast settled (``wide_lse``: :func:`attend_wide`)"""
     if torch.compiler.is_compiling():  # one opaque custom op: dynamo never traces the planner
         if dropout_p:
             raise NotImplementedError("keyfold: dropout_p > 0 inside torch.compile is not supported yet; "
@@ -441,20 +457,23 @@ def _attend_here(q, k, v, mask, score, scale, q_offset, kv_offset, backend, bloc
                          backend=backend, block_size=block_size, check_inputs=check_inputs)
     if mask is None and score is None and not dropout_p and _plain_fused(
             q, k, v, backend, block_size, check_inputs, scale, q_offset, kv_offset):
-        return _cpu.dense(q, k, v, float(q.shape[-1] ** -0.5 if scale is None else scale), keep_dtype=in_dtype)
+        return _cpu.dense(q, k, v, float(q.shape[-1] ** -0.5 if scale is None else scale), keep_dtype=in_dtype,
+                          wide_lse=wide_lse)
     if q_offset is None and isinstance(k, torch.Tensor) and isinstance(q, torch.Tensor) and k.dim() == 4 and q.dim() == 4:
         q_offset = default_q_offset(_mask_object(mask), q.shape[2], k.shape[2], kv_offset)
     dropout_p, dropout_seed = _dropout_args(dropout_p, dropout_seed, generator)
     call = _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs,
                  dropout_p, dropout_seed)
-    st = _run(q, k, v, call, in_dtype, lse_exact)
+    st = _run(q, k, v, call, in_dtype, lse_exact, wide_lse)
     return st if call.lse_shift is None else with_lse_shift(st, call.lse_shift)
 
 
 def with_lse_shift(st: State, shift: torch.Tensor) -> State:
     """``st`` with ``shift`` (broadcast over its rows) added to lse: a row shift of an additive mask
-    that the softmax never saw (dense.tensor_mask)"""
-    return State(st.out, st.lse + shift_in(shift, st.lse.dtype))
+    that the softmax never saw (dense.tensor_mask); a wide lse (float64 beside float32 out) is held
+    within float32's range, which it returns to"""
+    held = torch.float32 if st.lse.dtype is torch.float64 and st.out.dtype is not torch.float64 else st.lse.dtype
+    return State(st.out, st.lse + shift_in(shift, held).to(st.lse.dtype))
 
 
 def shift_in(shift: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

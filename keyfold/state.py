@@ -22,7 +22,10 @@ class State(NamedTuple):
 
     out: ``(B, H, Nq, Dv)``, float32 (float64 when the inputs are float64).
     lse: ``(B, H, Nq)``, same dtype as ``out``, natural log; ``-inf`` on rows that
-        saw no key, whose ``out`` is exactly 0.
+        saw no key, whose ``out`` is exactly 0. It may be float64 beside a float32 ``out`` (a wide
+        lse): :func:`merge` then weighs in float64 and the merged lse stays float64. keyfold's
+        decoding keeps its pieces' lse so until it returns (float32 rounds lse to 2^-24 |lse|,
+        4e-6 at 65, and a merge weighs each out by ``exp(lse - lse_total)``).
 
     >>> s = empty_state(1, 2, 3, 4)
     >>> merge(s, s).lse.isneginf().all().item()
@@ -95,7 +98,8 @@ def merge(a: State, b: State) -> State:
     """Merge two partial states over disjoint key sets (commutative, associative).
 
     ``lse = logaddexp(lse_a, lse_b)``, ``out = out_a·exp(lse_a - lse) + out_b·exp(lse_b - lse)``.
-    Shapes must match; the result has the dtype of the inputs. Differentiable: a row empty in
+    Shapes must match; the result has the dtype of the inputs (a wide lse stays wide: the
+    weights are taken in lse's dtype and applied in out's). Differentiable: a row empty in
     both (lse -inf) gives out 0, lse -inf and zero gradients, never NaN. A state's rows with
     lse -inf count as empty whatever their ``out`` holds (weight 0).
     """
@@ -103,7 +107,8 @@ def merge(a: State, b: State) -> State:
     # (a NaN filler in an empty row made the merged row NaN; found by fuzzing, 2026-12-05)
     # one new tensor, not three: each fresh (B, H, N, Dv) buffer costs its page faults (4k rows, 8
     # heads: 18 ms a merge with three, against 2 ms of arithmetic)
-    x, y, w = _zero_empty(a) * wa.unsqueeze(-1), _zero_empty(b), wb.unsqueeze(-1)
+    od = torch.promote_types(a.out.dtype, b.out.dtype)
+    x, y, w = _zero_empty(a) * wa.to(od).unsqueeze(-1), _zero_empty(b), wb.to(od).unsqueeze(-1)
     if torch.broadcast_shapes(x.shape, y.shape, w.shape) == x.shape and _eager(x):
         return State(x.addcmul_(y, w), lse)
     return State(torch.addcmul(x, y, w), lse)  # b's out broadcasts wider than a's
@@ -113,7 +118,8 @@ def merge_into(acc: State, part: State) -> None:
     """In-place ``acc = merge(acc, part)`` for the engine's accumulators (no autograd), whose empty
     rows hold out 0 (the engine zeroes them): no masking of what an empty row's out holds."""
     lse, wa, wb = _weights(acc.lse, part.lse)
-    acc.out.mul_(wa.unsqueeze(-1)).addcmul_(part.out, wb.unsqueeze(-1))
+    od = acc.out.dtype
+    acc.out.mul_(wa.to(od).unsqueeze(-1)).addcmul_(part.out, wb.to(od).unsqueeze(-1))
     acc.lse.copy_(lse)
 
 

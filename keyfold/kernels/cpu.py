@@ -254,17 +254,70 @@ def splits_itself(q, k, v) -> bool:
     return _native_pays(folded, k, v)
 
 
-def _op(q, k, v, causal: bool, mask, scale: float, way: str | None = None):
+def _op(q, k, v, causal: bool, mask, scale: float, way: str | None = None, wide: bool = False):
     """One fused call, ``(out, lse)``: on the native decode kernel where :func:`_route` says so (``way``,
     when the caller has asked it already), by float32 chunks where :func:`_chunks_pay`, else in float32
-    for float16 where :data:`FP16_AS_FP32` says so (inputs not yet widened), else as given."""
+    for float16 where :data:`FP16_AS_FP32` says so (inputs not yet widened), else as given. ``wide``
+    (float32 inputs whose states the caller merges, :func:`forward`'s ``wide_lse``): lse in float64,
+    the decode kernel's own where the router sends the call there (its routing is the rule's: the
+    kernel's sums over 2-5 rows at head size 128 are less exact than torch's GEMM, which the op's
+    route keeps), else by :func:`_wide_piece` instead of the op."""
     way = way or _route(q, k, v, causal, mask)
     if way == "native":
         return native.run(q, k, v, scale, mask)  # _native_pays has checked what attend would
+    if wide and q.dtype is torch.float32:
+        return _wide_piece(q, k, v, causal, mask, scale)
     if way == "chunks":
         return _by_chunks(q, k, v, scale)
     q, k, v = _widen(_rows(q), _rows(k), _rows(v))
     return _FWD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+
+
+#: Scores a :func:`_wide_piece` holds at once (batch x heads x rows x keys; 4 MiB of float32): rows go
+#: in chunks of this over the keys, so no call allocates its rows x keys scores whole.
+WIDE_SCORES = 1 << 20
+
+
+def _wide_piece(q, k, v, causal: bool, mask, scale: float):
+    """``(out, lse)`` of float32 ``q (B, H, L, W)`` over ``k, v (B, H, S, .)`` with lse in float64: the
+    naive attention's arithmetic (scores by torch's matmul times ``scale``, the additive tile ``mask``
+    added, softmax in float32, ``P @ V``), its lse ``m + log(sum)`` summed in float64. For a call whose
+    states are merged after it (:func:`forward`'s ``wide_lse``): the fused op's lse is float32, rounded
+    at 2^-24 |lse| (4e-6 at 65), and a merge weighs each out by ``exp(lse - lse_total)``, so a decode
+    that merged the op's pieces broke the 2x rule (a fuzz of split-KV, window caches' sinks and band,
+    pages and cascades at score spreads 5-30: up to 3.4x the allowance). ``causal``: top-left, as the
+    op's flag. Rows that see no key: out 0, lse -inf."""
+    B, H, L, _ = q.shape
+    S = k.shape[2]
+    out = torch.empty(B, H, L, v.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, H, L, dtype=torch.float64, device=q.device)
+    step = max(1, WIDE_SCORES // max(1, B * H * S))
+    for a in range(0, L, step):
+        e = min(L, a + step)
+        s = _per_head(q[:, :, a:e], k.transpose(-1, -2)) * scale            # (B, H, r, S)
+        if mask is not None:
+            s = s + (mask[..., a:e, :] if mask.shape[-2] > 1 else mask)
+        if causal:
+            s = s.masked_fill(torch.ones(e - a, S, dtype=torch.bool, device=q.device).triu(a + 1), NEG_INF)
+        m = s.amax(-1, keepdim=True)
+        empty = torch.isneginf(m)
+        m = m.masked_fill(empty, 0.0)
+        p = (s - m).exp_()
+        total = p.sum(-1, keepdim=True)                                      # (B, H, r, 1)
+        out[:, :, a:e] = _per_head(p, v).div_(total.masked_fill(empty, 1.0)).masked_fill_(empty, 0.0)
+        lse[:, :, a:e] = (m.double() + total.double().log()).squeeze(-1)     # -inf where total = 0
+    return out, lse
+
+
+def _per_head(x, y):
+    """``x @ y`` for ``x (B, H, r, .)`` and ``y (B, H, ., c)``, each head's rows a GEMM of their own as
+    the naive attention's are: where ``y`` repeats one head along dim 1 (stride 0, :func:`_by_members`'
+    keys and values, expanded to a GQA group's members), torch's matmul folds the heads' rows into one
+    GEMM, which sums a score of more than 5 rows in one chain rather than in vector lanes (8x the
+    naive error at 2 x 3 rows, head size 128, scores of std 20), so the heads go one at a time."""
+    if y.dim() == 4 and y.shape[1] > 1 and y.stride(1) == 0:
+        return torch.stack([x[:, j] @ y[:, 0] for j in range(x.shape[1])], 1)
+    return x @ y
 
 
 def _route(q, k, v, causal: bool, mask) -> str:
@@ -465,18 +518,22 @@ def _bias_needed(pb: Problem) -> bool:
     return pb.score is not None and pb.score.additive
 
 
-def dense(q, k, v, scale: float, keep_dtype: bool = False) -> State:
+def dense(q, k, v, scale: float, keep_dtype: bool = False, wide_lse: bool = False) -> State:
     """One fused call over every key, no mask: the op's (out, lse) is the whole state (the prefill
     kernel's where it runs: bfloat16 with AMX, float32 at head sizes up to
     :data:`PREFILL_F32_DENSE_MAX_HEAD` on AVX-512, :data:`PREFILL_AVX2_MAX_HEAD` on AVX2).
     keep_dtype: out stays in the op's dtype (the input's, float32 for widened float16), for a
-    caller that casts it to the input dtype anyway."""
+    caller that casts it to the input dtype anyway. wide_lse: as :func:`forward`'s."""
     sd = state_dtype(q.dtype)
+    wide = wide_lse and q.dtype is torch.float32
     if _prefill_may(q, k, v, Problem(None, None, scale, 0, 0), True, True):
         q, k, v = _widen(q, k, v)
         out, lse = native.prefill(q, k, v, scale, [native.piece_row(0, q.shape[2], 0, k.shape[2], False)],
-                                  out_dtype=q.dtype if keep_dtype else sd)
+                                  out_dtype=q.dtype if keep_dtype else sd, wide_lse=wide)
         return State(out, lse)
+    if wide:
+        out, lse = _op(q, k, v, False, None, scale, wide=True)
+        return State(out, lse.double())
     out, lse = _op(q, k, v, False, None, scale)
     return State(out if out.dtype == sd or keep_dtype else out.to(sd), lse if lse.dtype == sd else lse.to(sd))
 
@@ -594,11 +651,12 @@ def _lse_from_op_on_avx2(q, k, v, plan: Plan, pb: Problem) -> bool:
             and not _plan_on_prefill(q, k, v, plan, pb))
 
 
-def prefill(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State | None:
+def prefill(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False, wide_lse: bool = False) -> State | None:
     """Every piece of the plan in one call of the prefill kernel, or None where it does not run
     (:func:`_prefill_may`). The pieces' mask tiles (and a separable bias's row terms) are the ones the
     fused op would get; the kernel merges the pieces of a row inside its softmax, so nothing is merged
-    here, and out comes back in bfloat16 for bfloat16 inputs with ``keep_dtype`` (else float32)."""
+    here, and out comes back in bfloat16 for bfloat16 inputs with ``keep_dtype`` (else float32).
+    ``wide_lse``: lse in float64 (the kernel's sums in double; see :func:`forward`)."""
     if not _plan_on_prefill(q, k, v, plan, pb):
         return None
     q_orig = q
@@ -628,10 +686,11 @@ def prefill(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State
         alive += [mask, shift]  # the kernel reads them by address until it returns
         rows.append(native.piece_row(piece.q0, piece.q1, k0, k1, piece.kind is PieceKind.CAUSAL, mask, shift))
     out, lse = native.prefill(q, k, v, pb.scale, rows, cap=softcap_cap(pb) or 0.0,
-                              out_dtype=torch.bfloat16 if keep_dtype and q.dtype is torch.bfloat16 else torch.float32)
+                              out_dtype=torch.bfloat16 if keep_dtype and q.dtype is torch.bfloat16 else torch.float32,
+                              wide_lse=wide_lse)
     if base is not None:
-        lse = (lse.double() + base).to(torch.float32)
-    return State(out, lse)
+        lse = lse.double() + base
+    return State(out, lse if wide_lse else lse.to(torch.float32))
 
 
 def _shift_base(parts, shape) -> torch.Tensor | None:
@@ -687,7 +746,7 @@ def _members_pay(qs, mask, rows: int, way: str) -> bool:
     return rows <= most and (mask is not None or way != "native")
 
 
-def _by_members(qs, ks, vs, mask, g: int, scale: float):
+def _by_members(qs, ks, vs, mask, g: int, scale: float, wide: bool = False):
     """A folded piece one member at a time: each head with its own L rows, as the naive attention
     multiplies them, the folded mask's rows with them (_fold_mask always spells out g L rows);
     ``(out, lse)`` folded as the one call's. One call (:func:`_op`: the decode kernel from
@@ -701,7 +760,7 @@ def _by_members(qs, ks, vs, mask, g: int, scale: float):
     B, Hkv, gL, W = qs.shape
     if B > 1 and Hkv > 1 and not (_flattens(ks) and _flattens(vs)):
         parts = [_by_members(qs[b:b + 1], ks[b:b + 1], vs[b:b + 1],
-                             None if mask is None else mask[b:b + 1] if mask.shape[0] > 1 else mask, g, scale)
+                             None if mask is None else mask[b:b + 1] if mask.shape[0] > 1 else mask, g, scale, wide)
                  for b in range(B)]
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     L, S, Dv, n = gL // g, ks.shape[2], vs.shape[-1], B * Hkv
@@ -711,7 +770,7 @@ def _by_members(qs, ks, vs, mask, g: int, scale: float):
     if mask is not None:  # (b, h, g L, S) with b in (1, B), h in (1, Hkv) -> (n or 1, g, L, S)
         m = mask.unflatten(2, (g, L))
         m = m.flatten(0, 1) if m.shape[0] * m.shape[1] == 1 else m.expand(B, Hkv, g, L, S).reshape(n, g, L, S)
-    out, lse = _op(q, k, v, False, m, scale)  # the decode kernel where it takes the members' rows
+    out, lse = _op(q, k, v, False, m, scale, wide=wide)  # the decode kernel where it takes the members' rows
     return out.reshape(B, Hkv, gL, out.shape[-1]), lse.reshape(B, Hkv, gL)
 
 
@@ -720,20 +779,27 @@ def _flattens(x) -> bool:
     return x.shape[0] == 1 or x.shape[1] == 1 or x.stride(0) == x.stride(1) * x.shape[1]
 
 
-def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State:
+def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False, wide_lse: bool = False) -> State:
     """Attention over the plan's pieces; returns the merged State (float32 / float64).
 
     keep_dtype: out comes back in the input dtype, for a caller that casts it there anyway: a
     one-piece plan's out is the op's own tensor, and a plan whose pieces cover disjoint rows (no row
     in two pieces: nothing to merge, as in a sliding window's band) writes every piece's out straight
-    into one output in the input dtype. Pieces that are merged are always upcast first."""
+    into one output in the input dtype. Pieces that are merged are always upcast first.
+
+    wide_lse: float32 inputs give lse in float64 (out float32), for a caller that merges the state
+    with others (keyfold's decoding: see :class:`keyfold.State`): the prefill and decode kernels sum
+    theirs in double, and pieces the router sends to the fused op, whose lse is float32, run by
+    :func:`_wide_piece` instead. Other dtypes: as without it."""
+    wide = wide_lse and q.dtype is torch.float32
     sd = state_dtype(q.dtype)
+    ld = torch.float64 if wide else sd  # lse's dtype
     B, Hq, Nq, _ = q.shape
     Dv = v.shape[-1]
     if Nq == 0 or k.shape[2] == 0 or Hq == 0:  # nothing to attend (the fused op dies of SIGFPE on an empty
         # sequence, or on no heads)
-        return empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
-    st = prefill(q, k, v, plan, pb, keep_dtype)  # the prefill kernel: the whole plan in one call
+        return State(*(t.to(d) for t, d in zip(empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device), (sd, ld))))
+    st = prefill(q, k, v, plan, pb, keep_dtype, wide)  # the prefill kernel: the whole plan in one call
     if st is not None:
         return st
     # a call whose plain pieces go by float32 chunks or to the native kernel is not widened as a whole
@@ -747,23 +813,24 @@ def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State
     direct = not single and keep_dtype and _rows_disjoint(plan.pieces)
     if direct:  # filled piece by piece; rows no piece covers are set at the end
         acc = State(torch.empty(B, Hq, Nq, Dv, dtype=q.dtype, device=q.device),
-                    torch.empty(B, Hq, Nq, dtype=sd, device=q.device))
+                    torch.empty(B, Hq, Nq, dtype=ld, device=q.device))
     else:
-        acc = None if single else empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
+        acc = None if single else State(torch.zeros(B, Hq, Nq, Dv, dtype=sd, device=q.device),
+                                        torch.full((B, Hq, Nq), NEG_INF, dtype=ld, device=q.device))
     touched = None if single or direct else torch.zeros(Nq, dtype=torch.bool)
     covered = 0  # rows written, when direct
     for piece in plan.pieces:
         qs, ks, vs, causal, tile, folded, _ = _piece_args(inp, piece, pb, q, memo, plan.tiles)
         if qs.dim() == 5:  # GQA under the causal flag: one call per group member
-            parts = [_op(qs[:, :, j], ks, vs, causal, tile.mask, pb.scale) for j in range(inp.g)]
+            parts = [_op(qs[:, :, j], ks, vs, causal, tile.mask, pb.scale, wide=wide) for j in range(inp.g)]
             out = torch.stack([p[0] for p in parts], 2).flatten(1, 2)   # (B, Hq, L, W)
             lse = torch.stack([p[1] for p in parts], 2).flatten(1, 2)   # (B, Hq, L)
         else:  # routed once: a folded float32 piece asks where the folded call would run
             way = _route(qs, ks, vs, causal, tile.mask)
             if folded and q.dtype is torch.float32 and _members_pay(qs, tile.mask, piece.q1 - piece.q0, way):
-                out, lse = _by_members(qs, ks, vs, tile.mask, inp.g, pb.scale)
+                out, lse = _by_members(qs, ks, vs, tile.mask, inp.g, pb.scale, wide)
             else:
-                out, lse = _op(qs, ks, vs, causal, tile.mask, pb.scale, way)
+                out, lse = _op(qs, ks, vs, causal, tile.mask, pb.scale, way, wide)
         if folded:
             out, lse = _unfold(out, inp.g, Hq), _unfold(lse, inp.g, Hq)
         trimmed = out.shape[-1] != Dv
@@ -771,8 +838,8 @@ def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State
             out = out[..., :Dv]
         if out.dtype != sd and not ((single or direct) and keep_dtype):  # upcast before any merge
             out = out.to(sd)
-        if lse.dtype != sd:
-            lse = lse.to(sd)
+        if lse.dtype != ld:  # (the decode kernel's is float64: rounded here unless wide)
+            lse = lse.to(ld)
         if tile.row_shift is not None:
             lse = lse + tile.row_shift
         if tile.empty is not None:  # the op reports lse = 0 for rows it saw no key in
@@ -795,7 +862,7 @@ def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False) -> State
             merge_into(State(acc.out[:, :, rows], acc.lse[:, :, rows]), State(out, lse))
             touched[rows] = True
     if acc is None:  # a single piece of no rows: nothing ran
-        return empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
+        return State(*(t.to(d) for t, d in zip(empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device), (sd, ld))))
     if direct and covered < Nq:  # rows no piece covers see no key: out 0, lse -inf
         bare = torch.ones(Nq, dtype=torch.bool)
         for p in plan.pieces:

@@ -51,7 +51,8 @@ typedef struct {
     const float *mask;            /* additive, added to the scaled scores, or NULL; keys contiguous */
     long long smb, smh, smr;      /* its strides in elements (0 where broadcast) */
     float *acc, *m, *l;           /* per work item: (R, 16 Wv), (R), (R) */
-    float *out, *lse;             /* (B, H, R, Dv), (B, H, R) */
+    float *out;                   /* (B, H, R, Dv) */
+    double *lse;                  /* (B, H, R): decode_merge.h says why double */
 } job_t;
 
 /* 16 elements (the lanes of mask k) of a row in the given dtype, as float32 */
@@ -564,7 +565,7 @@ int kf_decode(const float *q, const uint16_t *qbf, float scale, const void *k, c
               long long skb, long long skh, long long skn, long long svb, long long svh, long long svn,
               const float *mask, long long smb, long long smh, long long smr,
               int B, int H, int R, int D, int Dv, long long N, int chunks, int threads,
-              float *out, float *lse) {
+              float *out, double *lse) {
     if (B < 1 || H < 1 || R < 1 || R > MAXR || D < 1 || D > 16 * MAXW || Dv < 1 || Dv > 16 * MAXW || N < 1
         || chunks < 1 || dtype < KF_F32 || dtype > KF_F16)
         return -1;

@@ -52,7 +52,8 @@ typedef struct {
     long long smb, smh, smr;      /* its strides in elements (0 where broadcast) */
     int Dp, Dvp;                  /* D and Dv rounded up to a multiple of 8 */
     float *acc, *m, *l;           /* per work item: (R, Dvp), (R), (R) */
-    float *out, *lse;             /* (B, H, R, Dv), (B, H, R) */
+    float *out;                   /* (B, H, R, Dv) */
+    double *lse;                  /* (B, H, R): decode_merge.h says why double */
 } job_t;
 
 /* e^x: simd.h's exp8 (decode.c's exp16 on 8 lanes) */
@@ -278,7 +279,7 @@ int kf_decode(const float *q, const uint16_t *qbf, float scale, const void *k, c
               long long skb, long long skh, long long skn, long long svb, long long svh, long long svn,
               const float *mask, long long smb, long long smh, long long smr,
               int B, int H, int R, int D, int Dv, long long N, int chunks, int threads,
-              float *out, float *lse) {
+              float *out, double *lse) {
     (void)qbf;
     if (B < 1 || H < 1 || R < 1 || R > MAXR || D < 1 || D > MAXD || Dv < 1 || Dv > MAXD || N < 1
         || chunks < 1 || dtype < KF_F32 || dtype > KF_F16)

@@ -40,7 +40,7 @@ False, :func:`why` says why, and decoding stays on PyTorch's op, with the same r
 >>> from keyfold.kernels import native
 >>> q, k, v = torch.randn(1, 8, 1, 64), torch.randn(1, 8, 4096, 64), torch.randn(1, 8, 4096, 64)
 >>> if native.available():
-...     out, lse = native.attend(q, k, v, 64 ** -0.5)          # (1, 8, 1, 64), (1, 8, 1) float32
+...     out, lse = native.attend(q, k, v, 64 ** -0.5)  # (1, 8, 1, 64) float32, (1, 8, 1) float64
 ...     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
 ...     torch.testing.assert_close(out, ref)
 """
@@ -176,7 +176,7 @@ def _load(sources: tuple[Path, ...]) -> tuple[ctypes.CDLL | None, str]:
         lib.kf_prefill_init.restype = I
         lib.kf_prefill.restype = I
         lib.kf_prefill.argtypes = [P, P, P, I, *[LL] * 9, I, I, I, LL, LL, I, I, ctypes.c_float, ctypes.c_float, P, I,
-                                   I, P, P, I]
+                                   I, P, P, I, P]
     if any(f.name == "backward.c" for f in sources):  # benchmarks/kernel_ab.py builds the forward kernels alone
         lib.kf_backward.restype = I
         lib.kf_backward.argtypes = [*[P] * 10, I, I, LL, LL, LL, I, I, I, LL, LL, I, I, ctypes.c_float, I, I, I, P, P, P,
@@ -295,10 +295,12 @@ def _chunks(tasks: int, n: int, threads: int, dtype: torch.dtype = torch.float32
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` in float32 of rows ``q (B, H, R, D)`` over every key of ``k (B, H, N, D)``,
+    """``(out, lse)`` of rows ``q (B, H, R, D)`` over every key of ``k (B, H, N, D)``,
     ``v (B, H, N, Dv)`` (see :func:`pays` for what is taken). A row sees every key, so none is empty;
     a NaN or +inf score makes its row NaN (out and lse), as in PyTorch's op, and a score of -inf (an
     infinite key) hides its key, as there; a row whose every score is -inf gets out 0 and lse -inf.
+    out is float32, lse float64: the kernel's ``M + log L`` summed in double (decode_merge.h), so a
+    caller merging this state with others weighs it without float32's rounding of lse.
 
     Raises RuntimeError when the kernel is not available or refuses the shapes."""
     if not available():
@@ -330,7 +332,7 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     # pairs summed in float32 (exact products: no widening of the keys)
     qb = q.contiguous() if q.dtype is torch.bfloat16 and k.dtype is torch.bfloat16 else None
     out = torch.empty(B, H, R, Dv, dtype=torch.float32)
-    lse = torch.empty(B, H, R, dtype=torch.float32)
+    lse = torch.empty(B, H, R, dtype=torch.float64)  # see attend
     threads = torch.get_num_threads()
     rc = _lib.kf_decode(qs.data_ptr(), None if qb is None else qb.data_ptr(), scale, k.data_ptr(), v.data_ptr(), _DTYPES[k.dtype], *k.stride()[:3],
                         *v.stride()[:3], None if m is None else m.data_ptr(), *ms,
@@ -389,23 +391,27 @@ def piece_row(q0: int, q1: int, k0: int, k1: int, causal: bool, mask: torch.Tens
 
 
 def _prefill_on(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                table: torch.Tensor, cap: float, out: torch.Tensor, lse: torch.Tensor) -> int:
+                table: torch.Tensor, cap: float, out: torch.Tensor, lse: torch.Tensor,
+                lse_lo: torch.Tensor | None = None) -> int:
     """kf_prefill of ``lib`` on tensors :func:`prefill` has checked (rows contiguous), the pieces as an
-    int64 ``(n, PIECE_COLS)`` table, into ``out`` (B, Hq, L, Dv) and ``lse`` (B, Hq, L): its return code."""
+    int64 ``(n, PIECE_COLS)`` table, into ``out`` (B, Hq, L, Dv) and ``lse`` (B, Hq, L), and the low part
+    of a float64 lse into ``lse_lo`` (float32, (B, Hq, L)) where given: its return code."""
     B, Hq, L, D = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
     return lib.kf_prefill(q.data_ptr(), k.data_ptr(), v.data_ptr(), int(q.dtype is torch.bfloat16), *q.stride()[:3],
                           *k.stride()[:3], *v.stride()[:3], B, Hq, Hkv, L, S, D, Dv, scale, cap, table.data_ptr(),
                           len(table), int(out.dtype is torch.bfloat16), out.data_ptr(), lse.data_ptr(),
-                          torch.get_num_threads())
+                          torch.get_num_threads(), None if lse_lo is None else lse_lo.data_ptr())
 
 
 def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pieces: list[list[int]],
-            cap: float = 0.0, out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+            cap: float = 0.0, out_dtype: torch.dtype = torch.float32,
+            wide_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of rows ``q (B, Hq, L, D)`` over ``k (B, Hkv, S, D)``, ``v (B, Hkv, S, Dv)``
     (all bfloat16 or all float32, ``Hq`` a multiple of ``Hkv``) through the pieces (rows of
     :func:`piece_row`), a softcap ``cap`` (0: none) on every score. out is ``out_dtype`` (bfloat16 for
-    bfloat16 inputs, or float32), lse float32; rows no piece shows a key are 0 and -inf.
+    bfloat16 inputs, or float32), lse float32 (float64 with ``wide_lse``: the kernel's ``m + log l``
+    summed in double, for a caller that merges the state); rows no piece shows a key are 0 and -inf.
 
     Raises RuntimeError when the kernel is not available here or refuses the arguments."""
     global prefill_calls
@@ -423,11 +429,14 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pie
     lse = torch.empty(B, Hq, L, dtype=torch.float32)
     if out_dtype is torch.bfloat16 and q.dtype is not torch.bfloat16:
         raise ValueError(f"native.prefill: out_dtype bfloat16 needs bfloat16 inputs (got {q.dtype}); pass float32")
-    rc = _prefill_on(_lib, q, k, v, scale, table, cap, out, lse)
+    lo = torch.empty(B, Hq, L, dtype=torch.float32) if wide_lse else None
+    rc = _prefill_on(_lib, q, k, v, scale, table, cap, out, lse, lo)
     prefill_calls += 1
     if rc != 0:
         raise RuntimeError(f"keyfold's prefill kernel refused q {tuple(q.shape)}, k {tuple(k.shape)}, "
                            f"v {tuple(v.shape)}, {len(table)} pieces (code {rc})")
+    if lo is not None:
+        lse = lse.double() + lo  # -inf + 0 on empty rows, NaN stays NaN
     return out, lse
 
 

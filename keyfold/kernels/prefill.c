@@ -109,6 +109,8 @@ typedef struct {
              * and values read once for 512 rows: 0.95-0.96x the time of 8 at 16k dense and causal,
              * 0.99-1.01x at 1k-4k), else 8 (0.86-1.01x the time of 4 at 4k-16k; float32 16 took
              * 0.98-1.04x the time of 8, no gain) */
+    float *lse_lo;  /* (B, Hq, L) or NULL: m + log l summed in double, less lse (a caller merging the state
+                     * with others' weighs it by lse, which float32 rounds at 2^-24 |lse|) */
 } job_t;
 
 /* bytes of one packed block of SB keys */
@@ -1086,7 +1088,9 @@ static inline __attribute__((always_inline)) void item(const job_t *J, long long
             const float l = vf_reduce_add(vf_load(B->l + 16 * r));
             const int empty = B->m[r] == -INFINITY && l == 0.0f;
             const vf inv = vf_set1(empty ? 0.0f : 1.0f / l);
-            J->lse[row] = empty ? -INFINITY : B->m[r] + logf(l);
+            const float hi = empty ? -INFINITY : B->m[r] + logf(l);
+            J->lse[row] = hi;
+            if (J->lse_lo) J->lse_lo[row] = empty ? 0.0f : (float)(((double)B->m[r] + log((double)l)) - (double)hi);
             for (int d = 0; d < Dv; d += 16) {
                 const __mmask16 k = first(Dv - d);
                 /* an empty row is 0 even where a hidden key's NaN value reached O through a 0 in P */
@@ -1148,17 +1152,20 @@ static long long next_item(run_t *runs, int nt, int me) {
 /* The entry point (keyfold/kernels/native.py). q (B, Hq, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv)
  * bfloat16 (dtype 1: on AMX, D even) or float32 (dtype 0: on AVX-512 or AVX2 FMAs), rows contiguous; `pieces`
  * the plan's np pieces. out (B, Hq, L, Dv) bfloat16 (out_bf16, bfloat16 inputs only) or float32, lse
- * (B, Hq, L), both contiguous. Returns 0; -1 for arguments out of range; -2 when scratch memory cannot
- * be had; -3 when this build cannot run the dtype (bfloat16 without AMX). */
+ * (B, Hq, L), both contiguous; lse_lo (B, Hq, L) or NULL: the low part of a float64 lse, lse + lse_lo
+ * (last, so that a caller passing it to an older build, benchmarks/kernel_ab.py's, is ignored). Returns
+ * 0; -1 for arguments out of range; -2 when scratch memory cannot be had; -3 when this build cannot run
+ * the dtype (bfloat16 without AMX). */
 int kf_prefill(const void *q, const void *k, const void *v, int dtype,
                long long sqb, long long sqh, long long sqn, long long skb, long long skh, long long skn,
                long long svb, long long svh, long long svn, int B, int Hq, int Hkv, long long L, long long S,
                int D, int Dv, float scale, float cap, const piece_t *pieces, int np, int out_bf16, void *out,
-               float *lse, int threads) {
+               float *lse, int threads, float *lse_lo) {
 #ifndef KF_F32
     (void)q; (void)k; (void)v; (void)dtype; (void)sqb; (void)sqh; (void)sqn; (void)skb; (void)skh; (void)skn;
     (void)svb; (void)svh; (void)svn; (void)B; (void)Hq; (void)Hkv; (void)L; (void)S; (void)D; (void)Dv;
     (void)scale; (void)cap; (void)pieces; (void)np; (void)out_bf16; (void)out; (void)lse; (void)threads;
+    (void)lse_lo;
     return -3;
 #else
     const int f32 = dtype == 0;
@@ -1174,7 +1181,7 @@ int kf_prefill(const void *q, const void *k, const void *v, int dtype,
     job_t J = {q, k, v, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, B, Hq, Hkv, D, Dv,
                f32 ? D : (D + 31) / 32 * 32, f32 ? (Dv + 15) / 16 * 16 : (Dv + 31) / 32 * 32,
                (D + 31) / 32, (Dv + 31) / 32 * 2, L, S, (L + QB - 1) / QB, (S + SB - 1) / SB, scale, cap, pieces,
-               np, out_bf16, f32, 0, out, lse, 0};
+               np, out_bf16, f32, 0, out, lse, 0, lse_lo};
     int e2;
     J.qs = f32 && scale != 0.0f && fabsf(scale) < INFINITY && fabsf(frexpf(scale, &e2)) == 0.5f;
     if (threads < 1) threads = 1;

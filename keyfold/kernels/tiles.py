@@ -114,18 +114,23 @@ def _softcap_(raw, cap: float):
 _EXP_FLOOR = {torch.float32: -87.0, torch.float64: -708.0}
 
 
-def forward(q, k, v, plan: Plan, pb: Problem, lse_exact: bool = True) -> State:
+def forward(q, k, v, plan: Plan, pb: Problem, lse_exact: bool = True, wide_lse: bool = False) -> State:
     """Scores, softmax and ``P @ V`` in float32 (float64 for float64) for every input dtype, tile
     by tile; q, k and v are cast once per call, not per piece (neighbouring pieces share keys).
 
     lse_exact: lse is computed with the same ``torch.exp`` a backward recomputes P with (``exp(s - lse)``
     then sums to 1 to rounding). False when no backward and no caller will see lse (``attention``
-    without ``return_lse`` or autograd): the softmax runs through ``torch.softmax``, faster."""
+    without ``return_lse`` or autograd): the softmax runs through ``torch.softmax``, faster.
+    wide_lse: float32 inputs give lse in float64, ``m + log(sum)`` summed there (see
+    :func:`keyfold.kernels.cpu.forward`)."""
     sd = state_dtype(q.dtype)
+    ld = torch.float64 if wide_lse else sd  # lse's dtype (float64 inputs: float64 anyway)
     B, Hq, Nq, _ = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
     g = Hq // Hkv
     acc = empty_state(B, Hq, Nq, Dv, dtype=sd, device=q.device)
+    if ld is not sd:
+        acc = State(acc.out, acc.lse.to(ld))
     floor = _EXP_FLOOR[sd]
     cap = _sigmoid_softcap(q, pb)
     q, k, v = q.to(sd), k.to(sd), v.to(sd)
@@ -157,7 +162,7 @@ def forward(q, k, v, plan: Plan, pb: Problem, lse_exact: bool = True) -> State:
             if bounds is not None:
                 p = p.clamp_max_(bounds[1])                                   # hidden pairs: exactly 0
             total = p.sum(-1, keepdim=True).masked_fill_(empty, 0.0)         # (B, Hq, L, 1)
-            lse = m + total.log()                                            # -inf where total = 0
+            lse = m.to(ld) + total.to(ld).log()                              # -inf where total = 0
             if keep is not None:  # SDPA's dropout: drop probabilities after softmax; lse is unchanged
                 p = p.masked_fill_(~keep, 0.0)
                 total = total * (1.0 - pb.dropout_p)                         # kept ones scale by 1/(1-p)
@@ -168,7 +173,7 @@ def forward(q, k, v, plan: Plan, pb: Problem, lse_exact: bool = True) -> State:
             # but a backward's torch.exp(s - lse) would sum to 1 only to ~1e-7 (a captured table's
             # gradient sums that over thousands of pairs), so only calls whose lse nobody sees take it.
             p = torch.softmax(s, -1)                                         # empty rows: NaN, zeroed below
-            lse = (m - p.amax(-1, keepdim=True).log()).masked_fill_(empty, NEG_INF)
+            lse = (m.to(ld) - p.amax(-1, keepdim=True).to(ld).log()).masked_fill_(empty, NEG_INF)
             total = None
         lse = lse.squeeze(-1)
         if sep is not None:

@@ -128,3 +128,22 @@ def test_merge_broadcasts_and_runs_under_vmap():
     mapped = torch.vmap(lambda ao, al, bo, bl: merge(State(ao, al), State(bo, bl)).out)(
         a.out.expand(2, 2, 3, 4), a.lse.expand(2, 2, 3), bb.out, bb.lse)
     torch.testing.assert_close(mapped, merge(State(a.out.expand(2, 2, 3, 4), a.lse.expand(2, 2, 3)), bb).out)
+
+
+@given(st.integers(0, 2**31 - 1), st.floats(0.0, 120.0))
+def test_a_float64_lse_beside_a_float32_out_weighs_in_float64(seed, base):
+    """A wide state (float32 out, float64 lse: what keyfold's decoding merges) merges with its weights
+    taken in float64: out stays float32, lse float64, both the float64 merge's to float32 rounding of
+    out, where rounding each lse to float32 first moves the weights by up to 2^-24 |lse|."""
+    g = torch.Generator().manual_seed(seed)
+    outs = [torch.randn(1, 2, 3, 4, generator=g) for _ in range(2)]
+    lses = [base + torch.randn(1, 2, 3, generator=g, dtype=torch.float64) for _ in range(2)]
+    wide = merge(State(outs[0], lses[0]), State(outs[1], lses[1]))
+    exact = merge(State(outs[0].double(), lses[0]), State(outs[1].double(), lses[1]))
+    assert wide.out.dtype == torch.float32 and wide.lse.dtype == torch.float64
+    assert torch.equal(wide.lse, exact.lse)
+    torch.testing.assert_close(wide.out.double(), exact.out, atol=4e-7, rtol=0)
+    acc = State(outs[0].clone(), lses[0].clone())
+    kf.state.merge_into(acc, State(outs[1], lses[1]))
+    assert torch.equal(acc.lse, exact.lse) and acc.out.dtype == torch.float32
+    torch.testing.assert_close(acc.out.double(), exact.out, atol=4e-7, rtol=0)

@@ -54,12 +54,14 @@ SHAPES = {  # B, H, R, N, D, Dv
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_native_holds_the_rule_with_its_lse(shape, dtype):
     """out by FlashAttention's rule against float64 (2x the plain same-dtype error + 1e-6), and lse,
-    the natural log of the row's sum, to float32 rounding."""
+    the natural log of the row's sum, to float32 rounding (lse comes back float64: the kernel's
+    M + log L summed in double, for callers that merge the state)."""
     B, H, R, N, D, Dv = SHAPES[shape]
     q, k, v = _inputs(dtype, B, H, R, N, D, Dv, tokens_first="tokens first" in shape)
     scale = D ** -0.5
     out, lse = native.attend(q, k, v, scale)
-    assert out.dtype == lse.dtype == torch.float32 and out.shape == (B, H, R, Dv) and lse.shape == (B, H, R)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float64
+    assert out.shape == (B, H, R, Dv) and lse.shape == (B, H, R)
     ref = kf.attend(q.double(), k.double(), v.double(), q_offset=N, backend=kf.Backend.REFERENCE)
     naive = naive_attention(q, k, v, q_offset=N)
     assert_close_by_rule(out, ref.out, naive, None)
@@ -416,3 +418,30 @@ def test_bfloat16_keys_widened_where_the_cpu_has_no_bf16_dot(shape, tmp_path, mo
     assert_close_by_rule(widened[0], ref.out, naive, None)
     torch.testing.assert_close(widened[0], dotted[0], atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(widened[1], dotted[1], atol=2e-6, rtol=1e-6)
+
+
+@pytest.mark.skipif(not native.available(), reason="needs keyfold's native kernels")
+def test_the_kernels_sum_lse_in_double_for_the_states_keyfold_merges():
+    """The decode kernel's lse and the prefill kernel's with ``wide_lse`` are ``m + log l`` summed in
+    double: a state merged with others is weighed by exp(lse - lse_total), and lse rounded to float32
+    carries 2^-24 |lse| into that weight. On exact scores (small integers times
+    a scale of 1/8) both are within 5e-7 of the float64 lse at lse 65-145 (float32 rounds it by up to
+    4.5e-6 there)."""
+    B, H, R, N, D = 1, 2, 8, 40, 16
+    q = torch.zeros(B, H, R, D)
+    q[..., 0] = torch.arange(8, 8 + R, dtype=torch.float32) + torch.arange(H).view(H, 1) * 3  # (H, R)
+    k = torch.zeros(B, H, N, D)
+    k[..., 0] = 64 - torch.arange(N, dtype=torch.float32) * 0.25 * torch.arange(1, H + 1).view(H, 1)
+    v = torch.randn(B, H, N, D, generator=torch.Generator().manual_seed(0))
+    s = (q.double() @ k.double().transpose(-1, -2)) * 0.125  # exact: the kernels' float32 scores are these
+    ref = torch.logsumexp(s, -1)
+    assert float(ref.min()) > 60
+    out, lse = native.attend(q, k, v, 0.125)
+    assert lse.dtype == torch.float64
+    assert float((lse - ref).abs().max()) < 5e-7
+    if native.prefill_available(torch.float32):
+        out, lse = native.prefill(q, k, v, 0.125, [native.piece_row(0, R, 0, N, False)], wide_lse=True)
+        assert lse.dtype == torch.float64
+        assert float((lse - ref).abs().max()) < 5e-7
+        _, lse32 = native.prefill(q, k, v, 0.125, [native.piece_row(0, R, 0, N, False)])
+        assert lse32.dtype == torch.float32 and float((lse32.double() - lse).abs().max()) < 2 * 2 ** -24 * 160
