@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ..engine import Backend, attend
+from ..engine import Backend, attend, attend_wide
 from ..kernels import cpu as _cpu
 from ..masks import BlockKind, Mask, as_mask, sinks
 from ..scores import as_score
@@ -69,33 +69,40 @@ def _kinds(mask: Mask, q0: int, q1: int, spans) -> list[BlockKind | None]:
 
 
 def _folded(q, span: Span, s: int, scale, backend) -> list[State] | None:
-    """Split-KV in one call: ``s`` equal chunks of the span become ``s`` heads of one attend.
+    """Split-KV in one call: ``s`` equal chunks of the span become ``s`` key/value heads of one attend.
 
     Only for pieces without mask or score (positions do not matter). k ``(b, Hkv, n, D)`` is
-    viewed as ``(b*Hkv, s, n/s, D)`` (no copy); q's GQA group rides along as rows. Returns
+    viewed as ``(b, Hkv*s, n/s, D)`` (no copy), and q's GQA group stays a group of query heads of
+    each chunk's head, as in one call over the span: folded into one head as rows, a group's
+    rows met torch's GEMM of more than 5 rows, which sums them less exactly than the naive's of a
+    head's own rows (split decodes past the 2x rule, up to 3.5x the allowance at 6-12 rows). Returns
     the states of the folded part and of the leftover keys, or None if k cannot be viewed so.
     """
     b, Hq, Nq, D = q.shape
     Hkv, n, Dv = span.k.shape[1], span.n, span.v.shape[-1]
     g, c = Hq // Hkv, n // s
     try:
-        kf = span.k[:, :, :s * c].view(b * Hkv, s, c, D)   # (b*Hkv, s, c, D)
-        vf = span.v[:, :, :s * c].view(b * Hkv, s, c, Dv)  # (b*Hkv, s, c, Dv)
+        kf = span.k[:, :, :s * c].view(b, Hkv * s, c, D)   # (b, Hkv*s, c, D): head h's chunk i at h*s + i
+        vf = span.v[:, :, :s * c].view(b, Hkv * s, c, Dv)  # (b, Hkv*s, c, Dv)
     except RuntimeError:
         return None
-    qf = q.reshape(b * Hkv, 1, g * Nq, D).expand(b * Hkv, s, g * Nq, D).contiguous()  # (b*Hkv, s, g*Nq, D)
-    st = attend(qf, kf, vf, scale=scale, q_offset=0, backend=backend)
-    chunks = [State(st.out[:, i], st.lse[:, i]) for i in range(s)]      # each (b*Hkv, g*Nq, ...)
-    m = merge_all(chunks)
-    states = [State(m.out.reshape(b, Hq, Nq, Dv), m.lse.reshape(b, Hq, Nq))]
+    qf = q.reshape(b, Hkv, 1, g, Nq, D).expand(b, Hkv, s, g, Nq, D).reshape(b, Hkv * s * g, Nq, D)
+    st = attend_wide(qf, kf, vf, scale=scale, q_offset=0, backend=backend)
+    out, lse = st.out.reshape(b, Hkv, s, g, Nq, Dv), st.lse.reshape(b, Hkv, s, g, Nq)
+    chunks = [State(out[:, :, i].reshape(b, Hq, Nq, Dv), lse[:, :, i].reshape(b, Hq, Nq)) for i in range(s)]
+    states = [merge_all(chunks)]
     if s * c < n:
-        states.append(attend(q, span.k[:, :, s * c:], span.v[:, :, s * c:], scale=scale, q_offset=0,
-                             backend=backend))
+        states.append(attend_wide(q, span.k[:, :, s * c:], span.v[:, :, s * c:], scale=scale, q_offset=0,
+                                  backend=backend))
     return states
 
 
-def _span_states(q, span: Span, mask, score, scale, q_offset, splits, backend) -> list[State]:
-    """States of one span, split into chunks when that pays (or when ``splits`` asks)."""
+def _span_states(q, span: Span, mask, score, scale, q_offset, splits, backend, merged: bool = False) -> list[State]:
+    """States of one span, split into chunks when that pays (or when ``splits`` asks). States that are
+    merged (chunks, or every state of a span whose caller merges it with others': ``merged``) carry a
+    float64 lse where float32 (:func:`attend_wide`: rounded to float32, the pieces' lse broke the 2x
+    rule in the merge); :func:`_narrow` rounds the result's once. One unmerged call stays
+    :func:`attend`'s (the fused op, where it is faster)."""
     b, Hq = q.shape[:2]
     n = span.n
     free = mask is None and score is None
@@ -106,21 +113,23 @@ def _span_states(q, span: Span, mask, score, scale, q_offset, splits, backend) -
     else:
         s = min(splits, n)
     if s <= 1:
-        return [attend(q, span.k, span.v, mask=mask, score=score, scale=scale, q_offset=q_offset,
-                       kv_offset=span.kv_offset, backend=backend)]
+        one = attend_wide if merged else attend
+        return [one(q, span.k, span.v, mask=mask, score=score, scale=scale, q_offset=q_offset,
+                    kv_offset=span.kv_offset, backend=backend)]
     if free:
         states = _folded(q, span, s, scale, backend)
         if states is not None:
             return states
     # serial chunks with their own offsets: what a masked or scored split is
     edges = [round(i * n / s) for i in range(s + 1)]
-    return [attend(q, span.k[:, :, a:e], span.v[:, :, a:e], mask=mask, score=score, scale=scale,
-                   q_offset=q_offset, kv_offset=span.kv_offset + a, backend=backend)
+    return [attend_wide(q, span.k[:, :, a:e], span.v[:, :, a:e], mask=mask, score=score, scale=scale,
+                        q_offset=q_offset, kv_offset=span.kv_offset + a, backend=backend)
             for a, e in zip(edges[:-1], edges[1:]) if e > a]
 
 
-def _group_state(q, group: Group, mask, score, scale, splits, backend, Dv: int) -> State:
-    """Attention of the group's query rows over all its spans, merged."""
+def _group_state(q, group: Group, mask, score, scale, splits, backend, Dv: int, merged: bool = False) -> State:
+    """Attention of the group's query rows over all its spans, merged (``merged``: the caller merges the
+    result with another state, so its spans' states are wide even where there is one)."""
     b, Hq, Nq, _ = q.shape
     q_offset = group.length - Nq
     if group.row_lengths is not None:  # a ragged group (nothing reads positions): row r sees keys < its length
@@ -131,19 +140,19 @@ def _group_state(q, group: Group, mask, score, scale, splits, backend, Dv: int) 
         for sp in group.spans:
             mask.check_positions(q_offset, group.length, sp.kv_offset, sp.kv_offset + sp.n)
     kinds = _kinds(mask, q_offset, group.length, group.spans) if mask is not None else [None] * len(group.spans)
-    for span, kind in zip(group.spans, kinds):
-        if kind is BlockKind.EMPTY:
-            continue
+    seen = [(span, kind) for span, kind in zip(group.spans, kinds) if kind is not BlockKind.EMPTY]
+    for span, kind in seen:
         m = None if kind is BlockKind.FULL else mask
-        states += _span_states(q, span, m, score, scale, q_offset, splits, backend)
+        states += _span_states(q, span, m, score, scale, q_offset, splits, backend, merged or len(seen) > 1)
     if not states:  # every key hidden: the identity, out 0 and lse -inf
         return empty_state(b, Hq, Nq, Dv, dtype=state_dtype(q.dtype), device=q.device,
                            of=(q, *(t for s in group.spans for t in (s.k, s.v))))
     return states[0] if len(states) == 1 else merge_all(states)
 
 
-def _groups_state(q, groups: list[Group], mask, score, scale, splits, backend, Dv: int) -> State:
-    """Per group of rows, then the rows put back together in order."""
+def _groups_state(q, groups: list[Group], mask, score, scale, splits, backend, Dv: int,
+                  merged: bool = False) -> State:
+    """Per group of rows, then the rows put back together in order (``merged``: as :func:`_group_state`'s)."""
     B = q.shape[0]
     if not groups:  # no sequence (seq_ids=[]: every request finished): an empty batch, as attention gives
         return empty_state(0, q.shape[1], q.shape[2], Dv, dtype=state_dtype(q.dtype), device=q.device, of=(q,))
@@ -156,10 +165,16 @@ def _groups_state(q, groups: list[Group], mask, score, scale, splits, backend, D
                 m = MaskView(m, rows, n_batch=g.r1 - g.r0)
             if sc is not None:
                 sc = ScoreView(sc, rows)
-        states.append(_group_state(q[g.r0:g.r1], g, m, sc, scale, splits, backend, Dv))
+        states.append(_group_state(q[g.r0:g.r1], g, m, sc, scale, splits, backend, Dv, merged))
     if len(states) == 1:
         return states[0]
     return State(torch.cat([s.out for s in states], 0), torch.cat([s.lse for s in states], 0))
+
+
+def _narrow(st: State) -> State:
+    """A merged state as the public functions return it: lse in out's dtype (float32 for float32
+    inputs, float64 for float64), rounded once after every merge (see :func:`_span_states`)"""
+    return st if st.lse.dtype == st.out.dtype else State(st.out, st.lse.to(st.out.dtype))
 
 
 # ------------------------------------------------------------------------------ public
@@ -214,7 +229,7 @@ def attend_cache(q, cache: Cache, *, mask=None, score=None, scale=None, seq_ids=
         st = _whole_batch(q, cache, scale, splits, backend)
         if st is not None:
             return st
-    return _attend_groups(q, cache, mask, score, scale, seq_ids, splits, backend)
+    return _narrow(_attend_groups(q, cache, mask, score, scale, seq_ids, splits, backend))
 
 
 def _attend_groups(q, cache: Cache, mask, score, scale, seq_ids, splits, backend) -> State:
@@ -341,7 +356,7 @@ def cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix_lengths=None, m
         pre = empty_state(1, Hq, R * Nq, prefix_v.shape[-1], dtype=state_dtype(dtype), device=q.device,
                           of=(qf, prefix_k, prefix_v))
     else:
-        pre = merge_all(_span_states(qf, prefix, m, sc, scale, 0, splits, backend))
+        pre = merge_all(_span_states(qf, prefix, m, sc, scale, 0, splits, backend, merged=True))
     Dv = prefix_v.shape[-1]
     pre = State(pre.out.reshape(Hq, R, Nq, Dv).permute(1, 0, 2, 3),               # (R, Hq, Nq, Dv)
                 pre.lse.reshape(Hq, R, Nq).permute(1, 0, 2))                       # (R, Hq, Nq)
@@ -358,7 +373,7 @@ def cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix_lengths=None, m
         spans = (Span(suffix_k[r:e, :, :L], suffix_v[r:e, :, :L], P),) if L else ()
         groups.append(Group(r, e, P + L, spans))
         r = e
-    suf = _groups_state(qc, groups, mask, score, scale, splits, backend, Dv)
-    st = merge(pre, suf)
+    suf = _groups_state(qc, groups, mask, score, scale, splits, backend, Dv, merged=True)
+    st = _narrow(merge(pre, suf))
     out = st.out.to(q.dtype)
     return (out, st.lse) if return_lse else out
