@@ -130,9 +130,9 @@ class _Call:
         """The merged State; with ``in_dtype`` the CPU backend may give ``out`` in the input dtype
         (a one-piece plan: the op's own tensor, not a float32 copy of it). ``lse_exact=False``: nobody
         uses lse beyond merging this call's pieces (no backward, no caller), so the tile kernel need
-        not compute it the way a backward recomputes P. ``wide_lse``: float32 inputs give lse in
-        float64 on the CPU and tile backends (:func:`attend_wide`)."""
-        wide = wide_lse and q.dtype is torch.float32
+        not compute it the way a backward recomputes P. ``wide_lse``: lse in float64 and out in float32
+        on the CPU and tile backends (:func:`attend_wide`)."""
+        wide = wide_lse and q.dtype is not torch.float64
         if self.backend is Backend.CPU:
             return _cpu.forward(q, k, v, self.plan, self.pb, keep_dtype=in_dtype, wide_lse=wide)
         if self.backend is Backend.TRITON:
@@ -383,12 +383,13 @@ def attend(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offs
 def attend_wide(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offset=0,
                 backend=Backend.AUTO) -> State:
     """:func:`attend` for keyfold's own callers that merge the states they get (decoding's split-KV
-    chunks, a window cache's sinks and band, pages, a cascade's prefix and suffix): for float32 inputs
-    outside autograd the state's lse is float64 (out float32; a wide lse, see :class:`State`) on the
-    CPU and tile backends, the decode kernel's own or its pieces' ``m + log(sum)`` summed there. A
-    float32 lse carries 2^-24 |lse| (4e-6 at lse 65), which a merge passes to out: merged pieces
-    broke the 2x rule where one call over the same keys did not. Other dtypes, a call autograd
-    records, and the Triton kernel (its lse is float32): what :func:`attend` gives."""
+    chunks, a window cache's sinks and band, pages, a cascade's prefix and suffix): outside autograd
+    the state's lse is float64 (a wide lse, see :class:`State`) and its out float32, never rounded
+    to 16 bits, on the CPU and tile backends, the kernels' ``m + log(sum)`` summed in double. A float32
+    lse carries 2^-24 |lse| (4e-6 at lse 65), which a merge passes to out, and 16-bit pieces' outs
+    rounded each to 16 bits round once per piece: merged pieces broke the 2x rule where one call over
+    the same keys did not. float64 inputs, a call autograd records, and the Triton kernel (its lse is
+    float32): what :func:`attend` gives."""
     return _attend(q, k, v, mask, score, scale, q_offset, kv_offset, backend, None, False, 0.0, None, None,
                    in_dtype=False, lse_exact=True, wide_lse=True)
 

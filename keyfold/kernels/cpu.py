@@ -258,17 +258,23 @@ def _op(q, k, v, causal: bool, mask, scale: float, way: str | None = None, wide:
     """One fused call, ``(out, lse)``: on the native decode kernel where :func:`_route` says so (``way``,
     when the caller has asked it already), by float32 chunks where :func:`_chunks_pay`, else in float32
     for float16 where :data:`FP16_AS_FP32` says so (inputs not yet widened), else as given. ``wide``
-    (float32 inputs whose states the caller merges, :func:`forward`'s ``wide_lse``): lse in float64,
-    the decode kernel's own where the router sends the call there (its routing is the rule's: the
-    kernel's sums over 2-5 rows at head size 128 are less exact than torch's GEMM, which the op's
-    route keeps), else by :func:`_wide_piece` instead of the op."""
+    (a call whose states the caller merges, :func:`forward`'s ``wide_lse``): out in float32 and lse
+    in float64, on the decode kernel where the router sends the call there (its routing is the rule's:
+    the kernel's sums over 2-5 float32 rows at head size 128 are less exact than torch's GEMM, which
+    the op's route keeps) or by float32 chunks, else instead of the op: a 16-bit call on the decode
+    kernel where it takes it (it computes in float32 from the exact 16-bit values), else by
+    :func:`_wide_piece` (16-bit inputs widened). The op's 16-bit out is rounded to 16 bits, and a
+    merge of such pieces rounds once per piece where the naive attention rounds once."""
     way = way or _route(q, k, v, causal, mask)
     if way == "native":
         return native.run(q, k, v, scale, mask)  # _native_pays has checked what attend would
-    if wide and q.dtype is torch.float32:
-        return _wide_piece(q, k, v, causal, mask, scale)
     if way == "chunks":
         return _by_chunks(q, k, v, scale)
+    if wide:
+        if q.dtype is not torch.float32 and not causal and native.pays(q, k, v, 1) and (
+                mask is None or native.mask_takes(mask, q, k)):
+            return native.run(q, k, v, scale, mask)
+        return _wide_piece(q.float(), k.float(), v.float(), causal, mask, scale)
     q, k, v = _widen(_rows(q), _rows(k), _rows(v))
     return _FWD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
 
@@ -525,7 +531,7 @@ def dense(q, k, v, scale: float, keep_dtype: bool = False, wide_lse: bool = Fals
     keep_dtype: out stays in the op's dtype (the input's, float32 for widened float16), for a
     caller that casts it to the input dtype anyway. wide_lse: as :func:`forward`'s."""
     sd = state_dtype(q.dtype)
-    wide = wide_lse and q.dtype is torch.float32
+    wide = wide_lse and q.dtype is not torch.float64
     if _prefill_may(q, k, v, Problem(None, None, scale, 0, 0), True, True):
         q, k, v = _widen(q, k, v)
         out, lse = native.prefill(q, k, v, scale, [native.piece_row(0, q.shape[2], 0, k.shape[2], False)],
@@ -787,11 +793,11 @@ def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False, wide_lse
     in two pieces: nothing to merge, as in a sliding window's band) writes every piece's out straight
     into one output in the input dtype. Pieces that are merged are always upcast first.
 
-    wide_lse: float32 inputs give lse in float64 (out float32), for a caller that merges the state
-    with others (keyfold's decoding: see :class:`keyfold.State`): the prefill and decode kernels sum
-    theirs in double, and pieces the router sends to the fused op, whose lse is float32, run by
-    :func:`_wide_piece` instead. Other dtypes: as without it."""
-    wide = wide_lse and q.dtype is torch.float32
+    wide_lse: lse in float64 and out in float32 (float64 inputs: as without it), for a caller that
+    merges the state with others (keyfold's decoding: see :class:`keyfold.State`): the prefill and
+    decode kernels sum lse in double, and pieces the router sends to the fused op, whose lse is float32
+    and whose 16-bit out is rounded to 16 bits, run as :func:`_op` says under ``wide`` instead."""
+    wide = wide_lse and q.dtype is not torch.float64
     sd = state_dtype(q.dtype)
     ld = torch.float64 if wide else sd  # lse's dtype
     B, Hq, Nq, _ = q.shape

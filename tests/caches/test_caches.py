@@ -755,9 +755,9 @@ def test_merged_decode_states_keep_a_float64_lse_until_they_return():
         assert wide.out.dtype == torch.float32 and wide.lse.dtype == torch.float64
         torch.testing.assert_close(wide.out, st.out, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(wide.lse, st.lse.double(), atol=1e-4, rtol=1e-6)
-    for dtype in (torch.bfloat16, torch.float64):  # only float32 widens
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):  # 16-bit: float32 out, never 16-bit pieces
         w = attend_wide(q.to(dtype), k.to(dtype), v.to(dtype))
-        assert w.lse.dtype == (torch.float64 if dtype is torch.float64 else torch.float32)
+        assert w.lse.dtype == torch.float64 and w.out.dtype == (torch.float64 if dtype is torch.float64 else torch.float32)
     cache = KVCache(1, 2, 16, 300)
     cache.append(k, v)
     out, lse = decode(q, cache, splits=3, return_lse=True)
@@ -769,3 +769,35 @@ def test_merged_decode_states_keep_a_float64_lse_until_they_return():
     out, lse = cascade(q[:1], k[:, :, :200], v[:, :, :200], k[:, :, 200:], v[:, :, 200:], return_lse=True)
     assert lse.dtype == torch.float32
     torch.testing.assert_close(lse, whole.lse, atol=1e-4, rtol=1e-6)
+
+
+# 16-bit pieces that a decode merges ran on the fused op in 16 bits, each piece's out rounded to 16 bits
+# before the merge (one rounding per piece where the naive attention rounds once): they now run in
+# float32 (the decode kernel, or the naive's arithmetic on widened inputs). Each case broke the rule on
+# the code before (1.01-1.04x the allowance on the Intel Xeon, 2026-12-07; 5 of 4,800 short 16-bit
+# decodes in a fuzz, none since) while one attention call over the same keys held it (0.40-0.50).
+@pytest.mark.parametrize("kind, seed, dtype, Hkv, g, Nq, D, n, spread, extra", [
+    ("window", 503, torch.float16, 1, 1, 2, 64, 90, 2, (8, 16)),
+    ("cascade", 18, torch.float16, 1, 1, 3, 128, 20, 1, None),
+    ("window", 457, torch.bfloat16, 1, 2, 2, 128, 40, 1, (8, 1)),
+    ("splits", 515, torch.bfloat16, 1, 2, 2, 64, 13, 1, 5),
+    ("splits", 521, torch.bfloat16, 1, 1, 2, 128, 90, 3, 3)])
+def test_16bit_decodes_that_merge_pieces_hold_the_rule(kind, seed, dtype, Hkv, g, Nq, D, n, spread, extra):
+    gen = torch.Generator().manual_seed(seed)
+    q = (torch.randn(1, Hkv * g, Nq, D, generator=gen) * spread).to(dtype)
+    k, v = (torch.randn(1, Hkv, n, D, generator=gen).to(dtype) for _ in range(2))
+    mask = None
+    if kind == "window":
+        W, S = extra
+        cache = WindowCache(W, S, heads=Hkv, head_dim=D, max_block=Nq, dtype=dtype)
+        for a in range(0, n, 7):
+            cache.append(k[:, :, a:a + 7], v[:, :, a:a + 7])
+        got, mask = decode(q, cache), cache.mask
+    elif kind == "cascade":
+        P = n // 2
+        got = cascade(q, k[:, :, :P], v[:, :, :P], k[:, :, P:], v[:, :, P:])
+    else:
+        cache = KVCache(1, Hkv, D, n, dtype=dtype)
+        cache.append(k, v)
+        got = decode(q, cache, splits=extra)
+    assert_rows_by_rule(got, q, k, v, mask=mask)
