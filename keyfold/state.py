@@ -94,6 +94,15 @@ def _zero_empty(st: State) -> torch.Tensor:
     return st.out.masked_fill(empty.unsqueeze(-1), 0.0)
 
 
+def _fills(x, y, w) -> bool:
+    """Whether shapes ``y`` and ``w`` broadcast into ``x`` (an in-place ``x.addcmul_(y, w)``). The common
+    case, equal shapes, is answered without ``torch.broadcast_shapes`` (a Python reference implementation
+    in torch: 65 us a call, a sixth of a decoding step's merge over a window cache's pieces)."""
+    if y == x and w[:-1] == x[:-1]:
+        return True
+    return torch.broadcast_shapes(x, y, w) == x
+
+
 def merge(a: State, b: State) -> State:
     """Merge two partial states over disjoint key sets (commutative, associative).
 
@@ -109,7 +118,7 @@ def merge(a: State, b: State) -> State:
     # heads: 18 ms a merge with three, against 2 ms of arithmetic)
     od = torch.promote_types(a.out.dtype, b.out.dtype)
     x, y, w = _zero_empty(a) * wa.to(od).unsqueeze(-1), _zero_empty(b), wb.to(od).unsqueeze(-1)
-    if torch.broadcast_shapes(x.shape, y.shape, w.shape) == x.shape and _eager(x):
+    if _fills(x.shape, y.shape, w.shape) and _eager(x):
         return State(x.addcmul_(y, w), lse)
     return State(torch.addcmul(x, y, w), lse)  # b's out broadcasts wider than a's
 

@@ -72,21 +72,22 @@ def _folded(q, span: Span, s: int, scale, backend) -> list[State] | None:
     """Split-KV in one call: ``s`` equal chunks of the span become ``s`` key/value heads of one attend.
 
     Only for pieces without mask or score (positions do not matter). k ``(b, Hkv, n, D)`` is
-    viewed as ``(b, Hkv*s, n/s, D)`` (no copy), and q's GQA group stays a group of query heads of
-    each chunk's head, as in one call over the span: folded into one head as rows, a group's
-    rows met torch's GEMM of more than 5 rows, which sums them less exactly than the naive's of a
-    head's own rows (split decodes past the 2x rule, up to 3.5x the allowance at 6-12 rows). Returns
-    the states of the folded part and of the leftover keys, or None if k cannot be viewed so.
+    viewed as ``(b*Hkv, s, n/s, D)`` (no copy: a cache's view of its first n slots is one), each
+    chunk a key/value head, and q's GQA group stays a group of ``g`` query heads of each chunk's
+    head, as in one call over the span: folded into one head as rows, a group's rows met torch's
+    GEMM of more than 5 rows, which sums them less exactly than the naive's of a head's own rows
+    (split decodes past the 2x rule, up to 3.5x the allowance at 6-12 rows). Returns the states of
+    the folded part and of the leftover keys, or None if k cannot be viewed so.
     """
     b, Hq, Nq, D = q.shape
     Hkv, n, Dv = span.k.shape[1], span.n, span.v.shape[-1]
     g, c = Hq // Hkv, n // s
     try:
-        kf = span.k[:, :, :s * c].view(b, Hkv * s, c, D)   # (b, Hkv*s, c, D): head h's chunk i at h*s + i
-        vf = span.v[:, :, :s * c].view(b, Hkv * s, c, Dv)  # (b, Hkv*s, c, Dv)
+        kf = span.k[:, :, :s * c].view(b * Hkv, s, c, D)   # (b*Hkv, s, c, D)
+        vf = span.v[:, :, :s * c].view(b * Hkv, s, c, Dv)  # (b*Hkv, s, c, Dv)
     except RuntimeError:
         return None
-    qf = q.reshape(b, Hkv, 1, g, Nq, D).expand(b, Hkv, s, g, Nq, D).reshape(b, Hkv * s * g, Nq, D)
+    qf = q.reshape(b * Hkv, 1, g, Nq, D).expand(b * Hkv, s, g, Nq, D).reshape(b * Hkv, s * g, Nq, D)
     st = attend_wide(qf, kf, vf, scale=scale, q_offset=0, backend=backend)
     out, lse = st.out.reshape(b, Hkv, s, g, Nq, Dv), st.lse.reshape(b, Hkv, s, g, Nq)
     chunks = [State(out[:, :, i].reshape(b, Hq, Nq, Dv), lse[:, :, i].reshape(b, Hq, Nq)) for i in range(s)]

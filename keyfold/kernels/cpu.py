@@ -262,8 +262,8 @@ def _op(q, k, v, causal: bool, mask, scale: float, way: str | None = None, wide:
     in float64, on the decode kernel where the router sends the call there (its routing is the rule's:
     the kernel's sums over 2-5 float32 rows at head size 128 are less exact than torch's GEMM, which
     the op's route keeps) or by float32 chunks, else instead of the op: a 16-bit call on the decode
-    kernel where it takes it (it computes in float32 from the exact 16-bit values), else by
-    :func:`_wide_piece` (16-bit inputs widened). The op's 16-bit out is rounded to 16 bits, and a
+    kernel where it takes it (:func:`_wide_native`), else on the op with its inputs widened to float32
+    (exact); a float32 one by :func:`_wide_piece`. The op's 16-bit out is rounded to 16 bits, and a
     merge of such pieces rounds once per piece where the naive attention rounds once."""
     way = way or _route(q, k, v, causal, mask)
     if way == "native":
@@ -271,12 +271,26 @@ def _op(q, k, v, causal: bool, mask, scale: float, way: str | None = None, wide:
     if way == "chunks":
         return _by_chunks(q, k, v, scale)
     if wide:
-        if q.dtype is not torch.float32 and not causal and native.pays(q, k, v, 1) and (
-                mask is None or native.mask_takes(mask, q, k)):
+        if _wide_native(q, causal) and native.pays(q, k, v, 1) and (mask is None or native.mask_takes(mask, q, k)):
             return native.run(q, k, v, scale, mask)
-        return _wide_piece(q.float(), k.float(), v.float(), causal, mask, scale)
+        if q.dtype is not torch.float32:  # the op in float32 on the exact widened values: out never 16-bit
+            return _FWD(*(_rows(x.float()) for x in (q, k, v)), 0.0, causal, attn_mask=mask, scale=scale)
+        return _wide_piece(q, k, v, causal, mask, scale)
     q, k, v = _widen(_rows(q), _rows(k), _rows(v))
     return _FWD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+
+
+def _wide_native(q, causal: bool) -> bool:
+    """Whether a piece the router sends to the fused op goes to the decode kernel instead under ``wide``
+    (:func:`_op`): a 16-bit one, which the kernel computes in float32 from the exact 16-bit values (a
+    bfloat16 cascade of 64 rows a request took 1.19x its time before, on the op in bfloat16; the op on
+    widened inputs 1.25x, _wide_piece 1.39x). Not a
+    float32 one, though the op takes one row only for its speed (NATIVE_F32_ROWS) and the kernel's lse is
+    float64: its scores round apart from the naive's BLAS ones, where :func:`_wide_piece`'s torch matmul
+    matches them for most piece sizes (1,000 split decodes of one row a head, score spreads 5-30: 7 past
+    the rule where one attention call held it on the kernel, 2 on _wide_piece), at 1.2-1.6x the op's
+    time a piece. Not the causal flag's pieces, which the kernel does not take."""
+    return not causal and q.dtype is not torch.float32
 
 
 #: Scores a :func:`_wide_piece` holds at once (batch x heads x rows x keys; 4 MiB of float32): rows go
@@ -287,7 +301,8 @@ WIDE_SCORES = 1 << 20
 def _wide_piece(q, k, v, causal: bool, mask, scale: float):
     """``(out, lse)`` of float32 ``q (B, H, L, W)`` over ``k, v (B, H, S, .)`` with lse in float64: the
     naive attention's arithmetic (scores by torch's matmul times ``scale``, the additive tile ``mask``
-    added, softmax in float32, ``P @ V``), its lse ``m + log(sum)`` summed in float64. For a call whose
+    added, ``torch.softmax`` in float32, ``P @ V``; a piece under :data:`SMALL_PRODUCT` a head all in
+    float64, :func:`_small_piece`), its lse ``m - log(P at the max)`` in float64. For a call whose
     states are merged after it (:func:`forward`'s ``wide_lse``): the fused op's lse is float32, rounded
     at 2^-24 |lse| (4e-6 at 65), and a merge weighs each out by ``exp(lse - lse_total)``, so a decode
     that merged the op's pieces broke the 2x rule (a fuzz of split-KV, window caches' sinks and band,
@@ -295,32 +310,75 @@ def _wide_piece(q, k, v, causal: bool, mask, scale: float):
     op's flag. Rows that see no key: out 0, lse -inf."""
     B, H, L, _ = q.shape
     S = k.shape[2]
-    out = torch.empty(B, H, L, v.shape[-1], dtype=torch.float32, device=q.device)
-    lse = torch.empty(B, H, L, dtype=torch.float64, device=q.device)
+    if L * S * max(q.shape[-1], v.shape[-1]) < SMALL_PRODUCT:
+        return _small_piece(q, k, v, causal, mask, scale)
     step = max(1, WIDE_SCORES // max(1, B * H * S))
-    for a in range(0, L, step):
-        e = min(L, a + step)
-        s = _per_head(q[:, :, a:e], k.transpose(-1, -2)) * scale            # (B, H, r, S)
-        if mask is not None:
-            s = s + (mask[..., a:e, :] if mask.shape[-2] > 1 else mask)
-        if causal:
-            s = s.masked_fill(torch.ones(e - a, S, dtype=torch.bool, device=q.device).triu(a + 1), NEG_INF)
-        m = s.amax(-1, keepdim=True)
+    if step >= L:
+        return _wide_rows(q, k, v, causal, mask, scale, 0)
+    parts = [_wide_rows(q[:, :, a:a + step], k, v, causal,
+                        None if mask is None else mask[..., a:a + step, :] if mask.shape[-2] > 1 else mask, scale, a)
+             for a in range(0, L, step)]
+    return torch.cat([o for o, _ in parts], 2), torch.cat([lse for _, lse in parts], 2)
+
+
+def _wide_rows(q, k, v, causal: bool, mask, scale: float, a: int):
+    """:func:`_wide_piece` of rows ``q`` (the piece's rows from ``a`` on, for the causal flag) in one pass"""
+    s = _per_head(q, k.transpose(-1, -2)).mul_(scale)                       # (B, H, r, S)
+    if mask is not None:
+        s = s.add_(mask)
+    if causal:
+        s = s.masked_fill_(torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=q.device).triu(a + 1),
+                           NEG_INF)
+    m = s.amax(-1, keepdim=True)
+    p = torch.softmax(s, -1)                                                 # the naive's own P
+    # lse = m + log(sum exp(s - m)), and P at the row's max is exp(0) / sum: one rounding
+    lse = m.double().sub_(p.amax(-1, keepdim=True).double().log_())
+    out = _per_head(p, v)
+    if mask is not None or causal:  # a row that sees no key: softmax's NaN, out 0 and lse -inf
         empty = torch.isneginf(m)
-        m = m.masked_fill(empty, 0.0)
-        p = (s - m).exp_()
-        total = p.sum(-1, keepdim=True)                                      # (B, H, r, 1)
-        out[:, :, a:e] = _per_head(p, v).div_(total.masked_fill(empty, 1.0)).masked_fill_(empty, 0.0)
-        lse[:, :, a:e] = (m.double() + total.double().log()).squeeze(-1)     # -inf where total = 0
-    return out, lse
+        out, lse = out.masked_fill_(empty, 0.0), lse.masked_fill_(empty, NEG_INF)
+    return out, lse.squeeze(-1)
+
+
+def _small_piece(q, k, v, causal: bool, mask, scale: float):
+    """:func:`_wide_piece` of a piece under :data:`SMALL_PRODUCT` a head (a window's sinks, a short chunk or
+    suffix): in float64 throughout, out rounded to float32 once. Its float32 scores would round apart from
+    the naive's over all the row's keys (at |s| 50, 1.5e-6 a score), where the op's match them; in
+    float64 its error is out's one rounding. Few ops: a decoding step pays each one (about 5 us)."""
+    s = torch.matmul(q.double(), k.double().transpose(-1, -2)).mul_(scale)   # (B, H, L, S)
+    if mask is not None:
+        s = s.add_(mask)
+    if causal:
+        s = s.masked_fill_(torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=q.device).triu(1), NEG_INF)
+    m = s.amax(-1, keepdim=True)
+    m = m.masked_fill_(m == NEG_INF, 0.0)  # a row that sees no key: p 0, total 0
+    total = s.sub_(m).exp_().sum(-1, keepdim=True)
+    out = torch.matmul(s, v.double()).div_(total).masked_fill_(total == 0, 0.0)  # 0 / 0 on a row of no key
+    return out.float(), (m + total.log()).squeeze(-1)                             # lse -inf there; NaN stays
+
+
+#: A head's product (rows x contraction x columns) below which :func:`_per_head` multiplies in float64,
+#: and a head's piece (rows x keys x head size) below which :func:`_wide_piece` computes in float64
+#: throughout: torch's batched matmul takes products under 400 to a loop of its own that sums each dot
+#: product in one chain, less exactly than the BLAS GEMM the naive attention's product over all of a
+#: row's keys gets (a window cache's 4 sinks at head size 64 were 4.0x the rule's allowance, short split
+#: chunks 5.0x; a review, 2026-12-07), and a small piece's float32 scores round apart from the naive's.
+#: In float64 the piece's error is out's one rounding, and at this size it is cheap. Against scores
+#: rounded to float32 after a float64 product, the whole piece in float64 left fewer calls past the
+#: rule where one attention call held it (window sinks at head size 128, score std 20: 0 of 400
+#: against 5; a cache fuzz 5 of 1,241 against 7; split decodes 3 of 400 against 4).
+SMALL_PRODUCT = 1 << 14
 
 
 def _per_head(x, y):
-    """``x @ y`` for ``x (B, H, r, .)`` and ``y (B, H, ., c)``, each head's rows a GEMM of their own as
-    the naive attention's are: where ``y`` repeats one head along dim 1 (stride 0, :func:`_by_members`'
-    keys and values, expanded to a GQA group's members), torch's matmul folds the heads' rows into one
-    GEMM, which sums a score of more than 5 rows in one chain rather than in vector lanes (8x the
-    naive error at 2 x 3 rows, head size 128, scores of std 20), so the heads go one at a time."""
+    """``x @ y`` in float32 for ``x (B, H, r, .)`` and ``y (B, H, ., c)`` float32, each head's rows a GEMM
+    of their own as the naive attention's are: where ``y`` repeats one head along dim 1 (stride 0,
+    :func:`_by_members`' keys and values, expanded to a GQA group's members), torch's matmul folds the
+    heads' rows into one GEMM, which sums a score of more than 5 rows in one chain rather than in
+    vector lanes (8x the naive error at 2 x 3 rows, head size 128, scores of std 20), so the heads go
+    one at a time; a float32 head's product under :data:`SMALL_PRODUCT` runs in float64."""
+    if x.dtype is torch.float32 and x.shape[-2] * x.shape[-1] * y.shape[-1] < SMALL_PRODUCT:
+        return (x.double() @ y.double()).float()
     if y.dim() == 4 and y.shape[1] > 1 and y.stride(1) == 0:
         return torch.stack([x[:, j] @ y[:, 0] for j in range(x.shape[1])], 1)
     return x @ y
