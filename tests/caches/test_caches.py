@@ -757,7 +757,8 @@ def test_merged_decode_states_keep_a_float64_lse_until_they_return():
         torch.testing.assert_close(wide.lse, st.lse.double(), atol=1e-4, rtol=1e-6)
     for dtype in (torch.bfloat16, torch.float16, torch.float64):  # 16-bit: float32 out, never 16-bit pieces
         w = attend_wide(q.to(dtype), k.to(dtype), v.to(dtype))
-        assert w.lse.dtype == torch.float64 and w.out.dtype == (torch.float64 if dtype is torch.float64 else torch.float32)
+        assert w.lse.dtype == torch.float64
+        assert w.out.dtype == (torch.float64 if dtype is torch.float64 else torch.float32)
     cache = KVCache(1, 2, 16, 300)
     cache.append(k, v)
     out, lse = decode(q, cache, splits=3, return_lse=True)
