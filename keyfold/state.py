@@ -116,7 +116,10 @@ def merge(a: State, b: State) -> State:
     # (a NaN filler in an empty row made the merged row NaN; found by fuzzing, 2026-12-05)
     # one new tensor, not three: each fresh (B, H, N, Dv) buffer costs its page faults (4k rows, 8
     # heads: 18 ms a merge with three, against 2 ms of arithmetic)
-    od = torch.promote_types(a.out.dtype, b.out.dtype)
+    # weights applied in out's dtype, at least float32: 16-bit outs (attention's with return_lse) merge
+    # into float32, as they did when the weights were lse's float32; a float64 lse beside float32 outs
+    # (keyfold's decoding) weighs them in float32
+    od = torch.promote_types(torch.promote_types(a.out.dtype, b.out.dtype), torch.float32)
     x, y, w = _zero_empty(a) * wa.to(od).unsqueeze(-1), _zero_empty(b), wb.to(od).unsqueeze(-1)
     if _fills(x.shape, y.shape, w.shape) and _eager(x):
         return State(x.addcmul_(y, w), lse)

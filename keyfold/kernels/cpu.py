@@ -310,7 +310,8 @@ def _wide_piece(q, k, v, causal: bool, mask, scale: float):
     op's flag. Rows that see no key: out 0, lse -inf."""
     B, H, L, _ = q.shape
     S = k.shape[2]
-    if L * S * max(q.shape[-1], v.shape[-1]) < SMALL_PRODUCT:
+    W = max(q.shape[-1], v.shape[-1])
+    if L * S * W < SMALL_PRODUCT and B * H * S * W < SMALL_TOTAL:
         return _small_piece(q, k, v, causal, mask, scale)
     step = max(1, WIDE_SCORES // max(1, B * H * S))
     if step >= L:
@@ -357,17 +358,27 @@ def _small_piece(q, k, v, causal: bool, mask, scale: float):
     return out.float(), (m + total.log()).squeeze(-1)                             # lse -inf there; NaN stays
 
 
-#: A head's product (rows x contraction x columns) below which :func:`_per_head` multiplies in float64,
-#: and a head's piece (rows x keys x head size) below which :func:`_wide_piece` computes in float64
-#: throughout: torch's batched matmul takes products under 400 to a loop of its own that sums each dot
-#: product in one chain, less exactly than the BLAS GEMM the naive attention's product over all of a
-#: row's keys gets (a window cache's 4 sinks at head size 64 were 4.0x the rule's allowance, short split
-#: chunks 5.0x; a review, 2026-12-07), and a small piece's float32 scores round apart from the naive's.
-#: In float64 the piece's error is out's one rounding, and at this size it is cheap. Against scores
-#: rounded to float32 after a float64 product, the whole piece in float64 left fewer calls past the
-#: rule where one attention call held it (window sinks at head size 128, score std 20: 0 of 400
-#: against 5; a cache fuzz 5 of 1,241 against 7; split decodes 3 of 400 against 4).
+#: torch's batched matmul takes a product (rows x contraction x columns a batch) under this to a loop of
+#: its own (``bmm_out_or_baddbmm_``) that sums each dot product in one chain, less exactly than the BLAS
+#: GEMM the naive attention's product over all of a row's keys gets (a window cache's 4 sinks at head
+#: size 64 were 4.0x the rule's allowance, short split chunks 5.0x; a review, 2026-12-07):
+#: :func:`_per_head` multiplies such products in float64.
+TORCH_SMALL_BMM = 400
+
+#: A head's piece (rows x keys x head size) below which :func:`_wide_piece` computes in float64
+#: throughout, when the whole piece is also under :data:`SMALL_TOTAL` scores: a small piece's float32
+#: scores round apart from the naive's over all the row's keys. In float64 the piece's error is out's
+#: one rounding. Against scores rounded to float32 after a float64 product, the whole piece in float64
+#: left fewer calls past the rule where one attention call held it (window sinks at head size 128,
+#: score std 20: 0 of 400 against 5; a cache fuzz 5 of 1,241 against 7; split decodes 3 of 400
+#: against 4).
 SMALL_PRODUCT = 1 << 14
+
+#: The most key (and value) elements, batch x heads x keys x head size, of a piece :func:`_wide_piece`
+#: computes in float64: widening every key and value of a batch of small pieces costs with the batch (a
+#: cascade of 32 requests over 200-token suffixes, 3.3M elements, took 3.3-9x the time), and past this
+#: it runs in float32 (2 MiB of float64 keys at most).
+SMALL_TOTAL = 1 << 18
 
 
 def _per_head(x, y):
@@ -377,10 +388,15 @@ def _per_head(x, y):
     heads' rows into one GEMM, which sums a score of more than 5 rows in one chain rather than in
     vector lanes (8x the naive error at 2 x 3 rows, head size 128, scores of std 20), so the heads go
     one at a time; a float32 head's product under :data:`SMALL_PRODUCT` runs in float64."""
-    if x.dtype is torch.float32 and x.shape[-2] * x.shape[-1] * y.shape[-1] < SMALL_PRODUCT:
+    if x.dtype is torch.float32 and x.shape[-2] * x.shape[-1] * y.shape[-1] < TORCH_SMALL_BMM:
         return (x.double() @ y.double()).float()
     if y.dim() == 4 and y.shape[1] > 1 and y.stride(1) == 0:
         return torch.stack([x[:, j] @ y[:, 0] for j in range(x.shape[1])], 1)
+    if y.dim() == 4 and y.shape[0] > 1 and not _flattens(y):
+        # batch dims that do not merge into one stride (split-KV's chunks of a cache with room left):
+        # torch's matmul would copy y to a contiguous (., c) layout whose GEMM sums a score over the head
+        # dimension in one chain (4.7x the rule's allowance) and 16-25x slower; batch by batch it does not
+        return torch.stack([x[i] @ y[i] for i in range(y.shape[0])])
     return x @ y
 
 

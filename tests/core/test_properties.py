@@ -147,3 +147,17 @@ def test_a_float64_lse_beside_a_float32_out_weighs_in_float64(seed, base):
     kf.state.merge_into(acc, State(outs[1], lses[1]))
     assert torch.equal(acc.lse, exact.lse) and acc.out.dtype == torch.float32
     torch.testing.assert_close(acc.out.double(), exact.out, atol=4e-7, rtol=0)
+
+
+def test_16bit_outs_merge_into_float32():
+    """States whose out is 16-bit (``attention(..., return_lse=True)`` on bfloat16 inputs) merge into a
+    float32 out, their weights applied in float32 (weighed in bfloat16 the merged error was 2.4x)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 3, 16, generator=g).to(torch.bfloat16) for _ in range(3))
+    k2, v2 = (torch.randn(1, 2, 5, 16, generator=g).to(torch.bfloat16) for _ in range(2))
+    a = State(*kf.attention(q, k, v, return_lse=True, q_offset=0))
+    b = State(*kf.attention(q, k2, v2, return_lse=True, q_offset=0))
+    m = merge(a, b)
+    assert a.out.dtype == torch.bfloat16 and m.out.dtype == torch.float32 and m.lse.dtype == torch.float32
+    exact = merge(State(a.out.double(), a.lse.double()), State(b.out.double(), b.lse.double()))
+    torch.testing.assert_close(m.out.double(), exact.out, atol=1e-6, rtol=1e-6)
