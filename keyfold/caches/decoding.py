@@ -101,9 +101,9 @@ def _folded(q, span: Span, s: int, scale, backend) -> list[State] | None:
 def _span_states(q, span: Span, mask, score, scale, q_offset, splits, backend, merged: bool = False) -> list[State]:
     """States of one span, split into chunks when that pays (or when ``splits`` asks). States that are
     merged (chunks, or every state of a span whose caller merges it with others': ``merged``) carry a
-    float64 lse where float32 (:func:`attend_wide`: rounded to float32, the pieces' lse broke the 2x
-    rule in the merge); :func:`_narrow` rounds the result's once. One unmerged call stays
-    :func:`attend`'s (the fused op, where it is faster)."""
+    float64 lse and a float32 out (:func:`attend_wide`: a float32 lse, or a 16-bit piece's out, rounded
+    before the merge broke the 2x rule); :func:`_narrow` rounds the result's lse once. One unmerged
+    call stays :func:`attend`'s (the fused op, where it is faster)."""
     b, Hq = q.shape[:2]
     n = span.n
     free = mask is None and score is None

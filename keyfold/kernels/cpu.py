@@ -283,10 +283,10 @@ def _op(q, k, v, causal: bool, mask, scale: float, way: str | None = None, wide:
 def _wide_native(q, causal: bool) -> bool:
     """Whether a piece the router sends to the fused op goes to the decode kernel instead under ``wide``
     (:func:`_op`): a 16-bit one, which the kernel computes in float32 from the exact 16-bit values (a
-    bfloat16 cascade of 64 rows a request took 1.19x its time before, on the op in bfloat16; the op on
-    widened inputs 1.25x, _wide_piece 1.39x). Not a
-    float32 one, though the op takes one row only for its speed (NATIVE_F32_ROWS) and the kernel's lse is
-    float64: its scores round apart from the naive's BLAS ones, where :func:`_wide_piece`'s torch matmul
+    bfloat16 cascade of 64 rows a request takes 1.2x the time it took on the op in bfloat16; on the op
+    with widened inputs 1.25x, on _wide_piece 1.4x). Not a float32 one, though the op takes one row
+    only for its speed (NATIVE_F32_ROWS) and the kernel's lse is float64: its scores round apart from
+    the naive's BLAS ones, where :func:`_wide_piece`'s torch matmul
     matches them for most piece sizes (1,000 split decodes of one row a head, score spreads 5-30: 7 past
     the rule where one attention call held it on the kernel, 2 on _wide_piece), at 1.2-1.6x the op's
     time a piece. Not the causal flag's pieces, which the kernel does not take."""
@@ -366,7 +366,7 @@ def _small_piece(q, k, v, causal: bool, mask, scale: float):
 TORCH_SMALL_BMM = 400
 
 #: A head's piece (rows x keys x head size) below which :func:`_wide_piece` computes in float64
-#: throughout, when the whole piece is also under :data:`SMALL_TOTAL` scores: a small piece's float32
+#: throughout, when the whole piece is also under :data:`SMALL_TOTAL` key elements: a small piece's float32
 #: scores round apart from the naive's over all the row's keys. In float64 the piece's error is out's
 #: one rounding. Against scores rounded to float32 after a float64 product, the whole piece in float64
 #: left fewer calls past the rule where one attention call held it (window sinks at head size 128,
@@ -382,12 +382,13 @@ SMALL_TOTAL = 1 << 18
 
 
 def _per_head(x, y):
-    """``x @ y`` in float32 for ``x (B, H, r, .)`` and ``y (B, H, ., c)`` float32, each head's rows a GEMM
-    of their own as the naive attention's are: where ``y`` repeats one head along dim 1 (stride 0,
+    """``x @ y`` for float32 ``x (B, H, r, .)`` and ``y (B, H, ., c)``, each head's rows a GEMM of their own
+    as the naive attention's are: where ``y`` repeats one head along dim 1 (stride 0,
     :func:`_by_members`' keys and values, expanded to a GQA group's members), torch's matmul folds the
     heads' rows into one GEMM, which sums a score of more than 5 rows in one chain rather than in
     vector lanes (8x the naive error at 2 x 3 rows, head size 128, scores of std 20), so the heads go
-    one at a time; a float32 head's product under :data:`SMALL_PRODUCT` runs in float64."""
+    one at a time, and where ``y``'s batch dims do not flatten, the batches; a head's product under
+    :data:`TORCH_SMALL_BMM` runs in float64."""
     if x.dtype is torch.float32 and x.shape[-2] * x.shape[-1] * y.shape[-1] < TORCH_SMALL_BMM:
         return (x.double() @ y.double()).float()
     if y.dim() == 4 and y.shape[1] > 1 and y.stride(1) == 0:
