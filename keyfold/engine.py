@@ -131,18 +131,17 @@ class _Call:
         (a one-piece plan: the op's own tensor, not a float32 copy of it). ``lse_exact=False``: nobody
         uses lse beyond merging this call's pieces (no backward, no caller), so the tile kernel need
         not compute it the way a backward recomputes P. ``wide_lse``: lse in float64 and out in float32
-        on the CPU and tile backends (:func:`attend_wide`)."""
-        wide = wide_lse and q.dtype is not torch.float64
+        on the CPU and tile backends (:func:`attend_wide`; float64 inputs' are float64 anyway)."""
         if self.backend is Backend.CPU:
-            return _cpu.forward(q, k, v, self.plan, self.pb, keep_dtype=in_dtype, wide_lse=wide)
+            return _cpu.forward(q, k, v, self.plan, self.pb, keep_dtype=in_dtype, wide_lse=wide_lse)
         if self.backend is Backend.TRITON:
             from .kernels import triton as _triton
             return _triton.forward(q, k, v, self.plan, self.pb, fallback=self.auto)
         if self.auto and q.is_cpu:  # a softcap: the prefill kernel (None where it does not run)
-            st = _cpu.prefill(q, k, v, self.plan, self.pb, keep_dtype=in_dtype, wide_lse=wide)
+            st = _cpu.prefill(q, k, v, self.plan, self.pb, keep_dtype=in_dtype, wide_lse=wide_lse)
             if st is not None:
                 return st
-        return _tiles.forward(q, k, v, self.plan, self.pb, lse_exact=lse_exact, wide_lse=wide)
+        return _tiles.forward(q, k, v, self.plan, self.pb, lse_exact=lse_exact, wide_lse=wide_lse)
 
     def backward(self, q, k, v, out, lse, dout, dlse, whole_rows: bool = True, sums=None):
         """``(dq, dk, dv, d_score_tensors)``; the last is a tuple aligned with ``score_tensors``.

@@ -333,29 +333,21 @@ def _wide_rows(q, k, v, causal: bool, mask, scale: float, a: int):
     m = s.amax(-1, keepdim=True)
     p = torch.softmax(s, -1)                                                 # the naive's own P
     # lse = m + log(sum exp(s - m)), and P at the row's max is exp(0) / sum: one rounding
-    lse = m.double().sub_(p.amax(-1, keepdim=True).double().log_())
+    lse = m.double() - p.amax(-1, keepdim=True).double().log_()  # (not in place: float64 m is m.double())
     out = _per_head(p, v)
-    if mask is not None or causal:  # a row that sees no key: softmax's NaN, out 0 and lse -inf
-        empty = torch.isneginf(m)
-        out, lse = out.masked_fill_(empty, 0.0), lse.masked_fill_(empty, NEG_INF)
-    return out, lse.squeeze(-1)
+    # a row that sees no key (a mask, or every score -inf from infinite keys, which the op and the
+    # kernels take as hidden): softmax's NaN, made out 0 and lse -inf as theirs
+    empty = torch.isneginf(m)
+    return out.masked_fill_(empty, 0.0), lse.masked_fill_(empty, NEG_INF).squeeze(-1)
 
 
 def _small_piece(q, k, v, causal: bool, mask, scale: float):
     """:func:`_wide_piece` of a piece under :data:`SMALL_PRODUCT` a head (a window's sinks, a short chunk or
-    suffix): in float64 throughout, out rounded to float32 once. Its float32 scores would round apart from
-    the naive's over all the row's keys (at |s| 50, 1.5e-6 a score), where the op's match them; in
-    float64 its error is out's one rounding. Few ops: a decoding step pays each one (about 5 us)."""
-    s = torch.matmul(q.double(), k.double().transpose(-1, -2)).mul_(scale)   # (B, H, L, S)
-    if mask is not None:
-        s = s.add_(mask)
-    if causal:
-        s = s.masked_fill_(torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=q.device).triu(1), NEG_INF)
-    m = s.amax(-1, keepdim=True)
-    m = m.masked_fill_(m == NEG_INF, 0.0)  # a row that sees no key: p 0, total 0
-    total = s.sub_(m).exp_().sum(-1, keepdim=True)
-    out = torch.matmul(s, v.double()).div_(total).masked_fill_(total == 0, 0.0)  # 0 / 0 on a row of no key
-    return out.float(), (m + total.log()).squeeze(-1)                             # lse -inf there; NaN stays
+    suffix): :func:`_wide_rows` in float64, out rounded to float32 once. Its float32 scores would round
+    apart from the naive's over all the row's keys (at |s| 50, 1.5e-6 a score), where the op's match
+    them; in float64 its error is out's one rounding."""
+    out, lse = _wide_rows(q.double(), k.double(), v.double(), causal, mask, scale, 0)
+    return out.float(), lse
 
 
 #: torch's batched matmul takes a product (rows x contraction x columns a batch) under this to a loop of

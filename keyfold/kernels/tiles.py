@@ -121,8 +121,8 @@ def forward(q, k, v, plan: Plan, pb: Problem, lse_exact: bool = True, wide_lse: 
     lse_exact: lse is computed with the same ``torch.exp`` a backward recomputes P with (``exp(s - lse)``
     then sums to 1 to rounding). False when no backward and no caller will see lse (``attention``
     without ``return_lse`` or autograd): the softmax runs through ``torch.softmax``, faster.
-    wide_lse: float32 inputs give lse in float64, ``m + log(sum)`` summed there (see
-    :func:`keyfold.kernels.cpu.forward`)."""
+    wide_lse: lse in float64 (float32 and 16-bit inputs; float64's is anyway), ``m + log(sum)`` summed
+    there (see :func:`keyfold.kernels.cpu.forward`)."""
     sd = state_dtype(q.dtype)
     ld = torch.float64 if wide_lse else sd  # lse's dtype (float64 inputs: float64 anyway)
     B, Hq, Nq, _ = q.shape

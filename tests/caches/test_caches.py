@@ -855,3 +855,26 @@ def test_split_chunks_whose_batch_dims_do_not_flatten_hold_the_rule(seed, B, H, 
     out = decode(q, cache, splits=splits)
     for b in range(B):
         assert_rows_by_rule(out[b:b + 1], q[b:b + 1], k[b:b + 1], v[b:b + 1])
+
+
+@pytest.mark.parametrize("keys", [5, 700])  # the float64 path of small pieces, and the float32 one
+def test_wide_pieces_give_rows_that_see_no_key_zero_and_keep_nan(keys):
+    """cpu._wide_piece (the merged pieces the fused op would have run) gives a row whose every score is -inf
+    (a mask, or infinite keys, which the op and the kernels take as hidden) out 0 and lse -inf, and a row
+    with a NaN input NaN, as the op does."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 3, 64, generator=g) for _ in range(3))
+    k, v = torch.randn(1, 2, keys, 64, generator=g), torch.randn(1, 2, keys, 64, generator=g)
+    k[0, 0] = float("-inf") * torch.sign(q[0, 0, 0]).expand(keys, 64)   # head 0, row 0: every score -inf
+    q[0, 1, 2, 0] = float("nan")
+    mask = torch.zeros(1, 1, 3, keys)
+    mask[..., 1, :] = float("-inf")                                     # row 1 hidden
+    out, lse = cpu._wide_piece(q, k, v, False, mask, 0.125)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float64
+    assert bool((out[0, 0, 0] == 0).all()) and float(lse[0, 0, 0]) == float("-inf")
+    # (head 0's other rows meet its infinite keys with mixed signs: inf - inf, NaN, as in the op)
+    assert bool((out[0, 1, 1] == 0).all()) and float(lse[0, 1, 1]) == float("-inf")
+    assert bool(torch.isnan(out[0, 1, 2]).all()) and bool(torch.isnan(lse[0, 1, 2]))
+    assert bool(torch.isfinite(out[0, 1, :2]).all())
+    out, lse = cpu._wide_piece(q, k, v, False, None, 0.125)   # no mask: the infinite keys alone hide row 0
+    assert bool((out[0, 0, 0] == 0).all()) and float(lse[0, 0, 0]) == float("-inf")
