@@ -9,8 +9,10 @@
  * M = max_c m_c and L = sum_c exp(m_c - M) l_c.
  *
  * Keys and values may be float32, bfloat16 or float16 and are widened in registers, so a 16-bit
- * cache is read at its own size; arithmetic is float32 throughout. The rows of a GQA group come in
- * as rows of one key/value head, so the group reads its keys once.
+ * cache is read at its own size; arithmetic is float32, except where the caller asks for exact scores
+ * (exact_scores: sums in double of the exact products, the running max in double; any row count up
+ * to MAXR, on item()). The rows of a GQA group come in as rows of one key/value head, so the group
+ * reads its keys once.
  *
  * Built by keyfold/kernels/native.py with the system C compiler (-march=native -fopenmp; AVX-512 F, BW
  * and VL are required, else the build fails and keyfold keeps PyTorch's fused op). The work items run on
@@ -42,6 +44,8 @@ typedef struct {
     const float *q;               /* (B, H, R, D) float32, contiguous */
     const uint16_t *qbf;          /* the same q in bfloat16 when it is exactly that (else NULL) */
     float scale;
+    double dscale;                /* the scale as given, for exact scores */
+    int exact;                    /* scores in double (exact_scores) */
     const char *k, *v;            /* key and value bases; rows contiguous, other dims strided */
     int dtype;                    /* of k and v */
     long long skb, skh, skn, svb, svh, svn;  /* strides in elements */
@@ -50,7 +54,8 @@ typedef struct {
     int chunks;                   /* key chunks per (b, h) */
     const float *mask;            /* additive, added to the scaled scores, or NULL; keys contiguous */
     long long smb, smh, smr;      /* its strides in elements (0 where broadcast) */
-    float *acc, *m, *l;           /* per work item: (R, 16 Wv), (R), (R) */
+    float *acc, *l;               /* per work item: (R, 16 Wv), (R) */
+    double *m;                    /* per work item: (R), a double for exact scores' running max */
     float *out;                   /* (B, H, R, Dv) */
     double *lse;                  /* (B, H, R): decode_merge.h says why double */
 } job_t;
@@ -113,8 +118,114 @@ static inline void scores_rows(const job_t *J, const float *q, int ldq, int R, c
     }
 }
 
-/* One work item: rows of (b, h) over the keys of chunk c. */
-static void item(const job_t *J, int w) {
+/* Exact scores (J->exact): scores of R rows for the nb keys of a block into sd (row r at sd + r * BK),
+ * in double: a float32 product of float32 elements is exact in double and the sum of D of them rounds at
+ * 2^-53, so a score carries no rounding of float32's, where the naive attention's carry its GEMM's. Past
+ * a few units of score spread that rounding is what the 2x rule measures (an error of |s| 2^-24 a score
+ * moves a row's weights by as much), and two float32 sums in different orders (this kernel's, torch's
+ * GEMM over a cascade's folded rows, the naive's GEMV over one row) each go past twice the other's in some
+ * calls: a cascade of 4 requests over 1,000 keys at score std 30 broke the rule in 47 of 200 calls on this
+ * kernel's float32 scores, in 0 of 200 on exact ones. qd: the rows' q in double, zero past D. */
+/* Lane j of the result = the sum of t[j]'s lanes, for 8 double vectors: pairs within 128-bit blocks, then
+ * blocks, in three shuffle-and-add rounds */
+static inline __m512d tree8d(const __m512d *t) {
+    __m512d a[4];
+    for (int i = 0; i < 4; i++)
+        a[i] = _mm512_add_pd(_mm512_unpacklo_pd(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_pd(t[2 * i], t[2 * i + 1]));
+    const __m512d b0 = _mm512_add_pd(_mm512_shuffle_f64x2(a[0], a[1], 0x88), _mm512_shuffle_f64x2(a[0], a[1], 0xDD));
+    const __m512d b1 = _mm512_add_pd(_mm512_shuffle_f64x2(a[2], a[3], 0x88), _mm512_shuffle_f64x2(a[2], a[3], 0xDD));
+    return _mm512_add_pd(_mm512_shuffle_f64x2(b0, b1, 0x88), _mm512_shuffle_f64x2(b0, b1, 0xDD));
+}
+
+/* One key's partial sums against RR (1-4, a constant where this is inlined) rows of qd from row r0: the
+ * key's slices widened once, each row's two chains (low and high halves of the slices) in registers;
+ * row r's sum vector into t[8 r] */
+static inline __attribute__((always_inline)) void exact_key(const job_t *J, const double *qd, int W, const char *kr,
+                                                            __mmask16 tk, const int RR, __m512d *t) {
+    __m512d a[4], b[4];
+    for (int r = 0; r < RR; r++) a[r] = b[r] = _mm512_setzero_pd();
+    for (int i = 0; i < W; i++) {
+        const __mmask16 m = i == W - 1 ? tk : 0xFFFF;
+        __m512d lo, hi;
+        if (J->dtype == KF_F32) {  /* each half widened from memory: no shuffle to split the vector */
+            const float *x = (const float *)kr + 16 * i;
+            lo = _mm512_cvtps_pd(_mm256_maskz_loadu_ps((__mmask8)m, x));
+            hi = _mm512_cvtps_pd(_mm256_maskz_loadu_ps((__mmask8)(m >> 8), x + 8));
+        } else {
+            const __m512 x = load16(kr + (size_t)i * 32, J->dtype, m);
+            lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+            hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+        }
+        for (int r = 0; r < RR; r++) {
+            a[r] = _mm512_fmadd_pd(_mm512_load_pd(qd + (size_t)r * 16 * W + 16 * i), lo, a[r]);
+            b[r] = _mm512_fmadd_pd(_mm512_load_pd(qd + (size_t)r * 16 * W + 16 * i + 8), hi, b[r]);
+        }
+    }
+    for (int r = 0; r < RR; r++) t[8 * r] = _mm512_add_pd(a[r], b[r]);
+}
+
+static inline void exact_scores(const job_t *J, const double *qd, int R, const char *kr, size_t kstep, int nb,
+                                size_t kpf, size_t krow, int W, __mmask16 tk, const float *mk, __m512d *tt,
+                                double *sd) {
+    const __m512d scale = _mm512_set1_pd(J->dscale);
+    for (int j0 = 0; j0 < nb; j0 += 8) {
+        /* eight keys: each row's partial vector a key into tt (row r, key j at tt[8 r + j]), four rows
+         * at a time, a key widened once for them */
+        for (int j = 0; j < 8; j++, kr += kstep) {
+            if (j0 + j >= nb) {
+                for (int r = 0; r < R; r++) tt[8 * r + j] = _mm512_setzero_pd();
+                continue;
+            }
+            prefetch_row(kr + kpf, krow);
+            for (int r0 = 0; r0 < R; r0 += 4) {
+                const double *q = qd + (size_t)r0 * 16 * W;
+                __m512d *t = tt + 8 * r0 + j;
+                switch (R - r0 < 4 ? R - r0 : 4) {
+                case 1: exact_key(J, q, W, kr, tk, 1, t); break;
+                case 2: exact_key(J, q, W, kr, tk, 2, t); break;
+                case 3: exact_key(J, q, W, kr, tk, 3, t); break;
+                default: exact_key(J, q, W, kr, tk, 4, t); break;
+                }
+            }
+        }
+        const __mmask8 in = (__mmask8)first(nb - j0);
+        for (int r = 0; r < R; r++) {  /* the eight keys' sums by one transpose, scaled, the mask added */
+            __m512d y = _mm512_mul_pd(tree8d(tt + 8 * r), scale);
+            if (mk) y = _mm512_add_pd(y, _mm512_cvtps_pd(_mm256_maskz_loadu_ps(in, mk + r * J->smr + j0)));
+            _mm512_store_pd(sd + (size_t)r * BK + j0, y);
+        }
+    }
+}
+
+/* The online softmax of an exact-scores block (sd, nb keys) for row r: the running max mm in double, each
+ * weight exp(s - m) from s - m rounded to float32 (exact where s is near m, and a weight far below 1 carries
+ * its rounding in proportion), into p; returns the factor for what came before. NaN and -inf as item()'s. */
+static inline float exact_softmax(const double *sd, int nb, double *mm, float *ll, float *p) {
+    __m512d bm = _mm512_set1_pd(-INFINITY);
+    for (int j = 0; j < nb; j += 8)
+        bm = _mm512_mask_max_pd(bm, (__mmask8)first(nb - j), bm, _mm512_load_pd(sd + j));
+    const double mx = _mm512_reduce_max_pd(bm), mn = (isnan(mx) || mx > *mm) ? mx : *mm;
+    const double base = mn == -INFINITY ? 0.0 : mn;
+    const float corr = _mm512_cvtss_f32(exp16(_mm512_set1_ps((float)(*mm - base))));  /* 0 on the first block */
+    const __m512d bv = _mm512_set1_pd(base);
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < nb; j += 16) {
+        const __m256 d0 = _mm512_cvtpd_ps(_mm512_sub_pd(_mm512_load_pd(sd + j), bv));
+        const __m256 d1 = _mm512_cvtpd_ps(_mm512_sub_pd(_mm512_load_pd(sd + j + 8), bv));
+        const __m512 d = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(d0)),
+                                                             _mm256_castps_pd(d1), 1));
+        const __m512 x = _mm512_maskz_mov_ps(first(nb - j), exp16(d));
+        _mm512_store_ps(p + j, x);
+        sum = _mm512_add_ps(sum, x);
+    }
+    *ll = *ll * corr + _mm512_reduce_add_ps(sum);
+    *mm = mn;
+    return corr;
+}
+
+/* One work item: rows of (b, h) over the keys of chunk c. `mem`: exact scores' scratch (exact_parts bytes,
+ * 64-byte aligned), from the heap (64 rows of head size 256 in double are 128 KiB). */
+static void item(const job_t *J, int w, char *mem) {
     const int c = w % J->chunks, bh = w / J->chunks, b = bh / J->H, h = bh % J->H;
     const int R = J->R, D = J->D, Dv = J->Dv, dt = J->dtype;
     const int W = (D + 15) / 16, Wv = (Dv + 15) / 16;
@@ -128,17 +239,22 @@ static void item(const job_t *J, int w) {
     const char *vp = J->v + (size_t)(b * J->svb + h * J->svh) * es + (size_t)n0 * vstep;
     /* stack scratch sized by the call (about 10 KB for 4 rows of 64): the rows' q (zero past D), the
      * block's scores (then exp(s - m)), the block's values in float32 (several rows over 16-bit values) */
-    float qs[R][16 * W] __attribute__((aligned(64)));
+    const int ex = J->exact;
+    float qs[ex ? 1 : R][16 * W] __attribute__((aligned(64)));
     float s[R][BK] __attribute__((aligned(64)));
+    /* exact scores: the rows' q, the block's scores, eight keys' partial sums a row, in double */
+    double *const qd = (double *)mem, *const sd = qd + (ex ? (size_t)R * 16 * W : 0);
+    __m512d *const tt = (__m512d *)(sd + (ex ? (size_t)R * BK : 0));
     float vb[dt != KF_F32 && R > 1 ? BK : 1][16 * Wv] __attribute__((aligned(64)));
-    float *acc = J->acc + (size_t)w * R * Wv * 16, *mm = J->m + (size_t)w * R, *ll = J->l + (size_t)w * R;
+    float *acc = J->acc + (size_t)w * R * Wv * 16, *ll = J->l + (size_t)w * R;
+    double *mm = J->m + (size_t)w * R;
     const __m512 scale = _mm512_set1_ps(J->scale);
     const float *mk = J->mask ? J->mask + b * J->smb + h * J->smh + n0 : NULL;  /* row 0's mask at key n0 */
     const int Wb = (D + 31) / 32;                             /* 32-element bfloat16 vectors per row */
     uint16_t (*qh)[32 * Wb] = NULL;                           /* the rows' bfloat16 q, zero past D */
 #ifdef __AVX512BF16__
-    uint16_t qhb[J->qbf && dt == KF_BF16 ? R : 1][32 * Wb] __attribute__((aligned(64)));
-    if (J->qbf && dt == KF_BF16) {
+    uint16_t qhb[J->qbf && dt == KF_BF16 && !ex ? R : 1][32 * Wb] __attribute__((aligned(64)));
+    if (J->qbf && dt == KF_BF16 && !ex) {
         qh = qhb;
         for (int r = 0; r < R; r++) {
             memset(qh[r], 0, sizeof(uint16_t) * 32 * Wb);
@@ -147,14 +263,32 @@ static void item(const job_t *J, int w) {
     }
 #endif
     for (int r = 0; r < R; r++) {
-        memset(qs[r], 0, sizeof(float) * 16 * W);
-        memcpy(qs[r], J->q + ((size_t)bh * R + r) * D, sizeof(float) * D);
+        const float *qr = J->q + ((size_t)bh * R + r) * D;
+        if (ex)
+            for (int d = 0; d < 16 * W; d++) qd[(size_t)r * 16 * W + d] = d < D ? (double)qr[d] : 0.0;
+        else {
+            memset(qs[r], 0, sizeof(float) * 16 * W);
+            memcpy(qs[r], qr, sizeof(float) * D);
+        }
         mm[r] = -INFINITY;
         ll[r] = 0.0f;
     }
     memset(acc, 0, sizeof(float) * R * Wv * 16);
     for (long long n = n0; n < n1; n += BK) {
         const int nb = (int)(n1 - n < BK ? n1 - n : BK);
+        if (ex) {  /* scores in double, then the online softmax from them */
+            exact_scores(J, qd, R, kp, kstep, nb, kpf, krow, W, tk, mk ? mk + (n - n0) : NULL, tt, sd);
+            kp += (size_t)nb * kstep;
+            for (int r = 0; r < R; r++) {
+                const float corr = exact_softmax(sd + (size_t)r * BK, nb, &mm[r], &ll[r], s[r]);
+                if (corr != 1.0f) {
+                    const __m512 cv = _mm512_set1_ps(corr);
+                    float *a = acc + (size_t)r * Wv * 16;
+                    for (int i = 0; i < Wv; i++) _mm512_storeu_ps(a + 16 * i, _mm512_mul_ps(cv, _mm512_loadu_ps(a + 16 * i)));
+                }
+            }
+            goto values;
+        }
         /* scores, 16 keys at a time: a partial vector per key, the 16 summed by one transpose */
         for (int j0 = 0; j0 < nb; j0 += 16) {
             const int m = nb - j0 < 16 ? nb - j0 : 16;
@@ -188,13 +322,13 @@ static void item(const job_t *J, int w) {
         for (int r = 0; r < R; r++) {
             __m512 bm = _mm512_set1_ps(-INFINITY);
             for (int j = 0; j < nb; j += 16) bm = _mm512_mask_max_ps(bm, first(nb - j), bm, _mm512_load_ps(&s[r][j]));
-            const float mx = _mm512_reduce_max_ps(bm), mn = (isnan(mx) || mx > mm[r]) ? mx : mm[r];
+            const float mo = (float)mm[r], mx = _mm512_reduce_max_ps(bm), mn = (isnan(mx) || mx > mo) ? mx : mo;
             /* a row that has seen no key yet (a mask's -inf, or scores of -inf from an infinite k, which
              * PyTorch's op also takes as hidden keys) keeps m = -inf and subtracts 0: every p and corr is
              * 0. Without a mask it subtracted -inf, and a first block or chunk of -inf scores made the
              * row NaN where a later one did not (found in decode_avx2.c's review, 2026-12-07) */
             const float base = mn == -INFINITY ? 0.0f : mn;
-            const float corr = _mm512_cvtss_f32(exp16(_mm512_set1_ps(mm[r] - base)));  /* 0 on the first block */
+            const float corr = _mm512_cvtss_f32(exp16(_mm512_set1_ps(mo - base)));  /* 0 on the first block */
             const __m512 mnv = _mm512_set1_ps(base);
             __m512 sum = _mm512_setzero_ps();
             for (int j = 0; j < nb; j += 16) {
@@ -216,6 +350,7 @@ static void item(const job_t *J, int w) {
          * (2-4 rows, head size 64; a review); blocked, the chain is BK keys plus one add a block. Float32
          * rows, or a single query row, are read where they lie (16-bit widened in the loop); several
          * rows over 16-bit values read them widened once into vb. */
+    values:;
         const char *vsrc = vp;
         size_t vs = vstep, ves = es;
         int vdt = dt;
@@ -523,7 +658,8 @@ static void few_item(const job_t *J, int w, char *mem) {
         }
     }
     /* the item's state in the layout finish() reads */
-    float *acc = J->acc + (size_t)w * R * Wv * 16, *mm = J->m + (size_t)w * R, *ll = J->l + (size_t)w * R;
+    float *acc = J->acc + (size_t)w * R * Wv * 16, *ll = J->l + (size_t)w * R;
+    double *mm = J->m + (size_t)w * R;
     for (int g = 0; g < G; g++) {
         float mx[16], lx[16];
         _mm512_storeu_ps(mx, mv[g]);
@@ -561,32 +697,36 @@ int kf_features(void) {
 
 /* The entry point (keyfold/kernels/native.py). Returns 0, or -1 for arguments out of range, -2 when
  * the scratch memory cannot be had. */
-int kf_decode(const float *q, const uint16_t *qbf, float scale, const void *k, const void *v, int dtype,
+int kf_decode(const float *q, const uint16_t *qbf, double scale, const void *k, const void *v, int dtype,
               long long skb, long long skh, long long skn, long long svb, long long svh, long long svn,
               const float *mask, long long smb, long long smh, long long smr,
               int B, int H, int R, int D, int Dv, long long N, int chunks, int threads,
-              float *out, double *lse) {
+              float *out, double *lse, int exact) {
     if (B < 1 || H < 1 || R < 1 || R > MAXR || D < 1 || D > 16 * MAXW || Dv < 1 || Dv > 16 * MAXW || N < 1
         || chunks < 1 || dtype < KF_F32 || dtype > KF_F16)
         return -1;
-    job_t J = {q, qbf, scale, (const char *)k, (const char *)v, dtype, skb, skh, skn, svb, svh, svn,
-               B, H, R, D, Dv, N, chunks, mask, smb, smh, smr, NULL, NULL, NULL, out, lse};
+    job_t J = {q, qbf, (float)scale, scale, exact != 0, (const char *)k, (const char *)v, dtype, skb, skh, skn,
+               svb, svh, svn, B, H, R, D, Dv, N, chunks, mask, smb, smh, smr, NULL, NULL, NULL, out, lse};
     const long long items = (long long)B * H * chunks;
     J.acc = malloc(sizeof(float) * (size_t)items * R * ((Dv + 15) / 16 * 16));
-    J.m = malloc(sizeof(float) * (size_t)items * R);
+    J.m = malloc(sizeof(double) * (size_t)items * R);
     J.l = malloc(sizeof(float) * (size_t)items * R);
     if (!J.acc || !J.m || !J.l) { free(J.acc); free(J.m); free(J.l); return -2; }
     if (threads > items) threads = (int)items;
     if (threads < 1) threads = 1;
-    const int few = R >= FEW_ROWS;
+    /* exact scores run item() at any row count (few_item's pair layout is float32's); their scratch is the
+     * rows' q and a block's scores in double */
+    const int few = R >= FEW_ROWS && !J.exact;
     size_t part[6];
-    const size_t per = few ? few_parts(&J, part) : 0;  /* a multiple of 64 */
-    char *scratch = few ? aligned_alloc(64, per * (size_t)threads) : NULL;
-    if (few && !scratch) { free(J.acc); free(J.m); free(J.l); return -2; }
+    const size_t per = few ? few_parts(&J, part)
+                     : J.exact ? (size_t)R * (16 * ((D + 15) / 16) + BK + 64) * sizeof(double) : 0;
+    char *scratch = per ? aligned_alloc(64, per * (size_t)threads) : NULL;
+    if (per && !scratch) { free(J.acc); free(J.m); free(J.l); return -2; }
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (long long w = 0; w < items; w++) {
-        if (few) few_item(&J, (int)w, scratch + per * (size_t)omp_get_thread_num());
-        else item(&J, (int)w);
+        char *mem = per ? scratch + per * (size_t)omp_get_thread_num() : NULL;
+        if (few) few_item(&J, (int)w, mem);
+        else item(&J, (int)w, mem);
     }
     finish(&J);
     free(scratch); free(J.acc); free(J.m); free(J.l);

@@ -14,7 +14,8 @@
  * products in two 8-lane FMA chains (even and odd 8-float slices, so a chain is D/16 terms, as decode.c's
  * 16-lane one), eight keys reduced by one transpose-and-add tree; an online softmax per row over the
  * block; P @ V in blocks of four 8-float slices. Work items are (batch entry, key/value head, key chunk),
- * merged at the end as in decode.c.
+ * merged at the end as in decode.c. Exact scores (decode.c's exact_scores) are one dot product in double
+ * a key and row here (dot_exact), with a horizontal sum each: not tuned, no AVX2 machine was at hand.
  *
  * Built by keyfold/kernels/native.py (-march=native -fopenmp) where the CPU has AVX2, FMA and F16C but
  * not AVX-512 F/BW/VL, into one library with prefill.c (its float32 path) and backward.c, which compute
@@ -42,6 +43,8 @@ enum { KF_F32 = 0, KF_BF16 = 1, KF_F16 = 2 };
 typedef struct {
     const float *q;               /* (B, H, R, D) float32, contiguous */
     float scale;
+    double dscale;                /* the scale as given, for exact scores */
+    int exact;                    /* scores in double (decode.c's exact_scores) */
     const char *k, *v;            /* key and value bases; rows contiguous, other dims strided */
     int dtype;                    /* of k and v */
     long long skb, skh, skn, svb, svh, svn;  /* strides in elements */
@@ -51,7 +54,8 @@ typedef struct {
     const float *mask;            /* additive, added to the scaled scores, or NULL; keys contiguous */
     long long smb, smh, smr;      /* its strides in elements (0 where broadcast) */
     int Dp, Dvp;                  /* D and Dv rounded up to a multiple of 8 */
-    float *acc, *m, *l;           /* per work item: (R, Dvp), (R), (R) */
+    float *acc, *l;               /* per work item: (R, Dvp), (R) */
+    double *m;                    /* per work item: (R), double for exact scores' running max */
     float *out;                   /* (B, H, R, Dv) */
     double *lse;                  /* (B, H, R): decode_merge.h says why double */
 } job_t;
@@ -111,9 +115,52 @@ static inline void prefetch_row(const char *p, size_t bytes) {
 }
 
 /* Floats of one thread's scratch: the block's keys and values widened (BK rows each), the rows' q
- * (padded), their block scores, accumulators; every part a multiple of 8 floats (32-byte aligned). */
+ * (padded), their block scores, and with exact scores those in double; every part a multiple of 8
+ * floats (32-byte aligned). */
 static size_t scratch_floats(const job_t *J) {
-    return (size_t)BK * J->Dp + (size_t)BK * J->Dvp + (size_t)J->R * J->Dp + (size_t)J->R * BK;
+    return (size_t)BK * J->Dp + (size_t)BK * J->Dvp + (size_t)J->R * J->Dp + (size_t)J->R * BK
+           + (J->exact ? 2 * (size_t)J->R * BK : 0);
+}
+
+/* An exact score (decode.c's exact_scores says why): q . k over Dp float32 elements (a multiple of 8,
+ * zeros past the head size), each product exact in double, summed in double */
+static inline double dot_exact(const float *q, const float *k, int Dp) {
+    __m256d a = _mm256_setzero_pd(), b = _mm256_setzero_pd();
+    for (int i = 0; i < Dp; i += 8) {
+        const __m256 x = _mm256_loadu_ps(k + i), y = _mm256_loadu_ps(q + i);
+        a = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(y)), _mm256_cvtps_pd(_mm256_castps256_ps128(x)), a);
+        b = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(y, 1)), _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)), b);
+    }
+    a = _mm256_add_pd(a, b);
+    const __m128d h = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
+}
+
+/* decode.c's exact_softmax on 8 lanes: sd's nb doubles (a multiple of 8 readable, -inf past nb) to weights
+ * exp(s - m) in p, the running max in double; returns the factor for what came before */
+static inline float exact_softmax(const double *sd, int nb8, double *mm, float *ll, float *p) {
+    double mx = -INFINITY;
+    int nan = 0;
+    for (int j = 0; j < nb8; j++) {
+        nan |= isnan(sd[j]);
+        mx = sd[j] > mx ? sd[j] : mx;
+    }
+    if (nan) mx = NAN;
+    const double mn = (isnan(mx) || mx > *mm) ? mx : *mm;
+    const double base = mn == -INFINITY ? 0.0 : mn;
+    const float corr = (float)exp(*mm - base);  /* 0 on the first block */
+    const __m256d bv = _mm256_set1_pd(base);
+    __m256 sum = _mm256_setzero_ps();
+    for (int j = 0; j < nb8; j += 8) {
+        const __m128 d0 = _mm256_cvtpd_ps(_mm256_sub_pd(_mm256_loadu_pd(sd + j), bv));
+        const __m128 d1 = _mm256_cvtpd_ps(_mm256_sub_pd(_mm256_loadu_pd(sd + j + 4), bv));
+        const __m256 x = exp8(_mm256_insertf128_ps(_mm256_castps128_ps256(d0), d1, 1));
+        _mm256_store_ps(p + j, x);
+        sum = _mm256_add_ps(sum, x);
+    }
+    *ll = *ll * corr + hsum8(sum);
+    *mm = mn;
+    return corr;
 }
 
 /* Scores of one row (q padded to W 8-float slices) for keys j0 .. j0 + 7 of a block at `k` (rows `ks`
@@ -184,7 +231,9 @@ static inline __attribute__((always_inline)) void item_of(const job_t *J, int w,
     const char *kp = J->k + (size_t)(b * J->skb + h * J->skh) * es + (size_t)n0 * kstep;
     const char *vp = J->v + (size_t)(b * J->svb + h * J->svh) * es + (size_t)n0 * vstep;
     float *kb = mem, *vb = kb + (size_t)BK * Dp, *qs = vb + (size_t)BK * Dvp, *s = qs + (size_t)R * Dp;
-    float *acc = J->acc + (size_t)w * R * Dvp, *mm = J->m + (size_t)w * R, *ll = J->l + (size_t)w * R;
+    double *sd = (double *)(s + (size_t)R * BK);                 /* exact scores (J->exact) */
+    float *acc = J->acc + (size_t)w * R * Dvp, *ll = J->l + (size_t)w * R;
+    double *mm = J->m + (size_t)w * R;
     const float *mk = J->mask ? J->mask + b * J->smb + h * J->smh + n0 : NULL;  /* row 0's mask at key n0 */
     const __m256 scale = _mm256_set1_ps(J->scale);
     for (int r = 0; r < R; r++) {
@@ -201,7 +250,8 @@ static inline __attribute__((always_inline)) void item_of(const job_t *J, int w,
             prefetch_row(kp + (size_t)j * kstep + kpf, krow);
             prefetch_row(vp + (size_t)j * vstep + vpf, vrow);
         }
-        const int wide = !direct || nb < nb8;  /* the block's keys widened (a short block's padded) */
+        /* the block's keys widened (a short block's padded; 16-bit ones for exact scores, which read floats) */
+        const int wide = !direct || nb < nb8 || (J->exact && dt != KF_F32);
         if (wide) {
             for (int j = 0; j < nb; j++) widen_row(kb + (size_t)j * Dp, kp + (size_t)j * kstep, dt, D, Dp);
             for (int j = nb; j < nb8; j++) memset(kb + (size_t)j * Dp, 0, sizeof(float) * Dp);
@@ -211,6 +261,25 @@ static inline __attribute__((always_inline)) void item_of(const job_t *J, int w,
         for (int r = 0; r < R; r++) {
             const float *qr = qs + (size_t)r * Dp;
             float *sr = s + (size_t)r * BK;
+            float *a = acc + (size_t)r * Dvp;
+            if (J->exact) {  /* scores in double, then the online softmax from them */
+                double *dr = sd + (size_t)r * BK;
+                const float *mr = mk ? mk + r * J->smr + (n - n0) : NULL;
+                for (int j = 0; j < nb; j++) {
+                    const float *kr = wide ? kb + (size_t)j * Dp : (const float *)(kp + (size_t)j * kstep);
+                    const double y = dot_exact(qr, kr, Dp) * J->dscale;
+                    dr[j] = mr ? y + (double)mr[j] : y;
+                }
+                for (int j = nb; j < nb8; j++) dr[j] = -INFINITY;  /* past the block's end */
+                const float corr = exact_softmax(dr, nb8, &mm[r], &ll[r], sr);
+                if (corr != 1.0f) {
+                    const __m256 cv = _mm256_set1_ps(corr);
+                    for (int i = 0; i < Wv; i++) _mm256_store_ps(a + 8 * i, _mm256_mul_ps(cv, _mm256_load_ps(a + 8 * i)));
+                }
+                if (direct) values(a, sr, vp, vstep, nb, Wv, dt);
+                else values(a, sr, (const char *)vb, sizeof(float) * Dvp, nb, Wv, KF_F32);
+                continue;
+            }
             for (int j0 = 0; j0 < nb8; j0 += 8) {
                 const __m256 x = wide ? scores8(qr, (const char *)(kb + (size_t)j0 * Dp), sizeof(float) * Dp, W, KF_F32)
                                       : scores8(qr, kp + (size_t)j0 * kstep, kstep, W, dt);
@@ -228,14 +297,14 @@ static inline __attribute__((always_inline)) void item_of(const job_t *J, int w,
                 bm = _mm256_max_ps(bm, x);
                 nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
             }
-            const float mx = _mm256_movemask_ps(nan) ? NAN : hmax8(bm);
-            const float mn = (isnan(mx) || mx > mm[r]) ? mx : mm[r];
+            const float mo = (float)mm[r], mx = _mm256_movemask_ps(nan) ? NAN : hmax8(bm);
+            const float mn = (isnan(mx) || mx > mo) ? mx : mo;
             /* a row that has seen no key yet (a mask's -inf, or scores of -inf from an infinite k, which
              * PyTorch's op also takes as hidden keys) keeps m = -inf and subtracts 0: every p and corr is
              * 0. Without a mask it subtracted -inf, and a first block or chunk of -inf scores made the
              * row NaN where a later one did not (a review, 2026-12-07) */
             const float base = mn == -INFINITY ? 0.0f : mn;
-            const float corr = _mm256_cvtss_f32(exp8(_mm256_set1_ps(mm[r] - base)));  /* 0 on the first block */
+            const float corr = _mm256_cvtss_f32(exp8(_mm256_set1_ps(mo - base)));  /* 0 on the first block */
             const __m256 bv = _mm256_set1_ps(base);
             __m256 sum = _mm256_setzero_ps();
             for (int j = 0; j < nb8; j += 8) {
@@ -243,7 +312,6 @@ static inline __attribute__((always_inline)) void item_of(const job_t *J, int w,
                 _mm256_store_ps(sr + j, p);
                 sum = _mm256_add_ps(sum, p);
             }
-            float *a = acc + (size_t)r * Dvp;
             if (corr != 1.0f) {
                 const __m256 cv = _mm256_set1_ps(corr);
                 for (int i = 0; i < Wv; i++) _mm256_store_ps(a + 8 * i, _mm256_mul_ps(cv, _mm256_load_ps(a + 8 * i)));
@@ -275,21 +343,21 @@ int kf_features(void) { return 8 | 4; }
 /* The entry point, decode.c's signature (native.py declares it once for both builds); qbf, a bfloat16
  * copy of q, is not read here: keys are widened and dotted in float32. Returns 0, or -1 for arguments
  * out of range, -2 when the scratch memory cannot be had. */
-int kf_decode(const float *q, const uint16_t *qbf, float scale, const void *k, const void *v, int dtype,
+int kf_decode(const float *q, const uint16_t *qbf, double scale, const void *k, const void *v, int dtype,
               long long skb, long long skh, long long skn, long long svb, long long svh, long long svn,
               const float *mask, long long smb, long long smh, long long smr,
               int B, int H, int R, int D, int Dv, long long N, int chunks, int threads,
-              float *out, double *lse) {
+              float *out, double *lse, int exact) {
     (void)qbf;
     if (B < 1 || H < 1 || R < 1 || R > MAXR || D < 1 || D > MAXD || Dv < 1 || Dv > MAXD || N < 1
         || chunks < 1 || dtype < KF_F32 || dtype > KF_F16)
         return -1;
-    job_t J = {q, scale, (const char *)k, (const char *)v, dtype, skb, skh, skn, svb, svh, svn,
+    job_t J = {q, (float)scale, scale, exact != 0, (const char *)k, (const char *)v, dtype, skb, skh, skn, svb, svh, svn,
                B, H, R, D, Dv, N, chunks, mask, smb, smh, smr, (D + 7) / 8 * 8, (Dv + 7) / 8 * 8,
                NULL, NULL, NULL, out, lse};
     const long long items = (long long)B * H * chunks;
     J.acc = aligned_alloc(64, (sizeof(float) * (size_t)items * R * J.Dvp + 63) / 64 * 64);  /* vector loads */
-    J.m = malloc(sizeof(float) * (size_t)items * R);
+    J.m = malloc(sizeof(double) * (size_t)items * R);
     J.l = malloc(sizeof(float) * (size_t)items * R);
     if (threads > items) threads = (int)items;
     if (threads < 1) threads = 1;

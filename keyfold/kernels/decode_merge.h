@@ -10,16 +10,18 @@
 #include <stddef.h>
 #include <string.h>
 
-/* BH heads of R rows over C chunks: chunk c of row r of head bh has its running max and sum at m[i],
+/* BH heads of R rows over C chunks: chunk c of row r of head bh has its running max (double: exact scores'
+ * maxima are doubles; float32 ones are exact in it) and sum at m[i],
  * l[i] and its accumulator at acc + i * P (P floats a row, P >= Dv), i = (bh * C + c) * R + r; out
  * (BH, R, Dv) and lse (BH, R), float64. A chunk of no keys (m = -inf, l = 0) is skipped; any other, NaN included,
  * takes part, so a NaN or +inf score reaches out and lse as NaN. A row that saw no key in any chunk
  * (masked, or every score -inf) gets out 0 and lse -inf. */
-static void merge_chunks(int BH, int R, int C, int Dv, int P, const float *m, const float *l, const float *acc,
+static void merge_chunks(int BH, int R, int C, int Dv, int P, const double *m, const float *l, const float *acc,
                          float *out, double *lse) {
     for (int bh = 0; bh < BH; bh++)
         for (int r = 0; r < R; r++) {
-            float M = -INFINITY, L = 0.0f;
+            double M = -INFINITY;
+            float L = 0.0f;
             for (int c = 0; c < C; c++) {
                 const size_t i = (size_t)(bh * C + c) * R + r;
                 if (l[i] == 0.0f && m[i] == -INFINITY) continue;
@@ -31,7 +33,7 @@ static void merge_chunks(int BH, int R, int C, int Dv, int P, const float *m, co
             for (int c = 0; c < C; c++) {
                 const size_t i = (size_t)(bh * C + c) * R + r;
                 if (l[i] == 0.0f && m[i] == -INFINITY) continue;
-                const float f = expf(m[i] - M);
+                const float f = (float)exp(m[i] - M);
                 const float *a = acc + i * P;
                 L += f * l[i];
                 for (int d = 0; d < Dv; d++) o[d] += f * a[d];
@@ -42,7 +44,7 @@ static void merge_chunks(int BH, int R, int C, int Dv, int P, const float *m, co
             }
             const float inv = 1.0f / L;
             for (int d = 0; d < Dv; d++) o[d] *= inv;
-            lse[(size_t)bh * R + r] = (double)M + log((double)L);
+            lse[(size_t)bh * R + r] = M + log((double)L);
         }
 }
 #endif

@@ -171,7 +171,7 @@ def _load(sources: tuple[Path, ...]) -> tuple[ctypes.CDLL | None, str]:
     P, LL, I = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
     lib.kf_decode.restype = I
     lib.kf_features.restype = I
-    lib.kf_decode.argtypes = [P, P, ctypes.c_float, P, P, I, *[LL] * 6, P, LL, LL, LL, I, I, I, I, I, LL, I, I, P, P]
+    lib.kf_decode.argtypes = [P, P, ctypes.c_double, P, P, I, *[LL] * 6, P, LL, LL, LL, I, I, I, I, I, LL, I, I, P, P, I]
     if hasattr(lib, "kf_prefill"):  # benchmarks/kernel_ab.py may build without it
         lib.kf_prefill_init.restype = I
         lib.kf_prefill.restype = I
@@ -312,12 +312,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
 
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-        mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        mask: torch.Tensor | None = None, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attend` without its checks, for a caller that has just asked :func:`pays` (the
     decoding step's router: the checks would run twice per step). ``mask``: an additive float32 mask
     that broadcasts to ``(B, H, R, N)`` (a piece's tile: -inf where a row does not see a key, a bias
     where it does; :func:`mask_takes` says which it takes), added to the scaled scores; a row that sees
-    no key gets out 0 and lse -inf."""
+    no key gets out 0 and lse -inf. ``exact``: scores summed in double from the exact products of
+    the float32 values (q, k, scale and mask as given), the running max in double, the rest as
+    without: a score carries no float32 rounding (decode.c's ``exact_scores`` says why that counts),
+    for a state merged with others."""
     global calls
     B, H, R, D = q.shape
     N, Dv = k.shape[2], v.shape[-1]
@@ -337,7 +340,7 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     rc = _lib.kf_decode(qs.data_ptr(), None if qb is None else qb.data_ptr(), scale, k.data_ptr(), v.data_ptr(), _DTYPES[k.dtype], *k.stride()[:3],
                         *v.stride()[:3], None if m is None else m.data_ptr(), *ms,
                         B, H, R, D, Dv, N, _chunks(B * H, N, threads, k.dtype), threads,
-                        out.data_ptr(), lse.data_ptr())
+                        out.data_ptr(), lse.data_ptr(), int(exact))
     calls += 1
     if rc != 0:
         raise RuntimeError(f"keyfold's native decode kernel refused q {tuple(q.shape)}, k {tuple(k.shape)}, "
