@@ -259,55 +259,70 @@ def _op(q, k, v, causal: bool, mask, scale: float, way: str | None = None, wide:
     when the caller has asked it already), by float32 chunks where :func:`_chunks_pay`, else in float32
     for float16 where :data:`FP16_AS_FP32` says so (inputs not yet widened), else as given. ``wide``
     (a call whose states the caller merges, :func:`forward`'s ``wide_lse``): out in float32 and lse
-    in float64, on the decode kernel where the router sends the call there (its routing is the rule's:
-    the kernel's sums over 2-5 float32 rows at head size 128 are less exact than torch's GEMM, which
-    the op's route keeps) or by float32 chunks, else instead of the op: a 16-bit call on the decode
-    kernel where it takes it (:func:`_wide_native`), else on the op with its inputs widened to float32
-    (exact); a float32 one by :func:`_wide_piece`. The op's 16-bit out is rounded to 16 bits, and a
-    merge of such pieces rounds once per piece where the naive attention rounds once."""
+    in float64. A float32 call then has exact scores (sums in double of the exact products): on the
+    decode kernel where it takes the call (any row count up to its 64, not the causal flag), else
+    :func:`_wide_piece`; a merge weighs each piece by its lse, and float32 scores rounded apart from the
+    naive's broke the rule (a cascade's folded rows: 47 of 200 at score std 30). A 16-bit call goes as
+    the router says (the decode kernel, float32 chunks), else to the decode kernel where it takes it
+    (:func:`_wide_native`), else to the op with its inputs widened to float32 (exact): the op's 16-bit
+    out is rounded to 16 bits, and a merge of such pieces rounds once per piece where the naive
+    attention rounds once."""
+    if wide and q.dtype is torch.float32:
+        if not causal and native.pays(q, k, v, 1) and (mask is None or native.mask_takes(mask, q, k)):
+            return native.run(q, k, v, scale, mask, exact=True)
+        return _wide_piece(q, k, v, causal, mask, scale)
     way = way or _route(q, k, v, causal, mask)
-    if way == "native":
-        return native.run(q, k, v, scale, mask)  # _native_pays has checked what attend would
+    if way == "native":  # _native_pays has checked what attend would
+        return native.run(q, k, v, scale, mask, exact=_exact(q))
     if way == "chunks":
         return _by_chunks(q, k, v, scale)
     if wide:
         if _wide_native(q, causal) and native.pays(q, k, v, 1) and (mask is None or native.mask_takes(mask, q, k)):
             return native.run(q, k, v, scale, mask)
-        if q.dtype is not torch.float32:  # the op in float32 on the exact widened values: out never 16-bit
-            return _FWD(*(_rows(x.float()) for x in (q, k, v)), 0.0, causal, attn_mask=mask, scale=scale)
-        return _wide_piece(q, k, v, causal, mask, scale)
+        # the op in float32 on the exact widened values: out never 16-bit
+        return _FWD(*(_rows(x.float()) for x in (q, k, v)), 0.0, causal, attn_mask=mask, scale=scale)
     q, k, v = _widen(_rows(q), _rows(k), _rows(v))
     return _FWD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+
+
+def _exact(q) -> bool:
+    """Whether the decode kernel computes a call's scores exactly (``native.run(exact=True)``): float32
+    calls of fewer than ``native.FEW_ROWS`` rows. Its float32 sums over the head dimension round apart
+    from the naive attention's BLAS ones, and at a few rows the maximum error over a call is a maximum
+    of few terms, so it went past twice the naive's often: a GQA decoding step (8 query heads over 2,
+    one row each, 1,000 keys, scores of std 30) in 6 of 100 calls, up to 4.3x. In double the scores
+    carry no rounding of float32's: 0 of 100, at 0.98-1.03x the time over a cache read from memory and
+    1.25-1.55x over 1,000 keys in cache. From FEW_ROWS rows the kernel's blocked sums keep float32
+    (0 of 100 at 16 and 64 rows, std 30), where exact scores took 1.8-2.7x the time."""
+    return q.dtype is torch.float32 and q.shape[2] < native.FEW_ROWS
 
 
 def _wide_native(q, causal: bool) -> bool:
     """Whether a piece the router sends to the fused op goes to the decode kernel instead under ``wide``
     (:func:`_op`): a 16-bit one, which the kernel computes in float32 from the exact 16-bit values (a
     bfloat16 cascade of 64 rows a request takes 1.2x the time it took on the op in bfloat16; on the op
-    with widened inputs 1.25x, on _wide_piece 1.4x). Not a float32 one, though the op takes one row
-    only for its speed (NATIVE_F32_ROWS) and the kernel's lse is float64: its scores round apart from
-    the naive's BLAS ones, where :func:`_wide_piece`'s torch matmul
-    matches them for most piece sizes (1,000 split decodes of one row a head, score spreads 5-30: 7 past
-    the rule where one attention call held it on the kernel, 2 on _wide_piece), at 1.2-1.6x the op's
-    time a piece. Not the causal flag's pieces, which the kernel does not take."""
+    with widened inputs 1.25x, on _wide_piece 1.4x). Float32 ones go to the kernel's exact scores
+    before the router is asked (:func:`_op`). Not the causal flag's pieces, which the kernel does not take."""
     return not causal and q.dtype is not torch.float32
 
 
-#: Scores a :func:`_wide_piece` holds at once (batch x heads x rows x keys; 4 MiB of float32): rows go
+#: Scores a :func:`_wide_piece` holds at once (batch x heads x rows x keys; 8 MiB of float64): rows go
 #: in chunks of this over the keys, so no call allocates its rows x keys scores whole.
 WIDE_SCORES = 1 << 20
 
 
 def _wide_piece(q, k, v, causal: bool, mask, scale: float):
-    """``(out, lse)`` of float32 ``q (B, H, L, W)`` over ``k, v (B, H, S, .)`` with lse in float64: the
-    naive attention's arithmetic (scores by torch's matmul times ``scale``, the additive tile ``mask``
-    added, ``torch.softmax`` in float32, ``P @ V``; a piece under :data:`SMALL_PRODUCT` a head all in
-    float64, :func:`_small_piece`), its lse ``m - log(P at the max)`` in float64. For a call whose
-    states are merged after it (:func:`forward`'s ``wide_lse``): the fused op's lse is float32, rounded
-    at 2^-24 |lse| (4e-6 at 65), and a merge weighs each out by ``exp(lse - lse_total)``, so a decode
-    that merged the op's pieces broke the 2x rule (a fuzz of split-KV, window caches' sinks and band,
-    pages and cascades at score spreads 5-30: up to 3.4x the allowance). ``causal``: top-left, as the
-    op's flag. Rows that see no key: out 0, lse -inf."""
+    """``(out, lse)`` of float32 ``q (B, H, L, W)`` over ``k, v (B, H, S, .)`` with lse in float64, for a
+    piece the decode kernel does not take: exact scores (:func:`_exact_scores`) times ``scale`` with the
+    additive tile ``mask`` added, the row's max ``m`` and weights ``exp(s - m)`` in float64 rounded to
+    float32 once, ``P @ V / l`` in float32, lse ``m + log l`` in float64 (a piece under
+    :data:`SMALL_PRODUCT` a head all in float64, :func:`_small_piece`). For a call whose states are
+    merged after it (:func:`forward`'s ``wide_lse``): the fused op's lse is float32, rounded at 2^-24
+    |lse| (4e-6 at 65), and a merge weighs each out by ``exp(lse - lse_total)``, so a decode that merged
+    the op's pieces broke the 2x rule (a fuzz of split-KV, window caches' sinks and band, pages and
+    cascades at score spreads 5-30: up to 3.4x the allowance); float32 scores, the naive's own matmul's
+    included, broke it in 50 of 200 cascades at score std 30, where exact ones held it in all.
+    ``causal``: top-left, as the op's flag. Rows that see no key: out 0, lse -inf."""
     B, H, L, _ = q.shape
     S = k.shape[2]
     W = max(q.shape[-1], v.shape[-1])
@@ -324,28 +339,49 @@ def _wide_piece(q, k, v, causal: bool, mask, scale: float):
 
 def _wide_rows(q, k, v, causal: bool, mask, scale: float, a: int):
     """:func:`_wide_piece` of rows ``q`` (the piece's rows from ``a`` on, for the causal flag) in one pass"""
-    s = _per_head(q, k.transpose(-1, -2)).mul_(scale)                       # (B, H, r, S)
+    s = _exact_scores(q, k).mul_(scale)                                    # (B, H, r, S) float64
     if mask is not None:
         s = s.add_(mask)
     if causal:
         s = s.masked_fill_(torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=q.device).triu(a + 1),
                            NEG_INF)
     m = s.amax(-1, keepdim=True)
-    p = torch.softmax(s, -1)                                                 # the naive's own P
-    # lse = m + log(sum exp(s - m)), and P at the row's max is exp(0) / sum: one rounding
-    lse = m.double() - p.amax(-1, keepdim=True).double().log_()  # (not in place: float64 m is m.double())
-    out = _per_head(p, v)
     # a row that sees no key (a mask, or every score -inf from infinite keys, which the op and the
-    # kernels take as hidden): softmax's NaN, made out 0 and lse -inf as theirs
+    # kernels take as hidden) subtracts 0: its weights are 0, then out 0 and lse -inf as theirs
     empty = torch.isneginf(m)
+    base = m.masked_fill(empty, 0.0)
+    p = s.sub_(base).to(q.dtype).exp_()  # weights from s - m rounded once: exact near the max
+    l = p.sum(-1, keepdim=True)
+    out = _per_head(p, v).div_(l)
+    lse = base.add_(l.double().log_())
     return out.masked_fill_(empty, 0.0), lse.masked_fill_(empty, NEG_INF).squeeze(-1)
+
+
+#: Key elements (batch x heads x keys x head size) :func:`_exact_scores` widens to float64 at once (8 MiB).
+EXACT_KEYS = 1 << 20
+
+
+def _exact_scores(q, k):
+    """``q @ k^T`` in float64 for ``q (B, H, r, D)``, ``k (B, H, S, D)``: the products of float32 (or 16-bit)
+    values are exact in float64 and their sums round at 2^-53, so the scores carry no float32 rounding
+    (the decode kernel's ``exact`` scores, decode.c's exact_scores says why that counts). Keys are widened
+    :data:`EXACT_KEYS` elements at a time."""
+    B, H, r, D = q.shape
+    S = k.shape[2]
+    qd = q.double()
+    step = max(1, EXACT_KEYS // max(1, B * H * D))
+    if step >= S:
+        return qd @ k.double().transpose(-1, -2)
+    s = torch.empty(B, H, r, S, dtype=torch.float64, device=q.device)
+    for j in range(0, S, step):
+        s[..., j:j + step] = qd @ k[:, :, j:j + step].double().transpose(-1, -2)
+    return s
 
 
 def _small_piece(q, k, v, causal: bool, mask, scale: float):
     """:func:`_wide_piece` of a piece under :data:`SMALL_PRODUCT` a head (a window's sinks, a short chunk or
-    suffix): :func:`_wide_rows` in float64, out rounded to float32 once. Its float32 scores would round
-    apart from the naive's over all the row's keys (at |s| 50, 1.5e-6 a score), where the op's match
-    them; in float64 its error is out's one rounding."""
+    suffix): :func:`_wide_rows` in float64, weights and ``P @ V`` too, out rounded to float32 once: its
+    error is that one rounding."""
     out, lse = _wide_rows(q.double(), k.double(), v.double(), causal, mask, scale, 0)
     return out.float(), lse
 
@@ -358,9 +394,9 @@ def _small_piece(q, k, v, causal: bool, mask, scale: float):
 TORCH_SMALL_BMM = 400
 
 #: A head's piece (rows x keys x head size) below which :func:`_wide_piece` computes in float64
-#: throughout, when the whole piece is also under :data:`SMALL_TOTAL` key elements: a small piece's float32
-#: scores round apart from the naive's over all the row's keys. In float64 the piece's error is out's
-#: one rounding. Against scores rounded to float32 after a float64 product, the whole piece in float64
+#: throughout (weights and ``P @ V`` too, not only the scores), when the whole piece is also under
+#: :data:`SMALL_TOTAL` key elements: its error is out's one rounding. Against scores rounded to float32
+#: after a float64 product (the first exact scores, which rounded them), the whole piece in float64
 #: left fewer calls past the rule where one attention call held it (window sinks at head size 128,
 #: score std 20: 0 of 400 against 5; a cache fuzz 5 of 1,241 against 7; split decodes 3 of 400
 #: against 4).

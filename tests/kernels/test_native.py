@@ -235,7 +235,7 @@ def _spy(monkeypatch):
     """The shapes of q the router sent to the kernel (it calls native.run, attend's unchecked core)."""
     calls = []
     real = native.run
-    monkeypatch.setattr(native, "run", lambda q, k, v, s, mask=None: calls.append(tuple(q.shape)) or real(q, k, v, s, mask))
+    monkeypatch.setattr(native, "run", lambda q, k, v, s, mask=None, exact=False: calls.append(tuple(q.shape)) or real(q, k, v, s, mask, exact))
     return calls
 
 
@@ -445,3 +445,41 @@ def test_the_kernels_sum_lse_in_double_for_the_states_keyfold_merges():
         assert float((lse - ref).abs().max()) < 5e-7
         _, lse32 = native.prefill(q, k, v, 0.125, [native.piece_row(0, R, 0, N, False)])
         assert lse32.dtype == torch.float32 and float((lse32.double() - lse).abs().max()) < 2 * 2 ** -24 * 160
+
+
+@pytest.mark.parametrize("seed, Hkv, Nq", [(18, 2, 1), (30, 2, 1), (46, 2, 1), (55, 2, 1), (83, 2, 1),
+                                           (6, 8, 3), (20, 8, 3), (25, 8, 3), (37, 8, 3)])
+def test_float32_calls_of_few_rows_on_the_kernel_hold_the_rule_at_sharp_scores(seed, Hkv, Nq):
+    """The decode kernel summed a float32 call's scores in float32, in another order than the naive
+    attention's BLAS: at 2-4 rows a head (a GQA group's one-row queries, or three query tokens whose full
+    block it takes) the maximum error over a call is a maximum of few terms, and it broke the rule often
+    at sharp scores (1,000 keys, head size 128, scores of std 30: 6 of 100 GQA steps, up to 4.3x; 8 of 100
+    three-token causal calls, up to 2.2x; these seeds on the Intel Xeon, 2026-12-07). Calls of fewer
+    than native.FEW_ROWS float32 rows now take exact scores: 0 of 100 each."""
+    if not native.available():
+        pytest.skip(native.why())
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 8, Nq, 128, generator=g) * 30 ** 0.5
+    k = torch.randn(1, Hkv, 1000, 128, generator=g) * 30 ** 0.5
+    v = torch.randn(1, Hkv, 1000, 128, generator=g)
+    assert_forward_by_rule(q, k, v, mask=kf.causal())
+
+
+def test_exact_scores_carry_no_float32_rounding():
+    """native.run(exact=True): scores summed in double from the exact float32 products, so its lse over
+    sharp scores is within float32's rounding of the sum of weights (a few 1e-7), where float32 scores put
+    it at |s| 2^-24 and more; out equals the float64 reference as closely. Every dtype, masked or not."""
+    if not native.available():
+        pytest.skip(native.why())
+    g = torch.Generator().manual_seed(0)
+    for R, D, N, dtype in ((1, 128, 1000, torch.float32), (3, 72, 555, torch.bfloat16), (7, 64, 300, torch.float32),
+                           (64, 256, 100, torch.float32), (2, 5, 33, torch.float16)):
+        q = torch.randn(2, 4, R, D, generator=g) * 3
+        k = (torch.randn(2, 4, N, D, generator=g) * 3).to(dtype)
+        v = torch.randn(2, 4, N, D, generator=g).to(dtype)
+        bias = torch.randn(1, 4, R, N, generator=g)
+        for mask in (None, bias.masked_fill(torch.rand(1, 4, R, N, generator=g) < 0.3, float("-inf"))):
+            s = q.double() @ k.double().transpose(-1, -2) * D ** -0.5 + (0 if mask is None else mask.double())
+            out, lse = native.run(q, k, v, D ** -0.5, mask, exact=True)
+            assert float((lse - torch.logsumexp(s, -1)).abs().max()) < 1e-6
+            assert float((out.double() - torch.softmax(s, -1) @ v.double()).abs().max()) < 3e-6
