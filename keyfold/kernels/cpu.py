@@ -180,7 +180,9 @@ NATIVE_F32_AREA = 32768
 
 #: The most query rows of a float32 call with a mask tile (or an additive score's) that the decode
 #: kernel takes: the rows where torch's matmul sums scores in lanes (up to 10 rows at head size 256),
-#: whose sums the op's do not match (NATIVE_F32_ROWS).
+#: whose sums the op's do not match (NATIVE_F32_ROWS). From one row (the kernel's exact scores, _exact):
+#: one ALiBi row on the op went past the rule in 3 of 100 steps at score std 30 over 300 keys, on
+#: the kernel in none, at 1.06-1.22x the step's time (1k-32k keys, head sizes 64 and 128).
 NATIVE_MASKED_ROWS = 16
 
 
@@ -429,19 +431,37 @@ def _per_head(x, y):
     return x @ y
 
 
+def _exact_few_keys(q, k, v, mask) -> bool:
+    """Whether a float32 call of fewer than ``native.FEW_ROWS`` rows over fewer keys than the decode
+    kernel pays its fixed cost for (:func:`_native_keys`) goes to it anyway, for its exact scores
+    (:func:`_exact`). Over a few keys the naive attention's product is torch's small-matmul loop, one
+    chain a score, and the op's sums round apart from it: at score std 30, one row over 20 keys at
+    head size 16 went past the rule in 7 of 200 calls (up to 1.9x), a GQA group's in 9 of 200, ALiBi
+    over 35-250 keys in 1 of 3,500 cache decodes; on the kernel, none. It costs 7-40 us a call (the op
+    10-24 us, the kernel 17-64; 20-255 keys, 1-4 rows, 2-8 heads)."""
+    rows = q.shape[2]
+    if q.dtype is not torch.float32 or rows >= native.FEW_ROWS or not native.available():
+        return False
+    if k.shape[2] >= _native_keys(q.dtype, max(rows, NATIVE_F32_ROWS), q.shape[-1]):
+        return False  # the router's own rules
+    return native.pays(q, k, v, 1) and (mask is None or native.mask_takes(mask, q, k))
+
+
 def _route(q, k, v, causal: bool, mask) -> str:
     """Where :func:`_op` runs a call: ``"native"`` (the decode kernel), ``"chunks"`` (float32 chunks)
     or ``"op"`` (PyTorch's fused op)."""
     if causal or q.dim() != 4:
         return "op"
+    if _exact_few_keys(q, k, v, mask):
+        return "native"
     if mask is None:
         if _native_pays(q, k, v):
             return "native"
         if _chunks_pay(q.dtype, q.shape[2], k.shape[2]):
             return "chunks"
     elif (q.dtype is torch.float32 and q.shape[2] <= NATIVE_MASKED_ROWS and native.mask_takes(mask, q, k)
-          and _native_pays(q, k, v)):
-        return "native"
+          and (_native_pays(q, k, v) or q.shape[2] == 1 and _native_pays(q.expand(-1, -1, NATIVE_F32_ROWS, -1), k, v))):
+        return "native"  # one masked row too (NATIVE_MASKED_ROWS)
     return "op"
 
 

@@ -260,6 +260,8 @@ def _takes(q, k, v) -> str | None:
         return f"dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}: float32, bfloat16 or float16, k and v alike"
     if q.shape[:2] != k.shape[:2] or v.shape[:3] != k.shape[:3] or q.shape[-1] != k.shape[-1]:
         return f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match"
+    if q.shape[0] < 1 or q.shape[1] < 1 or q.shape[2] < 1:
+        return f"q {tuple(q.shape)} has no rows (an empty batch, no heads or no query)"
     if q.shape[2] > MAX_ROWS or max(q.shape[-1], v.shape[-1]) > MAX_HEAD or k.shape[2] < 1:
         return (f"rows {q.shape[2]} (max {MAX_ROWS}), head sizes {q.shape[-1]}/{v.shape[-1]} (max {MAX_HEAD}), "
                 f"keys {k.shape[2]} (min 1)")

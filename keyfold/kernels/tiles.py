@@ -122,9 +122,13 @@ def forward(q, k, v, plan: Plan, pb: Problem, lse_exact: bool = True, wide_lse: 
     then sums to 1 to rounding). False when no backward and no caller will see lse (``attention``
     without ``return_lse`` or autograd): the softmax runs through ``torch.softmax``, faster.
     wide_lse: lse in float64 (float32 and 16-bit inputs; float64's is anyway), ``m + log(sum)`` summed
-    there (see :func:`keyfold.kernels.cpu.forward`)."""
+    there (see :func:`keyfold.kernels.cpu.forward`), and the scores, the score modifier and the row max
+    in float64 (exact scores, as the decode kernel's for the states keyfold merges: float32 scores
+    rounded apart from the naive's broke the 2x rule, a softcap decode split 7 ways over 13 keys at
+    1.6x), weights ``exp(s - m)`` rounded to float32 once."""
     sd = state_dtype(q.dtype)
     ld = torch.float64 if wide_lse else sd  # lse's dtype (float64 inputs: float64 anyway)
+    cd = torch.float64 if wide_lse else sd  # the scores' dtype
     B, Hq, Nq, _ = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
     g = Hq // Hkv
@@ -135,11 +139,12 @@ def forward(q, k, v, plan: Plan, pb: Problem, lse_exact: bool = True, wide_lse: 
     cap = _sigmoid_softcap(q, pb)
     q, k, v = q.to(sd), k.to(sd), v.to(sd)
     for piece in plan.pieces:
-        bounds = _bounds_cached(q, piece, pb, plan, sd)
+        bounds = _bounds_cached(q, piece, pb, plan, cd)
+        zero = None if bounds is None or cd is sd else _bounds_cached(q, piece, pb, plan, sd)[1]
         pos = positions(q, piece, pb) if pb.score is not None or pb.dropout_p else None
         vs = v[:, :, piece.k0:piece.k1]
-        s = _scores(q[:, :, piece.q0:piece.q1], k[:, :, piece.k0:piece.k1], pb)  # (B, Hq, L, S), ours
-        sep = _separable(piece, pb, q.device, sd)
+        s = _scores(q[:, :, piece.q0:piece.q1].to(cd), k[:, :, piece.k0:piece.k1].to(cd), pb)  # (B, Hq, L, S)
+        sep = _separable(piece, pb, q.device, cd)
         if sep is not None:  # key term into the scores, row term into lse (exact far from the keys)
             s = s.add_(sep[1])
         elif cap is not None:
@@ -156,11 +161,11 @@ def forward(q, k, v, plan: Plan, pb: Problem, lse_exact: bool = True, wide_lse: 
             m = s.amax(-1, keepdim=True)
         empty = torch.isneginf(m)  # no visible key, or a score of -inf at every one (a callable's own mask)
         keep = _keep(q, piece, pb, pos)
-        if lse_exact or keep is not None:
+        if lse_exact or keep is not None or cd is not sd:
             m = m.masked_fill(empty, 0.0)
-            p = s.sub_(m).clamp_min_(floor).exp_()
+            p = s.sub_(m).clamp_min_(floor).to(sd).exp_()  # (exact scores: s - m rounded once)
             if bounds is not None:
-                p = p.clamp_max_(bounds[1])                                   # hidden pairs: exactly 0
+                p = p.clamp_max_(bounds[1] if zero is None else zero)         # hidden pairs: exactly 0
             total = p.sum(-1, keepdim=True).masked_fill_(empty, 0.0)         # (B, Hq, L, 1)
             lse = m.to(ld) + total.to(ld).log()                              # -inf where total = 0
             if keep is not None:  # SDPA's dropout: drop probabilities after softmax; lse is unchanged

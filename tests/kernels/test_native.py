@@ -170,13 +170,12 @@ def test_the_kernel_adds_a_mask_tile_and_leaves_rows_that_see_nothing_at_zero(R,
 
 
 def test_masked_float32_rows_go_to_the_kernel(monkeypatch):
-    """The router sends a float32 piece with a mask tile (or an additive score's) of up to
-    cpu.NATIVE_MASKED_ROWS rows to the kernel from cpu.NATIVE_F32_ROWS rows, one row and 16-bit
-    pieces with a tile to the op; all hold the rule."""
+    """The router sends a float32 piece with a mask tile (or an additive score's) of 1 to
+    cpu.NATIVE_MASKED_ROWS rows to the kernel (one row too: its exact scores), 16-bit pieces with a
+    tile to the op; all hold the rule."""
     calls = _spy(monkeypatch)
-    one_row = cpu.native_rows(torch.float32)[0] == 1  # the AVX2 build takes one float32 row too
     for dtype, R, native_ in [(torch.float32, 4, True), (torch.float32, cpu.NATIVE_MASKED_ROWS, True),
-                              (torch.float32, 1, one_row), (torch.float32, cpu.NATIVE_MASKED_ROWS + 1, False),
+                              (torch.float32, 1, True), (torch.float32, cpu.NATIVE_MASKED_ROWS + 1, False),
                               (torch.bfloat16, 4, False)]:
         calls.clear()
         q, k, v = _inputs(dtype, 1, 2, R, 1000, 64, 64, seed=R)
@@ -483,3 +482,34 @@ def test_exact_scores_carry_no_float32_rounding():
             out, lse = native.run(q, k, v, D ** -0.5, mask, exact=True)
             assert float((lse - torch.logsumexp(s, -1)).abs().max()) < 1e-6
             assert float((out.double() - torch.softmax(s, -1) @ v.double()).abs().max()) < 3e-6
+
+
+@pytest.mark.parametrize("seed, Hkv", [(17, 8), (41, 8), (92, 8), (18, 2), (22, 2), (73, 2)])
+def test_float32_alibi_decoding_steps_hold_the_rule_at_sharp_scores(seed, Hkv):
+    """One float32 query row under ALiBi (an additive tile) ran PyTorch's op, whose scores sum apart from
+    the naive attention's matmul, and a GQA group's four rows the decode kernel's float32 scores: at
+    scores of std 30 over 300 keys, 3 of 100 steps each past the rule (up to 1.6x; these seeds, Intel
+    Xeon, 2026-12-07). Masked float32 rows now go to the kernel's exact scores from one row: 0 of 100."""
+    if not native.available():
+        pytest.skip(native.why())
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 8, 1, 128, generator=g) * 30 ** 0.5
+    k = torch.randn(1, Hkv, 300, 128, generator=g) * 30 ** 0.5
+    v = torch.randn(1, Hkv, 300, 128, generator=g)
+    assert_forward_by_rule(q, k, v, mask=kf.causal(), score=kf.alibi(torch.rand(8, generator=g) * 0.5))
+
+
+@pytest.mark.parametrize("seed, Hkv", [(42, 8), (75, 8), (101, 8), (0, 2), (9, 2), (21, 2)])
+def test_float32_calls_over_few_keys_hold_the_rule_at_sharp_scores(seed, Hkv):
+    """Below the keys the decode kernel pays its fixed cost for, float32 calls ran PyTorch's op, whose
+    sums round apart from the naive attention's (torch's small-matmul loop over so few keys): one query
+    row over 20 keys at head size 16 and score std 30 went past the rule in 7 of 200 calls (up to 1.9x),
+    a GQA group's in 9 of 200 (these seeds, Intel Xeon, 2026-12-07). Calls of fewer than FEW_ROWS
+    float32 rows over few keys now take the kernel's exact scores (cpu._exact_few_keys): 0 of 200."""
+    if not native.available():
+        pytest.skip(native.why())
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 8, 1, 16, generator=g) * 30 ** 0.5
+    k = torch.randn(1, Hkv, 20, 16, generator=g) * 30 ** 0.5
+    v = torch.randn(1, Hkv, 20, 16, generator=g)
+    assert_forward_by_rule(q, k, v)
