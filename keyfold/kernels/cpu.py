@@ -287,16 +287,21 @@ def _op(q, k, v, causal: bool, mask, scale: float, way: str | None = None, wide:
     return _FWD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
 
 
+#: The most rows of a float32 call the decode kernel computes with exact scores (:func:`_exact`).
+EXACT_ROWS = 32
+
+
 def _exact(q) -> bool:
     """Whether the decode kernel computes a call's scores exactly (``native.run(exact=True)``): float32
-    calls of fewer than ``native.FEW_ROWS`` rows. Its float32 sums over the head dimension round apart
-    from the naive attention's BLAS ones, and at a few rows the maximum error over a call is a maximum
-    of few terms, so it went past twice the naive's often: a GQA decoding step (8 query heads over 2,
-    one row each, 1,000 keys, scores of std 30) in 6 of 100 calls, up to 4.3x. In double the scores
-    carry no rounding of float32's: 0 of 100, at 0.98-1.03x the time over a cache read from memory and
-    1.25-1.55x over 1,000 keys in cache. From FEW_ROWS rows the kernel's blocked sums keep float32
-    (0 of 100 at 16 and 64 rows, std 30), where exact scores took 1.8-2.7x the time."""
-    return q.dtype is torch.float32 and q.shape[2] < native.FEW_ROWS
+    calls of up to :data:`EXACT_ROWS` rows. Its float32 sums over the head dimension round apart from
+    the naive attention's BLAS ones, and at sharp scores that rounding is what the rule measures: a
+    GQA step of 4 rows a key/value head went past it in 6 of 100 calls (1,000 keys, head size 128,
+    scores of std 30; up to 4.3x), MQA's 8 rows in 19 of 200 (up to 3.4x; 1 of 100 at std 10), 16 rows
+    7 of 100, 32 rows 3 of 100, 64 rows 1 of 100 (1.01x): a GQA group's rows are each the naive's
+    one-row product. In double the scores carry no rounding of float32's: 0 in each. Time against
+    the float32 paths: 0.98-1.19x at 1-4 rows, 1.2-2.0x at 8 (1.22x over 128k keys read from memory),
+    1.8-2.2x at 16-32; above 32 rows float32's blocked sums stay."""
+    return q.dtype is torch.float32 and q.shape[2] <= EXACT_ROWS
 
 
 def _wide_native(q, causal: bool) -> bool:
@@ -432,7 +437,7 @@ def _per_head(x, y):
 
 
 def _exact_few_keys(q, k, v, mask) -> bool:
-    """Whether a float32 call of fewer than ``native.FEW_ROWS`` rows over fewer keys than the decode
+    """Whether a float32 call of up to :data:`EXACT_ROWS` rows over fewer keys than the decode
     kernel pays its fixed cost for (:func:`_native_keys`) goes to it anyway, for its exact scores
     (:func:`_exact`). Over a few keys the naive attention's product is torch's small-matmul loop, one
     chain a score, and the op's sums round apart from it: at score std 30, one row over 20 keys at
@@ -440,7 +445,7 @@ def _exact_few_keys(q, k, v, mask) -> bool:
     over 35-250 keys in 1 of 3,500 cache decodes; on the kernel, none. It costs 7-40 us a call (the op
     10-24 us, the kernel 17-64; 20-255 keys, 1-4 rows, 2-8 heads)."""
     rows = q.shape[2]
-    if q.dtype is not torch.float32 or rows >= native.FEW_ROWS or not native.available():
+    if q.dtype is not torch.float32 or rows > EXACT_ROWS or not native.available():
         return False
     if k.shape[2] >= _native_keys(q.dtype, max(rows, NATIVE_F32_ROWS), q.shape[-1]):
         return False  # the router's own rules

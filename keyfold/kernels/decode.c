@@ -137,12 +137,12 @@ static inline __m512d tree8d(const __m512d *t) {
     return _mm512_add_pd(_mm512_shuffle_f64x2(b0, b1, 0x88), _mm512_shuffle_f64x2(b0, b1, 0xDD));
 }
 
-/* One key's partial sums against RR (1-4, a constant where this is inlined) rows of qd from row r0: the
+/* One key's partial sums against RR (1-8, a constant where this is inlined) rows of qd from row r0: the
  * key's slices widened once, each row's two chains (low and high halves of the slices) in registers;
  * row r's sum vector into t[8 r] */
 static inline __attribute__((always_inline)) void exact_key(const job_t *J, const double *qd, int W, const char *kr,
                                                             __mmask16 tk, const int RR, __m512d *t) {
-    __m512d a[4], b[4];
+    __m512d a[8], b[8];
     for (int r = 0; r < RR; r++) a[r] = b[r] = _mm512_setzero_pd();
     for (int i = 0; i < W; i++) {
         const __mmask16 m = i == W - 1 ? tk : 0xFFFF;
@@ -169,22 +169,27 @@ static inline void exact_scores(const job_t *J, const double *qd, int R, const c
                                 double *sd) {
     const __m512d scale = _mm512_set1_pd(J->dscale);
     for (int j0 = 0; j0 < nb; j0 += 8) {
-        /* eight keys: each row's partial vector a key into tt (row r, key j at tt[8 r + j]), four rows
-         * at a time, a key widened once for them */
+        /* eight keys: each row's partial vector a key into tt (row r, key j at tt[8 r + j]), eight rows
+         * at a time, a key widened once for them (16 accumulators and a slice's two halves: 18 of the
+         * 32 vector registers) */
         for (int j = 0; j < 8; j++, kr += kstep) {
             if (j0 + j >= nb) {
                 for (int r = 0; r < R; r++) tt[8 * r + j] = _mm512_setzero_pd();
                 continue;
             }
             prefetch_row(kr + kpf, krow);
-            for (int r0 = 0; r0 < R; r0 += 4) {
+            for (int r0 = 0; r0 < R; r0 += 8) {
                 const double *q = qd + (size_t)r0 * 16 * W;
                 __m512d *t = tt + 8 * r0 + j;
-                switch (R - r0 < 4 ? R - r0 : 4) {
+                switch (R - r0 < 8 ? R - r0 : 8) {
                 case 1: exact_key(J, q, W, kr, tk, 1, t); break;
                 case 2: exact_key(J, q, W, kr, tk, 2, t); break;
                 case 3: exact_key(J, q, W, kr, tk, 3, t); break;
-                default: exact_key(J, q, W, kr, tk, 4, t); break;
+                case 4: exact_key(J, q, W, kr, tk, 4, t); break;
+                case 5: exact_key(J, q, W, kr, tk, 5, t); break;
+                case 6: exact_key(J, q, W, kr, tk, 6, t); break;
+                case 7: exact_key(J, q, W, kr, tk, 7, t); break;
+                default: exact_key(J, q, W, kr, tk, 8, t); break;
                 }
             }
         }
