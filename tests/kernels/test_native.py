@@ -446,6 +446,14 @@ def test_the_kernels_sum_lse_in_double_for_the_states_keyfold_merges():
         assert lse32.dtype == torch.float32 and float((lse32.double() - lse).abs().max()) < 2 * 2 ** -24 * 160
 
 
+def _sharp(seed, Hq, Hkv, Nq, N, D):
+    """float32 q, k, v with scores of std 30 (the fuzzes' sharpest), and the generator that drew them."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, Hq, Nq, D, generator=g) * 30 ** 0.5
+    k = torch.randn(1, Hkv, N, D, generator=g) * 30 ** 0.5
+    return q, k, torch.randn(1, Hkv, N, D, generator=g), g
+
+
 @pytest.mark.parametrize("seed, Hkv, Nq", [(18, 2, 1), (30, 2, 1), (46, 2, 1), (55, 2, 1), (83, 2, 1),
                                            (6, 8, 3), (20, 8, 3), (25, 8, 3), (37, 8, 3)])
 def test_float32_calls_of_few_rows_on_the_kernel_hold_the_rule_at_sharp_scores(seed, Hkv, Nq):
@@ -457,10 +465,7 @@ def test_float32_calls_of_few_rows_on_the_kernel_hold_the_rule_at_sharp_scores(s
     than native.FEW_ROWS float32 rows now take exact scores: 0 of 100 each."""
     if not native.available():
         pytest.skip(native.why())
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, 8, Nq, 128, generator=g) * 30 ** 0.5
-    k = torch.randn(1, Hkv, 1000, 128, generator=g) * 30 ** 0.5
-    v = torch.randn(1, Hkv, 1000, 128, generator=g)
+    q, k, v, _ = _sharp(seed, 8, Hkv, Nq, 1000, 128)
     assert_forward_by_rule(q, k, v, mask=kf.causal())
 
 
@@ -492,10 +497,7 @@ def test_float32_alibi_decoding_steps_hold_the_rule_at_sharp_scores(seed, Hkv):
     Xeon, 2026-12-07). Masked float32 rows now go to the kernel's exact scores from one row: 0 of 100."""
     if not native.available():
         pytest.skip(native.why())
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, 8, 1, 128, generator=g) * 30 ** 0.5
-    k = torch.randn(1, Hkv, 300, 128, generator=g) * 30 ** 0.5
-    v = torch.randn(1, Hkv, 300, 128, generator=g)
+    q, k, v, g = _sharp(seed, 8, Hkv, 1, 300, 128)
     assert_forward_by_rule(q, k, v, mask=kf.causal(), score=kf.alibi(torch.rand(8, generator=g) * 0.5))
 
 
@@ -508,11 +510,7 @@ def test_float32_calls_over_few_keys_hold_the_rule_at_sharp_scores(seed, Hkv):
     float32 rows over few keys now take the kernel's exact scores (cpu._exact_few_keys): 0 of 200."""
     if not native.available():
         pytest.skip(native.why())
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, 8, 1, 16, generator=g) * 30 ** 0.5
-    k = torch.randn(1, Hkv, 20, 16, generator=g) * 30 ** 0.5
-    v = torch.randn(1, Hkv, 20, 16, generator=g)
-    assert_forward_by_rule(q, k, v)
+    assert_forward_by_rule(*_sharp(seed, 8, Hkv, 1, 20, 16)[:3])
 
 
 @pytest.mark.parametrize("seed, Hq", [(40, 8), (41, 8), (10, 16), (33, 16), (42, 16)])
@@ -524,8 +522,4 @@ def test_float32_mqa_steps_hold_the_rule_at_sharp_scores(seed, Hq):
     Float32 calls of up to cpu.EXACT_ROWS rows now take exact scores: 0 of 200."""
     if not native.available():
         pytest.skip(native.why())
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, Hq, 1, 128, generator=g) * 30 ** 0.5
-    k = torch.randn(1, 1, 1000, 128, generator=g) * 30 ** 0.5
-    v = torch.randn(1, 1, 1000, 128, generator=g)
-    assert_forward_by_rule(q, k, v)
+    assert_forward_by_rule(*_sharp(seed, Hq, 1, 1, 1000, 128)[:3])
