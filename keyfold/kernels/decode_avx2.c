@@ -14,8 +14,9 @@
  * products in two 8-lane FMA chains (even and odd 8-float slices, so a chain is D/16 terms, as decode.c's
  * 16-lane one), eight keys reduced by one transpose-and-add tree; an online softmax per row over the
  * block; P @ V in blocks of four 8-float slices. Work items are (batch entry, key/value head, key chunk),
- * merged at the end as in decode.c. Exact scores (decode.c's exact_scores) are one dot product in double
- * a key and row here (dot_exact), with a horizontal sum each: not tuned, no AVX2 machine was at hand.
+ * merged at the end as in decode.c. Exact scores (decode.c's exact_scores) on 4 double lanes: a key widened
+ * once for four rows, four keys' sums by one transpose (exact_block); timed only through the AVX2 build
+ * on an AVX-512 machine, no AVX2 one was at hand.
  *
  * Built by keyfold/kernels/native.py (-march=native -fopenmp) where the CPU has AVX2, FMA and F16C but
  * not AVX-512 F/BW/VL, into one library with prefill.c (its float32 path) and backward.c, which compute
@@ -119,21 +120,67 @@ static inline void prefetch_row(const char *p, size_t bytes) {
  * floats (32-byte aligned). */
 static size_t scratch_floats(const job_t *J) {
     return (size_t)BK * J->Dp + (size_t)BK * J->Dvp + (size_t)J->R * J->Dp + (size_t)J->R * BK
-           + (J->exact ? 2 * (size_t)J->R * BK : 0);
+           + (J->exact ? 2 * (size_t)J->R * (BK + J->Dp + 16) : 0);  /* doubles: sd, qd, tt */
 }
 
-/* An exact score (decode.c's exact_scores says why): q . k over Dp float32 elements (a multiple of 8,
- * zeros past the head size), each product exact in double, summed in double */
-static inline double dot_exact(const float *q, const float *k, int Dp) {
-    __m256d a = _mm256_setzero_pd(), b = _mm256_setzero_pd();
+/* Lane j of the result = the sum of t[j]'s lanes, for 4 double vectors */
+static inline __m256d tree4d(const __m256d *t) {
+    const __m256d a0 = _mm256_hadd_pd(t[0], t[1]), a1 = _mm256_hadd_pd(t[2], t[3]);
+    return _mm256_add_pd(_mm256_permute2f128_pd(a0, a1, 0x20), _mm256_permute2f128_pd(a0, a1, 0x31));
+}
+
+/* One key's exact partial sums (decode.c's exact_scores says why) against RR (1-4, a constant where this
+ * is inlined) rows of qd (double, Dp a row): the key's Dp float32 elements widened once for the rows,
+ * two chains a row (the low and high halves of each 8-float slice); row r's sum vector into t[4 r] */
+static inline __attribute__((always_inline)) void exact_key(const double *qd, int Dp, const float *k, const int RR,
+                                                            __m256d *t) {
+    __m256d a[4], b[4];
+    for (int r = 0; r < RR; r++) a[r] = b[r] = _mm256_setzero_pd();
     for (int i = 0; i < Dp; i += 8) {
-        const __m256 x = _mm256_loadu_ps(k + i), y = _mm256_loadu_ps(q + i);
-        a = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(y)), _mm256_cvtps_pd(_mm256_castps256_ps128(x)), a);
-        b = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(y, 1)), _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)), b);
+        const __m256 x = _mm256_loadu_ps(k + i);
+        const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+        for (int r = 0; r < RR; r++) {
+            a[r] = _mm256_fmadd_pd(_mm256_load_pd(qd + (size_t)r * Dp + i), lo, a[r]);
+            b[r] = _mm256_fmadd_pd(_mm256_load_pd(qd + (size_t)r * Dp + i + 4), hi, b[r]);
+        }
     }
-    a = _mm256_add_pd(a, b);
-    const __m128d h = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
-    return _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
+    for (int r = 0; r < RR; r++) t[4 * r] = _mm256_add_pd(a[r], b[r]);
+}
+
+/* Exact scores of the R rows for a block's nb keys (float32 rows `ks` floats apart, Dp each, zero past
+ * the head size) into sd (row r at sd + r * BK; -inf past nb up to a multiple of 8), scaled, the
+ * additive mask added (row 0's at mk, rows smr apart): four keys at a time, four rows a widened key */
+static inline void exact_block(const job_t *J, const double *qd, int R, const float *k, size_t ks, int nb, int Dp,
+                               const float *mk, __m256d *tt, double *sd) {
+    const __m256d scale = _mm256_set1_pd(J->dscale);
+    for (int j0 = 0; j0 < nb; j0 += 4) {
+        for (int j = 0; j < 4; j++) {
+            if (j0 + j >= nb) {
+                for (int r = 0; r < R; r++) tt[4 * r + j] = _mm256_setzero_pd();
+                continue;
+            }
+            const float *kj = k + (size_t)(j0 + j) * ks;
+            for (int r0 = 0; r0 < R; r0 += 4) {
+                const double *q = qd + (size_t)r0 * Dp;
+                __m256d *t = tt + 4 * r0 + j;
+                switch (R - r0 < 4 ? R - r0 : 4) {
+                case 1: exact_key(q, Dp, kj, 1, t); break;
+                case 2: exact_key(q, Dp, kj, 2, t); break;
+                case 3: exact_key(q, Dp, kj, 3, t); break;
+                default: exact_key(q, Dp, kj, 4, t); break;
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            double y[4];
+            _mm256_storeu_pd(y, _mm256_mul_pd(tree4d(tt + 4 * r), scale));
+            for (int j = 0; j < 4 && j0 + j < nb; j++)
+                sd[(size_t)r * BK + j0 + j] = mk ? y[j] + (double)mk[r * J->smr + j0 + j] : y[j];
+        }
+    }
+    const int nb8 = (nb + 7) / 8 * 8;
+    for (int r = 0; r < R; r++)
+        for (int j = nb; j < nb8; j++) sd[(size_t)r * BK + j] = -INFINITY;  /* past the block's end */
 }
 
 /* decode.c's exact_softmax on 8 lanes: sd's nb doubles (a multiple of 8 readable, -inf past nb) to weights
@@ -231,7 +278,9 @@ static inline __attribute__((always_inline)) void item_of(const job_t *J, int w,
     const char *kp = J->k + (size_t)(b * J->skb + h * J->skh) * es + (size_t)n0 * kstep;
     const char *vp = J->v + (size_t)(b * J->svb + h * J->svh) * es + (size_t)n0 * vstep;
     float *kb = mem, *vb = kb + (size_t)BK * Dp, *qs = vb + (size_t)BK * Dvp, *s = qs + (size_t)R * Dp;
-    double *sd = (double *)(s + (size_t)R * BK);                 /* exact scores (J->exact) */
+    /* exact scores (J->exact): the block's scores, the rows' q, eight keys' partial sums, in double */
+    double *sd = (double *)(s + (size_t)R * BK), *qd = sd + (size_t)R * BK;
+    __m256d *tt = (__m256d *)(qd + (size_t)R * Dp);
     float *acc = J->acc + (size_t)w * R * Dvp, *ll = J->l + (size_t)w * R;
     double *mm = J->m + (size_t)w * R;
     const float *mk = J->mask ? J->mask + b * J->smb + h * J->smh + n0 : NULL;  /* row 0's mask at key n0 */
@@ -239,6 +288,8 @@ static inline __attribute__((always_inline)) void item_of(const job_t *J, int w,
     for (int r = 0; r < R; r++) {
         memset(qs + (size_t)r * Dp, 0, sizeof(float) * Dp);
         memcpy(qs + (size_t)r * Dp, J->q + ((size_t)bh * R + r) * D, sizeof(float) * D);
+        if (J->exact)
+            for (int d = 0; d < Dp; d++) qd[(size_t)r * Dp + d] = qs[(size_t)r * Dp + d];
         mm[r] = -INFINITY;
         ll[r] = 0.0f;
     }
@@ -258,20 +309,15 @@ static inline __attribute__((always_inline)) void item_of(const job_t *J, int w,
         }
         if (!direct)
             for (int j = 0; j < nb; j++) widen_row(vb + (size_t)j * Dvp, vp + (size_t)j * vstep, dt, Dv, Dvp);
+        if (J->exact)  /* every row's scores for the block, each key widened once for four rows */
+            exact_block(J, qd, R, wide ? kb : (const float *)kp, wide ? (size_t)Dp : kstep / sizeof(float), nb, Dp,
+                        mk ? mk + (n - n0) : NULL, tt, sd);
         for (int r = 0; r < R; r++) {
             const float *qr = qs + (size_t)r * Dp;
             float *sr = s + (size_t)r * BK;
             float *a = acc + (size_t)r * Dvp;
-            if (J->exact) {  /* scores in double, then the online softmax from them */
-                double *dr = sd + (size_t)r * BK;
-                const float *mr = mk ? mk + r * J->smr + (n - n0) : NULL;
-                for (int j = 0; j < nb; j++) {
-                    const float *kr = wide ? kb + (size_t)j * Dp : (const float *)(kp + (size_t)j * kstep);
-                    const double y = dot_exact(qr, kr, Dp) * J->dscale;
-                    dr[j] = mr ? y + (double)mr[j] : y;
-                }
-                for (int j = nb; j < nb8; j++) dr[j] = -INFINITY;  /* past the block's end */
-                const float corr = exact_softmax(dr, nb8, &mm[r], &ll[r], sr);
+            if (J->exact) {  /* the online softmax from the block's exact scores */
+                const float corr = exact_softmax(sd + (size_t)r * BK, nb8, &mm[r], &ll[r], sr);
                 if (corr != 1.0f) {
                     const __m256 cv = _mm256_set1_ps(corr);
                     for (int i = 0; i < Wv; i++) _mm256_store_ps(a + 8 * i, _mm256_mul_ps(cv, _mm256_load_ps(a + 8 * i)));
