@@ -228,6 +228,44 @@ static inline float exact_softmax(const double *sd, int nb, double *mm, float *l
     return corr;
 }
 
+/* acc of RR rows (1-4, a constant where this is inlined; row r's at a + r Wv 16) += sum_j p_r[j] v_j over
+ * the nb value rows at `x` (vs bytes apart, elements of ves bytes in dtype vdt), four 16-float slices
+ * of v at a time: each value slice is loaded once for the RR rows. Each block's sum starts afresh and
+ * is then added to acc: one chain over every key of a chunk put float32 at 2.5-3.1x the naive error in
+ * 1 of 24 calls over 12k keys in one chunk (2-4 rows, head size 64; a review); blocked, the chain is
+ * BK keys plus one add a block. p: row r's weights at p + r ldp. */
+static inline __attribute__((always_inline)) void values_rows(float *a, const float *p, int ldp, const char *x,
+                                                              size_t vs, size_t ves, int vdt, int nb, int Wv,
+                                                              __mmask16 tv, const int RR) {
+    const size_t o = 16 * ves;
+    for (int i = 0; i < Wv; i += 4) {
+        const __mmask16 m0 = slice(i, Wv, tv), m1 = slice(i + 1, Wv, tv), m2 = slice(i + 2, Wv, tv),
+                        m3 = slice(i + 3, Wv, tv);
+        __m512 y[4][4];
+        for (int r = 0; r < RR; r++)
+            for (int t = 0; t < 4; t++) y[r][t] = _mm512_setzero_ps();
+        const char *xv = x + (size_t)i * o;
+        for (int j = 0; j < nb; j++, xv += vs) {
+            const __m512 v0 = load16(xv, vdt, m0), v1 = load16(xv + o, vdt, m1), v2 = load16(xv + 2 * o, vdt, m2),
+                         v3 = load16(xv + 3 * o, vdt, m3);
+            for (int r = 0; r < RR; r++) {
+                const __m512 pj = _mm512_set1_ps(p[r * ldp + j]);
+                y[r][0] = _mm512_fmadd_ps(pj, v0, y[r][0]);
+                y[r][1] = _mm512_fmadd_ps(pj, v1, y[r][1]);
+                y[r][2] = _mm512_fmadd_ps(pj, v2, y[r][2]);
+                y[r][3] = _mm512_fmadd_ps(pj, v3, y[r][3]);
+            }
+        }
+        for (int r = 0; r < RR; r++) {
+            float *ar = a + (size_t)r * Wv * 16 + 16 * i;
+            _mm512_mask_storeu_ps(ar, m0, _mm512_add_ps(_mm512_maskz_loadu_ps(m0, ar), y[r][0]));
+            _mm512_mask_storeu_ps(ar + 16, m1, _mm512_add_ps(_mm512_maskz_loadu_ps(m1, ar + 16), y[r][1]));
+            _mm512_mask_storeu_ps(ar + 32, m2, _mm512_add_ps(_mm512_maskz_loadu_ps(m2, ar + 32), y[r][2]));
+            _mm512_mask_storeu_ps(ar + 48, m3, _mm512_add_ps(_mm512_maskz_loadu_ps(m3, ar + 48), y[r][3]));
+        }
+    }
+}
+
 /* One work item: rows of (b, h) over the keys of chunk c. `mem`: exact scores' scratch (exact_parts bytes,
  * 64-byte aligned), from the heap (64 rows of head size 256 in double are 128 KiB). */
 static void item(const job_t *J, int w, char *mem) {
@@ -349,12 +387,8 @@ static void item(const job_t *J, int w, char *mem) {
             ll[r] = ll[r] * corr + _mm512_reduce_add_ps(sum);
             mm[r] = mn;
         }
-        /* values: acc_r += sum_j p_j v_j per 16-wide slice of Dv, four slices (four FMA chains) at a
-         * time, each block's sum started afresh and then added to acc: one chain over every key of a
-         * chunk put float32 at 2.5-3.1x the naive error in 1 of 24 calls over 12k keys in one chunk
-         * (2-4 rows, head size 64; a review); blocked, the chain is BK keys plus one add a block. Float32
-         * rows, or a single query row, are read where they lie (16-bit widened in the loop); several
-         * rows over 16-bit values read them widened once into vb. */
+        /* values (values_rows): float32 rows, or a single query row, are read where they lie (16-bit
+         * widened in the loop); several rows over 16-bit values read them widened once into vb. */
     values:;
         const char *vsrc = vp;
         size_t vs = vstep, ves = es;
@@ -367,26 +401,13 @@ static void item(const job_t *J, int w, char *mem) {
                     _mm512_store_ps(vb[j] + 16 * i, load16(vr + (size_t)i * 16 * es, dt, i == Wv - 1 ? tv : 0xFFFF));
         }
         if (dt != KF_F32 && R > 1) { vsrc = (const char *)vb[0]; vs = sizeof(vb[0]); ves = 4; vdt = KF_F32; }
-        for (int r = 0; r < R; r++) {
-            float *a = acc + (size_t)r * Wv * 16;
-            for (int i = 0; i < Wv; i += 4) {
-                const __mmask16 m0 = slice(i, Wv, tv), m1 = slice(i + 1, Wv, tv), m2 = slice(i + 2, Wv, tv),
-                                m3 = slice(i + 3, Wv, tv);
-                __m512 y0 = _mm512_setzero_ps(), y1 = _mm512_setzero_ps(), y2 = _mm512_setzero_ps(),
-                       y3 = _mm512_setzero_ps();
-                const char *x = vsrc + (size_t)i * 16 * ves;
-                const size_t o = 16 * ves;
-                for (int j = 0; j < nb; j++, x += vs) {
-                    const __m512 p = _mm512_set1_ps(s[r][j]);
-                    y0 = _mm512_fmadd_ps(p, load16(x, vdt, m0), y0);
-                    y1 = _mm512_fmadd_ps(p, load16(x + o, vdt, m1), y1);
-                    y2 = _mm512_fmadd_ps(p, load16(x + 2 * o, vdt, m2), y2);
-                    y3 = _mm512_fmadd_ps(p, load16(x + 3 * o, vdt, m3), y3);
-                }
-                _mm512_mask_storeu_ps(a + 16 * i, m0, _mm512_add_ps(_mm512_maskz_loadu_ps(m0, a + 16 * i), y0));
-                _mm512_mask_storeu_ps(a + 16 * i + 16, m1, _mm512_add_ps(_mm512_maskz_loadu_ps(m1, a + 16 * i + 16), y1));
-                _mm512_mask_storeu_ps(a + 16 * i + 32, m2, _mm512_add_ps(_mm512_maskz_loadu_ps(m2, a + 16 * i + 32), y2));
-                _mm512_mask_storeu_ps(a + 16 * i + 48, m3, _mm512_add_ps(_mm512_maskz_loadu_ps(m3, a + 16 * i + 48), y3));
+        for (int r0 = 0; r0 < R; r0 += 4) {  /* four rows at a time read each value once */
+            float *a = acc + (size_t)r0 * Wv * 16;
+            switch (R - r0 < 4 ? R - r0 : 4) {
+            case 1: values_rows(a, s[r0], BK, vsrc, vs, ves, vdt, nb, Wv, tv, 1); break;
+            case 2: values_rows(a, s[r0], BK, vsrc, vs, ves, vdt, nb, Wv, tv, 2); break;
+            case 3: values_rows(a, s[r0], BK, vsrc, vs, ves, vdt, nb, Wv, tv, 3); break;
+            default: values_rows(a, s[r0], BK, vsrc, vs, ves, vdt, nb, Wv, tv, 4); break;
             }
         }
         vp += (size_t)nb * vstep;
