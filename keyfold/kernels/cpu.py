@@ -256,26 +256,27 @@ def splits_itself(q, k, v) -> bool:
     return _native_pays(folded, k, v)
 
 
-def _op(q, k, v, causal: bool, mask, scale: float, way: str | None = None, wide: bool = False):
+def _op(q, k, v, causal: bool, mask, scale: float, way: str | None = None, wide: bool = False, group: int = 1):
     """One fused call, ``(out, lse)``: on the native decode kernel where :func:`_route` says so (``way``,
     when the caller has asked it already), by float32 chunks where :func:`_chunks_pay`, else in float32
     for float16 where :data:`FP16_AS_FP32` says so (inputs not yet widened), else as given. ``wide``
     (a call whose states the caller merges, :func:`forward`'s ``wide_lse``): out in float32 and lse
-    in float64. A float32 call then has exact scores (sums in double of the exact products): on the
-    decode kernel where it takes the call (any row count up to its 64, not the causal flag), else
-    :func:`_wide_piece`; a merge weighs each piece by its lse, and float32 scores rounded apart from the
-    naive's broke the rule (a cascade's folded rows: 47 of 200 at score std 30). A 16-bit call goes as
+    in float64. A float32 call then goes to the decode kernel where it takes it (any row count up to
+    its 64, not the causal flag; exact scores, sums in double of the exact products, up to
+    :data:`EXACT_ROWS` rows), else to :func:`_wide_piece`; a merge weighs each piece by its lse, and
+    float32 scores rounded apart from the naive's broke the rule (a cascade's folded rows: 47 of 200 at
+    score std 30). A 16-bit call goes as
     the router says (the decode kernel, float32 chunks), else to the decode kernel where it takes it
     (:func:`_wide_native`), else to the op with its inputs widened to float32 (exact): the op's 16-bit
     out is rounded to 16 bits, and a merge of such pieces rounds once per piece where the naive
-    attention rounds once."""
+    attention rounds once. ``group``: the GQA group size folded into q's rows (:func:`_exact`)."""
     if wide and q.dtype is torch.float32:
         if not causal and native.pays(q, k, v, 1) and (mask is None or native.mask_takes(mask, q, k)):
-            return native.run(q, k, v, scale, mask, exact=True)
+            return native.run(q, k, v, scale, mask, exact=_exact(q, group, True))
         return _wide_piece(q, k, v, causal, mask, scale)
     way = way or _route(q, k, v, causal, mask)
     if way == "native":  # _native_pays has checked what attend would
-        return native.run(q, k, v, scale, mask, exact=_exact(q))
+        return native.run(q, k, v, scale, mask, exact=_exact(q, group))
     if way == "chunks":
         return _by_chunks(q, k, v, scale)
     if wide:
@@ -287,21 +288,33 @@ def _op(q, k, v, causal: bool, mask, scale: float, way: str | None = None, wide:
     return _FWD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
 
 
-#: The most rows of a float32 call the decode kernel computes with exact scores (:func:`_exact`).
+#: The most rows of a merged float32 piece whose scores :func:`_wide_rows` computes in float64 (the causal
+#: flag's pieces of a chunked prefill), and of a few-key call the decode kernel takes for its exact scores
+#: (:func:`_exact_few_keys`); above it torch's float32 matmul, whose errors over many rows of one
+#: sequence stay within the rule (64-row chunks of a chunked prefill split 4 ways at score std 30: 0 of
+#: 60 either way).
 EXACT_ROWS = 32
 
 
-def _exact(q) -> bool:
+def _exact(q, group: int = 1, wide: bool = False) -> bool:
     """Whether the decode kernel computes a call's scores exactly (``native.run(exact=True)``): float32
-    calls of up to :data:`EXACT_ROWS` rows. Its float32 sums over the head dimension round apart from
+    calls of fewer than ``native.FEW_ROWS`` rows, every call of rows folded from GQA groups of ``group``
+    query heads (48 rows of an MQA step of 3 tokens over 16 heads: 12 of 150 past the rule at score std
+    30 on the float32 path), and every call whose states are merged (``wide``: a cascade's prefix
+    call holds its requests' rows, each request's naive attention its own product; 16 requests over 4
+    heads a key/value head, 64 rows, broke the rule in 40 of 60 cascades at score std 30 on the float32
+    path). The kernel's float32 sums over the head dimension round apart from
     the naive attention's BLAS ones, and at sharp scores that rounding is what the rule measures: a
     GQA step of 4 rows a key/value head went past it in 6 of 100 calls (1,000 keys, head size 128,
-    scores of std 30; up to 4.3x), MQA's 8 rows in 19 of 200 (up to 3.4x; 1 of 100 at std 10), 16 rows
-    7 of 100, 32 rows 3 of 100, 64 rows 1 of 100 (1.01x): a GQA group's rows are each the naive's
-    one-row product. In double the scores carry no rounding of float32's: 0 in each. Time against
-    the float32 paths: 0.98-1.19x at 1-4 rows, 1.2-2.0x at 8 (1.22x over 128k keys read from memory),
-    1.8-2.2x at 16-32; above 32 rows float32's blocked sums stay."""
-    return q.dtype is torch.float32 and q.shape[2] <= EXACT_ROWS
+    scores of std 30; up to 4.3x), three query tokens 8 of 100, MQA's 8 rows 19 of 200 (up to 3.4x; 1 of
+    100 at std 10), 16 rows 7 of 100, 32 rows 3 of 100, 64 rows 1 of 100 (1.01x): a GQA group's rows are
+    each the naive's one-row product. The rows of one head's query tokens (5-64 of them) are the naive's
+    GEMM, which the kernel's blocked sums follow closely enough (0 of 100 at 8 and 64 tokens). In
+    double the scores carry no rounding of float32's: 0 in each. Time against the float32 paths:
+    0.98-1.19x at 1-4 rows, 1.4-1.9x at 8 (1.2x over 128k keys read from memory), 1.7-1.9x at 16-32,
+    2-2.9x at 64 (double has half float32's lanes, and the several-rows path pairs a key's elements)."""
+    rows = q.shape[2]
+    return q.dtype is torch.float32 and (wide or group > 1 or rows < native.FEW_ROWS)
 
 
 def _wide_native(q, causal: bool) -> bool:
@@ -346,7 +359,10 @@ def _wide_piece(q, k, v, causal: bool, mask, scale: float):
 
 def _wide_rows(q, k, v, causal: bool, mask, scale: float, a: int):
     """:func:`_wide_piece` of rows ``q`` (the piece's rows from ``a`` on, for the causal flag) in one pass"""
-    s = _exact_scores(q, k).mul_(scale)                                    # (B, H, r, S) float64
+    if q.dtype is torch.float32 and q.shape[2] > EXACT_ROWS:  # the naive's own float32 matmul (see EXACT_ROWS)
+        s = _per_head(q, k.transpose(-1, -2)).double().mul_(scale)
+    else:
+        s = _exact_scores(q, k).mul_(scale)                                # (B, H, r, S) float64
     if mask is not None:
         s = s.add_(mask)
     if causal:
@@ -964,7 +980,7 @@ def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False, wide_lse
             if folded and q.dtype is torch.float32 and _members_pay(qs, tile.mask, piece.q1 - piece.q0, way):
                 out, lse = _by_members(qs, ks, vs, tile.mask, inp.g, pb.scale, wide)
             else:
-                out, lse = _op(qs, ks, vs, causal, tile.mask, pb.scale, way, wide)
+                out, lse = _op(qs, ks, vs, causal, tile.mask, pb.scale, way, wide, inp.g if folded else 1)
         if folded:
             out, lse = _unfold(out, inp.g, Hq), _unfold(lse, inp.g, Hq)
         trimmed = out.shape[-1] != Dv

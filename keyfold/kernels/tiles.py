@@ -122,13 +122,16 @@ def forward(q, k, v, plan: Plan, pb: Problem, lse_exact: bool = True, wide_lse: 
     then sums to 1 to rounding). False when no backward and no caller will see lse (``attention``
     without ``return_lse`` or autograd): the softmax runs through ``torch.softmax``, faster.
     wide_lse: lse in float64 (float32 and 16-bit inputs; float64's is anyway), ``m + log(sum)`` summed
-    there (see :func:`keyfold.kernels.cpu.forward`), and the scores, the score modifier and the row max
-    in float64 (exact scores, as the decode kernel's for the states keyfold merges: float32 scores
-    rounded apart from the naive's broke the 2x rule, a softcap decode split 7 ways over 13 keys at
-    1.6x), weights ``exp(s - m)`` rounded to float32 once."""
+    there (see :func:`keyfold.kernels.cpu.forward`), and for float32 inputs the scores, the score
+    modifier and the row max in float64 (exact scores, as the decode kernel's for the states keyfold
+    merges: float32 scores rounded apart from the naive's broke the 2x rule, softcap window caches in
+    23 of 300 decodes, up to 1.7x), weights ``exp(s - m)`` rounded to float32 once. That costs: a float32
+    softcap decode over 8k keys split in 2-4, or a window cache's, took 3-4x the time of float32 scores."""
     sd = state_dtype(q.dtype)
     ld = torch.float64 if wide_lse else sd  # lse's dtype (float64 inputs: float64 anyway)
-    cd = torch.float64 if wide_lse else sd  # the scores' dtype
+    # the scores' dtype: float64 for float32 inputs under wide_lse (16-bit ones' naive attention rounds
+    # its scores to 16 bits, far above float32's sums: their scores stay float32, 3x faster)
+    cd = torch.float64 if wide_lse and q.dtype is torch.float32 else sd
     B, Hq, Nq, _ = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
     g = Hq // Hkv
