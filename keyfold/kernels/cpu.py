@@ -261,11 +261,10 @@ def _op(q, k, v, causal: bool, mask, scale: float, way: str | None = None, wide:
     when the caller has asked it already), by float32 chunks where :func:`_chunks_pay`, else in float32
     for float16 where :data:`FP16_AS_FP32` says so (inputs not yet widened), else as given. ``wide``
     (a call whose states the caller merges, :func:`forward`'s ``wide_lse``): out in float32 and lse
-    in float64. A float32 call then goes to the decode kernel where it takes it (any row count up to
-    its 64, not the causal flag; exact scores, sums in double of the exact products, up to
-    :data:`EXACT_ROWS` rows), else to :func:`_wide_piece`; a merge weighs each piece by its lse, and
-    float32 scores rounded apart from the naive's broke the rule (a cascade's folded rows: 47 of 200 at
-    score std 30). A 16-bit call goes as
+    in float64. A float32 call then goes to the decode kernel's exact scores (sums in double of the
+    exact products) where it takes it (any row count up to its 64, not the causal flag), else to
+    :func:`_wide_piece`; a merge weighs each piece by its lse, and float32 scores rounded apart from the
+    naive's broke the rule (a cascade's folded rows: 47 of 200 at score std 30). A 16-bit call goes as
     the router says (the decode kernel, float32 chunks), else to the decode kernel where it takes it
     (:func:`_wide_native`), else to the op with its inputs widened to float32 (exact): the op's 16-bit
     out is rounded to 16 bits, and a merge of such pieces rounds once per piece where the naive
