@@ -275,7 +275,7 @@ def _op(q, k, v, causal: bool, mask, scale: float, way: str | None = None, wide:
         return _wide_piece(q, k, v, causal, mask, scale)
     way = way or _route(q, k, v, causal, mask)
     if way == "native":  # _native_pays has checked what attend would
-        return native.run(q, k, v, scale, mask, exact=_exact(q, group))
+        return native.run(q, k, v, scale, mask, exact=_exact(q, group) or _few_keys(q, k))
     if way == "chunks":
         return _by_chunks(q, k, v, scale)
     if wide:
@@ -459,12 +459,19 @@ def _exact_few_keys(q, k, v, mask) -> bool:
     head size 16 went past the rule in 7 of 200 calls (up to 1.9x), a GQA group's in 9 of 200, ALiBi
     over 35-250 keys in 1 of 3,500 cache decodes; on the kernel, none. It costs 7-40 us a call (the op
     10-24 us, the kernel 17-64; 20-255 keys, 1-4 rows, 2-8 heads)."""
-    rows = q.shape[2]
-    if q.dtype is not torch.float32 or rows > EXACT_ROWS or not native.available():
-        return False
-    if k.shape[2] >= _native_keys(q.dtype, max(rows, NATIVE_F32_ROWS), q.shape[-1]):
+    if not _few_keys(q, k) or not native.available():
         return False  # the router's own rules
     return native.pays(q, k, v, 1) and (mask is None or native.mask_takes(mask, q, k))
+
+
+def _few_keys(q, k) -> bool:
+    """A float32 call of up to :data:`EXACT_ROWS` rows over fewer keys than the decode kernel pays its
+    fixed cost for: it runs there for its exact scores (:func:`_exact_few_keys`), at every row count
+    (one head's 5 query tokens over 100 keys took the several-rows path's float32 sums for a day: 13
+    of 100 past the rule at score std 30; a review)."""
+    rows = q.shape[2]
+    return (q.dtype is torch.float32 and rows <= EXACT_ROWS
+            and k.shape[2] < _native_keys(q.dtype, max(rows, NATIVE_F32_ROWS), q.shape[-1]))
 
 
 def _route(q, k, v, causal: bool, mask) -> str:

@@ -524,3 +524,14 @@ def test_float32_mqa_steps_hold_the_rule_at_sharp_scores(seed, Hq, Nq):
     if not native.available():
         pytest.skip(native.why())
     assert_forward_by_rule(*_sharp(seed, Hq, 1, Nq, 1000, 128)[:3])
+
+
+@pytest.mark.parametrize("seed, Nq, N, D", [(20, 5, 100, 128), (53, 8, 40, 16), (77, 8, 40, 16)])
+def test_float32_query_tokens_over_few_keys_take_exact_scores(seed, Nq, N, D):
+    """One head's 5-32 query tokens over fewer keys than the kernel pays for go to the decode kernel for its
+    exact scores (cpu._exact_few_keys); for a day of the same session they ran its several-rows path's
+    float32 sums there instead, and the naive attention's small-matmul loop rounds apart from those: 13 of
+    100 calls past the rule (5 tokens, 100 keys, head size 128, score std 30; a review's seeds)."""
+    if not native.available():
+        pytest.skip(native.why())
+    assert_forward_by_rule(*_sharp(seed, 8, 8, Nq, N, D)[:3])
