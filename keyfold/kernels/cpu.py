@@ -282,9 +282,34 @@ def _op(q, k, v, causal: bool, mask, scale: float, way: str | None = None, wide:
         if _wide_native(q, causal) and native.pays(q, k, v, 1) and (mask is None or native.mask_takes(mask, q, k)):
             return native.run(q, k, v, scale, mask)
         # the op in float32 on the exact widened values: out never 16-bit
-        return _FWD(*(_rows(x.float()) for x in (q, k, v)), 0.0, causal, attn_mask=mask, scale=scale)
-    q, k, v = _widen(_rows(q), _rows(k), _rows(v))
-    return _FWD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+        q, k, v = (_rows(x.float()) for x in (q, k, v))
+    else:
+        q, k, v = _widen(_rows(q), _rows(k), _rows(v))
+    out, lse = _FWD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    return out, _hidden_rows(q, k, out, lse, causal, mask, scale)
+
+
+def _hidden_rows(q, k, out, lse, causal: bool, mask, scale: float):
+    """The op's lse with -inf on rows whose every score is -inf (infinite keys, or a mask that hides every
+    key): the op gives them out 0 and lse 0, the lse of a row that saw one key of score 0, and a merge
+    (keyfold.merge, a split decode) weighed the other states of such a row by sigmoid(their lse)
+    instead of 1. Rows with lse 0 and out 0 are the candidates (one pass over out); their scores are
+    recomputed, as the op would, to tell."""
+    cand = (lse == 0) & (out == 0).all(-1)
+    if not bool(cand.any()):
+        return lse
+    lse = lse.clone()
+    for b, h, r in cand.nonzero().tolist():
+        kb = k[b if k.shape[0] > 1 else 0, h if k.shape[1] > 1 else 0]
+        s = (kb.double() @ q[b, h, r].double()) * scale
+        if mask is not None:
+            m = mask[b if mask.shape[0] > 1 else 0, h if mask.shape[1] > 1 else 0, r if mask.shape[2] > 1 else 0]
+            s = s + m.double()
+        if causal:
+            s[r + 1:] = NEG_INF
+        if bool(torch.isneginf(s).all()):
+            lse[b, h, r] = NEG_INF
+    return lse
 
 
 #: The most rows of a merged float32 piece whose scores :func:`_wide_rows` computes in float64 (the causal

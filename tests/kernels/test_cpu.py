@@ -304,3 +304,21 @@ def test_the_tile_and_reference_paths_take_a_gqa_groups_few_float32_rows_per_hea
         k = torch.randn(1, 2, 272, 128, generator=g) * 6 ** 0.5
         v = torch.randn(1, 2, 272, 128, generator=g)
         assert_forward_by_rule(q, k, v, backend=backend, score=kf.alibi(torch.rand(Hq, generator=g) * 0.3))
+
+
+def test_rows_whose_every_score_is_minus_inf_get_lse_minus_inf_on_the_op():
+    """PyTorch's op gives a row whose every score is -inf (infinite keys, no mask) out 0 and lse 0, the lse
+    of a row that saw one key of score 0; keyfold passed it on where the call ran on the op (40 rows over
+    100 keys), the kernels gave -inf, and keyfold.merge of such a state with another weighed the other by
+    sigmoid(its lse) instead of 1 (a review, 2026-12-07). The op's candidates (lse 0, out 0) are checked."""
+    q = torch.rand(1, 2, 40, 8) + 0.1
+    k = torch.randn(1, 2, 100, 8)
+    k[:, :, 50:] = float("-inf")
+    v = torch.randn(1, 2, 100, 8)
+    hidden = kf.attend(q, k[:, :, 50:], v[:, :, 50:], backend=kf.Backend.CPU)
+    assert bool(torch.isneginf(hidden.lse).all()) and bool((hidden.out == 0).all())
+    seen = kf.attend(q, k[:, :, :50], v[:, :, :50], kv_offset=50, backend=kf.Backend.CPU)
+    whole = kf.attend(q, k[:, :, :50], v[:, :, :50], backend=kf.Backend.CPU)
+    torch.testing.assert_close(kf.merge(hidden, seen).out, whole.out, atol=1e-6, rtol=1e-6)
+    one = kf.attend(q * 0, k[:, :, :1], v[:, :, :1] * 0, backend=kf.Backend.CPU)  # a key of score 0: lse 0, out 0
+    assert bool((one.lse == 0).all()) and bool((one.out == 0).all())
