@@ -290,25 +290,25 @@ def _op(q, k, v, causal: bool, mask, scale: float, way: str | None = None, wide:
 
 
 def _hidden_rows(q, k, out, lse, causal: bool, mask, scale: float):
-    """The op's lse with -inf on rows whose every score is -inf (infinite keys, or a mask that hides every
-    key): the op gives them out 0 and lse 0, the lse of a row that saw one key of score 0, and a merge
+    """The op's lse with -inf on rows whose every score is -inf because of infinite keys (or queries): the
+    op gives them out 0 and lse 0, the lse of a row that saw one key of score 0, and a merge
     (keyfold.merge, a split decode) weighed the other states of such a row by sigmoid(their lse)
-    instead of 1. Rows with lse 0 and out 0 are the candidates (one pass over out); their scores are
-    recomputed, as the op would, to tell."""
+    instead of 1. Rows with lse 0 and out 0 are the candidates (one pass over out); only where q or k
+    holds an infinity (one more pass, then) are their scores recomputed, a key/value head at a time, to
+    tell. Rows a mask hides whole are their callers' (forward's ``tile.empty``)."""
     cand = (lse == 0) & (out == 0).all(-1)
-    if not bool(cand.any()):
+    if not bool(cand.any()) or not (bool(torch.isinf(k).any()) or bool(torch.isinf(q).any())):
         return lse
     lse = lse.clone()
-    for b, h, r in cand.nonzero().tolist():
-        kb = k[b if k.shape[0] > 1 else 0, h if k.shape[1] > 1 else 0]
-        s = (kb.double() @ q[b, h, r].double()) * scale
+    for b, h in cand.any(-1).nonzero().tolist():
+        rows = cand[b, h].nonzero().squeeze(-1)
+        s = (q[b, h, rows].double() @ k[b if k.shape[0] > 1 else 0, h if k.shape[1] > 1 else 0].double().T) * scale
         if mask is not None:
-            m = mask[b if mask.shape[0] > 1 else 0, h if mask.shape[1] > 1 else 0, r if mask.shape[2] > 1 else 0]
-            s = s + m.double()
-        if causal:
-            s[r + 1:] = NEG_INF
-        if bool(torch.isneginf(s).all()):
-            lse[b, h, r] = NEG_INF
+            m = mask[b if mask.shape[0] > 1 else 0, h if mask.shape[1] > 1 else 0]
+            s = s + (m[rows] if m.shape[0] > 1 else m).double()
+        if causal:  # top-left: row r sees keys 0..r
+            s = s.masked_fill(torch.arange(s.shape[-1], device=s.device) > rows[:, None], NEG_INF)
+        lse[b, h, rows[torch.isneginf(s).all(-1)]] = NEG_INF
     return lse
 
 
