@@ -271,7 +271,7 @@ def _op(q, k, v, causal: bool, mask, scale: float, way: str | None = None, wide:
     attention rounds once. ``group``: the GQA group size folded into q's rows (:func:`_exact`)."""
     if wide and q.dtype is torch.float32:
         if not causal and native.pays(q, k, v, 1) and (mask is None or native.mask_takes(mask, q, k)):
-            return native.run(q, k, v, scale, mask, exact=_exact(q, group, True))
+            return native.run(q, k, v, scale, mask, exact=True)  # merged: exact at any row count (_exact)
         return _wide_piece(q, k, v, causal, mask, scale)
     way = way or _route(q, k, v, causal, mask)
     if way == "native":  # _native_pays has checked what attend would
@@ -320,14 +320,14 @@ def _hidden_rows(q, k, out, lse, causal: bool, mask, scale: float):
 EXACT_ROWS = 32
 
 
-def _exact(q, group: int = 1, wide: bool = False) -> bool:
+def _exact(q, group: int = 1) -> bool:
     """Whether the decode kernel computes a call's scores exactly (``native.run(exact=True)``): float32
     calls of fewer than ``native.FEW_ROWS`` rows, every call of rows folded from GQA groups of ``group``
     query heads (48 rows of an MQA step of 3 tokens over 16 heads: 12 of 150 past the rule at score std
-    30 on the float32 path), and every call whose states are merged (``wide``: a cascade's prefix
-    call holds its requests' rows, each request's naive attention its own product; 16 requests over 4
-    heads a key/value head, 64 rows, broke the rule in 40 of 60 cascades at score std 30 on the float32
-    path). The kernel's float32 sums over the head dimension round apart from
+    30 on the float32 path); :func:`_op` makes every call whose states are merged exact too (a
+    cascade's prefix call holds its requests' rows, each request's naive attention its own product; 16
+    requests over 4 heads a key/value head, 64 rows, broke the rule in 40 of 60 cascades at score std 30
+    on the float32 path). The kernel's float32 sums over the head dimension round apart from
     the naive attention's BLAS ones, and at sharp scores that rounding is what the rule measures: a
     GQA step of 4 rows a key/value head went past it in 6 of 100 calls (1,000 keys, head size 128,
     scores of std 30; up to 4.3x), three query tokens 8 of 100, MQA's 8 rows 19 of 200 (up to 3.4x; 1 of
@@ -338,7 +338,7 @@ def _exact(q, group: int = 1, wide: bool = False) -> bool:
     0.98-1.19x at 1-4 rows, 1.4-1.9x at 8 (1.2x over 128k keys read from memory), 1.7-1.9x at 16-32,
     2-2.9x at 64 (double has half float32's lanes, and the several-rows path pairs a key's elements)."""
     rows = q.shape[2]
-    return q.dtype is torch.float32 and (wide or group > 1 or rows < native.FEW_ROWS)
+    return q.dtype is torch.float32 and (group > 1 or rows < native.FEW_ROWS)
 
 
 def _wide_native(q, causal: bool) -> bool:
@@ -484,9 +484,7 @@ def _exact_few_keys(q, k, v, mask) -> bool:
     head size 16 went past the rule in 7 of 200 calls (up to 1.9x), a GQA group's in 9 of 200, ALiBi
     over 35-250 keys in 1 of 3,500 cache decodes; on the kernel, none. It costs 7-40 us a call (the op
     10-24 us, the kernel 17-64; 20-255 keys, 1-4 rows, 2-8 heads)."""
-    if not _few_keys(q, k) or not native.available():
-        return False  # the router's own rules
-    return native.pays(q, k, v, 1) and (mask is None or native.mask_takes(mask, q, k))
+    return _few_keys(q, k) and native.pays(q, k, v, 1) and (mask is None or native.mask_takes(mask, q, k))
 
 
 def _few_keys(q, k) -> bool:
@@ -512,8 +510,8 @@ def _route(q, k, v, causal: bool, mask) -> str:
         if _chunks_pay(q.dtype, q.shape[2], k.shape[2]):
             return "chunks"
     elif (q.dtype is torch.float32 and q.shape[2] <= NATIVE_MASKED_ROWS and native.mask_takes(mask, q, k)
-          and (_native_pays(q, k, v) or q.shape[2] == 1 and _native_pays(q.expand(-1, -1, NATIVE_F32_ROWS, -1), k, v))):
-        return "native"  # one masked row too (NATIVE_MASKED_ROWS)
+          and native.pays(q, k, v, _native_keys(q.dtype, NATIVE_F32_ROWS, q.shape[-1]))):
+        return "native"  # from one row (NATIVE_MASKED_ROWS)
     return "op"
 
 

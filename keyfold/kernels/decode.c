@@ -228,6 +228,68 @@ static inline float exact_softmax(const double *sd, int nb, double *mm, float *l
     return corr;
 }
 
+/* Float32 scores of R rows (q at qs, 16 W floats a row; bfloat16 q at qh, 32 Wb a row, or NULL) for
+ * the nb keys of a block at kp into s (row r at s + r * BK), 16 keys at a time: a partial vector per
+ * key, the 16 summed by one transpose, scaled, the mask (row 0's at mk, rows smr apart) added */
+static inline void float_scores(const job_t *J, const float *qs, const uint16_t *qh, int R, const char *kp,
+                                size_t kstep, int nb, size_t kpf, size_t krow, int W, __mmask16 tk, const float *mk,
+                                float *s) {
+    const int dt = J->dtype, D = J->D;
+    const size_t es = dt == KF_F32 ? 4 : 2;
+    const __m512 scale = _mm512_set1_ps(J->scale);
+    for (int j0 = 0; j0 < nb; j0 += 16) {
+        const int m = nb - j0 < 16 ? nb - j0 : 16;
+        if (R > 1 && !qh) {  /* several rows: scores_rows loads (and widens) each key once for them all */
+            scores_rows(J, qs, 16 * W, R, kp + (size_t)j0 * kstep, kstep, m, kpf, krow, W, tk, es,
+                        mk ? mk + j0 : NULL, s + j0, BK);
+            continue;
+        }
+        for (int r = 0; r < R; r++) {
+            const float *qr = qs + (size_t)r * 16 * W;
+            __m512 t[16];
+            const char *kr = kp + (size_t)j0 * kstep;
+            for (int j = 0; j < 16; j++, kr += kstep) {
+                if (j >= m) { t[j] = _mm512_setzero_ps(); continue; }
+                if (r == 0) prefetch_row(kr + kpf, krow);
+#ifdef __AVX512BF16__
+                if (qh) { t[j] = dot_bf16(qh + (size_t)r * 32 * ((D + 31) / 32), kr, D); continue; }
+#endif
+                __m512 x = _mm512_mul_ps(_mm512_load_ps(qr), load16(kr, dt, W == 1 ? tk : 0xFFFF));
+                for (int i = 1; i < W; i++)
+                    x = _mm512_fmadd_ps(_mm512_load_ps(qr + 16 * i), load16(kr + (size_t)i * 16 * es, dt, i == W - 1 ? tk : 0xFFFF), x);
+                t[j] = x;
+            }
+            __m512 y = _mm512_mul_ps(tree16(t), scale);
+            if (mk) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(first(m), mk + r * J->smr + j0));
+            _mm512_store_ps(s + (size_t)r * BK + j0, y);
+        }
+    }
+}
+
+/* The online softmax of a float32-scores block (s, nb keys, turned into weights in place) for a row whose
+ * running max and sum are *mm, *ll; returns the factor for what came before. A row that has seen no key
+ * yet (a mask's -inf, or scores of -inf from an infinite k, which PyTorch's op also takes as hidden keys)
+ * keeps m = -inf and subtracts 0: every p and corr is 0. Without a mask it subtracted -inf, and a first
+ * block or chunk of -inf scores made the row NaN where a later one did not (found in decode_avx2.c's
+ * review, 2026-12-07). */
+static inline float float_softmax(float *s, int nb, double *mm, float *ll) {
+    __m512 bm = _mm512_set1_ps(-INFINITY);
+    for (int j = 0; j < nb; j += 16) bm = _mm512_mask_max_ps(bm, first(nb - j), bm, _mm512_load_ps(s + j));
+    const float mo = (float)*mm, mx = _mm512_reduce_max_ps(bm), mn = (isnan(mx) || mx > mo) ? mx : mo;
+    const float base = mn == -INFINITY ? 0.0f : mn;
+    const float corr = _mm512_cvtss_f32(exp16(_mm512_set1_ps(mo - base)));  /* 0 on the first block */
+    const __m512 mnv = _mm512_set1_ps(base);
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < nb; j += 16) {
+        const __m512 p = _mm512_maskz_mov_ps(first(nb - j), exp16(_mm512_sub_ps(_mm512_load_ps(s + j), mnv)));
+        _mm512_store_ps(s + j, p);
+        sum = _mm512_add_ps(sum, p);
+    }
+    *ll = *ll * corr + _mm512_reduce_add_ps(sum);
+    *mm = mn;
+    return corr;
+}
+
 /* acc of RR rows (1-4, a constant where this is inlined; row r's at a + r Wv 16) += sum_j p_r[j] v_j over
  * the nb value rows at `x` (vs bytes apart, elements of ves bytes in dtype vdt), four 16-float slices
  * of v at a time: each value slice is loaded once for the RR rows. Each block's sum starts afresh and
@@ -291,7 +353,6 @@ static void item(const job_t *J, int w, char *mem) {
     float vb[dt != KF_F32 && R > 1 ? BK : 1][16 * Wv] __attribute__((aligned(64)));
     float *acc = J->acc + (size_t)w * R * Wv * 16, *ll = J->l + (size_t)w * R;
     double *mm = J->m + (size_t)w * R;
-    const __m512 scale = _mm512_set1_ps(J->scale);
     const float *mk = J->mask ? J->mask + b * J->smb + h * J->smh + n0 : NULL;  /* row 0's mask at key n0 */
     const int Wb = (D + 31) / 32;                             /* 32-element bfloat16 vectors per row */
     uint16_t (*qh)[32 * Wb] = NULL;                           /* the rows' bfloat16 q, zero past D */
@@ -319,77 +380,22 @@ static void item(const job_t *J, int w, char *mem) {
     memset(acc, 0, sizeof(float) * R * Wv * 16);
     for (long long n = n0; n < n1; n += BK) {
         const int nb = (int)(n1 - n < BK ? n1 - n : BK);
-        if (ex) {  /* scores in double, then the online softmax from them */
-            exact_scores(J, qd, R, kp, kstep, nb, kpf, krow, W, tk, mk ? mk + (n - n0) : NULL, tt, sd);
-            kp += (size_t)nb * kstep;
-            for (int r = 0; r < R; r++) {
-                const float corr = exact_softmax(sd + (size_t)r * BK, nb, &mm[r], &ll[r], s[r]);
-                if (corr != 1.0f) {
-                    const __m512 cv = _mm512_set1_ps(corr);
-                    float *a = acc + (size_t)r * Wv * 16;
-                    for (int i = 0; i < Wv; i++) _mm512_storeu_ps(a + 16 * i, _mm512_mul_ps(cv, _mm512_loadu_ps(a + 16 * i)));
-                }
-            }
-            goto values;
-        }
-        /* scores, 16 keys at a time: a partial vector per key, the 16 summed by one transpose */
-        for (int j0 = 0; j0 < nb; j0 += 16) {
-            const int m = nb - j0 < 16 ? nb - j0 : 16;
-            if (R > 1 && !qh) {  /* several rows: scores_rows loads (and widens) each key once for them all */
-                scores_rows(J, qs[0], 16 * W, R, kp + (size_t)j0 * kstep, kstep, m, kpf, krow, W, tk, es,
-                            mk ? mk + (n - n0) + j0 : NULL, &s[0][j0], BK);
-                continue;
-            }
-            for (int r = 0; r < R; r++) {
-                __m512 t[16];
-                const char *kr = kp + (size_t)j0 * kstep;
-                for (int j = 0; j < 16; j++, kr += kstep) {
-                    if (j >= m) { t[j] = _mm512_setzero_ps(); continue; }
-                    if (r == 0) prefetch_row(kr + kpf, krow);
-#ifdef __AVX512BF16__
-                    if (qh) { t[j] = dot_bf16(qh[r], kr, D); continue; }
-#endif
-                    __m512 x = _mm512_mul_ps(_mm512_load_ps(qs[r]), load16(kr, dt, W == 1 ? tk : 0xFFFF));
-                    for (int i = 1; i < W; i++)
-                        x = _mm512_fmadd_ps(_mm512_load_ps(qs[r] + 16 * i),
-                                            load16(kr + (size_t)i * 16 * es, dt, i == W - 1 ? tk : 0xFFFF), x);
-                    t[j] = x;
-                }
-                __m512 y = _mm512_mul_ps(tree16(t), scale);
-                if (mk) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(first(m), mk + r * J->smr + (n - n0) + j0));
-                _mm512_store_ps(&s[r][j0], y);
-            }
-        }
+        if (ex) exact_scores(J, qd, R, kp, kstep, nb, kpf, krow, W, tk, mk ? mk + (n - n0) : NULL, tt, sd);
+        else float_scores(J, qs[0], qh ? qh[0] : NULL, R, kp, kstep, nb, kpf, krow, W, tk, mk ? mk + (n - n0) : NULL,
+                          s[0]);
         kp += (size_t)nb * kstep;
         /* online softmax per row: the block's max; what came before rescaled to the new max */
         for (int r = 0; r < R; r++) {
-            __m512 bm = _mm512_set1_ps(-INFINITY);
-            for (int j = 0; j < nb; j += 16) bm = _mm512_mask_max_ps(bm, first(nb - j), bm, _mm512_load_ps(&s[r][j]));
-            const float mo = (float)mm[r], mx = _mm512_reduce_max_ps(bm), mn = (isnan(mx) || mx > mo) ? mx : mo;
-            /* a row that has seen no key yet (a mask's -inf, or scores of -inf from an infinite k, which
-             * PyTorch's op also takes as hidden keys) keeps m = -inf and subtracts 0: every p and corr is
-             * 0. Without a mask it subtracted -inf, and a first block or chunk of -inf scores made the
-             * row NaN where a later one did not (found in decode_avx2.c's review, 2026-12-07) */
-            const float base = mn == -INFINITY ? 0.0f : mn;
-            const float corr = _mm512_cvtss_f32(exp16(_mm512_set1_ps(mo - base)));  /* 0 on the first block */
-            const __m512 mnv = _mm512_set1_ps(base);
-            __m512 sum = _mm512_setzero_ps();
-            for (int j = 0; j < nb; j += 16) {
-                __m512 p = _mm512_maskz_mov_ps(first(nb - j), exp16(_mm512_sub_ps(_mm512_load_ps(&s[r][j]), mnv)));
-                _mm512_store_ps(&s[r][j], p);
-                sum = _mm512_add_ps(sum, p);
-            }
+            const float corr = ex ? exact_softmax(sd + (size_t)r * BK, nb, &mm[r], &ll[r], s[r])
+                                  : float_softmax(s[r], nb, &mm[r], &ll[r]);
             if (corr != 1.0f) {
                 const __m512 cv = _mm512_set1_ps(corr);
                 float *a = acc + (size_t)r * Wv * 16;
                 for (int i = 0; i < Wv; i++) _mm512_storeu_ps(a + 16 * i, _mm512_mul_ps(cv, _mm512_loadu_ps(a + 16 * i)));
             }
-            ll[r] = ll[r] * corr + _mm512_reduce_add_ps(sum);
-            mm[r] = mn;
         }
         /* values (values_rows): float32 rows, or a single query row, are read where they lie (16-bit
          * widened in the loop); several rows over 16-bit values read them widened once into vb. */
-    values:;
         const char *vsrc = vp;
         size_t vs = vstep, ves = es;
         int vdt = dt;

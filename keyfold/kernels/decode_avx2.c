@@ -183,6 +183,35 @@ static inline void exact_block(const job_t *J, const double *qd, int R, const fl
         for (int j = nb; j < nb8; j++) sd[(size_t)r * BK + j] = -INFINITY;  /* past the block's end */
 }
 
+/* The online softmax of a float32-scores block (s, nb8 keys, -inf past the block's end; weights in
+ * place) for a row whose running max and sum are *mm, *ll: the block's max (NaN wins); returns the
+ * factor for what came before. A row that has seen no key yet (a mask's -inf, or scores of -inf from an
+ * infinite k, which PyTorch's op also takes as hidden keys) keeps m = -inf and subtracts 0: every p and
+ * corr is 0. Without a mask it subtracted -inf, and a first block or chunk of -inf scores made the row
+ * NaN where a later one did not (a review, 2026-12-07). */
+static inline float float_softmax(float *s, int nb8, double *mm, float *ll) {
+    __m256 bm = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+    for (int j = 0; j < nb8; j += 8) {
+        const __m256 x = _mm256_load_ps(s + j);
+        bm = _mm256_max_ps(bm, x);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    }
+    const float mo = (float)*mm, mx = _mm256_movemask_ps(nan) ? NAN : hmax8(bm);
+    const float mn = (isnan(mx) || mx > mo) ? mx : mo;
+    const float base = mn == -INFINITY ? 0.0f : mn;
+    const float corr = _mm256_cvtss_f32(exp8(_mm256_set1_ps(mo - base)));  /* 0 on the first block */
+    const __m256 bv = _mm256_set1_ps(base);
+    __m256 sum = _mm256_setzero_ps();
+    for (int j = 0; j < nb8; j += 8) {
+        const __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(s + j), bv));
+        _mm256_store_ps(s + j, p);
+        sum = _mm256_add_ps(sum, p);
+    }
+    *ll = *ll * corr + hsum8(sum);
+    *mm = mn;
+    return corr;
+}
+
 /* decode.c's exact_softmax on 8 lanes: sd's nb doubles (a multiple of 8 readable, -inf past nb) to weights
  * exp(s - m) in p, the running max in double; returns the factor for what came before */
 static inline float exact_softmax(const double *sd, int nb8, double *mm, float *ll, float *p) {
@@ -316,54 +345,25 @@ static inline __attribute__((always_inline)) void item_of(const job_t *J, int w,
             const float *qr = qs + (size_t)r * Dp;
             float *sr = s + (size_t)r * BK;
             float *a = acc + (size_t)r * Dvp;
-            if (J->exact) {  /* the online softmax from the block's exact scores */
-                const float corr = exact_softmax(sd + (size_t)r * BK, nb8, &mm[r], &ll[r], sr);
-                if (corr != 1.0f) {
-                    const __m256 cv = _mm256_set1_ps(corr);
-                    for (int i = 0; i < Wv; i++) _mm256_store_ps(a + 8 * i, _mm256_mul_ps(cv, _mm256_load_ps(a + 8 * i)));
+            float corr;
+            if (J->exact) corr = exact_softmax(sd + (size_t)r * BK, nb8, &mm[r], &ll[r], sr);  /* scores above */
+            else {
+                for (int j0 = 0; j0 < nb8; j0 += 8) {
+                    const __m256 x = wide ? scores8(qr, (const char *)(kb + (size_t)j0 * Dp), sizeof(float) * Dp, W, KF_F32)
+                                          : scores8(qr, kp + (size_t)j0 * kstep, kstep, W, dt);
+                    _mm256_store_ps(sr + j0, _mm256_mul_ps(x, scale));
                 }
-                if (direct) values(a, sr, vp, vstep, nb, Wv, dt);
-                else values(a, sr, (const char *)vb, sizeof(float) * Dvp, nb, Wv, KF_F32);
-                continue;
+                if (mk) {
+                    const float *mr = mk + r * J->smr + (n - n0);
+                    for (int j = 0; j < nb; j++) sr[j] += mr[j];
+                }
+                for (int j = nb; j < nb8; j++) sr[j] = -INFINITY;  /* past the block's end */
+                corr = float_softmax(sr, nb8, &mm[r], &ll[r]);
             }
-            for (int j0 = 0; j0 < nb8; j0 += 8) {
-                const __m256 x = wide ? scores8(qr, (const char *)(kb + (size_t)j0 * Dp), sizeof(float) * Dp, W, KF_F32)
-                                      : scores8(qr, kp + (size_t)j0 * kstep, kstep, W, dt);
-                _mm256_store_ps(sr + j0, _mm256_mul_ps(x, scale));
-            }
-            if (mk) {
-                const float *mr = mk + r * J->smr + (n - n0);
-                for (int j = 0; j < nb; j++) sr[j] += mr[j];
-            }
-            for (int j = nb; j < nb8; j++) sr[j] = -INFINITY;  /* past the block's end */
-            /* online softmax: the block's max (NaN wins), what came before rescaled to the new max */
-            __m256 bm = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
-            for (int j = 0; j < nb8; j += 8) {
-                const __m256 x = _mm256_load_ps(sr + j);
-                bm = _mm256_max_ps(bm, x);
-                nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-            }
-            const float mo = (float)mm[r], mx = _mm256_movemask_ps(nan) ? NAN : hmax8(bm);
-            const float mn = (isnan(mx) || mx > mo) ? mx : mo;
-            /* a row that has seen no key yet (a mask's -inf, or scores of -inf from an infinite k, which
-             * PyTorch's op also takes as hidden keys) keeps m = -inf and subtracts 0: every p and corr is
-             * 0. Without a mask it subtracted -inf, and a first block or chunk of -inf scores made the
-             * row NaN where a later one did not (a review, 2026-12-07) */
-            const float base = mn == -INFINITY ? 0.0f : mn;
-            const float corr = _mm256_cvtss_f32(exp8(_mm256_set1_ps(mo - base)));  /* 0 on the first block */
-            const __m256 bv = _mm256_set1_ps(base);
-            __m256 sum = _mm256_setzero_ps();
-            for (int j = 0; j < nb8; j += 8) {
-                const __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(sr + j), bv));
-                _mm256_store_ps(sr + j, p);
-                sum = _mm256_add_ps(sum, p);
-            }
-            if (corr != 1.0f) {
+            if (corr != 1.0f) {  /* what came before, rescaled to the new max */
                 const __m256 cv = _mm256_set1_ps(corr);
                 for (int i = 0; i < Wv; i++) _mm256_store_ps(a + 8 * i, _mm256_mul_ps(cv, _mm256_load_ps(a + 8 * i)));
             }
-            ll[r] = ll[r] * corr + hsum8(sum);
-            mm[r] = mn;
             if (direct) values(a, sr, vp, vstep, nb, Wv, dt);
             else values(a, sr, (const char *)vb, sizeof(float) * Dvp, nb, Wv, KF_F32);
         }
