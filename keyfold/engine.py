@@ -130,10 +130,12 @@ class _Call:
         """The merged State; with ``in_dtype`` the CPU backend may give ``out`` in the input dtype
         (a one-piece plan: the op's own tensor, not a float32 copy of it). ``lse_exact=False``: nobody
         uses lse beyond merging this call's pieces (no backward, no caller), so the tile kernel need
-        not compute it the way a backward recomputes P. ``wide_lse``: lse in float64 and out in float32
+        not compute it the way a backward recomputes P, and the CPU backend need not check the fused
+        op's lse of rows that see no key. ``wide_lse``: lse in float64 and out in float32
         on the CPU and tile backends (:func:`attend_wide`; float64 inputs' are float64 anyway)."""
         if self.backend is Backend.CPU:
-            return _cpu.forward(q, k, v, self.plan, self.pb, keep_dtype=in_dtype, wide_lse=wide_lse)
+            return _cpu.forward(q, k, v, self.plan, self.pb, keep_dtype=in_dtype, wide_lse=wide_lse,
+                                lse_needed=lse_exact)
         if self.backend is Backend.TRITON:
             from .kernels import triton as _triton
             return _triton.forward(q, k, v, self.plan, self.pb, fallback=self.auto)
@@ -393,6 +395,16 @@ def attend_wide(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv
                    in_dtype=False, lse_exact=True, wide_lse=True)
 
 
+def attend_out(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offset=0,
+               backend=Backend.AUTO) -> State:
+    """:func:`attend` for keyfold's own callers that read only the state's out (a decoding step whose lse
+    nobody asked for): lse is what ``attention(..., return_lse=False)`` computes, not the exact one a
+    backward or a merge needs (the tile kernel's softmax path, and no check of the fused op's lse on
+    rows that see no key, whose small ops after a step's stream of keys cost 50-80 us)."""
+    return _attend(q, k, v, mask, score, scale, q_offset, kv_offset, backend, None, False, 0.0, None, None,
+                   in_dtype=False, lse_exact=False)
+
+
 _AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -458,7 +470,7 @@ def _attend_here(q, k, v, mask, score, scale, q_offset, kv_offset, backend, bloc
     if mask is None and score is None and not dropout_p and _plain_fused(
             q, k, v, backend, block_size, check_inputs, scale, q_offset, kv_offset):
         return _cpu.dense(q, k, v, float(q.shape[-1] ** -0.5 if scale is None else scale), keep_dtype=in_dtype,
-                          wide_lse=wide_lse)
+                          wide_lse=wide_lse, lse_needed=lse_exact)
     if q_offset is None and isinstance(k, torch.Tensor) and isinstance(q, torch.Tensor) and k.dim() == 4 and q.dim() == 4:
         q_offset = default_q_offset(_mask_object(mask), q.shape[2], k.shape[2], kv_offset)
     dropout_p, dropout_seed = _dropout_args(dropout_p, dropout_seed, generator)

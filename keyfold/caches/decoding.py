@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ..engine import Backend, attend, attend_wide
+from ..engine import Backend, attend, attend_out, attend_wide
 from ..kernels import cpu as _cpu
 from ..masks import BlockKind, Mask, as_mask, sinks
 from ..scores import as_score
@@ -98,12 +98,14 @@ def _folded(q, span: Span, s: int, scale, backend) -> list[State] | None:
     return states
 
 
-def _span_states(q, span: Span, mask, score, scale, q_offset, splits, backend, merged: bool = False) -> list[State]:
+def _span_states(q, span: Span, mask, score, scale, q_offset, splits, backend, merged: bool = False,
+                 lse: bool = True) -> list[State]:
     """States of one span, split into chunks when that pays (or when ``splits`` asks). States that are
     merged (chunks, or every state of a span whose caller merges it with others': ``merged``) carry a
     float64 lse and a float32 out (:func:`attend_wide`: a float32 lse, or a 16-bit piece's out, rounded
     before the merge broke the 2x rule); :func:`_narrow` rounds the result's lse once. One unmerged
-    call stays :func:`attend`'s (the fused op, where it is faster)."""
+    call stays :func:`attend`'s (the fused op, where it is faster); :func:`attend_out`'s where nobody reads
+    its lse (``lse=False``)."""
     b, Hq = q.shape[:2]
     n = span.n
     free = mask is None and score is None
@@ -114,7 +116,7 @@ def _span_states(q, span: Span, mask, score, scale, q_offset, splits, backend, m
     else:
         s = min(splits, n)
     if s <= 1:
-        one = attend_wide if merged else attend
+        one = attend_wide if merged else attend if lse else attend_out
         return [one(q, span.k, span.v, mask=mask, score=score, scale=scale, q_offset=q_offset,
                     kv_offset=span.kv_offset, backend=backend)]
     if free:
@@ -128,9 +130,11 @@ def _span_states(q, span: Span, mask, score, scale, q_offset, splits, backend, m
             for a, e in zip(edges[:-1], edges[1:]) if e > a]
 
 
-def _group_state(q, group: Group, mask, score, scale, splits, backend, Dv: int, merged: bool = False) -> State:
+def _group_state(q, group: Group, mask, score, scale, splits, backend, Dv: int, merged: bool = False,
+                 lse: bool = True) -> State:
     """Attention of the group's query rows over all its spans, merged (``merged``: the caller merges the
-    result with another state, so its spans' states are wide even where there is one)."""
+    result with another state, so its spans' states are wide even where there is one; ``lse``: whether
+    anyone reads the result's lse)."""
     b, Hq, Nq, _ = q.shape
     q_offset = group.length - Nq
     if group.row_lengths is not None:  # a ragged group (nothing reads positions): row r sees keys < its length
@@ -144,7 +148,7 @@ def _group_state(q, group: Group, mask, score, scale, splits, backend, Dv: int, 
     seen = [(span, kind) for span, kind in zip(group.spans, kinds) if kind is not BlockKind.EMPTY]
     for span, kind in seen:
         m = None if kind is BlockKind.FULL else mask
-        states += _span_states(q, span, m, score, scale, q_offset, splits, backend, merged or len(seen) > 1)
+        states += _span_states(q, span, m, score, scale, q_offset, splits, backend, merged or len(seen) > 1, lse)
     if not states:  # every key hidden: the identity, out 0 and lse -inf
         return empty_state(b, Hq, Nq, Dv, dtype=state_dtype(q.dtype), device=q.device,
                            of=(q, *(t for s in group.spans for t in (s.k, s.v))))
@@ -152,8 +156,9 @@ def _group_state(q, group: Group, mask, score, scale, splits, backend, Dv: int, 
 
 
 def _groups_state(q, groups: list[Group], mask, score, scale, splits, backend, Dv: int,
-                  merged: bool = False) -> State:
-    """Per group of rows, then the rows put back together in order (``merged``: as :func:`_group_state`'s)."""
+                  merged: bool = False, lse: bool = True) -> State:
+    """Per group of rows, then the rows put back together in order (``merged``, ``lse``: as
+    :func:`_group_state`'s)."""
     B = q.shape[0]
     if not groups:  # no sequence (seq_ids=[]: every request finished): an empty batch, as attention gives
         return empty_state(0, q.shape[1], q.shape[2], Dv, dtype=state_dtype(q.dtype), device=q.device, of=(q,))
@@ -166,7 +171,7 @@ def _groups_state(q, groups: list[Group], mask, score, scale, splits, backend, D
                 m = MaskView(m, rows, n_batch=g.r1 - g.r0)
             if sc is not None:
                 sc = ScoreView(sc, rows)
-        states.append(_group_state(q[g.r0:g.r1], g, m, sc, scale, splits, backend, Dv, merged))
+        states.append(_group_state(q[g.r0:g.r1], g, m, sc, scale, splits, backend, Dv, merged, lse))
     if len(states) == 1:
         return states[0]
     return State(torch.cat([s.out for s in states], 0), torch.cat([s.lse for s in states], 0))
@@ -202,11 +207,11 @@ def _check_splits(splits):
                          f"threads; got {splits!r}")
 
 
-def _whole_batch(q, cache: KVCache, scale, splits, backend) -> State | None:
+def _whole_batch(q, cache: KVCache, scale, splits, backend, lse: bool = True) -> State | None:
     """The common decode step: every sequence of a contiguous cache at one length, as many query
     heads as key heads, nothing that reads positions, no split worth making. One call over the
     cache's kept views, without groups and spans. Anything unusual (including bad input) answers
-    None and takes the general path, which checks and explains."""
+    None and takes the general path, which checks and explains. ``lse``: as :func:`_group_state`'s."""
     whole = cache.whole()
     if whole is None or type(q) is not torch.Tensor or q.dtype != cache.dtype:
         return None
@@ -220,21 +225,28 @@ def _whole_batch(q, cache: KVCache, scale, splits, backend) -> State | None:
             return None
     elif type(splits) is not int or splits != 1:
         return None
-    return attend(q, k, v, scale=scale, backend=backend)
+    return (attend if lse else attend_out)(q, k, v, scale=scale, backend=backend)
 
 
 def attend_cache(q, cache: Cache, *, mask=None, score=None, scale=None, seq_ids=None, splits=None,
                  backend=Backend.AUTO) -> State:
     """Partial-state form of :func:`decode`: a mergeable ``State`` (float32; float64 for float64)."""
+    return _cache_state(q, cache, mask, score, scale, seq_ids, splits, backend)
+
+
+def _cache_state(q, cache: Cache, mask, score, scale, seq_ids, splits, backend, lse: bool = True) -> State:
+    """:func:`attend_cache`'s state (``lse``: whether anyone reads its lse; :func:`decode` without
+    ``return_lse`` does not)."""
     if mask is None and score is None and seq_ids is None and type(cache) is KVCache:
-        st = _whole_batch(q, cache, scale, splits, backend)
+        st = _whole_batch(q, cache, scale, splits, backend, lse)
         if st is not None:
             return st
-    return _narrow(_attend_groups(q, cache, mask, score, scale, seq_ids, splits, backend))
+    return _narrow(_attend_groups(q, cache, mask, score, scale, seq_ids, splits, backend, lse))
 
 
-def _attend_groups(q, cache: Cache, mask, score, scale, seq_ids, splits, backend) -> State:
-    """The general path: check, ask the cache for its groups of rows and spans, attend, merge."""
+def _attend_groups(q, cache: Cache, mask, score, scale, seq_ids, splits, backend, lse: bool = True) -> State:
+    """The general path: check, ask the cache for its groups of rows and spans, attend, merge (``lse``:
+    whether anyone reads the result's lse)."""
     _check_q(q, cache.heads, cache.head_dim, "decode")
     _check_splits(splits)
     Nq = q.shape[2]
@@ -252,7 +264,7 @@ def _attend_groups(q, cache: Cache, mask, score, scale, seq_ids, splits, backend
     # More queries than a sequence holds is allowed (FlashAttention's seqlen_q > seqlen_k): they
     # stay bottom-right aligned, the first ones at negative positions, and see what the mask allows.
     qc = q if q.dtype == cache.dtype else q.to(cache.dtype)
-    return _groups_state(qc, groups, mask, score, scale, splits, backend, cache.value_dim)
+    return _groups_state(qc, groups, mask, score, scale, splits, backend, cache.value_dim, lse=lse)
 
 
 def decode(q, cache: Cache, *, mask=None, score=None, scale=None, seq_ids=None, splits=None,
@@ -278,8 +290,7 @@ def decode(q, cache: Cache, *, mask=None, score=None, scale=None, seq_ids=None, 
     >>> torch.allclose(decode(q, cache), keyfold.attention(q, k, v), atol=1e-6)
     True
     """
-    st = attend_cache(q, cache, mask=mask, score=score, scale=scale, seq_ids=seq_ids, splits=splits,
-                      backend=backend)
+    st = _cache_state(q, cache, mask, score, scale, seq_ids, splits, backend, lse=return_lse)
     out = st.out if st.out.dtype == q.dtype else st.out.to(q.dtype)
     return (out, st.lse) if return_lse else out
 

@@ -256,7 +256,8 @@ def splits_itself(q, k, v) -> bool:
     return _native_pays(folded, k, v)
 
 
-def _op(q, k, v, causal: bool, mask, scale: float, way: str | None = None, wide: bool = False, group: int = 1):
+def _op(q, k, v, causal: bool, mask, scale: float, way: str | None = None, wide: bool = False, group: int = 1,
+        hidden: bool = True):
     """One fused call, ``(out, lse)``: on the native decode kernel where :func:`_route` says so (``way``,
     when the caller has asked it already), by float32 chunks where :func:`_chunks_pay`, else in float32
     for float16 where :data:`FP16_AS_FP32` says so (inputs not yet widened), else as given. ``wide``
@@ -268,7 +269,10 @@ def _op(q, k, v, causal: bool, mask, scale: float, way: str | None = None, wide:
     the router says (the decode kernel, float32 chunks), else to the decode kernel where it takes it
     (:func:`_wide_native`), else to the op with its inputs widened to float32 (exact): the op's 16-bit
     out is rounded to 16 bits, and a merge of such pieces rounds once per piece where the naive
-    attention rounds once. ``group``: the GQA group size folded into q's rows (:func:`_exact`)."""
+    attention rounds once. ``group``: the GQA group size folded into q's rows (:func:`_exact`).
+    ``hidden``: the op's lse of rows whose every score is -inf set right (:func:`_hidden_rows`), for a
+    caller whose lse anyone reads (after a decoding step's stream of keys its small ops run on cold
+    caches: 50 us of a 0.6 ms step where nobody reads lse)."""
     if wide and q.dtype is torch.float32:
         if not causal and native.pays(q, k, v, 1) and (mask is None or native.mask_takes(mask, q, k)):
             return native.run(q, k, v, scale, mask, exact=True)  # merged: exact at any row count (_exact)
@@ -286,16 +290,19 @@ def _op(q, k, v, causal: bool, mask, scale: float, way: str | None = None, wide:
     else:
         q, k, v = _widen(_rows(q), _rows(k), _rows(v))
     out, lse = _FWD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
-    return out, _hidden_rows(q, k, out, lse, causal, mask, scale)
+    return out, _hidden_rows(q, k, out, lse, causal, mask, scale) if hidden else lse
 
 
 def _hidden_rows(q, k, out, lse, causal: bool, mask, scale: float):
     """The op's lse with -inf on rows whose every score is -inf because of infinite keys (or queries): the
     op gives them out 0 and lse 0, the lse of a row that saw one key of score 0, and a merge
     (keyfold.merge, a split decode) weighed the other states of such a row by sigmoid(their lse)
-    instead of 1. Rows with lse 0 and out 0 are the candidates (one pass over out); only where q or k
-    holds an infinity (one more pass, then) are their scores recomputed, a key/value head at a time, to
-    tell. Rows a mask hides whole are their callers' (forward's ``tile.empty``)."""
+    instead of 1. Rows with lse 0 and out 0 are the candidates (a look at lse, the hot path's only cost:
+    4 us; then one pass over out); only where q or k holds an infinity (one more pass, then) are their
+    scores recomputed, a key/value head at a time, to tell. Rows a mask hides whole are their callers'
+    (forward's ``tile.empty``)."""
+    if not bool((lse == 0).any()):
+        return lse
     cand = (lse == 0) & (out == 0).all(-1)
     if not bool(cand.any()) or not (bool(torch.isinf(k).any()) or bool(torch.isinf(q).any())):
         return lse
@@ -697,12 +704,12 @@ def _bias_needed(pb: Problem) -> bool:
     return pb.score is not None and pb.score.additive
 
 
-def dense(q, k, v, scale: float, keep_dtype: bool = False, wide_lse: bool = False) -> State:
+def dense(q, k, v, scale: float, keep_dtype: bool = False, wide_lse: bool = False, lse_needed: bool = True) -> State:
     """One fused call over every key, no mask: the op's (out, lse) is the whole state (the prefill
     kernel's where it runs: bfloat16 with AMX, float32 at head sizes up to
     :data:`PREFILL_F32_DENSE_MAX_HEAD` on AVX-512, :data:`PREFILL_AVX2_MAX_HEAD` on AVX2).
     keep_dtype: out stays in the op's dtype (the input's, float32 for widened float16), for a
-    caller that casts it to the input dtype anyway. wide_lse: as :func:`forward`'s."""
+    caller that casts it to the input dtype anyway. wide_lse, lse_needed: as :func:`forward`'s."""
     sd = state_dtype(q.dtype)
     wide = wide_lse and q.dtype is not torch.float64
     if _prefill_may(q, k, v, Problem(None, None, scale, 0, 0), True, True):
@@ -713,7 +720,7 @@ def dense(q, k, v, scale: float, keep_dtype: bool = False, wide_lse: bool = Fals
     if wide:
         out, lse = _op(q, k, v, False, None, scale, wide=True)
         return State(out, lse.double())
-    out, lse = _op(q, k, v, False, None, scale)
+    out, lse = _op(q, k, v, False, None, scale, hidden=lse_needed)
     return State(out if out.dtype == sd or keep_dtype else out.to(sd), lse if lse.dtype == sd else lse.to(sd))
 
 
@@ -925,7 +932,7 @@ def _members_pay(qs, mask, rows: int, way: str) -> bool:
     return rows <= most and (mask is not None or way != "native")
 
 
-def _by_members(qs, ks, vs, mask, g: int, scale: float, wide: bool = False):
+def _by_members(qs, ks, vs, mask, g: int, scale: float, wide: bool = False, hidden: bool = True):
     """A folded piece one member at a time: each head with its own L rows, as the naive attention
     multiplies them, the folded mask's rows with them (_fold_mask always spells out g L rows);
     ``(out, lse)`` folded as the one call's. One call (:func:`_op`: the decode kernel from
@@ -939,7 +946,8 @@ def _by_members(qs, ks, vs, mask, g: int, scale: float, wide: bool = False):
     B, Hkv, gL, W = qs.shape
     if B > 1 and Hkv > 1 and not (_flattens(ks) and _flattens(vs)):
         parts = [_by_members(qs[b:b + 1], ks[b:b + 1], vs[b:b + 1],
-                             None if mask is None else mask[b:b + 1] if mask.shape[0] > 1 else mask, g, scale, wide)
+                             None if mask is None else mask[b:b + 1] if mask.shape[0] > 1 else mask, g, scale, wide,
+                             hidden)
                  for b in range(B)]
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     L, S, Dv, n = gL // g, ks.shape[2], vs.shape[-1], B * Hkv
@@ -949,7 +957,7 @@ def _by_members(qs, ks, vs, mask, g: int, scale: float, wide: bool = False):
     if mask is not None:  # (b, h, g L, S) with b in (1, B), h in (1, Hkv) -> (n or 1, g, L, S)
         m = mask.unflatten(2, (g, L))
         m = m.flatten(0, 1) if m.shape[0] * m.shape[1] == 1 else m.expand(B, Hkv, g, L, S).reshape(n, g, L, S)
-    out, lse = _op(q, k, v, False, m, scale, wide=wide)  # the decode kernel where it takes the members' rows
+    out, lse = _op(q, k, v, False, m, scale, wide=wide, hidden=hidden)  # the decode kernel where it takes the members' rows
     return out.reshape(B, Hkv, gL, out.shape[-1]), lse.reshape(B, Hkv, gL)
 
 
@@ -958,7 +966,8 @@ def _flattens(x) -> bool:
     return x.shape[0] == 1 or x.shape[1] == 1 or x.stride(0) == x.stride(1) * x.shape[1]
 
 
-def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False, wide_lse: bool = False) -> State:
+def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False, wide_lse: bool = False,
+            lse_needed: bool = True) -> State:
     """Attention over the plan's pieces; returns the merged State (float32 / float64).
 
     keep_dtype: out comes back in the input dtype, for a caller that casts it there anyway: a
@@ -969,7 +978,10 @@ def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False, wide_lse
     wide_lse: lse in float64 and out in float32 (float64 inputs: as without it), for a caller that
     merges the state with others (keyfold's decoding: see :class:`keyfold.State`): the prefill and
     decode kernels sum lse in double, and pieces the router sends to the fused op, whose lse is float32
-    and whose 16-bit out is rounded to 16 bits, run as :func:`_op` says under ``wide`` instead."""
+    and whose 16-bit out is rounded to 16 bits, run as :func:`_op` says under ``wide`` instead.
+
+    lse_needed: False where nobody reads the state's lse (no backward, no caller): a one-piece plan on
+    the fused op then skips :func:`_hidden_rows`; pieces that are merged always take it."""
     wide = wide_lse and q.dtype is not torch.float64
     sd = state_dtype(q.dtype)
     ld = torch.float64 if wide else sd  # lse's dtype
@@ -989,6 +1001,7 @@ def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False, wide_lse
     inp = _Inputs(q, k, v) if few else _Inputs(*_widen(q, k, v))
     memo: dict = {}
     single = len(plan.pieces) == 1 and plan.pieces[0].q0 == 0 and plan.pieces[0].q1 == Nq
+    hidden = lse_needed or wide or not single  # whether anyone reads the pieces' lse (_op's hidden)
     direct = not single and keep_dtype and _rows_disjoint(plan.pieces)
     if direct:  # filled piece by piece; rows no piece covers are set at the end
         acc = State(torch.empty(B, Hq, Nq, Dv, dtype=q.dtype, device=q.device),
@@ -1001,15 +1014,15 @@ def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False, wide_lse
     for piece in plan.pieces:
         qs, ks, vs, causal, tile, folded, _ = _piece_args(inp, piece, pb, q, memo, plan.tiles)
         if qs.dim() == 5:  # GQA under the causal flag: one call per group member
-            parts = [_op(qs[:, :, j], ks, vs, causal, tile.mask, pb.scale, wide=wide) for j in range(inp.g)]
+            parts = [_op(qs[:, :, j], ks, vs, causal, tile.mask, pb.scale, wide=wide, hidden=hidden) for j in range(inp.g)]
             out = torch.stack([p[0] for p in parts], 2).flatten(1, 2)   # (B, Hq, L, W)
             lse = torch.stack([p[1] for p in parts], 2).flatten(1, 2)   # (B, Hq, L)
         else:  # routed once: a folded float32 piece asks where the folded call would run
             way = _route(qs, ks, vs, causal, tile.mask)
             if folded and q.dtype is torch.float32 and _members_pay(qs, tile.mask, piece.q1 - piece.q0, way):
-                out, lse = _by_members(qs, ks, vs, tile.mask, inp.g, pb.scale, wide)
+                out, lse = _by_members(qs, ks, vs, tile.mask, inp.g, pb.scale, wide, hidden)
             else:
-                out, lse = _op(qs, ks, vs, causal, tile.mask, pb.scale, way, wide, inp.g if folded else 1)
+                out, lse = _op(qs, ks, vs, causal, tile.mask, pb.scale, way, wide, inp.g if folded else 1, hidden)
         if folded:
             out, lse = _unfold(out, inp.g, Hq), _unfold(lse, inp.g, Hq)
         trimmed = out.shape[-1] != Dv

@@ -288,10 +288,10 @@ def test_split_kv_auto_folds_long_mqa_cache():
 
 
 def _split_calls(fn):
-    """The (q shape, k shape) of every attend call fn makes (``attend``, or ``attend_wide`` for the
-    states decoding merges)."""
+    """The (q shape, k shape) of every attend call fn makes (``attend``, ``attend_out`` where nobody reads
+    lse, or ``attend_wide`` for the states decoding merges)."""
     import keyfold.caches.decoding as dec
-    calls, real = [], {name: getattr(dec, name) for name in ("attend", "attend_wide")}
+    calls, real = [], {name: getattr(dec, name) for name in ("attend", "attend_out", "attend_wide")}
 
     def counting(name):
         def call(q, k, *a, **kw):
