@@ -1257,7 +1257,11 @@ def _backward_args(inp: _Inputs, piece: Piece, pb: Problem, q, memo: dict, cache
     o_p, do_p, l_p = o[:, :, rows], do[:, :, rows], lse[:, :, rows]
     d_p, lo_p, dlo_p = (None if x is None else x[:, :, rows] for x in (delta, lse_lo, delta_lo))
     if tile.row_shift is not None:  # the op sees scores without the row term
-        l_p = l_p - tile.row_shift
+        if lo_p is None:
+            l_p = l_p - tile.row_shift
+        else:  # renormalised: lse + lse_lo - row_shift in float64, split again (float32 alone rounds the
+            # difference by half an ulp of it, which lse_lo was there to take out of every P)
+            l_p, lo_p = _split(l_p.double() + lo_p.double() - tile.row_shift.double())
     if folded:
         o_p, do_p, l_p = _fold(o_p, inp.g), _fold(do_p, inp.g), _fold(l_p, inp.g)
         d_p, lo_p, dlo_p = (None if x is None else _fold(x, inp.g) for x in (d_p, lo_p, dlo_p))
@@ -1280,6 +1284,13 @@ def _renormalised(inp: _Inputs, pieces, pb: Problem, q, memo: dict, cache, lse, 
                                     pb.scale, wide=wide)
         if folded:
             part = torch.stack([_unfold(x, inp.g, Hq) for x in part])
+        if tile.row_shift is not None:  # the sums are of exp(s - l_p), l_p = lse - row_shift rounded to
+            # float32 (off by up to half an ulp of it, 2^-25 |l_p|, in every P: dv up to 3.0x the 3x rule's
+            # allowance over 2-8 keys at sharp scores, a row term beside them small); taken back to lse
+            l_p = _unfold(l_p, inp.g, Hq) if folded else l_p
+            off = l_p.double() - (lse[:, :, rows].double() - tile.row_shift.double())
+            part = part * torch.exp(off.clamp(-1.0, 1.0))  # |off| <= 2^-25 |l_p|; rows out of the op
+            # (lse 1e30, sums 0) may be further off, and must not meet an infinite factor
         sums[:, :, :, rows] += part
     sigma, tau = sums
     ok = (sigma > 0) & torch.isfinite(sigma)
@@ -1291,6 +1302,12 @@ def _renormalised(inp: _Inputs, pieces, pb: Problem, q, memo: dict, cache, lse, 
     delta64 = torch.where(ok, tau / one + extra, 0.0)
     delta = delta64.float()
     return hi, (lse64 - hi.double()).float(), delta, (delta64 - delta.double()).float()
+
+
+def _split(x64):
+    """float64 ``x`` as float32 ``(hi, lo)`` with ``hi + lo`` its value to about 2^-48 relative."""
+    hi = x64.float()
+    return hi, (x64 - hi.double()).float()
 
 
 #: Query rows per kv head under which the float32 backward renormalises (its forward ran on the fused op

@@ -304,6 +304,26 @@ def test_float32_gradients_over_few_keys_at_sharp_scores_hold_the_rule():
         assert_backward_by_rule(q, k, v, mask=mask)
 
 
+def test_float32_alibi_gradients_over_few_keys_behind_every_query_hold_the_rule():
+    """ALiBi with every key at or behind every query (here q_offset = Nk) is separable: the bias's row term
+    leaves the scores and shifts lse (`row_shift`), and the backward gives the kernel lse - row_shift.
+    Over at most `cpu.WIDE_KEYS` keys the backward renormalises in float64 sums, but took that difference
+    in float32: with the row term small beside lse it rounds by up to half an ulp of lse, an error in
+    every P that lse_lo was there to take out. dv up to 4.6x the 3x rule's allowance (dk, dq past it too)
+    in 55 of 400 such calls at score std 12-20; the same calls without a score held it. The difference is
+    now taken in float64 (`cpu._backward_args`, and the sums of `cpu._renormalised` scaled back to lse).
+    Cases of that fuzz, seeds as drawn: (seed, B, Hq, Hkv, Nq, Nk, D, std, causal, lse gradient)."""
+    cases = [(14, 1, 8, 1, 4, 4, 64, 16.0, False, False), (22, 1, 2, 2, 8, 3, 16, 20.0, False, True),
+             (291, 2, 8, 1, 2, 5, 128, 16.0, True, False), (312, 1, 8, 8, 1, 7, 32, 16.0, False, True),
+             (341, 2, 8, 8, 1, 2, 128, 16.0, False, True), (8, 1, 4, 4, 3, 3, 16, 12.0, True, False)]
+    for seed, B, Hq, Hkv, Nq, Nk, D, std, causal, lse_grad in cases:
+        q, k, v = seeded_qkv(seed, B, Hq, Hkv, Nq, Nk, D, std=std)
+        kw = dict(score=kf.alibi(torch.linspace(0.05, 1.0, Hq)), q_offset=Nk)
+        if causal:
+            kw["mask"] = kf.causal()
+        assert_backward_by_rule(q, k, v, lse_grad=lse_grad, **kw)
+
+
 def test_float32_forwards_the_naive_gemm_sums_more_exactly_stay_on_the_op():
     """On AVX2 (AMD EPYC Zen 3) the naive attention's GEMM sums a q/k dot product past 192 head dimensions
     in blocks, and a product over a handful of keys otherwise, more exactly than the prefill kernel's one
