@@ -278,6 +278,15 @@ def _op(q, k, v, causal: bool, mask, scale: float, way: str | None = None, wide:
             return native.run(q, k, v, scale, mask, exact=True)  # merged: exact at any row count (_exact)
         return _wide_piece(q, k, v, causal, mask, scale)
     way = way or _route(q, k, v, causal, mask)
+    if way == "op" and q.dtype is torch.float32 and _few_keys(q, k):
+        # the causal flag's few-key pieces and, where no kernel is built, every few-key call: exact scores
+        # (:func:`_few_keys`), the flag as a tile on the kernel, else in float64 in torch ops
+        if causal:
+            tile = torch.full((1, 1, q.shape[2], k.shape[2]), NEG_INF, device=q.device).triu_(1)  # top-left, as the flag
+            tile = tile if mask is None else mask + tile
+            if native.pays(q, k, v, 1) and native.mask_takes(tile, q, k):
+                return native.run(q, k, v, scale, tile, exact=True)
+        return _wide_piece(q, k, v, causal, mask, scale)
     if way == "op" and _tiny_16bit(q, k):  # in float32, out rounded to 16 bits once by the caller
         if not causal and native.pays(q, k, v, 1) and (mask is None or native.mask_takes(mask, q, k)):
             return native.run(q, k, v, scale, mask)  # the kernel widens the 16-bit values in registers
@@ -515,7 +524,11 @@ def _few_keys(q, k) -> bool:
     """A float32 call of up to :data:`EXACT_ROWS` rows over fewer keys than the decode kernel pays its
     fixed cost for: it runs there for its exact scores (:func:`_exact_few_keys`), at every row count
     (one head's 5 query tokens over 100 keys took the several-rows path's float32 sums for a day: 13
-    of 100 past the rule at score std 30; a review)."""
+    of 100 past the rule at score std 30; a review). Where the kernel does not take it (the causal
+    flag's pieces, as a mask tile, on the kernel; no kernel built) :func:`_op` computes it by
+    :func:`_wide_piece`, float64 scores (28-130 us a call of 2-32 rows, 8 heads, the op's 8-35 us): on
+    the op, 4 causal rows over 8 keys at score std 19 went to 1.14x the rule's allowance, and without the
+    kernel 4 of 500 ALiBi calls over 2-8 keys past it (up to 2.2x; a helper's fuzz, 2026-12-07)."""
     rows = q.shape[2]
     return (q.dtype is torch.float32 and rows <= EXACT_ROWS
             and k.shape[2] < _native_keys(q.dtype, max(rows, NATIVE_F32_ROWS), q.shape[-1]))

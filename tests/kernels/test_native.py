@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 import keyfold as kf
 from keyfold.caches import KVCache, decode
 from keyfold.kernels import cpu, native
-from tests.helpers import assert_close_by_rule, assert_forward_by_rule, assert_runs_on_a_small_stack, naive_attention
+from tests.helpers import (assert_close_by_rule, assert_forward_by_rule, assert_runs_on_a_small_stack, naive_attention,
+                           seeded_qkv)
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native decode kernel: {native.why()}")
 
@@ -535,3 +536,27 @@ def test_float32_query_tokens_over_few_keys_take_exact_scores(seed, Nq, N, D):
     if not native.available():
         pytest.skip(native.why())
     assert_forward_by_rule(*_sharp(seed, 8, 8, Nq, N, D)[:3])
+
+
+def test_float32_causal_pieces_over_few_keys_take_exact_scores():
+    """A causal call of 4 rows over 8 keys plans a full piece and a piece under the causal flag, which the
+    kernel does not take; on the op its scores rounded apart from the naive attention's: 1.14x the rule's
+    allowance at score std 19 (1 of 1,000 calls of 1-8 rows over 2-8 keys, a helper's fuzz of
+    2026-12-07). Few-key float32 pieces under the flag now go to the kernel with the flag as a mask tile
+    and exact scores (cpu._op): 0 of 1,000."""
+    q, k, v = seeded_qkv(374, 1, 3, 3, 4, 8, 64, std=18.959756060138766)
+    assert_forward_by_rule(q, k, v, mask=kf.causal())
+
+
+@pytest.mark.parametrize("seed, B, H, Nq, Nk, D, std, slopes, kw", [
+    (154, 1, 4, 1, 5, 48, 18.29676791411425, [0.4549, 0.6687, 0.6036, 0.0959], {})])
+def test_without_the_kernel_float32_calls_over_few_keys_take_exact_scores(seed, B, H, Nq, Nk, D, std, slopes, kw,
+                                                                          monkeypatch, fresh_build):
+    """Where no kernel is built (KEYFOLD_NATIVE=0, no C compiler) float32 calls over a few keys ran on the op,
+    whose sums round apart from the naive attention's: 4 of 500 ALiBi calls of 1-8 rows over 2-8 keys at
+    score std 12-20 past the rule, up to 2.2x (a helper's fuzz, 2026-12-07). They now take float64 scores
+    (cpu._wide_piece): 0 of 500."""
+    monkeypatch.setenv("KEYFOLD_NATIVE", "0")
+    assert not native.available()
+    q, k, v = seeded_qkv(seed, B, H, H, Nq, Nk, D, std=std)
+    assert_forward_by_rule(q, k, v, score=kf.alibi(torch.tensor(slopes)), **kw)
