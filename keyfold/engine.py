@@ -295,14 +295,16 @@ class _AttendFn(torch.autograd.Function):
     16-bit call then holds no float32 copy of out, and its dout arrives 16-bit, not upcast."""
 
     @staticmethod
-    def forward(ctx, q, k, v, call: _Call, in_dtype: bool, *score_tensors):
+    def forward(ctx, q, k, v, call: _Call, in_dtype: bool, wide_lse: bool, *score_tensors):
         # score_tensors (call.score_tensors) are inputs only so that autograd routes their
-        # gradients here; the score modifier reads them itself.
+        # gradients here; the score modifier reads them itself. wide_lse (attend_wide): lse comes out in
+        # float64 for the caller's merge; the backward reads it in float32, as every call's
         cast = in_dtype and call.backend is Backend.CPU
-        st = call.forward(q, k, v, in_dtype=cast)
+        st = call.forward(q, k, v, in_dtype=cast, wide_lse=wide_lse)
         out = st.out.to(q.dtype) if cast else st.out
         ctx.call = call
-        ctx.save_for_backward(q, k, v, out, st.lse)
+        sd = state_dtype(q.dtype)
+        ctx.save_for_backward(q, k, v, out, st.lse if st.lse.dtype == sd else st.lse.to(sd))
         return out, st.lse
 
     @staticmethod
@@ -311,26 +313,28 @@ class _AttendFn(torch.autograd.Function):
         call: _Call = ctx.call
         if dout is None:
             dout = torch.zeros_like(out)
+        if dlse is not None and dlse.dtype != lse.dtype:  # (a wide lse's, float64)
+            dlse = dlse.to(lse.dtype)
         if dlse is not None and q.device.type == "cpu" and not bool(dlse.any()):
             dlse = None  # (on a GPU this check would cost a sync; the kernels take dlse = 0 as is)
         with no_autocast(q):  # a backward run inside an autocast region
             dq, dk, dv, dts = call.backward(q, k, v, out, lse, dout, dlse)
         dq, dk, dv, *dts = refuse_second_order((dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *dts),
                                                (q, k, *call.score_tensors))
-        return (dq, dk, dv, None, None, *dts)
+        return (dq, dk, dv, None, None, None, *dts)
 
 
 def _run(q, k, v, call: _Call, in_dtype: bool = False, lse_exact: bool = True, wide_lse: bool = False) -> State:
     """The call's State; ``in_dtype``: out may come back in the input dtype (see _AttendFn);
     ``lse_exact``: as in :meth:`_Call.forward` (a backward always needs it); ``wide_lse``: as there,
-    for a call autograd does not record (a recorded one's lse is float32, what its backward reads)."""
+    recorded by autograd or not (a recorded call's backward reads its lse in float32)."""
     if q.shape[1] == 0:  # no heads (and k, v have none): an empty output, as SDPA gives
         return empty_state(q.shape[0], 0, q.shape[2], v.shape[-1], dtype=state_dtype(q.dtype), device=q.device,
                            of=(q, k, v))
     if call.backend is Backend.REFERENCE:
         return _reference.attend_reference(q, k, v, call.pb)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or call.score_tensors):
-        out, lse = _AttendFn.apply(q, k, v, call, in_dtype, *call.score_tensors)
+        out, lse = _AttendFn.apply(q, k, v, call, in_dtype, wide_lse, *call.score_tensors)
         return State(out, lse)
     return call.forward(q, k, v, in_dtype=in_dtype, lse_exact=lse_exact, wide_lse=wide_lse)
 
@@ -384,12 +388,13 @@ def attend(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offs
 def attend_wide(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offset=0,
                 backend=Backend.AUTO) -> State:
     """:func:`attend` for keyfold's own callers that merge the states they get (decoding's split-KV
-    chunks, a window cache's sinks and band, pages, a cascade's prefix and suffix): outside autograd
-    the state's lse is float64 (a wide lse, see :class:`State`) and its out float32, never rounded
+    chunks, a window cache's sinks and band, pages, a cascade's prefix and suffix): the
+    state's lse is float64 (a wide lse, see :class:`State`) and its out float32, never rounded
     to 16 bits, on the CPU and tile backends, the kernels' ``m + log(sum)`` summed in double. A float32
     lse carries 2^-24 |lse| (4e-6 at lse 65), which a merge passes to out, and 16-bit pieces' outs
     rounded each to 16 bits round once per piece: merged pieces broke the 2x rule where one call over
-    the same keys did not. float64 inputs, a call autograd records, and the Triton kernel (its lse is
+    the same keys did not. A call autograd records gets the same (its backward reads lse in float32;
+    until 2026-12-07 it got attend's float32 lse). float64 inputs and the Triton kernel (its lse is
     float32): what :func:`attend` gives."""
     return _attend(q, k, v, mask, score, scale, q_offset, kv_offset, backend, None, False, 0.0, None, None,
                    in_dtype=False, lse_exact=True, wide_lse=True)

@@ -744,6 +744,27 @@ def test_float32_split_decodes_hold_the_rule_at_large_scores(seed, Hkv, g, Nq, D
     assert_rows_by_rule(decode(q, cache, splits=splits), q, k, v)
 
 
+@pytest.mark.parametrize("seed, H, R, n, D, std, splits", [(71, 4, 3, 3000, 128, 30, 5), (175, 2, 2, 3000, 128, 20, 3)])
+def test_split_decodes_that_autograd_records_merge_a_float64_lse(seed, H, R, n, D, std, splits):
+    """A decode whose q requires grad ran its chunks through autograd with attend's float32 lse, which a
+    merge carries into out (2^-24 |lse|): 2 of 300 such float32 split decodes past the rule at score std
+    5-30 (1.33x, 1.65x; these seeds), none of the same decodes without grad. The autograd function now
+    gives attend_wide's float64 lse too (its backward reads it in float32): 0 of 300, gradients as before."""
+    from keyfold.engine import attend_wide
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(1, H, R, D, generator=g) * std ** 0.5).requires_grad_()
+    k = torch.randn(1, H, n, D, generator=g) * std ** 0.5
+    v = torch.randn(1, H, n, D, generator=g)
+    cache = KVCache(1, H, D, n)
+    cache.append(k, v)
+    got = decode(q, cache, splits=splits)
+    assert got.requires_grad
+    assert_rows_by_rule(got.detach(), q.detach(), k, v)
+    got.sum().backward()
+    assert q.grad is not None and q.grad.dtype == torch.float32 and bool(torch.isfinite(q.grad).all())
+    assert attend_wide(q, k, v).lse.dtype == torch.float64
+
+
 def test_merged_decode_states_keep_a_float64_lse_until_they_return():
     """The states decoding merges carry lse in float64 beside a float32 out; what decode, attend_cache and
     cascade return has lse in out's dtype again, equal to one call's to float32 rounding."""
