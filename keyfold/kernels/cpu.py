@@ -290,8 +290,10 @@ def _op(q, k, v, causal: bool, mask, scale: float, way: str | None = None, wide:
     if way == "op" and _tiny_16bit(q, k):  # in float32, out rounded to 16 bits once by the caller
         if not causal and native.pays(q, k, v, 1) and (mask is None or native.mask_takes(mask, q, k)):
             return native.run(q, k, v, scale, mask)  # the kernel widens the 16-bit values in registers
-        q, k, v = (_rows(x.float()) for x in (q, k, v))
-        return _op(q, k, v, causal, mask, scale, None, False, group, hidden)
+        q, k, v = (_rows(x.float()) for x in (q, k, v))  # else the op in float32 (its float32 sums are far
+        # below a 16-bit rounding: not the float32 calls' exact routes, 5-11x the time without a kernel)
+        out, lse = _FWD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+        return out, _hidden_rows(q, k, out, lse, causal, mask, scale) if hidden else lse
     if way == "native":  # _native_pays has checked what attend would
         return native.run(q, k, v, scale, mask, exact=_exact(q, group) or _few_keys(q, k))
     if way == "chunks":
@@ -362,16 +364,24 @@ def _exact(q, group: int = 1) -> bool:
     return q.dtype is torch.float32 and (group > 1 or rows < native.FEW_ROWS)
 
 
+#: Keys under which a 16-bit call of few rows computes in float32 (:func:`_tiny_16bit`)
+TINY_16BIT_KEYS = 96
+
+
 def _tiny_16bit(q, k) -> bool:
-    """Whether a 16-bit call the router sends to PyTorch's op runs in float32 instead (inputs widened,
-    exact; the float32 routes then take it, :func:`_few_keys`' among them): up to :data:`EXACT_ROWS`
-    rows over fewer than ``native.MIN_KEYS`` keys. The op's 16-bit path rounds the unnormalised
-    weights to 16 bits before ``P @ V``, the naive attention its normalised ones, and over a few keys
-    the naive's roundings can all fall near its answer: one bfloat16 row over 27 keys at score std 1
-    was 2.26x the naive error, two causal rows over 5 keys 2.46x (2 of 26,000 random calls of 1-16 rows
-    past the rule, 2026-12-07; none over more keys or rows). In float32 the call's error is the
-    output's one rounding, which no 16-bit answer beats. It costs 10-40 us a call at these sizes."""
-    return q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] <= EXACT_ROWS and k.shape[2] < native.MIN_KEYS
+    """Whether a 16-bit call the router sends to PyTorch's op runs in float32 instead (the decode kernel,
+    which widens the values in registers, else the op on widened inputs): up to :data:`EXACT_ROWS` rows
+    over fewer than :data:`TINY_16BIT_KEYS` keys. The op's 16-bit path rounds the unnormalised weights to
+    16 bits before ``P @ V``, the naive attention its normalised ones, and over a few keys the naive's
+    roundings can all fall near its answer: one bfloat16 row over 27 keys at score std 1 was 2.26x the
+    naive error, two causal rows over 5 keys 2.46x (2 of 26,000 random calls of 1-16 rows past the rule,
+    2026-12-07). By key count (30,000 calls of 1-32 rows at score std 1-5, bfloat16 and float16): 9 of
+    16,600 past it over 8-64 keys (up to 1.44x the allowance), none of 16,800 over 96-255 (worst 0.94 at
+    96, 0.80 at 255). In float32 the call's error is the output's one rounding, which no 16-bit answer
+    beats; it costs 1.4-1.8x the op's time there (a bfloat16 row over 100 keys, 8 heads: 46 -> 80 us on
+    the Intel Xeon with AMX), so it stops where the failures did."""
+    return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] <= EXACT_ROWS
+            and k.shape[2] < TINY_16BIT_KEYS)
 
 
 def _wide_native(q, causal: bool) -> bool:

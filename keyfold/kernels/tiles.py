@@ -7,7 +7,6 @@ Forward returns one State per call; backward uses the global (out, lse) (docs/ma
 from __future__ import annotations
 
 import torch
-from torch.utils import _pytree
 
 from ..planner import Plan
 from ..state import State, empty_state, merge_into, state_dtype
@@ -16,20 +15,44 @@ from ._common import NEG_INF, Problem, dropout_keep, group_matmul, positions, ro
 __all__ = ["forward", "backward", "backward_with_score", "row_sums"]
 
 
-class _Widened(torch.overrides.TorchFunctionMode):
-    """Inside it, torch functions see each tensor of ``wide`` (``{id(t): float64 copy of t}``) as its
-    float64 copy: a score callable's reads of a tensor that trains run in float64, and autograd sums
-    that tensor's gradient over the tile's pairs in float64 (see :func:`backward_with_score`)."""
+#: The most elements of a tensor a score callable reads that :class:`_Widened` gives it as a float64
+#: copy in the backward. A table whose every entry gathers many pairs (relative positions, a per-head
+#: bias, ALiBi's slopes) is small, and its gradient sums that many dS; a tensor as large as the pairs
+#: (a dense pair bias, a module's weights) gathers few a entry, and a float64 copy and gradient of it
+#: per tile cost 1.3-1.5x the backward's time and 0.7 GB at 2k rows (a review, 2026-12-07).
+WIDE_TENSOR = 1 << 16
 
-    def __init__(self, wide: dict):
+
+class _Widened(torch.overrides.TorchFunctionMode):
+    """Inside it, torch functions see each tensor of ``small`` (``{id(t): t}``, tensors that train, of at
+    most :data:`WIDE_TENSOR` elements) as a float64 copy, made the first time a function gets it (so a
+    tensor the callable never reads is never copied) and kept in ``wide`` (``{id(t): copy}``) for the
+    rest of the backward: autograd then sums such a tensor's gradient over a tile's pairs in float64,
+    taken with respect to the copy (see :func:`backward_with_score`). Arguments are looked at one list
+    or tuple deep."""
+
+    def __init__(self, small: dict, wide: dict):
         super().__init__()
-        self.wide = wide
+        self.small, self.wide = small, wide
+
+    def _swap(self, x):
+        if isinstance(x, torch.Tensor):
+            t = self.small.get(id(x))
+            if t is None:
+                return x
+            w = self.wide.get(id(x))
+            if w is None:  # (the mode is off inside its own __torch_function__)
+                w = self.wide[id(x)] = t.double()
+            return w
+        if isinstance(x, (list, tuple)) and any(isinstance(y, torch.Tensor) and id(y) in self.small for y in x):
+            return type(x)(self._swap(y) for y in x)
+        return x
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        swap = lambda x: self.wide.get(id(x), x) if isinstance(x, torch.Tensor) else x  # noqa: E731
-        args = _pytree.tree_map(swap, args)
-        kwargs = _pytree.tree_map(swap, kwargs or {})
-        return func(*args, **kwargs)
+        args = tuple(self._swap(a) for a in args)
+        if kwargs:
+            kwargs = {n: self._swap(a) for n, a in kwargs.items()}
+        return func(*args, **(kwargs or {}))
 
 
 def _scores(qp_, kp_, pb: Problem):
@@ -251,8 +274,8 @@ def _piece_terms(q, k, v, dout, safe_lse, plan: Plan, pb: Problem, alone, need_g
                 if sep is not None:  # as in forward: the row term stays in lse
                     s = raw + sep[1]
                     s = s.masked_fill(~vis, NEG_INF) if vis is not None else s
-                elif wide:
-                    with _Widened(wide):
+                elif wide is not None and wide[0]:
+                    with _Widened(*wide):
                         s = _modify(raw, pb, pos, vis)
                 else:
                     s = _modify(raw, pb, pos, vis)
@@ -381,14 +404,13 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
     dk = torch.zeros(k.shape, dtype=sd, device=q.device)
     dv = torch.zeros(v.shape, dtype=sd, device=q.device)
     dts: list = [None] * len(score_tensors)
-    # The score callable reads each such tensor as a float64 copy (_Widened), so autograd sums a tensor's
+    # The score callable reads each small such tensor as a float64 copy (_Widened), so autograd sums its
     # gradient over a tile's pairs in float64 and the tiles' sums in float64, rounded to its dtype once at
     # the end: a relative-position table's far bin gathers most pairs of every row, and float32 sums of
-    # its dS in the tiles' order went to 2.2-2.4x the 3x rule's allowance (the naive's one float32
-    # scatter is as inexact, in its own order); in float64, 0.01-0.14x
-    with torch.enable_grad():
-        wide = {id(t): t.double() for t in score_tensors if t.dtype is not torch.float64}
-    grad_of = [wide.get(id(t), t) for t in score_tensors]  # gradients taken with respect to the copies
+    # its dS in the tiles' order went to 1.8-2.6x the 3x rule's allowance (the naive's one float32
+    # scatter is as inexact, in its own order); in float64, 0.002-0.14x
+    small = {id(t): t for t in score_tensors if t.dtype is not torch.float64 and t.numel() <= WIDE_TENSOR}
+    wide = (small, {})  # the copies, made as the callable first reads each
     safe_lse = _safe_lse(lse, sd)
     nonadd = pb.score is not None and not pb.score.additive
     need_grad = nonadd or bool(score_tensors)
@@ -480,7 +502,7 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
         if dl is not None:  # lse_i = log sum_j e^(s_ij): d lse_i / d s_ij = P_ij
             ds = ds.addcmul_(p, dl[:, :, rows].unsqueeze(-1)) if inplace else ds + p * dl[:, :, rows].unsqueeze(-1)
         if score_tensors and s.requires_grad:
-            inputs = ([raw] if nonadd else []) + grad_of
+            inputs = ([raw] if nonadd else []) + [wide[1].get(id(t), t) for t in score_tensors]  # copies where made
             grads = torch.autograd.grad(s, inputs, ds if ds.dtype is s.dtype else ds.to(s.dtype), allow_unused=True)
             for i, gt in enumerate(grads[1:] if nonadd else grads):
                 if gt is not None:
