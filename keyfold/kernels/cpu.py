@@ -361,7 +361,20 @@ def _exact(q, group: int = 1) -> bool:
     0.98-1.19x at 1-4 rows, 1.4-1.9x at 8 (1.2x over 128k keys read from memory), 1.7-1.9x at 16-32,
     2-2.9x at 64 (double has half float32's lanes, and the several-rows path pairs a key's elements)."""
     rows = q.shape[2]
-    return q.dtype is torch.float32 and (group > 1 or rows < native.FEW_ROWS)
+    lanes = EXACT_LANE_ROWS_WIDE if q.shape[-1] > 128 else EXACT_LANE_ROWS
+    return q.dtype is torch.float32 and (group > 1 or rows <= max(native.FEW_ROWS - 1, lanes))
+
+
+#: Rows a head up to which a float32 call on the decode kernel takes exact scores (:func:`_exact`), where
+#: torch's matmul, the naive attention's product, sums each q.k of so few rows in vector lanes, more
+#: exactly than the kernel's several-rows path sums it in float32 blocks: one head's 5 query tokens
+#: (chunked prefill, speculative decoding) went past the rule in 12 of 464 random calls over 256-2,000
+#: keys at score std 8-30 (up to 4.0x the allowance at head size 256), 6 tokens in 7 of 239, 8 tokens
+#: at head sizes above 128 in 2 of 90; 8 tokens at 64-128 and 10 above, none (a fuzz, 2026-12-07,
+#: found by a review; the note of that morning had counted 0 of 150 at 6-16 tokens, head size 128).
+EXACT_LANE_ROWS = 8
+#: :data:`EXACT_LANE_ROWS` at head sizes above 128, where torch's lanes reach 10 rows (MEMBER_ROWS_WIDE)
+EXACT_LANE_ROWS_WIDE = 10
 
 
 #: Keys under which a 16-bit call of few rows computes in float32 (:func:`_tiny_16bit`)
