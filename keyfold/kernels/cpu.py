@@ -1156,12 +1156,17 @@ def backward_on_tiles(q, k, v=None, plan: Plan | None = None, pb: Problem | None
     (AVX2, before its backward kernel) its gradients broke the 3x rule in 58 of 200 random calls (up to 3.4x the allowance; 24
     of 73 at score spread 3, 31 of 66 at 6), the tile kernel's in none (a 2026-12-07 fuzz); with
     q/k and v head sizes apart (the op pads them to one) in 5-9 of 20 at D=8, Dv=32. keyfold's backward
-    kernel, where built, holds the rule and is faster than both. 16-bit and float64 stay on the op
-    (0 of 240 16-bit calls past the rule in the same fuzz), and so do empty inputs (zeros, no plan)."""
-    if not (q.dtype is torch.float32 and q.numel() > 0 and k.numel() > 0):
+    kernel, where built, holds the rule and is faster than both. Without that kernel 16-bit goes to the
+    tile kernel too (its P and sums in float32, gradients rounded once): the op's 16-bit backward broke
+    the rule in 7-8 of 1,500 random bfloat16 calls and 8-9 of float16 (up to ~10x the allowance, 31
+    causal rows over 2 keys; a review, 2026-12-07; 0 of 240 in the AMD EPYC's fuzz before). float64
+    stays on the op, and so do empty inputs (zeros, no plan)."""
+    if not (q.dtype in (torch.float32, torch.float16, torch.bfloat16) and q.numel() > 0 and k.numel() > 0):
         return False
     if not native.backward_available():
         return True
+    if q.dtype is not torch.float32:
+        return False
     return not whole_rows and plan is not None and _lse_from_op_on_avx2(q, k, v, plan, pb)
 
 

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 import keyfold as kf
 from keyfold.caches import KVCache, decode
 from keyfold.kernels import cpu, native
-from tests.helpers import (assert_close_by_rule, assert_forward_by_rule, assert_runs_on_a_small_stack, naive_attention,
-                           seeded_qkv)
+from tests.helpers import (assert_backward_by_rule, assert_close_by_rule, assert_forward_by_rule, assert_runs_on_a_small_stack,
+                           naive_attention, seeded_qkv)
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native decode kernel: {native.why()}")
 
@@ -584,3 +584,23 @@ def test_float32_query_tokens_that_torch_sums_in_lanes_take_exact_scores(seed, N
         assert_forward_by_rule(q, k, v, **kw)
     finally:
         torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("dtype, seed, B, Hq, Hkv, Nq, Nk, D, std, mask", [
+    (torch.bfloat16, 6369, 2, 4, 2, 31, 2, 16, 5.4, kf.causal()),
+    (torch.float16, 6138, 1, 1, 1, 26, 201, 32, 3.2, kf.window(1))])
+def test_without_the_kernel_16bit_gradients_run_on_the_tile_kernel(dtype, seed, B, Hq, Hkv, Nq, Nk, D, std, mask,
+                                                                   monkeypatch, fresh_build):
+    """Where no kernel is built, 16-bit gradients ran PyTorch's fused 16-bit backward: 7-8 of 1,500 random
+    bfloat16 calls and 8-9 of float16 past the 3x rule (up to ~10x the allowance over 2 keys; a review's
+    fuzz, 2026-12-07). They run on the tile kernel now (float32 P and sums, rounded once), as float32's."""
+    monkeypatch.setenv("KEYFOLD_NATIVE", "0")
+    assert not native.available()
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(B, Hq, Nq, D, generator=g) * std ** 0.5).to(dtype)
+    k = (torch.randn(B, Hkv, Nk, D, generator=g) * std ** 0.5).to(dtype)
+    v = torch.randn(B, Hkv, Nk, D, generator=g).to(dtype)
+    assert cpu.backward_on_tiles(q, k)
+    for s in range(2):
+        torch.manual_seed(seed + s)
+        assert_backward_by_rule(q, k, v, mask=mask)
