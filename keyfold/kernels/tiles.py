@@ -23,28 +23,30 @@ __all__ = ["forward", "backward", "backward_with_score", "row_sums"]
 WIDE_TENSOR = 1 << 16
 
 
-class _Widened(torch.overrides.TorchFunctionMode):
-    """Inside it, torch functions see each tensor of ``small`` (``{id(t): t}``, tensors that train, of at
-    most :data:`WIDE_TENSOR` elements) as a float64 copy, made the first time a function gets it (so a
-    tensor the callable never reads is never copied) and kept in ``wide`` (``{id(t): copy}``) for the
-    rest of the backward: autograd then sums such a tensor's gradient over a tile's pairs in float64,
-    taken with respect to the copy (see :func:`backward_with_score`). Arguments are looked at one list
-    or tuple deep."""
+def _proxy(t: torch.Tensor) -> torch.Tensor:
+    """A score tensor's stand-in in the backward (:class:`_Widened`): a float64 copy where it has at most
+    :data:`WIDE_TENSOR` elements, else a detached alias; a leaf either way, outside ``t``'s graph."""
+    d = t.detach()
+    return (d.double() if d.dtype is not torch.float64 and d.numel() <= WIDE_TENSOR else d).requires_grad_()
 
-    def __init__(self, small: dict, wide: dict):
+
+class _Widened(torch.overrides.TorchFunctionMode):
+    """Inside it, torch functions see each score tensor that trains as its proxy (``proxies``, ``{id(t):
+    proxy}``, :func:`_proxy`): autograd then sums a small tensor's gradient over a tile's pairs in float64,
+    and the backward takes each tensor's gradient with respect to its proxy (:func:`backward_with_score`),
+    outside the graph of the tensors themselves: a tensor made from another score tensor (``u =
+    rel.view(...)``, both listed) gets the gradient of its own reads and autograd passes it on to ``rel``
+    once (taken with respect to ``rel`` itself, it reached ``rel`` twice, or raised on a freed graph).
+    Arguments are looked at one list or tuple deep."""
+
+    def __init__(self, proxies: dict):
         super().__init__()
-        self.small, self.wide = small, wide
+        self.proxies = proxies
 
     def _swap(self, x):
         if isinstance(x, torch.Tensor):
-            t = self.small.get(id(x))
-            if t is None:
-                return x
-            w = self.wide.get(id(x))
-            if w is None:  # (the mode is off inside its own __torch_function__)
-                w = self.wide[id(x)] = t.double()
-            return w
-        if isinstance(x, (list, tuple)) and any(isinstance(y, torch.Tensor) and id(y) in self.small for y in x):
+            return self.proxies.get(id(x), x)
+        if isinstance(x, (list, tuple)) and any(isinstance(y, torch.Tensor) and id(y) in self.proxies for y in x):
             return type(x)(self._swap(y) for y in x)
         return x
 
@@ -245,7 +247,7 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
 
 
 def _piece_terms(q, k, v, dout, safe_lse, plan: Plan, pb: Problem, alone, need_grad: bool, cap, pieces=None,
-                 wide=None):
+                 proxies=None):
     """Per piece of the plan: ``(piece, raw, s, p, dp, z)`` with p = exp(s - lse) (or, on rows
     ``alone`` marks, exp(s - row max)) and dp = dO V^T (times dropout's z, which is None
     without dropout). :func:`row_sums` and the backward both take P and dP from here, so a
@@ -274,8 +276,8 @@ def _piece_terms(q, k, v, dout, safe_lse, plan: Plan, pb: Problem, alone, need_g
                 if sep is not None:  # as in forward: the row term stays in lse
                     s = raw + sep[1]
                     s = s.masked_fill(~vis, NEG_INF) if vis is not None else s
-                elif wide is not None and wide[0]:
-                    with _Widened(*wide):
+                elif proxies:
+                    with _Widened(proxies):
                         s = _modify(raw, pb, pos, vis)
                 else:
                     s = _modify(raw, pb, pos, vis)
@@ -409,8 +411,7 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
     # the end: a relative-position table's far bin gathers most pairs of every row, and float32 sums of
     # its dS in the tiles' order went to 1.8-2.6x the 3x rule's allowance (the naive's one float32
     # scatter is as inexact, in its own order); in float64, 0.002-0.14x
-    small = {id(t): t for t in score_tensors if t.dtype is not torch.float64 and t.numel() <= WIDE_TENSOR}
-    wide = (small, {})  # the copies, made as the callable first reads each
+    proxies = {id(t): _proxy(t) for t in score_tensors}  # (made here: inside a callable's vmap they could not be)
     safe_lse = _safe_lse(lse, sd)
     nonadd = pb.score is not None and not pb.score.additive
     need_grad = nonadd or bool(score_tensors)
@@ -502,7 +503,7 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
         if dl is not None:  # lse_i = log sum_j e^(s_ij): d lse_i / d s_ij = P_ij
             ds = ds.addcmul_(p, dl[:, :, rows].unsqueeze(-1)) if inplace else ds + p * dl[:, :, rows].unsqueeze(-1)
         if score_tensors and s.requires_grad:
-            inputs = ([raw] if nonadd else []) + [wide[1].get(id(t), t) for t in score_tensors]  # copies where made
+            inputs = ([raw] if nonadd else []) + [proxies[id(t)] for t in score_tensors]
             grads = torch.autograd.grad(s, inputs, ds if ds.dtype is s.dtype else ds.to(s.dtype), allow_unused=True)
             for i, gt in enumerate(grads[1:] if nonadd else grads):
                 if gt is not None:
@@ -519,7 +520,7 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
         dv[:, :, keys] += (pv.reshape(B, Hkv, g, L, S).transpose(-1, -2) @ do.reshape(B, Hkv, g, L, Dv)).sum(2)
 
     for i, grp in enumerate(groups):
-        terms = _piece_terms(qd, kd, vd, dd, safe_lse, plan, pb, alone, need_grad, cap, grp, wide)
+        terms = _piece_terms(qd, kd, vd, dd, safe_lse, plan, pb, alone, need_grad, cap, grp, proxies)
         if i in banded:  # the band's tiles held together: its rows' totals from them, then their gradients
             terms = list(terms)
             rows = slice(grp[0].q0, grp[0].q1)

@@ -237,6 +237,30 @@ def _global_mod(score, b, h, q_idx, kv_idx):
     return score + _GLOBAL_TABLE[q_idx - kv_idx + 39]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("derive", ["view", "times one"])
+def test_a_score_tensor_made_from_another_gets_its_gradient_once(derive, dtype):
+    """A callable that reads ``u``, made from a table ``rel`` that is also listed (``tensors=[rel]``, as the
+    docs suggest for tensors discovery cannot see), while ``u`` is found in its closure: the backward took
+    the tiles' gradients with respect to both, through ``u``'s graph into ``rel``, and autograd then passed
+    ``u``'s to ``rel`` again: ``rel.grad`` twice the true one (a view), or a crash on a freed graph
+    (``rel * 1.0``; a review, 2026-12-07). The tiles' gradients are taken with respect to proxies of the
+    tensors now, outside their graph."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 64, 32, generator=g) for _ in range(3))
+
+    def rel_grad(dt, backend):
+        rel = torch.zeros(4, 17, dtype=dt).requires_grad_()
+        u = rel.view(4, 17) if derive == "view" else rel * 1.0
+        mod = kf.score_fn(lambda s, b, h, qi, ki: s + u[h, (qi - ki).clamp(-8, 8) + 8], tensors=[rel])
+        kf.attention(q.to(dt), k.to(dt), v.to(dt), score=mod, backend=backend).pow(2).sum().backward()
+        return rel.grad
+
+    ref = rel_grad(torch.float64, Backend.REFERENCE)
+    got = rel_grad(dtype, Backend.AUTO)
+    torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("seed, threads", [(0, 1), (7, 1), (0, 2)])
 def test_a_relative_position_tables_far_bin_sums_its_gradient_in_float64(seed, threads):
     """A clamped relative-position table's far bin gathers most pairs of every row; its gradient is the sum
