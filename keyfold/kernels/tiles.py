@@ -503,11 +503,16 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
         if dl is not None:  # lse_i = log sum_j e^(s_ij): d lse_i / d s_ij = P_ij
             ds = ds.addcmul_(p, dl[:, :, rows].unsqueeze(-1)) if inplace else ds + p * dl[:, :, rows].unsqueeze(-1)
         if score_tensors and s.requires_grad:
-            inputs = ([raw] if nonadd else []) + [proxies[id(t)] for t in score_tensors]
+            # with respect to the stand-ins, and to the tensors themselves for reads the mode does not see (a
+            # user's autograd.Function.apply takes the tensor as it is: its share reaches the tensor alone)
+            n = len(score_tensors)
+            inputs = ([raw] if nonadd else []) + [proxies[id(t)] for t in score_tensors] + list(score_tensors)
             grads = torch.autograd.grad(s, inputs, ds if ds.dtype is s.dtype else ds.to(s.dtype), allow_unused=True)
-            for i, gt in enumerate(grads[1:] if nonadd else grads):
-                if gt is not None:
-                    dts[i] = gt if dts[i] is None else dts[i] + gt
+            shares = grads[1:] if nonadd else grads
+            for i in range(n):
+                for gt in (shares[i], shares[n + i]):
+                    if gt is not None:
+                        dts[i] = gt if dts[i] is None else dts[i] + gt
             if nonadd:
                 ds = grads[0] if grads[0] is not None else torch.zeros_like(ds)
         elif nonadd:

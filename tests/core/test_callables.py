@@ -261,6 +261,40 @@ def test_a_score_tensor_made_from_another_gets_its_gradient_once(derive, dtype):
     torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-4)
 
 
+class _Scale(torch.autograd.Function):
+    """A user's own autograd function, read inside a score callable"""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t * 1.5
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 1.5
+
+
+@pytest.mark.parametrize("extra", [0, 70000], ids=["small table", "large table"])
+def test_a_table_read_through_a_users_autograd_function_gets_its_gradient(extra):
+    """``_Scale.apply(t)`` takes the table as it is (a TorchFunctionMode does not see Function.apply), so its
+    share of the gradient reaches ``t`` itself, not the backward's stand-in: taken with respect to the
+    stand-ins alone, the table got zeros, silently (a review of 2026-12-07). Both are asked now."""
+    N, H = 24, 2
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, H, N, 16, generator=g) for _ in range(3))
+    t0 = torch.randn(H, 2 * N - 1 + extra, generator=g) * 0.5
+
+    def grad(dt, backend):
+        t = t0.to(dt).requires_grad_()
+        mod = lambda s, b, h, qi, ki: s + _Scale.apply(t)[h, qi - ki + N - 1]  # noqa: E731
+        kf.attention(q.to(dt), k.to(dt), v.to(dt), score=mod, backend=backend).sum().backward()
+        return t.grad[:, :2 * N - 1]
+
+    ref = grad(torch.float64, Backend.REFERENCE)
+    got = grad(torch.float32, Backend.AUTO)
+    assert float(ref.abs().sum()) > 1.0
+    torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("seed, threads", [(0, 1), (7, 1), (0, 2)])
 def test_a_relative_position_tables_far_bin_sums_its_gradient_in_float64(seed, threads):
     """A clamped relative-position table's far bin gathers most pairs of every row; its gradient is the sum
