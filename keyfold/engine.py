@@ -303,8 +303,7 @@ class _AttendFn(torch.autograd.Function):
         st = call.forward(q, k, v, in_dtype=cast, wide_lse=wide_lse)
         out = st.out.to(q.dtype) if cast else st.out
         ctx.call = call
-        sd = state_dtype(q.dtype)
-        ctx.save_for_backward(q, k, v, out, st.lse if st.lse.dtype == sd else st.lse.to(sd))
+        ctx.save_for_backward(q, k, v, out, st.lse.to(state_dtype(q.dtype)))
         return out, st.lse
 
     @staticmethod
@@ -313,8 +312,8 @@ class _AttendFn(torch.autograd.Function):
         call: _Call = ctx.call
         if dout is None:
             dout = torch.zeros_like(out)
-        if dlse is not None and dlse.dtype != lse.dtype:  # (a wide lse's, float64)
-            dlse = dlse.to(lse.dtype)
+        if dlse is not None:
+            dlse = dlse.to(lse.dtype)  # (a wide lse's is float64)
         if dlse is not None and q.device.type == "cpu" and not bool(dlse.any()):
             dlse = None  # (on a GPU this check would cost a sync; the kernels take dlse = 0 as is)
         with no_autocast(q):  # a backward run inside an autocast region

@@ -274,7 +274,7 @@ def _op(q, k, v, causal: bool, mask, scale: float, way: str | None = None, wide:
     caller whose lse anyone reads (after a decoding step's stream of keys its small ops run on cold
     caches: 50 us of a 0.6 ms step where nobody reads lse)."""
     if wide and q.dtype is torch.float32:
-        if not causal and native.pays(q, k, v, 1) and (mask is None or native.mask_takes(mask, q, k)):
+        if not causal and _kernel_takes(q, k, v, mask):
             return native.run(q, k, v, scale, mask, exact=True)  # merged: exact at any row count (_exact)
         return _wide_piece(q, k, v, causal, mask, scale)
     way = way or _route(q, k, v, causal, mask)
@@ -284,24 +284,19 @@ def _op(q, k, v, causal: bool, mask, scale: float, way: str | None = None, wide:
         if causal:
             tile = torch.full((1, 1, q.shape[2], k.shape[2]), NEG_INF, device=q.device).triu_(1)  # top-left, as the flag
             tile = tile if mask is None else mask + tile
-            if native.pays(q, k, v, 1) and native.mask_takes(tile, q, k):
+            if _kernel_takes(q, k, v, tile):
                 return native.run(q, k, v, scale, tile, exact=True)
         return _wide_piece(q, k, v, causal, mask, scale)
-    if way == "op" and _tiny_16bit(q, k):  # in float32, out rounded to 16 bits once by the caller
-        if not causal and native.pays(q, k, v, 1) and (mask is None or native.mask_takes(mask, q, k)):
-            return native.run(q, k, v, scale, mask)  # the kernel widens the 16-bit values in registers
-        q, k, v = (_rows(x.float()) for x in (q, k, v))  # else the op in float32 (its float32 sums are far
-        # below a 16-bit rounding: not the float32 calls' exact routes, 5-11x the time without a kernel)
-        out, lse = _FWD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
-        return out, _hidden_rows(q, k, out, lse, causal, mask, scale) if hidden else lse
     if way == "native":  # _native_pays has checked what attend would
         return native.run(q, k, v, scale, mask, exact=_exact(q, group) or _few_keys(q, k))
     if way == "chunks":
         return _by_chunks(q, k, v, scale)
-    if wide:
-        if _wide_native(q, causal) and native.pays(q, k, v, 1) and (mask is None or native.mask_takes(mask, q, k)):
-            return native.run(q, k, v, scale, mask)
-        # the op in float32 on the exact widened values: out never 16-bit
+    tiny = way == "op" and _tiny_16bit(q, k)  # in float32, out rounded to 16 bits once by the caller
+    if (tiny or (wide and _wide_native(q, causal))) and not causal and _kernel_takes(q, k, v, mask):
+        return native.run(q, k, v, scale, mask)  # the kernel widens the 16-bit values in registers
+    if wide or tiny:
+        # the op in float32 on the exact widened values: out never 16-bit (for a tiny call its float32 sums
+        # are far below a 16-bit rounding: not the float32 calls' exact routes, 5-11x the time without a kernel)
         q, k, v = (_rows(x.float()) for x in (q, k, v))
     else:
         q, k, v = _widen(_rows(q), _rows(k), _rows(v))
@@ -540,7 +535,13 @@ def _exact_few_keys(q, k, v, mask) -> bool:
     head size 16 went past the rule in 7 of 200 calls (up to 1.9x), a GQA group's in 9 of 200, ALiBi
     over 35-250 keys in 1 of 3,500 cache decodes; on the kernel, none. It costs 7-40 us a call (the op
     10-24 us, the kernel 17-64; 20-255 keys, 1-4 rows, 2-8 heads)."""
-    return _few_keys(q, k) and native.pays(q, k, v, 1) and (mask is None or native.mask_takes(mask, q, k))
+    return _few_keys(q, k) and _kernel_takes(q, k, v, mask)
+
+
+def _kernel_takes(q, k, v, mask) -> bool:
+    """Whether the decode kernel takes a call of any row count and key count up to its limits, with its
+    additive mask tile ``mask`` (or none): ``native.pays`` from one key, and ``native.mask_takes``."""
+    return native.pays(q, k, v, 1) and (mask is None or native.mask_takes(mask, q, k))
 
 
 def _few_keys(q, k) -> bool:
@@ -1337,12 +1338,10 @@ def _renormalised(inp: _Inputs, pieces, pb: Problem, q, memo: dict, cache, lse, 
     ok = (sigma > 0) & torch.isfinite(sigma)
     one = torch.where(ok, sigma, torch.ones((), dtype=torch.float64))
     lse64 = torch.where(ok, lse.double() + torch.log(one), lse.double())
-    hi = lse64.float()
     extra = (do[..., -1].double() * o[..., -1].double()) if spare else 0.0
     # delta of a row whose sum is 0 meets only P = 0 (and one that is not finite, NaN P's): any will do
     delta64 = torch.where(ok, tau / one + extra, 0.0)
-    delta = delta64.float()
-    return hi, (lse64 - hi.double()).float(), delta, (delta64 - delta.double()).float()
+    return (*_split(lse64), *_split(delta64))
 
 
 def _split(x64):

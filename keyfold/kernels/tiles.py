@@ -281,7 +281,7 @@ def _piece_terms(q, k, v, dout, safe_lse, plan: Plan, pb: Problem, alone, need_g
                         s = _modify(raw, pb, pos, vis)
                 else:
                     s = _modify(raw, pb, pos, vis)
-            s_p = s.detach() if s.dtype is sd else s.detach().to(sd)
+            s_p = s.detach().to(sd)  # (a callable reading float64 stand-ins gives float64 scores)
             if cap is not None:  # P from the scores the forward used (its sigmoid form); dS/draw from apply above
                 s_p = _softcap_(raw.detach().clone(), cap)
                 s_p = s_p.masked_fill_(~vis, NEG_INF) if vis is not None else s_p
@@ -507,7 +507,7 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
             # user's autograd.Function.apply takes the tensor as it is: its share reaches the tensor alone)
             n = len(score_tensors)
             inputs = ([raw] if nonadd else []) + [proxies[id(t)] for t in score_tensors] + list(score_tensors)
-            grads = torch.autograd.grad(s, inputs, ds if ds.dtype is s.dtype else ds.to(s.dtype), allow_unused=True)
+            grads = torch.autograd.grad(s, inputs, ds.to(s.dtype), allow_unused=True)
             shares = grads[1:] if nonadd else grads
             for i in range(n):
                 for gt in (shares[i], shares[n + i]):
