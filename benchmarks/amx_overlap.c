@@ -21,7 +21,9 @@
  *                       max) and which run beside it (adds, integer adds, logic); "hidden" is the
  *                       share of the shorter of the two that overlapped
  *   a 32 x 32 block     its softmax (64 vectors) with its 16 products spread through it, y - m as
- *                       the kernel's FMA or as a subtraction (q pre-scaled; the kernel does not) */
+ *                       the kernel's FMA or as a subtraction (q pre-scaled; the kernel does not), and
+ *                       2^x from a table of 32 steps instead of the polynomial (exp2_table: adds, two
+ *                       permutes, one FMA and vscalefps; tried in the kernel 2026-12-07, not kept) */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -49,6 +51,21 @@ static inline __m512 exp2_bf(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.951163411140442e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, x);
+}
+
+/* 2^x as 2^floor(xr) 2^(j/32) (1 + r ln 2): xr = x rounded to 1/32 by adding and subtracting 1.5 * 2^18
+ * (the sum's low 5 bits index the table), r = x - xr in [-1/64, 1/64]; relative error below 6e-5 (the
+ * polynomial's 9e-5). Three multiplier instructions a vector where exp2_bf has six (its vreduceps and
+ * FMAs); the adds run beside the products, the permutes (port 5) partly. */
+static float tab_t[32] __attribute__((aligned(64))), tab_c[32] __attribute__((aligned(64)));
+
+static inline __m512 exp2_table(__m512 x) {
+    const __m512 mg = _mm512_set1_ps(393216.0f);
+    const __m512 y = _mm512_add_ps(x, mg), xr = _mm512_sub_ps(y, mg), r = _mm512_sub_ps(x, xr);
+    const __m512i j = _mm512_castps_si512(y);
+    const __m512 t = _mm512_permutex2var_ps(_mm512_load_ps(tab_t), j, _mm512_load_ps(tab_t + 16));
+    const __m512 c = _mm512_permutex2var_ps(_mm512_load_ps(tab_c), j, _mm512_load_ps(tab_c + 16));
+    return _mm512_scalef_ps(_mm512_fmadd_ps(c, r, t), xr);
 }
 
 static inline __m512 softmax_row(int r, __m512 a, __m512 b) {
@@ -126,8 +143,9 @@ static void ports(float *sink) {
 static inline __m512 block_row(int r, __m512 a, __m512 b, const int sub) {
     const float *s = scores + r * 32;
     const __m512 s0 = _mm512_load_ps(s), s1 = _mm512_load_ps(s + 16);
-    const __m512 p0 = exp2_bf(sub ? _mm512_sub_ps(s0, b) : _mm512_fmsub_ps(s0, a, b));
-    const __m512 p1 = exp2_bf(sub ? _mm512_sub_ps(s1, b) : _mm512_fmsub_ps(s1, a, b));
+    const __m512 x0 = sub == 1 ? _mm512_sub_ps(s0, b) : _mm512_fmsub_ps(s0, a, b);
+    const __m512 x1 = sub == 1 ? _mm512_sub_ps(s1, b) : _mm512_fmsub_ps(s1, a, b);
+    const __m512 p0 = sub == 2 ? exp2_table(x0) : exp2_bf(x0), p1 = sub == 2 ? exp2_table(x1) : exp2_bf(x1);
     _mm512_store_si512(probs + r * 32, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
     return _mm512_add_ps(p0, p1);
 }
@@ -140,7 +158,8 @@ static void block_softmax(float *sink) {
     _tile_stored(0, sink, 64);
     printf("\na 32 x 32 block: 16 products alone %.0f\n  softmax                  alone   +16 tdp\n",
            (double)(__rdtsc() - t) / N_PORTS);
-    for (int sub = 0; sub < 2; sub++) {
+    static const char *how[3] = {"x = S a - b (vfmsub)", "x = S - b (vsubps)", "vfmsub, 2^x by table"};
+    for (int sub = 0; sub < 3; sub++) {
         t = __rdtsc();
         for (int i = 0; i < N_PORTS; i++)
             for (int r = 0; r < 32; r++) acc = _mm512_add_ps(acc, block_row(r, a, b, sub));
@@ -153,7 +172,7 @@ static void block_softmax(float *sink) {
                 acc = _mm512_add_ps(acc, block_row(r, a, b, sub));
             }
         _tile_stored(0, sink, 64);
-        printf("  %-24s %6.0f   %6.0f\n", sub ? "x = S - b (vsubps)" : "x = S a - b (vfmsub)", alone,
+        printf("  %-24s %6.0f   %6.0f\n", how[sub], alone,
                (double)(__rdtsc() - t) / N_PORTS);
     }
     float keep[16];
@@ -171,6 +190,11 @@ int main(void) {
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
     _tile_loadconfig(&cfg);
+    double step = 1.0;  /* 2^(j/32) in double, no libm: 2^(1/32) multiplied up */
+    for (int j = 0; j < 32; j++, step *= 1.0218971486541166) {
+        tab_t[j] = (float)step;
+        tab_c[j] = (float)(step * 0.69314718055994531);
+    }
     const size_t nk = (size_t)1 << 19;  /* 1 MiB of bfloat16 keys: 256 blocks of 4 KiB */
     uint16_t *K = aligned_alloc(64, nk * 2), *Q = aligned_alloc(64, 32 * 64 * 2);
     float *S = aligned_alloc(64, 32 * 256 * 4);
