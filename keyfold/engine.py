@@ -156,8 +156,8 @@ class _Call:
         if self.score_tensors or sums is not None:
             dq, dk, dv, dts = _tiles.backward_with_score(q, k, v, out, lse, dout, dlse, self.plan, self.pb,
                                                          self.score_tensors, whole_rows, sums)
-            # a score tensor no piece read (a float mask that hides every pair) gets zeros, as in SDPA
-            return dq, dk, dv, tuple(torch.zeros_like(t) if d is None else d for t, d in zip(self.score_tensors, dts))
+            # (None for a tensor the score never read; zeros for all where no pair was visible: tiles.py)
+            return dq, dk, dv, dts
         if self.backend is Backend.CPU and _cpu.backward_on_tiles(q, k, v, self.plan, self.pb, whole_rows):
             return (*_tiles.backward(q, k, v, out, lse, dout, dlse, self.tile_plan(), self.pb, whole_rows), ())
         if self.backend is Backend.CPU:
@@ -210,7 +210,8 @@ def _grad_tensors(score) -> tuple:
     """The score's tensors that need gradients in this call (nothing to look at without a score)."""
     if score is None or not torch.is_grad_enabled():
         return ()
-    return tuple(t for t in score.tensors() if t.requires_grad)
+    seen: set = set()  # each once (a ScoreMod's tensors() may repeat one): autograd adds what each entry gets
+    return tuple(t for t in score.tensors() if t.requires_grad and not (id(t) in seen or seen.add(id(t))))
 
 
 def _resolve(backend: Backend, q, score, dropout_p: float = 0.0) -> Backend:
@@ -303,6 +304,9 @@ class _AttendFn(torch.autograd.Function):
         st = call.forward(q, k, v, in_dtype=cast, wide_lse=wide_lse)
         out = st.out.to(q.dtype) if cast else st.out
         ctx.call = call
+        # the backward reads the score tensors as they are then (they are not saved): one changed in place
+        # in between (an optimizer step, an update under no_grad) would give the gradient of another function
+        ctx.versions = tuple(t._version for t in score_tensors)
         ctx.save_for_backward(q, k, v, out, st.lse.to(state_dtype(q.dtype)))
         return out, st.lse
 
@@ -310,6 +314,14 @@ class _AttendFn(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         call: _Call = ctx.call
+        changed = [i for i, (t, n) in enumerate(zip(call.score_tensors, ctx.versions)) if t._version != n]
+        if changed:
+            t = call.score_tensors[changed[0]]
+            raise RuntimeError(
+                f"keyfold: a tensor the score modifier {call.pb.score!r} reads (shape {tuple(t.shape)}, "
+                f"{t.dtype}) was modified in place between the forward and the backward (version "
+                f"{ctx.versions[changed[0]]} -> {t._version}); its gradient would be taken at the new values. "
+                "Change it after backward() (as an optimizer step does), or pass a copy to the call")
         if dout is None:
             dout = torch.zeros_like(out)
         if dlse is not None:

@@ -218,7 +218,12 @@ class ScoreFn(ScoreMod):
         if not self.extra:
             return found
         ids = {id(t) for t in found}
-        return found + tuple(t for t in self.extra if id(t) not in ids)
+        extra = []
+        for t in self.extra:  # each once: a tensor listed twice got its gradient twice
+            if id(t) not in ids:
+                ids.add(id(t))
+                extra.append(t)
+        return found + tuple(extra)
 
     def __repr__(self):
         return f"score_fn({_fn_name(self.fn)})"

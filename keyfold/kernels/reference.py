@@ -26,8 +26,8 @@ def attend_reference(q, k, v, pb: Problem) -> State:
     s = group_matmul(qg, k.to(sd), transpose=True) * pb.scale  # (B, Hkv, g, Nq, Nk)
     s = s.reshape(B, Hq, Nq, Nk)
     b, h, qp, kp = grid_positions(B, Hq, pb.q_offset, Nq, pb.kv_offset, Nk, q.device)
-    if pb.score is not None:
-        s = pb.score.apply(s, b, h, qp, kp)
+    if pb.score is not None:  # in the state dtype, as the other backends take it (a float64 table beside
+        s = pb.score.apply(s, b, h, qp, kp).to(sd)  # float32 scores made P float64, and P @ v raised)
     if pb.mask is not None:
         s = s.masked_fill(~pb.mask.evaluate(b, h, qp, kp), NEG_INF)
     # shift by the row max and divide by the sum: exp(s - lse) would not sum to 1 once |lse| is so

@@ -24,10 +24,83 @@ WIDE_TENSOR = 1 << 16
 
 
 def _proxy(t: torch.Tensor) -> torch.Tensor:
-    """A score tensor's stand-in in the backward (:class:`_Widened`): a float64 copy where it has at most
-    :data:`WIDE_TENSOR` elements, else a detached alias; a leaf either way, outside ``t``'s graph."""
+    """A score tensor's stand-in in the backward (:class:`_Widened`): a float64 copy (complex128 for a
+    complex tensor: ``double()`` dropped its imaginary part, and the gradient with it) where it has at
+    most :data:`WIDE_TENSOR` elements, else a detached alias; a leaf either way, outside ``t``'s graph."""
     d = t.detach()
-    return (d.double() if d.dtype is not torch.float64 and d.numel() <= WIDE_TENSOR else d).requires_grad_()
+    if d.numel() <= WIDE_TENSOR:
+        d = d.to(torch.complex128 if d.is_complex() else torch.float64)
+    return d.requires_grad_()
+
+
+class _Proxies(dict):
+    """``{id(t): stand-in}`` (:func:`_proxy`) for the score tensors ``originals``, made before any callable
+    runs: inside a callable's vmap they could not be."""
+
+    def __init__(self, originals):
+        super().__init__((id(t), _proxy(t)) for t in originals)
+        self.originals = tuple(originals)
+
+    def narrow(self) -> bool:
+        """Make every stand-in a detached alias in its tensor's own dtype; whether any was a widened
+        copy. For callables whose ops need equal dtypes (``F.linear``, ``torch.lerp``, a matmul with a
+        float32 tensor they make), which raise on a float64 stand-in beside them."""
+        widened = False
+        for t in self.originals:
+            if self[id(t)].dtype != t.dtype:
+                self[id(t)] = t.detach().requires_grad_()
+                widened = True
+        return widened
+
+
+def _ancestors(score_tensors) -> list[set]:
+    """For each score tensor, the indices of the other score tensors it was made from through autograd
+    (``u = rel.view(...)``, ``u = rel * w``): the tensors whose gradient taken in a tile also holds the
+    share of ``u``'s reads (see :func:`backward_with_score`)."""
+    index = {id(t): i for i, t in enumerate(score_tensors)}
+    nodes = {t.grad_fn: i for i, t in enumerate(score_tensors) if t.grad_fn is not None}
+    found = []
+    for j, t in enumerate(score_tensors):
+        anc: set = set()
+        stack = [t.grad_fn] if t.grad_fn is not None else []
+        seen = set(stack)
+        while stack:
+            fn = stack.pop()
+            i = nodes.get(fn)
+            if i is not None and i != j:
+                anc.add(i)
+            var = getattr(fn, "variable", None)  # a leaf's AccumulateGrad
+            if var is not None and id(var) in index and index[id(var)] != j:
+                anc.add(index[id(var)])
+            for nxt, _ in fn.next_functions:
+                if nxt is not None and nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        found.append(anc)
+    return found
+
+
+def _own_shares(shares: list, score_tensors) -> list:
+    """The gradients taken with respect to the score tensors themselves (``shares``, summed over the
+    tiles), less what reached each through another score tensor made from it. The gradient with respect
+    to ``rel`` holds the reads of ``u = rel.view(...)`` too; ``u``'s own share goes back to autograd as
+    ``u``'s gradient and reaches ``rel`` through ``u``'s graph once more: ``rel.grad`` came out twice the
+    true one. Taken off here, from the tensors made last to the first (each one's share is its own
+    before it is passed on), with autograd through the tensors' own graph."""
+    anc = _ancestors(score_tensors)
+    left = [j for j in range(len(score_tensors)) if anc[j]]
+    while left:  # a tensor goes when no tensor left was made from it
+        j = next(j for j in left if not any(j in anc[i] for i in left if i != j))
+        left.remove(j)
+        if shares[j] is None:
+            continue
+        src = sorted(anc[j])
+        back = torch.autograd.grad(score_tensors[j], [score_tensors[i] for i in src], shares[j],
+                                   retain_graph=True, allow_unused=True)
+        for i, b in zip(src, back):
+            if b is not None and shares[i] is not None:
+                shares[i] = shares[i] - b
+    return shares
 
 
 class _Widened(torch.overrides.TorchFunctionMode):
@@ -72,6 +145,20 @@ def _modify(raw, pb: Problem, pos, vis):
     if vis is not None:
         s = s.masked_fill(~vis, NEG_INF)
     return s
+
+
+def _widened_modify(raw, pb: Problem, pos, vis, proxies: _Proxies):
+    """:func:`_modify` with the score tensors read as their stand-ins (:class:`_Widened`). A callable
+    whose op refuses a float64 stand-in beside its own tensors (dtypes that must match) gets them in
+    their own dtypes from then on, for the rest of the call (``proxies`` changed in place)."""
+    try:
+        with _Widened(proxies):
+            return _modify(raw, pb, pos, vis)
+    except (RuntimeError, TypeError):
+        if not proxies.narrow():
+            raise
+    with _Widened(proxies):
+        return _modify(raw, pb, pos, vis)
 
 
 def _visible_cached(q, piece, pb: Problem, plan: Plan):
@@ -277,8 +364,7 @@ def _piece_terms(q, k, v, dout, safe_lse, plan: Plan, pb: Problem, alone, need_g
                     s = raw + sep[1]
                     s = s.masked_fill(~vis, NEG_INF) if vis is not None else s
                 elif proxies:
-                    with _Widened(proxies):
-                        s = _modify(raw, pb, pos, vis)
+                    s = _widened_modify(raw, pb, pos, vis, proxies)
                 else:
                     s = _modify(raw, pb, pos, vis)
             s_p = s.detach().to(sd)  # (a callable reading float64 stand-ins gives float64 scores)
@@ -411,7 +497,13 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
     # the end: a relative-position table's far bin gathers most pairs of every row, and float32 sums of
     # its dS in the tiles' order went to 1.8-2.6x the 3x rule's allowance (the naive's one float32
     # scatter is as inexact, in its own order); in float64, 0.002-0.14x
-    proxies = {id(t): _proxy(t) for t in score_tensors}  # (made here: inside a callable's vmap they could not be)
+    proxies = _Proxies(score_tensors)
+    # gradients with respect to the tensors themselves (their reads the mode does not see), summed over
+    # the tiles apart from the stand-ins' until the shares that passed through another score tensor are
+    # taken off (_own_shares); their graphs stay: a tile's autograd may go through them again, and so may
+    # the caller's backward (a tensor made by an op that saves its inputs, u = rel * 1.0, raised on a freed graph)
+    direct: list = [None] * len(score_tensors)
+    keep_graph = any(t.grad_fn is not None for t in score_tensors)
     safe_lse = _safe_lse(lse, sd)
     nonadd = pb.score is not None and not pb.score.additive
     need_grad = nonadd or bool(score_tensors)
@@ -465,6 +557,7 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
     # first, and a row with one key got dS = dlse off by an ulp of dP (dq, dk 5e-6 at |dP| ~ 50)
     dl = None if dlse is None else dlse.to(sd)
     inplace = not torch.is_grad_enabled()
+    read = [False]  # whether any tile ran the callable with the score tensors (else every pair was hidden)
 
     def _grads_of(term):  # one piece's share of dq, dk, dv and the score tensors' gradients
         piece, raw, s, p, dp, z, own, vis = term
@@ -507,12 +600,13 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
             # user's autograd.Function.apply takes the tensor as it is: its share reaches the tensor alone)
             n = len(score_tensors)
             inputs = ([raw] if nonadd else []) + [proxies[id(t)] for t in score_tensors] + list(score_tensors)
-            grads = torch.autograd.grad(s, inputs, ds.to(s.dtype), allow_unused=True)
+            grads = torch.autograd.grad(s, inputs, ds.to(s.dtype), allow_unused=True, retain_graph=keep_graph)
+            read[0] = True
             shares = grads[1:] if nonadd else grads
             for i in range(n):
-                for gt in (shares[i], shares[n + i]):
+                for acc, gt in ((dts, shares[i]), (direct, shares[n + i])):
                     if gt is not None:
-                        dts[i] = gt if dts[i] is None else dts[i] + gt
+                        acc[i] = gt if acc[i] is None else acc[i] + gt
             if nonadd:
                 ds = grads[0] if grads[0] is not None else torch.zeros_like(ds)
         elif nonadd:
@@ -542,4 +636,12 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
             for term in terms:
                 _grads_of(term)
                 del term  # the generator makes the next piece's tiles without this one's beside them
-    return dq, dk, dv, tuple(d if d is None else d.to(t.dtype) for d, t in zip(dts, score_tensors))
+    if any(o is not None for o in direct):
+        for i, o in enumerate(_own_shares(direct, score_tensors)):
+            if o is not None:
+                dts[i] = o if dts[i] is None else dts[i] + o
+    # a tensor the callable never read keeps no gradient (None, as autograd leaves it: an optimizer then
+    # leaves it be; zeros made AdamW decay it and its moments move it); with no pair visible, every one
+    # gets zeros, as SDPA gives a float mask that hides every pair
+    return dq, dk, dv, tuple((None if read[0] else torch.zeros_like(t)) if d is None else d.to(t.dtype)
+                             for d, t in zip(dts, score_tensors))

@@ -295,6 +295,198 @@ def test_a_table_read_through_a_users_autograd_function_gets_its_gradient(extra)
     torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("derive", ["view", "reshape", "times one"])
+@pytest.mark.parametrize("backend", [Backend.AUTO, Backend.TILES])
+def test_a_derived_tensor_read_through_a_users_autograd_function_gets_its_gradient_once(derive, backend):
+    """``u`` made from a listed ``t`` (``tensors=[t]``, ``u`` found in the closure), read through a user's
+    ``Function.apply(u)``, which no stand-in replaces: the gradient taken with respect to ``t`` itself went
+    through ``u``'s graph, and ``u``'s own went back to autograd and reached ``t`` again: ``t.grad`` 2.000x
+    the true one (a view), or a crash on a freed graph (``t * 1.0``; a review, 2026-12-07). What reached a
+    tensor through another score tensor is taken off its share now (``tiles._own_shares``)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    t0 = torch.randn(2, 31, generator=g, dtype=torch.float64)
+    make = {"view": lambda t: t.view(2, 31), "reshape": lambda t: t.reshape(62).reshape(2, 31),
+            "times one": lambda t: t * 1.0}[derive]
+
+    def grad(dt, be):
+        t = t0.clone().to(dt).requires_grad_()
+        u = make(t)
+        mod = kf.score_fn(lambda s, b, h, qi, ki: s + _Scale.apply(u)[h, qi - ki + 15], tensors=[t])
+        kf.attention(q.to(dt), k.to(dt), v.to(dt), score=mod, backend=be).sum().backward()
+        return t.grad
+
+    ref = grad(torch.float64, Backend.REFERENCE)
+    assert float(ref.abs().max()) > 1.0
+    torch.testing.assert_close(grad(torch.float32, backend).double(), ref, atol=1e-5, rtol=1e-5)
+
+
+class _Slots:
+    __slots__ = ("t",)  # a holder the closure walk cannot read: the tensor must be listed
+
+
+class _RepeatedBias(kf.ScoreMod):
+    """A modifier of one's own whose tensors() names its table twice"""
+    additive = True
+
+    def __init__(self, t):
+        self.t = t
+
+    def bias(self, b, h, qp, kp):
+        return self.t[h, (qp - kp).clamp(-8, 8) + 8]
+
+    def apply(self, s, b, h, qp, kp):
+        return s + self.bias(b, h, qp, kp)
+
+    def tensors(self):
+        return (self.t, self.t)
+
+
+@pytest.mark.parametrize("kind", ["score_fn listed twice", "ScoreMod repeating it"])
+@pytest.mark.parametrize("backend", [Backend.AUTO, Backend.TILES, Backend.CPU])
+def test_a_tensor_named_twice_gets_its_gradient_once(kind, backend):
+    """``score_fn(fn, tensors=[t, t])`` or a ScoreMod whose ``tensors()`` repeats ``t``: each entry was an input
+    of the autograd function, each got the whole gradient, and autograd added both into ``t.grad``: 2.000x
+    the true one on every backend but the reference (a review, 2026-12-07). Each tensor is taken once now."""
+    if backend is Backend.CPU and kind.startswith("score_fn"):
+        pytest.skip("the CPU backend takes additive modifiers only")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    t0 = torch.randn(2, 17, generator=g, dtype=torch.float64)
+
+    def grad(dt, be):
+        t = t0.clone().to(dt).requires_grad_()
+        if kind.startswith("score_fn"):
+            box = _Slots()
+            box.t = t
+            mod = kf.score_fn(lambda s, b, h, qi, ki: s + box.t[h, (qi - ki).clamp(-8, 8) + 8], tensors=[t, t])
+        else:
+            mod = _RepeatedBias(t)
+        kf.attention(q.to(dt), k.to(dt), v.to(dt), score=mod, backend=be).sum().backward()
+        return t.grad
+
+    ref = grad(torch.float64, Backend.REFERENCE)
+    assert float(ref.abs().max()) > 1.0
+    torch.testing.assert_close(grad(torch.float32, backend).double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+def test_a_complex_table_keeps_its_imaginary_gradient(dtype):
+    """A callable that reads a complex table (a rotary phase, say) and takes the real part: the backward's
+    float64 stand-in was ``t.double()``, which drops the imaginary part, so the table's gradient lost it
+    (12.8 off against 15.0; complex128 without even a warning; a review, 2026-12-07). complex128 now."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    t0 = torch.randn(2, 31, generator=g, dtype=torch.complex128)
+
+    def grad(real, cdt, be):
+        t = t0.clone().to(cdt).requires_grad_()
+        mod = kf.score_fn(lambda s, b, h, qi, ki: s + (t[h, qi - ki + 15] * (1 + 2j)).real, tensors=[t])
+        kf.attention(q.to(real), k.to(real), v.to(real), score=mod, backend=be).pow(2).sum().backward()
+        return t.grad
+
+    ref = grad(torch.float64, torch.complex128, Backend.REFERENCE)
+    assert float(ref.imag.abs().max()) > 1.0
+    real = torch.float32 if dtype is torch.complex64 else torch.float64
+    torch.testing.assert_close(grad(real, dtype, Backend.AUTO).to(torch.complex128), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", [Backend.AUTO, Backend.TILES])
+def test_a_score_tensor_changed_in_place_before_the_backward_raises(backend):
+    """The backward reads the score tensors as they are then (they are not saved for it): a per-head scale
+    changed under no_grad between forward and backward gave dq 4.3 off and the scale the gradient of
+    another function ([-3.93, -0.74] for [-0.22, 2.11]), silently (a review, 2026-12-07). It raises now,
+    as PyTorch does for a saved tensor changed in place, and a change after backward() is fine."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=g).requires_grad_() for _ in range(3))
+    hs = torch.tensor([0.5, 1.5], requires_grad=True)
+    mod = kf.score_fn(lambda s, b, h, qi, ki: s * hs[h])
+    out = kf.attention(q, k, v, score=mod, backend=backend)
+    with torch.no_grad():
+        hs.mul_(3.0)
+    with pytest.raises(RuntimeError, match="modified in place between the forward and the backward"):
+        out.sum().backward()
+    out = kf.attention(q, k, v, score=mod, backend=backend)
+    out.sum().backward()  # a step after the backward: the next call's forward reads the new values
+    assert hs.grad is not None and bool(hs.grad.abs().sum() > 0)
+    with torch.no_grad():
+        hs.sub_(0.1)
+
+
+class _LinearOnScore(torch.nn.Module):
+    """A score callable that is a module with its own layer on the score (float32 weights)"""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(1, 1)
+        self.rel = torch.nn.Parameter(torch.randn(31) * 0.3)
+
+    def forward(self, s, b, h, qi, ki):
+        return self.lin(s.unsqueeze(-1)).squeeze(-1) + self.rel[qi - ki + 15]
+
+
+@pytest.mark.parametrize("case", ["nn.Linear", "lerp", "matmul"])
+def test_callables_whose_ops_need_equal_dtypes_train(case):
+    """The backward's float64 stand-ins met ops that need their operands in one dtype (``F.linear`` of a
+    float32 weight, ``torch.lerp``, a matmul with a float32 tensor the callable makes): the forward ran and
+    the backward raised (a review, 2026-12-07). Such a callable gets its tensors in their own dtypes now,
+    and its gradients hold the rule."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=g) for _ in range(3))
+    rel0 = torch.randn(31, generator=g) * 0.3
+    module = _LinearOnScore()
+
+    def run(dt, backend):
+        if case == "nn.Linear":
+            m = module.to(dt)
+            m.zero_grad()
+            mod, params = m, [m.rel, m.lin.weight]
+        else:
+            rel = rel0.to(dt).requires_grad_()
+            if case == "lerp":
+                mod = lambda s, b, h, qi, ki: torch.lerp(s, s + rel[qi - ki + 15], 0.5)  # noqa: E731
+            else:
+                mod = lambda s, b, h, qi, ki: s + (torch.ones(1, 2, dtype=s.dtype) @ rel[:2].view(2, 1)).squeeze()  # noqa: E731
+            params = [rel]
+        out = kf.attention(q.to(dt), k.to(dt), v.to(dt), score=mod, backend=backend)
+        out.pow(2).sum().backward()
+        return out.detach(), [p.grad.clone() for p in params]
+
+    ref_out, ref = run(torch.float64, Backend.REFERENCE)
+    out, got = run(torch.float32, Backend.AUTO)
+    _, nai = run(torch.float32, Backend.REFERENCE)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    for a, r, n in zip(got, ref, nai):
+        assert float(r.abs().max()) > 0
+        assert_close_by_rule(a, r, n, None, factor=3.0, what=case)
+
+
+def test_a_parameter_the_score_never_reads_keeps_no_gradient():
+    """A module callable's parameter the score does not read (found by the closure walk all the same)
+    got zeros for its gradient, not None: an optimizer then decays it and its moments move it, where
+    plain PyTorch leaves it be (a review, 2026-12-07). None now, as autograd leaves it; a float mask that
+    hides every pair still gets zeros, as SDPA gives."""
+    class Mod(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rel = torch.nn.Parameter(torch.randn(31) * 0.3)
+            self.unused = torch.nn.Parameter(torch.randn(4))
+
+        def forward(self, s, b, h, qi, ki):
+            return s + self.rel[qi - ki + 15]
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=g) for _ in range(3))
+    m = Mod()
+    assert any(t is m.unused for t in kf.score_fn(m).tensors())
+    kf.attention(q, k, v, score=m).sum().backward()
+    assert m.rel.grad is not None and m.unused.grad is None
+    mask = torch.full((16, 16), float("-inf"), requires_grad=True)
+    kf.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum().backward()
+    assert mask.grad is not None and not bool(mask.grad.any())
+
+
 @pytest.mark.parametrize("seed, threads", [(0, 1), (7, 1), (0, 2)])
 def test_a_relative_position_tables_far_bin_sums_its_gradient_in_float64(seed, threads):
     """A clamped relative-position table's far bin gathers most pairs of every row; its gradient is the sum
@@ -629,6 +821,36 @@ def test_float64_table_with_lower_precision_inputs(backend, dtype):
     if dtype == torch.float32:
         torch.testing.assert_close(out, _flex(q, k, v, score_mod=score_mod), atol=2e-5, rtol=1e-4)
     assert_forward_by_rule(q, k, v, score=score_mod, backend=backend)
+
+
+class _Float64Bias(kf.ScoreMod):
+    """An additive modifier of one's own holding a float64 table; its apply returns what torch's promotion gives"""
+    additive = True
+
+    def __init__(self, t):
+        self.t = t
+
+    def bias(self, b, h, qp, kp):
+        return self.t[(qp - kp).clamp(-8, 8) + 8]
+
+    def apply(self, s, b, h, qp, kp):
+        return s + self.bias(b, h, qp, kp)
+
+    def tensors(self):
+        return (self.t,)
+
+
+@pytest.mark.parametrize("backend", [Backend.REFERENCE, Backend.AUTO, Backend.CPU])
+def test_a_modifier_of_ones_own_with_a_float64_table_on_float32_inputs(backend):
+    """Its apply gives float64 scores beside float32 inputs: the reference backend took P in float64 and
+    raised at P @ v (a review, 2026-12-07); it takes the scores in the state dtype now, as the others do."""
+    t = torch.randn(17, dtype=torch.float64, generator=torch.Generator().manual_seed(4)).requires_grad_()
+    q, k, v = _qkv(1, 2, 24)
+    out = kf.attention(q, k, v, score=_Float64Bias(t), backend=backend)
+    assert out.dtype == torch.float32
+    assert_forward_by_rule(q, k, v, score=_Float64Bias(t.detach()), backend=backend)
+    out.sum().backward()
+    assert t.grad is not None and t.grad.dtype == torch.float64 and bool(t.grad.abs().sum() > 0)
 
 
 def test_user_mask_whose_probe_takes_no_sizes():
