@@ -154,6 +154,9 @@ class _DenseBias(ScoreMod):
     def tensors(self):
         return (self.live,)
 
+    def live_tensors(self):
+        return ()  # apply reads the copy made when the call began (and gives its gradient to the live tensor)
+
     def bias(self, b, h, qp, kp):
         return _gather(self.table.on(qp.device), b, h, qp, kp, self.q0, self.k0)
 

@@ -306,7 +306,8 @@ class _AttendFn(torch.autograd.Function):
         ctx.call = call
         # the backward reads the score tensors as they are then (they are not saved): one changed in place
         # in between (an optimizer step, an update under no_grad) would give the gradient of another function
-        ctx.versions = tuple(t._version for t in score_tensors)
+        live = {id(t) for t in call.pb.score.live_tensors()} if score_tensors else set()
+        ctx.versions = tuple((i, t._version) for i, t in enumerate(score_tensors) if id(t) in live)
         ctx.save_for_backward(q, k, v, out, st.lse.to(state_dtype(q.dtype)))
         return out, st.lse
 
@@ -314,14 +315,14 @@ class _AttendFn(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         call: _Call = ctx.call
-        changed = [i for i, (t, n) in enumerate(zip(call.score_tensors, ctx.versions)) if t._version != n]
-        if changed:
-            t = call.score_tensors[changed[0]]
-            raise RuntimeError(
-                f"keyfold: a tensor the score modifier {call.pb.score!r} reads (shape {tuple(t.shape)}, "
-                f"{t.dtype}) was modified in place between the forward and the backward (version "
-                f"{ctx.versions[changed[0]]} -> {t._version}); its gradient would be taken at the new values. "
-                "Change it after backward() (as an optimizer step does), or pass a copy to the call")
+        for i, n in ctx.versions:
+            t = call.score_tensors[i]
+            if t._version != n:
+                raise RuntimeError(
+                    f"keyfold: a tensor the score modifier {call.pb.score!r} reads (shape {tuple(t.shape)}, "
+                    f"{t.dtype}) was modified in place between the forward and the backward (version {n} -> "
+                    f"{t._version}); its gradient would be taken at the new values. Change it after backward() "
+                    "(as an optimizer step does), or pass a copy to the call")
         if dout is None:
             dout = torch.zeros_like(out)
         if dlse is not None:

@@ -70,6 +70,12 @@ class ScoreMod:
         Additive modifiers get the same treatment."""
         return ()
 
+    def live_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Those of :meth:`tensors` that ``apply`` reads as they are when it runs, not as a copy taken
+        when the call began; default all of them. The backward runs ``apply`` again, so a backward
+        after one of these changed in place raises (it would differentiate other values)."""
+        return self.tensors()
+
     def check_batch(self, B: int) -> None:
         """Raise if the modifier cannot serve a batch of ``B`` (per-batch ALiBi slopes)."""
 
@@ -269,9 +275,15 @@ class _Chain(ScoreMod):
             m.check_heads(H)
 
     def tensors(self):
+        return self._each("tensors")
+
+    def live_tensors(self):
+        return self._each("live_tensors")
+
+    def _each(self, what: str) -> tuple:
         seen, out = set(), []
         for m in self.mods:
-            for t in m.tensors():
+            for t in getattr(m, what)():
                 if id(t) not in seen:
                     seen.add(id(t))
                     out.append(t)

@@ -230,6 +230,9 @@ class ScoreView(_Seen, ScoreMod):
     def tensors(self):
         return self.inner.tensors()
 
+    def live_tensors(self):
+        return self.inner.live_tensors()
+
     def _key(self):
         return (self.inner, self.remap)
 
