@@ -844,13 +844,18 @@ def _prefill_may(q, k, v, pb: Problem, plain: bool = False, dense: bool = False)
     speculative step over up to 8x its group's rows in keys) went past the rule in 12 of 292 cases of a
     fuzz (1-5 rows, 16-64 heads over 1-4, head sizes 63-128, scores of std 6; up to 3.4x the naive
     error); the op's one call per member (:func:`_by_members`) or the decode kernel's blocked sums
-    take them instead."""
+    take them instead. Nor float32 GQA of :func:`_few_keys` (up to :data:`EXACT_ROWS` rows a head over few
+    keys): groups of 8 or more reach the kernel's rows from 9 rows a head, and its FMA chains put 12 rows
+    over 2 keys at 3.8x the rule's allowance (27 of 60 seeds at head size 128, score std 20; a review,
+    2026-12-07), where each member on the decode kernel's exact scores is at 0.03-0.08x."""
     dt = _widened(q.dtype)
     rows = q.shape[2] * (q.shape[1] // max(k.shape[1], 1))
     if dt not in (torch.bfloat16, torch.float32) or rows <= NATIVE_ROWS:
         return False
     if q.dtype is torch.float32 and q.shape[1] != k.shape[1] and q.shape[2] <= PREFILL_MEMBER_ROWS:
         return False  # see the docstring: a float32 GQA group of few rows a head
+    if q.dtype is torch.float32 and q.shape[1] != k.shape[1] and _few_keys(q, k):
+        return False  # see the docstring: and over few keys, each member on the decode kernel's exact scores
     if dt is torch.float32 and native.isa() == "avx2" and (q.shape[-1] > PREFILL_AVX2_MAX_HEAD
                                                            or k.shape[2] < PREFILL_AVX2_MIN_KEYS):
         return False  # the naive's GEMM sums these more exactly here (PREFILL_AVX2_MAX_HEAD)
@@ -986,6 +991,16 @@ def _members_pay(qs, mask, rows: int, way: str) -> bool:
     return rows <= most and (mask is not None or way != "native")
 
 
+def _members_few_keys(qs, ks, rows: int) -> bool:
+    """Whether a folded float32 piece of more than :data:`EXACT_ROWS` rows is one of :func:`_few_keys` a
+    member (``rows`` a head): each member then takes the decode kernel's exact scores (:func:`_by_members`).
+    Folded, the count past EXACT_ROWS sent 4 heads of 12 rows over 2 keys to the fused op, whose float32
+    sums put them at up to 6.0x the rule's allowance (7 of 10 seeds at head size 128, score std 20, with
+    or without keyfold's kernels; a review, 2026-12-07), where the naive sums each head's few rows in
+    vector lanes."""
+    return qs.shape[2] > EXACT_ROWS and _few_keys(qs[:, :, :rows], ks)
+
+
 def _by_members(qs, ks, vs, mask, g: int, scale: float, wide: bool = False, hidden: bool = True):
     """A folded piece one member at a time: each head with its own L rows, as the naive attention
     multiplies them, the folded mask's rows with them (_fold_mask always spells out g L rows);
@@ -1073,7 +1088,8 @@ def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False, wide_lse
             lse = torch.stack([p[1] for p in parts], 2).flatten(1, 2)   # (B, Hq, L)
         else:  # routed once: a folded float32 piece asks where the folded call would run
             way = _route(qs, ks, vs, causal, tile.mask)
-            if folded and q.dtype is torch.float32 and _members_pay(qs, tile.mask, piece.q1 - piece.q0, way):
+            if folded and q.dtype is torch.float32 and (_members_pay(qs, tile.mask, piece.q1 - piece.q0, way)
+                                                        or _members_few_keys(qs, ks, piece.q1 - piece.q0)):
                 out, lse = _by_members(qs, ks, vs, tile.mask, inp.g, pb.scale, wide, hidden)
             else:
                 out, lse = _op(qs, ks, vs, causal, tile.mask, pb.scale, way, wide, inp.g if folded else 1, hidden)
@@ -1357,8 +1373,11 @@ RENORM_ROWS = PREFILL_MIN_ROWS
 #: products is nearly exact in the naive attention, and the forward's lse (its float32 sum of P over
 #: the row, log and add each rounded) then puts P further off than the naive softmax's own rounding:
 #: 21 of 160 random calls of 512-1024 rows at head sizes 1-12 broke the 3x rule unrenormalised
-#: (dv up to 7.7x at score std 6-10), none of 190 at 16-128
-RENORM_HEAD = 16
+#: (dv up to 7.7x at score std 6-10), none of 190 at 16-128; at sharper scores (std 12-20) 22 of 400 at
+#: head sizes 17-48 did (dv up to 1.94x; 6 of 20 seeds at 17, 1 of 20 at 48, none from 64; a review,
+#: 2026-12-07), so up to 63 now, at 1.4-1.5x the time of forward+backward at head sizes 16-48 (causal,
+#: 512-4,096 rows, 8 heads, 2 threads)
+RENORM_HEAD = 64
 #: Head size (with the lse gradient's spare column) above which a renormalised float32 backward sums
 #: its scores and dP in float64: a float32 sum over 256 terms put dv at 6.6x the naive error (2 keys,
 #: score std 1), where over 64 the renormalised float32 sums held the rule in a 700-case fuzz; float64

@@ -527,6 +527,32 @@ def test_float32_mqa_steps_hold_the_rule_at_sharp_scores(seed, Hq, Nq):
     assert_forward_by_rule(*_sharp(seed, Hq, 1, Nq, 1000, 128)[:3])
 
 
+def _gqa_sharp(seed, G, Hkv, Nq, Nk, D, std=20.0):
+    """A GQA call of G query heads a key/value head, scores of std ``std``"""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, G * Hkv, Nq, D, generator=gen) * std ** 0.5
+    k = torch.randn(1, Hkv, Nk, D, generator=gen) * std ** 0.5
+    return q, k, torch.randn(1, Hkv, Nk, D, generator=gen)
+
+
+@pytest.mark.parametrize("native_on", [True, False], ids=["kernels", "no kernels"])
+@pytest.mark.parametrize("seed, G, Nq, Nk", [(1, 16, 12, 2), (4, 16, 12, 2), (10, 16, 12, 2), (3, 8, 9, 3),
+                                             (8, 4, 12, 2), (0, 4, 12, 2), (5, 4, 15, 3)])
+def test_float32_gqa_groups_over_few_keys_take_exact_scores_per_member(seed, G, Nq, Nk, native_on, monkeypatch,
+                                                                       fresh_build):
+    """float32 GQA of 9-15 query rows a head over 2-3 keys: a group of 8 or more reached the prefill
+    kernel's rows (its FMA chains: up to 3.8x the rule's allowance, 27 of 60 seeds at 16 heads of 12 rows),
+    a group of 4 folded into 36-60 rows, past EXACT_ROWS, and ran the fused op (up to 6.0x, 7 of 10 seeds,
+    with keyfold's kernels or without; a review, 2026-12-07). Without GQA the same heads took the decode
+    kernel's exact scores. Now each member does (cpu._members_few_keys; float64 scores without a kernel)."""
+    if native_on and not native.available():
+        pytest.skip(native.why())
+    if not native_on:
+        monkeypatch.setenv("KEYFOLD_NATIVE", "0")
+        assert not native.available()
+    assert_forward_by_rule(*_gqa_sharp(seed, G, 1, Nq, Nk, 128))
+
+
 @pytest.mark.parametrize("seed, Nq, N, D", [(20, 5, 100, 128), (53, 8, 40, 16), (77, 8, 40, 16)])
 def test_float32_query_tokens_over_few_keys_take_exact_scores(seed, Nq, N, D):
     """One head's 5-32 query tokens over fewer keys than the kernel pays for go to the decode kernel for its
