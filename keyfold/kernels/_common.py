@@ -135,8 +135,16 @@ def group_matmul(a: torch.Tensor, b: torch.Tensor, transpose: bool = False) -> t
     15 at 512). With up to GROUP_ROWS rows a head, b is repeated per head and each head multiplied as the
     naive attention does (the same bits): folded, float32 scores at head size 128 and std 6 put the tile
     and reference paths past the rule in 23-25 of 40 calls of 4 heads of 5 rows (up to 6.2x), and 4-9
-    of 40 with groups folding into 2-4 rows over 2 kv heads. float64 sums exactly enough either way."""
+    of 40 with groups folding into 2-4 rows over 2 kv heads. float64 sums exactly enough either way.
+
+    A ``b`` whose batch and head dimensions do not flatten into one (the (B, N, H, D) layout a projection
+    gives, transposed to (B, H, N, D), with B and H above 1) is copied contiguous first: torch's matmul
+    then cannot batch the product and sums each score in one chain, 4x the error of its GEMM on the
+    naive attention's contiguous copy (the tile kernel's softcap and score callables up to 2.3x the
+    rule's allowance, its gradients without keyfold's kernels 2.9x; a review, 2026-12-07)."""
     B, Hkv, g, L = a.shape[:4]
+    if B > 1 and Hkv > 1 and b.stride(0) != b.stride(1) * Hkv and a.dtype is not torch.float64:
+        b = b.contiguous()
     if a.dtype is not torch.float64 and g > 1 and L <= GROUP_ROWS:
         bb = b.repeat_interleave(g, 1)
         out = a.reshape(B, Hkv * g, L, a.shape[-1]) @ (bb.transpose(-1, -2) if transpose else bb)

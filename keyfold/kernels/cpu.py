@@ -367,9 +367,12 @@ def _exact(q, group: int = 1) -> bool:
 #: keys at score std 8-30 (up to 4.0x the allowance at head size 256), 6 tokens in 7 of 239, 8 tokens
 #: at head sizes above 128 in 2 of 90; 8 tokens at 64-128 and 10 above, none (a fuzz, 2026-12-07,
 #: found by a review; the note of that morning had counted 0 of 150 at 6-16 tokens, head size 128).
-EXACT_LANE_ROWS = 8
-#: :data:`EXACT_LANE_ROWS` at head sizes above 128, where torch's lanes reach 10 rows (MEMBER_ROWS_WIDE)
-EXACT_LANE_ROWS_WIDE = 10
+#: At 9-16 tokens 4 of 7,100 random calls over 256-1,000 keys at score std 30 went past it too (up to
+#: 2.07x, head sizes 32-128; a second review, 2026-12-07), so 16 now: 0 of the same 3,000, at 1.2-1.8x
+#: the kernel's time for those calls (9-16 tokens over 1k-32k keys, 2 threads)
+EXACT_LANE_ROWS = 16
+#: :data:`EXACT_LANE_ROWS` at head sizes above 128 (torch's lanes reach 10 rows there, MEMBER_ROWS_WIDE)
+EXACT_LANE_ROWS_WIDE = 16
 
 
 #: Keys under which a 16-bit call of few rows computes in float32 (:func:`_tiny_16bit`)
@@ -1413,7 +1416,9 @@ RENORM_KEYS = 64
 #: more exactly than one FMA a dimension, and three one-row cases of a 1,500-case fuzz broke the rule on
 #: float32 sums (dv 7.7x, dq 6.8x at score std 6-10). Counted per kv head (a GQA group's rows) it missed
 #: 3 rows of a group of 4 (12 rows): dv 16x, dq 5.8x the naive error, 2 of 1,000 float32 cases
-WIDE_ROWS = 8
+#: float32 sums: 9-16 rows a head under a float tensor mask put dq at 1.84x the rule's allowance (1 of 2,000
+#: random calls of 9-16 rows; a review, 2026-12-07): 16 now
+WIDE_ROWS = 16
 
 
 #: Key span above which the backward cuts a FULL piece of a many-piece plan (see _backward_pieces)
