@@ -145,17 +145,18 @@ class _Call:
                 return st
         return _tiles.forward(q, k, v, self.plan, self.pb, lse_exact=lse_exact, wide_lse=wide_lse)
 
-    def backward(self, q, k, v, out, lse, dout, dlse, whole_rows: bool = True, sums=None):
+    def backward(self, q, k, v, out, lse, dout, dlse, whole_rows: bool = True, sums=None, values=None):
         """``(dq, dk, dv, d_score_tensors)``; the last is a tuple aligned with ``score_tensors``.
         sums: the rows' totals of :func:`tiles.row_sums` (``attend_backward(row_sums=...)``; the call
-        was made on Backend.TILES for them).
+        was made on Backend.TILES for them). values: ``{id(t): the forward's values}`` of score tensors
+        changed in place since (:func:`_forward_values`), read in their place.
 
         The fused CPU op gives no dS, so when a score tensor needs its gradient the CPU backend
         runs the backward's pieces through the tile path (torch ops), which differentiates the
         score modifier tile by tile; the forward stays fused."""
         if self.score_tensors or sums is not None:
             dq, dk, dv, dts = _tiles.backward_with_score(q, k, v, out, lse, dout, dlse, self.plan, self.pb,
-                                                         self.score_tensors, whole_rows, sums)
+                                                         self.score_tensors, whole_rows, sums, values)
             # (None for a tensor the score never read; zeros for all where no pair was visible: tiles.py)
             return dq, dk, dv, dts
         if self.backend is Backend.CPU and _cpu.backward_on_tiles(q, k, v, self.plan, self.pb, whole_rows):
@@ -288,6 +289,38 @@ def refuse_second_order(grads: tuple, watched: tuple, message: str = _SECOND_ORD
     return tuple(None if g is None else next(out) for g in grads)
 
 
+def _live_state(call: _Call, score_tensors) -> tuple:
+    """``(tensor, version, copy or None)`` for each tensor the score modifier reads live
+    (``ScoreMod.live_tensors``): the backward runs the modifier again, on the tensors as they are then.
+    A copy of each trained tensor of up to ``tiles.WIDE_TENSOR`` elements (a table, a slope) is kept,
+    for the backward to read should it change in place before then (a clamp under no_grad in the next
+    layer's forward): it differentiates the forward's values, as autograd of a plain attention does."""
+    if call.pb.score is None:
+        return ()
+    trained = {id(t) for t in score_tensors}
+    return tuple((t, t._version, t.detach().clone() if id(t) in trained and t.numel() <= _tiles.WIDE_TENSOR else None)
+                 for t in call.pb.score.live_tensors() if not t.is_inference())
+
+
+def _forward_values(call: _Call, live: tuple) -> dict:
+    """``{id(t): the forward's values}`` of the live tensors changed in place since the forward (see
+    :func:`_live_state`); raises for one with no copy (a buffer, a tensor past WIDE_TENSOR elements),
+    whose values the backward would read anew: the gradient of another function, silently (dq 2.2 off
+    against 0.9 for a buffer negated in between; a review, 2026-12-07)."""
+    values = {}
+    for t, n, copy in live:
+        if t._version == n:
+            continue
+        if copy is None:
+            raise RuntimeError(
+                f"keyfold: a tensor the score modifier {call.pb.score!r} reads (shape {tuple(t.shape)}, {t.dtype}) "
+                f"was modified in place between the forward and the backward (version {n} -> {t._version}); the "
+                "backward would read its new values. Change it after backward() (as an optimizer step does), or "
+                "pass a copy to the call")
+        values[id(t)] = copy
+    return values
+
+
 class _AttendFn(torch.autograd.Function):
     """Forward: merged (out, lse) in float32. Backward: per piece with the global (out, lse).
 
@@ -304,10 +337,7 @@ class _AttendFn(torch.autograd.Function):
         st = call.forward(q, k, v, in_dtype=cast, wide_lse=wide_lse)
         out = st.out.to(q.dtype) if cast else st.out
         ctx.call = call
-        # the backward reads the score tensors as they are then (they are not saved): one changed in place
-        # in between (an optimizer step, an update under no_grad) would give the gradient of another function
-        live = {id(t) for t in call.pb.score.live_tensors()} if score_tensors else set()
-        ctx.versions = tuple((i, t._version) for i, t in enumerate(score_tensors) if id(t) in live)
+        ctx.live = _live_state(call, score_tensors)
         ctx.save_for_backward(q, k, v, out, st.lse.to(state_dtype(q.dtype)))
         return out, st.lse
 
@@ -315,14 +345,7 @@ class _AttendFn(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         call: _Call = ctx.call
-        for i, n in ctx.versions:
-            t = call.score_tensors[i]
-            if t._version != n:
-                raise RuntimeError(
-                    f"keyfold: a tensor the score modifier {call.pb.score!r} reads (shape {tuple(t.shape)}, "
-                    f"{t.dtype}) was modified in place between the forward and the backward (version {n} -> "
-                    f"{t._version}); its gradient would be taken at the new values. Change it after backward() "
-                    "(as an optimizer step does), or pass a copy to the call")
+        values = _forward_values(call, ctx.live)
         if dout is None:
             dout = torch.zeros_like(out)
         if dlse is not None:
@@ -330,7 +353,7 @@ class _AttendFn(torch.autograd.Function):
         if dlse is not None and q.device.type == "cpu" and not bool(dlse.any()):
             dlse = None  # (on a GPU this check would cost a sync; the kernels take dlse = 0 as is)
         with no_autocast(q):  # a backward run inside an autocast region
-            dq, dk, dv, dts = call.backward(q, k, v, out, lse, dout, dlse)
+            dq, dk, dv, dts = call.backward(q, k, v, out, lse, dout, dlse, values=values)
         dq, dk, dv, *dts = refuse_second_order((dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *dts),
                                                (q, k, *call.score_tensors))
         return (dq, dk, dv, None, None, None, *dts)

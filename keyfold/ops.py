@@ -395,7 +395,8 @@ def _attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
                 from .engine import unshifted_lse
                 lse = unshifted_lse(q, k, v, call, lse, shift)
             dq, dk, dv, dts = call.backward(q, k, v, out, lse, dout, dlse)
-    dts = [d.to(t.dtype).contiguous() for d, t in zip(dts, grad_tensors)]
+    # a custom op returns tensors: zeros for a tensor the callable never read (eager gives it None)
+    dts = [torch.zeros_like(t) if d is None else d.to(t.dtype).contiguous() for d, t in zip(dts, grad_tensors)]
     return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(), dts
 
 

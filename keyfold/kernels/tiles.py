@@ -6,6 +6,8 @@ Forward returns one State per call; backward uses the global (out, lse) (docs/ma
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..planner import Plan
@@ -35,10 +37,12 @@ def _proxy(t: torch.Tensor) -> torch.Tensor:
 
 class _Proxies(dict):
     """``{id(t): stand-in}`` (:func:`_proxy`) for the score tensors ``originals``, made before any callable
-    runs: inside a callable's vmap they could not be."""
+    runs: inside a callable's vmap they could not be. ``values``: ``{id(t): the forward's values}`` of
+    those changed in place since the forward, which their stand-ins take instead."""
 
-    def __init__(self, originals):
-        super().__init__((id(t), _proxy(t)) for t in originals)
+    def __init__(self, originals, values=None):
+        self.values = values or {}
+        super().__init__((id(t), _proxy(self.values.get(id(t), t))) for t in originals)
         self.originals = tuple(originals)
 
     def narrow(self) -> bool:
@@ -48,7 +52,7 @@ class _Proxies(dict):
         widened = False
         for t in self.originals:
             if self[id(t)].dtype != t.dtype:
-                self[id(t)] = t.detach().requires_grad_()
+                self[id(t)] = self.values.get(id(t), t).detach().requires_grad_()
                 widened = True
         return widened
 
@@ -58,7 +62,9 @@ def _ancestors(score_tensors) -> list[set]:
     (``u = rel.view(...)``, ``u = rel * w``): the tensors whose gradient taken in a tile also holds the
     share of ``u``'s reads (see :func:`backward_with_score`)."""
     index = {id(t): i for i, t in enumerate(score_tensors)}
-    nodes = {t.grad_fn: i for i, t in enumerate(score_tensors) if t.grad_fn is not None}
+    # a tensor is its node and which of the node's outputs it is: chunk, unbind and split give several
+    # tensors one node (keyed by the node alone, the last sibling stood for all: 74% off, silently)
+    edges = {(t.grad_fn, t.output_nr): i for i, t in enumerate(score_tensors) if t.grad_fn is not None}
     found = []
     for j, t in enumerate(score_tensors):
         anc: set = set()
@@ -66,14 +72,16 @@ def _ancestors(score_tensors) -> list[set]:
         seen = set(stack)
         while stack:
             fn = stack.pop()
-            i = nodes.get(fn)
-            if i is not None and i != j:
-                anc.add(i)
             var = getattr(fn, "variable", None)  # a leaf's AccumulateGrad
             if var is not None and id(var) in index and index[id(var)] != j:
                 anc.add(index[id(var)])
-            for nxt, _ in fn.next_functions:
-                if nxt is not None and nxt not in seen:
+            for nxt, nr in fn.next_functions:
+                if nxt is None:
+                    continue
+                i = edges.get((nxt, nr))
+                if i is not None and i != j:
+                    anc.add(i)
+                if nxt not in seen:
                     seen.add(nxt)
                     stack.append(nxt)
         found.append(anc)
@@ -405,7 +413,9 @@ def _piece_terms(q, k, v, dout, safe_lse, plan: Plan, pb: Problem, alone, need_g
         if keep is not None:  # out = (P * Z) V with Z = keep / (1 - p): dP = Z * dO V^T, dV = (P Z)^T dO
             z = keep.to(sd) / (1.0 - pb.dropout_p)
             dp = dp * z
-        yield piece, raw, s, p, dp, z, own, vis
+        # with the stand-ins s was made from: a later tile's _widened_modify may narrow them while a band holds
+        # this one (its scores' gradient asked of the new ones came back None: that share lost, silently)
+        yield piece, raw, s, p, dp, z, own, vis, (dict(proxies) if proxies else None)
         del raw, s, s_p, p, dp, z  # the next piece's tiles are made without this one's beside them
 
 
@@ -437,14 +447,17 @@ def _safe_lse(lse, sd):
     return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).to(sd)
 
 
-def _row_sums(qd, kd, vd, dd, safe_lse, plan: Plan, pb: Problem, pieces, cap) -> torch.Tensor:
-    """:func:`row_sums` on inputs already in the state dtype (the backward's own casts)."""
+def _row_sums(qd, kd, vd, dd, safe_lse, plan: Plan, pb: Problem, pieces, cap, values=None) -> torch.Tensor:
+    """:func:`row_sums` on inputs already in the state dtype (the backward's own casts); ``values``: as in
+    :class:`_Proxies`, read in place of those tensors (in their own dtypes)."""
     B, Hq, Nq, _ = qd.shape
     out = torch.zeros(3, B, Hq, Nq, dtype=torch.float64, device=qd.device)
     alone = torch.zeros(Nq, dtype=torch.bool)
-    for piece, _, _, p, dp, _, _, _ in _piece_terms(qd, kd, vd, dd, safe_lse, plan, pb, alone, False, cap, pieces):
-        _add_row_sums(out[:, :, :, piece.q0:piece.q1], p, dp)
-        del p, dp
+    with _Widened(values) if values else contextlib.nullcontext():
+        for piece, _, _, p, dp, _, _, _, _ in _piece_terms(qd, kd, vd, dd, safe_lse, plan, pb, alone, False, cap,
+                                                           pieces):
+            _add_row_sums(out[:, :, :, piece.q0:piece.q1], p, dp)
+            del p, dp
     return out
 
 
@@ -477,7 +490,7 @@ def _row_bands(pieces) -> list[list]:
 
 
 def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, score_tensors=(),
-                        whole_rows: bool = True, sums=None):
+                        whole_rows: bool = True, sums=None, values=None):
     """``(dq, dk, dv, dts)``: as :func:`backward`, plus the gradients of ``score_tensors`` (tensors
     the score modifier reads, see ``ScoreMod.tensors``), one per tensor (None if unused), by
     autograd of ``score.apply`` on each tile, ``grad(s, [raw, *tensors], dS)``, summed over pieces.
@@ -497,7 +510,7 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
     # the end: a relative-position table's far bin gathers most pairs of every row, and float32 sums of
     # its dS in the tiles' order went to 1.8-2.6x the 3x rule's allowance (the naive's one float32
     # scatter is as inexact, in its own order); in float64, 0.002-0.14x
-    proxies = _Proxies(score_tensors)
+    proxies = _Proxies(score_tensors, values)  # (values: the forward's, of tensors changed in place since)
     # gradients with respect to the tensors themselves (their reads the mode does not see), summed over
     # the tiles apart from the stand-ins' until the shares that passed through another score tensor are
     # taken off (_own_shares); their graphs stay: a tile's autograd may go through them again, and so may
@@ -542,7 +555,7 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
         shared = [pc for i, grp in enumerate(groups) if i not in banded for pc in grp
                   if bool(renorm[pc.q0:pc.q1].any())]
         with torch.no_grad():  # totals are not differentiated again (under create_graph only v is, via dP)
-            sums = (_row_sums(qd, kd, vd, dd, safe_lse, plan, pb, shared, cap) if shared
+            sums = (_row_sums(qd, kd, vd, dd, safe_lse, plan, pb, shared, cap, values) if shared
                     else torch.zeros(3, B, Hq, Nq, dtype=torch.float64, device=q.device))
     alone = (cover == 1) & whole_rows & (renorm is None or ~renorm)
     divisor = single = None
@@ -560,7 +573,7 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
     read = [False]  # whether any tile ran the callable with the score tensors (else every pair was hidden)
 
     def _grads_of(term):  # one piece's share of dq, dk, dv and the score tensors' gradients
-        piece, raw, s, p, dp, z, own, vis = term
+        piece, raw, s, p, dp, z, own, vis, stand = term
         rows, keys = slice(piece.q0, piece.q1), slice(piece.k0, piece.k1)
         qs, ks, do = qd[:, :, rows], kd[:, :, keys], dd[:, :, rows]
         L, S = piece.q1 - piece.q0, piece.k1 - piece.k0
@@ -599,7 +612,7 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
             # with respect to the stand-ins, and to the tensors themselves for reads the mode does not see (a
             # user's autograd.Function.apply takes the tensor as it is: its share reaches the tensor alone)
             n = len(score_tensors)
-            inputs = ([raw] if nonadd else []) + [proxies[id(t)] for t in score_tensors] + list(score_tensors)
+            inputs = ([raw] if nonadd else []) + [stand[id(t)] for t in score_tensors] + list(score_tensors)
             grads = torch.autograd.grad(s, inputs, ds.to(s.dtype), allow_unused=True, retain_graph=keep_graph)
             read[0] = True
             shares = grads[1:] if nonadd else grads
@@ -636,6 +649,10 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
             for term in terms:
                 _grads_of(term)
                 del term  # the generator makes the next piece's tiles without this one's beside them
+    if values and any(o is not None and id(t) in values for o, t in zip(direct, score_tensors)):
+        raise RuntimeError("keyfold: a tensor the score modifier reads was modified in place between the forward and "
+                           "the backward, and the modifier reads it where the backward cannot give it the forward's "
+                           "values (a user's autograd.Function.apply): change it after backward(), or pass a copy")
     if any(o is not None for o in direct):
         for i, o in enumerate(_own_shares(direct, score_tensors)):
             if o is not None:

@@ -321,6 +321,81 @@ def test_a_derived_tensor_read_through_a_users_autograd_function_gets_its_gradie
     torch.testing.assert_close(grad(torch.float32, backend).double(), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("split", ["chunk", "unbind"])
+def test_score_tensors_split_from_one_tensor_get_their_gradients_once(split):
+    """``u, w = rel.chunk(2)`` (or ``unbind``) give two tensors one autograd node; with ``x = u * 2`` read
+    through a user's Function.apply, the walk that takes off what reached ``u`` through ``x`` keyed tensors
+    by their node alone, took ``x`` for a child of ``w`` and left ``x``'s share in ``u``'s twice: rel.grad
+    20.7 off against 28.0, silently (a review of the day's change, 2026-12-07). Keyed by node and output."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    rel0 = torch.randn(2, 16, generator=g, dtype=torch.float64)
+
+    def grad(dt, backend):
+        rel = rel0.clone().to(dt).requires_grad_()
+        u, w = rel.chunk(2, 0) if split == "chunk" else (t.unsqueeze(0) for t in rel.unbind(0))
+        x = u * 2.0
+        mod = kf.score_fn(lambda s, b, h, qi, ki: s + u[0, ki] * (h == 0) + w[0, ki] * (h == 1)
+                          + _Scale.apply(x)[0, ki], tensors=[u, w, x])
+        kf.attention(q.to(dt), k.to(dt), v.to(dt), score=mod, backend=backend).pow(2).sum().backward()
+        return rel.grad
+
+    ref = grad(torch.float64, Backend.REFERENCE)
+    assert float(ref.abs().max()) > 1.0
+    torch.testing.assert_close(grad(torch.float32, Backend.AUTO).double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_callable_that_needs_equal_dtypes_on_later_tiles_only_keeps_every_tiles_gradient():
+    """A callable that refuses the float64 stand-ins only on some tiles (a torch.lerp on far keys): the
+    tiles of a row band held together were made first, with the float64 stand-ins, and the band's later
+    tile turned them into same-dtype ones before the gradients were taken: asked of the new stand-ins,
+    the first tiles' share of the table came back None, and the table's gradient was 0 on keys below
+    1024 (a review, 2026-12-07). Each tile's gradient is asked of the stand-ins it was made with."""
+    g = torch.Generator().manual_seed(0)
+    Nk = 2500
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g, dtype=torch.float64) for n in (8, Nk, Nk))
+    tab0 = torch.randn(2, Nk, generator=g, dtype=torch.float64) * 0.5
+
+    def grad(dt, backend):
+        tab = tab0.clone().to(dt).requires_grad_()
+
+        def mod(s, b, h, qi, ki):
+            if backend is Backend.REFERENCE:  # the same function on the whole grid
+                return torch.where(ki >= 1024, torch.lerp(s, s + tab[h, ki], 0.5), s + tab[h, ki])
+            if int(ki.min()) >= 1024:
+                return torch.lerp(s, s + tab[h, ki], 0.5)
+            return s + tab[h, ki]
+        kf.attention(q.to(dt), k.to(dt), v.to(dt), score=mod, backend=backend).pow(2).sum().backward()
+        return tab.grad
+
+    ref = grad(torch.float64, Backend.REFERENCE)
+    got = grad(torch.float32, Backend.AUTO).double()
+    assert float(ref[:, :1024].abs().max()) > 1e-3
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_an_unread_parameter_under_torch_compile():
+    """A bound method whose module holds a parameter the score does not read: eager gives it no gradient
+    (None); the compiled custom op returned None where it must return a tensor and raised (a review,
+    2026-12-07). It returns zeros there now."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tab = torch.nn.Parameter(torch.randn(2))
+            self.other = torch.nn.Parameter(torch.randn(3))
+
+        def score(self, s, b, h, qi, ki):
+            return s + self.tab[h]
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=g).requires_grad_() for _ in range(3))
+    m = M()
+    f = torch.compile(lambda q, k, v: kf.attention(q, k, v, score=m.score, mask=kf.causal()), backend="eager")
+    f(q, k, v).sum().backward()
+    assert m.tab.grad is not None and bool(m.tab.grad.abs().sum() > 0)
+    assert m.other.grad is None or not bool(m.other.grad.any())
+
+
 class _Slots:
     __slots__ = ("t",)  # a holder the closure walk cannot read: the tensor must be listed
 
@@ -392,25 +467,52 @@ def test_a_complex_table_keeps_its_imaginary_gradient(dtype):
 
 
 @pytest.mark.parametrize("backend", [Backend.AUTO, Backend.TILES])
-def test_a_score_tensor_changed_in_place_before_the_backward_raises(backend):
-    """The backward reads the score tensors as they are then (they are not saved for it): a per-head scale
-    changed under no_grad between forward and backward gave dq 4.3 off and the scale the gradient of
-    another function ([-3.93, -0.74] for [-0.22, 2.11]), silently (a review, 2026-12-07). It raises now,
-    as PyTorch does for a saved tensor changed in place, and a change after backward() is fine."""
+@pytest.mark.parametrize("rows", [16, 3000], ids=["one piece", "rows past a tile"])
+def test_a_score_tensor_changed_in_place_before_the_backward_gets_the_forwards_gradient(backend, rows):
+    """The backward runs the modifier again, on its tensors as they are then: a per-head scale changed under
+    no_grad between forward and backward (a clamp in the next layer's forward) gave dq 4.3 off and the scale
+    the gradient of another function ([-3.93, -0.74] for [-0.22, 2.11]), silently (a review, 2026-12-07).
+    The forward keeps a copy of each small trained tensor now and the backward reads that, as autograd of
+    a plain attention differentiates the forward's values."""
+    g = torch.Generator().manual_seed(0)
+    q0, k0, v0 = (torch.randn(1, 2, n, 8, generator=g) for n in (16, rows, rows))
+
+    def grads(change):
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        hs = torch.tensor([0.5, 1.5], requires_grad=True)
+        out = kf.attention(q, k, v, score=kf.score_fn(lambda s, b, h, qi, ki: s * hs[h]), backend=backend)
+        if change:
+            with torch.no_grad():
+                hs.mul_(3.0)
+        out.pow(2).sum().backward()
+        return q.grad, k.grad, hs.grad
+
+    for got, want in zip(grads(True), grads(False)):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_tensor_read_live_and_changed_in_place_before_the_backward_raises():
+    """Where the backward cannot read the forward's values, a change in between raises, as PyTorch does for
+    a saved tensor changed in place: a buffer the callable reads (it does not train, so no copy is kept:
+    dq came out 2.2 off against 0.9, silently; a review, 2026-12-07), and a trained table read through a
+    user's Function.apply, which takes the live tensor."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 16, 8, generator=g).requires_grad_() for _ in range(3))
-    hs = torch.tensor([0.5, 1.5], requires_grad=True)
-    mod = kf.score_fn(lambda s, b, h, qi, ki: s * hs[h])
-    out = kf.attention(q, k, v, score=mod, backend=backend)
+    buf = torch.randn(2, 16, generator=g)
+    out = kf.attention(q, k, v, score=lambda s, b, h, qi, ki: s + buf[h, ki] * 3)
     with torch.no_grad():
-        hs.mul_(3.0)
+        buf.mul_(-1)
     with pytest.raises(RuntimeError, match="modified in place between the forward and the backward"):
         out.sum().backward()
-    out = kf.attention(q, k, v, score=mod, backend=backend)
-    out.sum().backward()  # a step after the backward: the next call's forward reads the new values
-    assert hs.grad is not None and bool(hs.grad.abs().sum() > 0)
+    t = torch.randn(2, 31, generator=g).requires_grad_()
+    out = kf.attention(q, k, v, score=lambda s, b, h, qi, ki: s + _Scale.apply(t)[h, qi - ki + 15])
     with torch.no_grad():
-        hs.sub_(0.1)
+        t.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified in place between the forward and the backward"):
+        out.sum().backward()
+    out = kf.attention(q, k, v, score=lambda s, b, h, qi, ki: s + _Scale.apply(t)[h, qi - ki + 15])
+    out.sum().backward()  # a change after the backward is fine
+    assert t.grad is not None and bool(t.grad.abs().sum() > 0)
 
 
 class _LinearOnScore(torch.nn.Module):
