@@ -87,8 +87,9 @@ def _stamp(fn) -> tuple:
     """The float tensors ``fn`` captures, as they are now (object, version): broadcast mode is kept
     only while this stays, since a choice made on a table's old values may not hold for its new
     ones (a per-element term zero when broadcast was chosen, then trained, was 2.9 off; review,
-    2026-12-05). About 3 us a call."""
-    return tuple((id(t), t._version) for t in captured_tensors(fn))
+    2026-12-05). About 3 us a call. An inference tensor has no version: it stamps as new on every call
+    (the check runs again each time, as after a change: reading one raised before)."""
+    return tuple((id(t), object() if t.is_inference() else t._version) for t in captured_tensors(fn))
 
 
 def _get_mode(fn) -> Mode | None:

@@ -396,6 +396,20 @@ def test_an_unread_parameter_under_torch_compile():
     assert m.other.grad is None or not bool(m.other.grad.any())
 
 
+def test_a_score_callable_capturing_an_inference_tensor():
+    """A table made under torch.inference_mode (a model loaded for serving) has no version counter: reading
+    one raised in the broadcast check's stamp, inside inference mode or out (a review, 2026-12-07). It
+    stamps as new on each call now (the check runs again, as after a change)."""
+    with torch.inference_mode():
+        tab = torch.randn(2, 16)
+    q, k, v = _qkv(1, 2, 16)
+    mod = lambda s, b, h, qi, ki: s + tab[h, ki]  # noqa: E731
+    with torch.inference_mode():
+        inside = kf.attention(q, k, v, score=mod)
+    assert_forward_by_rule(q, k, v, score=mod)
+    torch.testing.assert_close(inside, kf.attention(q, k, v, score=mod))
+
+
 class _Slots:
     __slots__ = ("t",)  # a holder the closure walk cannot read: the tensor must be listed
 
