@@ -372,8 +372,8 @@ def _grads_by_rule(q, k, v, dout, attend, naive):
     got = grads(lambda a, b, c: attend(a, b, c, backend=kf.Backend.AUTO), q, k, v)
     ref = grads(lambda a, b, c: attend(a, b, c, backend=kf.Backend.REFERENCE), q.double(), k.double(), v.double())
     nai = grads(naive, q, k, v)
-    for name, a, r, n in zip(("dq", "dk", "dv"), got, ref, nai):
-        assert_close_by_rule(a, r, n, None, factor=3.0, what=name)
+    return [assert_close_by_rule(a, r, n, None, factor=3.0, what=name)
+            for name, a, r, n in zip(("dq", "dk", "dv"), got, ref, nai)]
 
 
 def test_sharp_scores_at_head_sizes_under_64_renormalise():
@@ -386,8 +386,9 @@ def test_sharp_scores_at_head_sizes_under_64_renormalise():
     k = torch.randn(1, 1, 65, 17, generator=g) * 20.0 ** 0.5
     v = torch.randn(1, 1, 65, 17, generator=g)
     dout = torch.randn(1, 1, 512, 17, generator=torch.Generator().manual_seed(7865), dtype=torch.float64).float()
-    _grads_by_rule(q, k, v, dout, kf.attention,
-                   lambda a, b, c: torch.softmax((a @ b.transpose(-1, -2)) * 17 ** -0.5, -1) @ c)
+    errs = _grads_by_rule(q, k, v, dout, kf.attention,
+                          lambda a, b, c: torch.softmax((a @ b.transpose(-1, -2)) * 17 ** -0.5, -1) @ c)
+    assert all(e <= 3.0 * n + 1e-6 for e, n in errs)
 
 
 @pytest.mark.parametrize("seed, Nq, Nk, std, bstd, per_head", [(6243, 10, 100, 12.0, 10.0, True),
@@ -402,8 +403,9 @@ def test_float_masks_of_9_to_16_rows_sum_in_float64(seed, Nq, Nk, std, bstd, per
     v = torch.randn(1, 2, Nk, 32, generator=g)
     bias = torch.randn(1, 2 if per_head else 1, Nq, Nk, generator=torch.Generator().manual_seed(seed + 31)) * bstd
     dout = torch.randn(1, 2, Nq, 32, generator=torch.Generator().manual_seed(seed + 7777), dtype=torch.float64).float()
-    _grads_by_rule(q, k, v, dout, lambda a, b, c, **kw: kf.attention(a, b, c, mask=bias.to(a.dtype), **kw),
-                   lambda a, b, c: torch.softmax((a @ b.transpose(-1, -2)) * 32 ** -0.5 + bias, -1) @ c)
+    errs = _grads_by_rule(q, k, v, dout, lambda a, b, c, **kw: kf.attention(a, b, c, mask=bias.to(a.dtype), **kw),
+                          lambda a, b, c: torch.softmax((a @ b.transpose(-1, -2)) * 32 ** -0.5 + bias, -1) @ c)
+    assert all(e <= 3.0 * n + 1e-6 for e, n in errs)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -550,7 +550,8 @@ def test_float32_gqa_groups_over_few_keys_take_exact_scores_per_member(seed, G, 
     if not native_on:
         monkeypatch.setenv("KEYFOLD_NATIVE", "0")
         assert not native.available()
-    assert_forward_by_rule(*_gqa_sharp(seed, G, 1, Nq, Nk, 128))
+    err, naive = assert_forward_by_rule(*_gqa_sharp(seed, G, 1, Nq, Nk, 128))
+    assert err <= 2.0 * naive + 1e-6
 
 
 @pytest.mark.parametrize("seed, Nq, N, D", [(20, 5, 100, 128), (53, 8, 40, 16), (77, 8, 40, 16)])
