@@ -570,10 +570,11 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
     # first, and a row with one key got dS = dlse off by an ulp of dP (dq, dk 5e-6 at |dP| ~ 50)
     dl = None if dlse is None else dlse.to(sd)
     inplace = not torch.is_grad_enabled()
-    read = [False]  # whether any tile ran the callable with the score tensors (else every pair was hidden)
+    read = [False]  # whether any tile ran (else every pair was hidden: zeros for every score tensor)
 
     def _grads_of(term):  # one piece's share of dq, dk, dv and the score tensors' gradients
         piece, raw, s, p, dp, z, own, vis, stand = term
+        read[0] = True
         rows, keys = slice(piece.q0, piece.q1), slice(piece.k0, piece.k1)
         qs, ks, do = qd[:, :, rows], kd[:, :, keys], dd[:, :, rows]
         L, S = piece.q1 - piece.q0, piece.k1 - piece.k0
@@ -614,7 +615,6 @@ def backward_with_score(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, 
             n = len(score_tensors)
             inputs = ([raw] if nonadd else []) + [stand[id(t)] for t in score_tensors] + list(score_tensors)
             grads = torch.autograd.grad(s, inputs, ds.to(s.dtype), allow_unused=True, retain_graph=keep_graph)
-            read[0] = True
             shares = grads[1:] if nonadd else grads
             for i in range(n):
                 for acc, gt in ((dts, shares[i]), (direct, shares[n + i])):

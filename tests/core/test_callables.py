@@ -599,6 +599,9 @@ def test_a_parameter_the_score_never_reads_keeps_no_gradient():
     assert any(t is m.unused for t in kf.score_fn(m).tensors())
     kf.attention(q, k, v, score=m).sum().backward()
     assert m.rel.grad is not None and m.unused.grad is None
+    t = torch.randn(3, requires_grad=True)  # listed, and the callable reads no tensor at all
+    kf.attention(q, k, v, score=kf.score_fn(lambda s, b, h, qi, ki: s * 2.0, tensors=[t])).sum().backward()
+    assert t.grad is None
     mask = torch.full((16, 16), float("-inf"), requires_grad=True)
     kf.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum().backward()
     assert mask.grad is not None and not bool(mask.grad.any())
