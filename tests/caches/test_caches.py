@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import keyfold
 from keyfold.caches import (CacheFullError, KVCache, PagedKVCache, WindowCache, attend_cache, cascade,
                             choose_splits, decode)
+from keyfold.caches import decoding
 from keyfold.kernels import cpu, native
 from tests.helpers import assert_close_by_rule, naive_attention, visible_rows
 
@@ -920,6 +921,32 @@ def test_a_float32_cascade_at_sharp_scores_holds_the_rule(seed, R, Hkv, S):
     for r in range(R):
         assert_rows_by_rule(got[r:r + 1], q[r:r + 1], torch.cat([pk, sk[r:r + 1]], 2),
                             torch.cat([pv, sv[r:r + 1]], 2), mask=keyfold.causal())
+
+
+@pytest.mark.parametrize("case", ["65 requests", "GQA 8, 8 tokens, ALiBi"])
+def test_a_float32_cascade_past_64_prefix_rows_holds_the_rule(case):
+    """Past 64 rows a key/value head in the prefix call (65 one-token requests; 3 requests of 8 tokens over
+    GQA groups of 8, 192 rows) the folded rows left the decode kernel's exact scores for float32 sums over
+    every request's rows (torch's matmul, or the prefill kernel under ALiBi): 53 of 400 random cascades of
+    8-130 requests past the rule, up to 3.1x (14x against one request's own naive error; a review,
+    2026-12-07). float32 prefix calls now take at most decoding.CASCADE_ROWS rows a key/value head: 0 of
+    400, the prefix read once a call."""
+    g = torch.Generator().manual_seed(0 if case == "65 requests" else 380)
+    if case == "65 requests":
+        R, Hkv, Hq, D, Dv, Nq, P, S, std, kw = 65, 2, 2, 128, 128, 1, 200, 5, 10.0, {}
+    else:
+        R, Hkv, Hq, D, Dv, Nq, P, S, std = 3, 3, 24, 256, 48, 8, 200, 21, 3.0
+        kw = {"score": keyfold.alibi(keyfold.alibi_slopes(Hq))}
+    pk, pv = torch.randn(1, Hkv, P, D, generator=g) * std ** 0.5, torch.randn(1, Hkv, P, Dv, generator=g)
+    sk, sv = torch.randn(R, Hkv, S, D, generator=g) * std ** 0.5, torch.randn(R, Hkv, S, Dv, generator=g)
+    q = torch.randn(R, Hq, Nq, D, generator=g) * std ** 0.5
+    calls = _split_calls(lambda: cascade(q, pk, pv, sk, sv, splits=1, **kw))
+    per = max(1, decoding.CASCADE_ROWS // (Nq * Hq // Hkv))
+    assert len([c for c in calls if c[1][2] == P]) == -(-R // per) > 1
+    got = cascade(q, pk, pv, sk, sv, **kw)
+    for r in range(R):
+        assert_rows_by_rule(got[r:r + 1], q[r:r + 1], torch.cat([pk, sk[r:r + 1]], 2),
+                            torch.cat([pv, sv[r:r + 1]], 2), **kw)
 
 
 @pytest.mark.parametrize("kind, seed", [("split", 139), ("split", 175), ("split", 201),
