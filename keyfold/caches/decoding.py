@@ -16,6 +16,7 @@ import torch
 
 from ..engine import Backend, attend, attend_out, attend_wide
 from ..kernels import cpu as _cpu
+from ..kernels import native as _native
 from ..masks import BlockKind, Mask, as_mask, sinks
 from ..scores import as_score
 from ..state import State, empty_state, merge, merge_all, state_dtype
@@ -299,7 +300,7 @@ def decode(q, cache: Cache, *, mask=None, score=None, scale=None, seq_ids=None, 
 #: the decode kernel's exact scores take up to native.MAX_ROWS, and the prefill kernel from
 #: cpu.PREFILL_SQUARE_ROWS; below both, every request's rows get the exact scores its own naive product
 #: is held to (see cascade)
-CASCADE_ROWS = min(64, _cpu.PREFILL_SQUARE_ROWS - 1)
+CASCADE_ROWS = min(_native.MAX_ROWS, _cpu.PREFILL_SQUARE_ROWS - 1)
 
 
 def _prefix_state(qc, a: int, R: int, lens, P: int, Nq: int, prefix: Span, mask, score, scale, splits,

@@ -356,8 +356,7 @@ def _exact(q, group: int = 1) -> bool:
     0.98-1.19x at 1-4 rows, 1.4-1.9x at 8 (1.2x over 128k keys read from memory), 1.7-1.9x at 16-32,
     2-2.9x at 64 (double has half float32's lanes, and the several-rows path pairs a key's elements)."""
     rows = q.shape[2]
-    lanes = EXACT_LANE_ROWS_WIDE if q.shape[-1] > 128 else EXACT_LANE_ROWS
-    return q.dtype is torch.float32 and (group > 1 or rows <= max(native.FEW_ROWS - 1, lanes))
+    return q.dtype is torch.float32 and (group > 1 or rows <= max(native.FEW_ROWS - 1, EXACT_LANE_ROWS))
 
 
 #: Rows a head up to which a float32 call on the decode kernel takes exact scores (:func:`_exact`), where
@@ -369,10 +368,9 @@ def _exact(q, group: int = 1) -> bool:
 #: found by a review; the note of that morning had counted 0 of 150 at 6-16 tokens, head size 128).
 #: At 9-16 tokens 4 of 7,100 random calls over 256-1,000 keys at score std 30 went past it too (up to
 #: 2.07x, head sizes 32-128; a second review, 2026-12-07), so 16 now: 0 of the same 3,000, at 1.2-1.8x
-#: the kernel's time for those calls (9-16 tokens over 1k-32k keys, 2 threads)
+#: the kernel's time for those calls (9-16 tokens over 1k-32k keys, 2 threads), at every head size (it had
+#: been 10 above head size 128, where torch's lanes reach 10 rows: MEMBER_ROWS_WIDE)
 EXACT_LANE_ROWS = 16
-#: :data:`EXACT_LANE_ROWS` at head sizes above 128 (torch's lanes reach 10 rows there, MEMBER_ROWS_WIDE)
-EXACT_LANE_ROWS_WIDE = 16
 
 
 #: Keys under which a 16-bit call of few rows computes in float32 (:func:`_tiny_16bit`)
@@ -855,10 +853,9 @@ def _prefill_may(q, k, v, pb: Problem, plain: bool = False, dense: bool = False)
     rows = q.shape[2] * (q.shape[1] // max(k.shape[1], 1))
     if dt not in (torch.bfloat16, torch.float32) or rows <= NATIVE_ROWS:
         return False
-    if q.dtype is torch.float32 and q.shape[1] != k.shape[1] and q.shape[2] <= PREFILL_MEMBER_ROWS:
-        return False  # see the docstring: a float32 GQA group of few rows a head
-    if q.dtype is torch.float32 and q.shape[1] != k.shape[1] and _few_keys(q, k):
-        return False  # see the docstring: and over few keys, each member on the decode kernel's exact scores
+    if q.dtype is torch.float32 and q.shape[1] != k.shape[1] and (q.shape[2] <= PREFILL_MEMBER_ROWS
+                                                                  or _few_keys(q, k)):
+        return False  # see the docstring: a float32 GQA group of few rows a head, or over few keys
     if dt is torch.float32 and native.isa() == "avx2" and (q.shape[-1] > PREFILL_AVX2_MAX_HEAD
                                                            or k.shape[2] < PREFILL_AVX2_MIN_KEYS):
         return False  # the naive's GEMM sums these more exactly here (PREFILL_AVX2_MAX_HEAD)
