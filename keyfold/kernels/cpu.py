@@ -300,8 +300,29 @@ def _op(q, k, v, causal: bool, mask, scale: float, way: str | None = None, wide:
         q, k, v = (_rows(x.float()) for x in (q, k, v))
     else:
         q, k, v = _widen(_rows(q), _rows(k), _rows(v))
+    q, scale = _signed(q, causal, scale)
     out, lse = _FWD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
     return out, _hidden_rows(q, k, out, lse, causal, mask, scale) if hidden else lse
+
+
+def _signed(q, causal: bool, scale: float):
+    """``(q, scale)`` for the fused op's causal flag: the op masks the flag's pairs before it scales the
+    scores, so a scale <= 0 made their -inf +inf (or NaN at 0) and every row past the first NaN (torch's
+    own SDPA does the same with ``is_causal=True``). The same scores at a positive scale: ``s·q·k`` is
+    ``|s|·(-q)·k`` exactly (negation is exact), and scale 0 is q = 0 at scale 1. :func:`_op_backward`
+    maps the gradient of q back."""
+    if not causal or scale > 0:
+        return q, scale
+    return (q.neg() if scale < 0 else torch.zeros_like(q)), (-scale if scale < 0 else 1.0)
+
+
+def _op_backward(do, q, k, v, o, lse, causal: bool, mask, scale: float):
+    """The fused op's backward, ``(dq, dk, dv)``, at any scale (:func:`_signed`)."""
+    qs, s = _signed(q, causal, scale)
+    gq, gk, gv = _BWD(do, qs, k, v, o, lse, 0.0, causal, attn_mask=mask, scale=s)
+    if s != scale:  # d/dq of |s|·(-q)·k is -(its gradient in -q); at scale 0 the scores do not read q
+        gq = gq.neg_() if scale < 0 else gq.zero_()
+    return gq, gk, gv
 
 
 def _hidden_rows(q, k, out, lse, causal: bool, mask, scale: float):
@@ -1277,8 +1298,8 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
             gq = qs.new_empty(qs.shape)  # (B, Hkv, g, L, W), in the dtype the op returns
             gk = gv = None
             for j in range(inp.g):  # one member's op outputs alive at a time
-                a, b, c = _BWD(do5[:, :, j], qs[:, :, j], ks, vs, o5[:, :, j], l5[:, :, j],
-                               0.0, causal, attn_mask=tile.mask, scale=pb.scale)
+                a, b, c = _op_backward(do5[:, :, j], qs[:, :, j], ks, vs, o5[:, :, j], l5[:, :, j], causal,
+                                       tile.mask, pb.scale)
                 gq[:, :, j] = a
                 gk = b.to(sd) if gk is None else gk.add_(b)
                 gv = c.to(sd) if gv is None else gv.add_(c)
@@ -1286,7 +1307,7 @@ def backward(q, k, v, out, lse, dout, dlse, plan: Plan, pb: Problem, whole_rows:
             gq = gq.flatten(1, 2)                                      # (B, Hq, L, W)
         else:
             # row slices go in as views: the op reads strided dO, O and lse (it copies them itself)
-            gq, gk, gv = _BWD(do_p, qs, ks, vs, o_p, l_p, 0.0, causal, attn_mask=tile.mask, scale=pb.scale)
+            gq, gk, gv = _op_backward(do_p, qs, ks, vs, o_p, l_p, causal, tile.mask, pb.scale)
         if folded:
             gq = _unfold(gq, inp.g, Hq)
         acc.add(gq, gk, gv, rows, keys)

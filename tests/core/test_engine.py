@@ -605,3 +605,21 @@ def test_rows_of_one_key_under_alibi_get_exact_gradients(backend):
             torch.testing.assert_close(b.grad, 64 ** -0.5 * (dlse.unsqueeze(-1) * q).sum(2, keepdim=True),
                                        rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(c.grad, dout.sum(2, keepdim=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale", [0.0, -0.5])
+@pytest.mark.parametrize("backend", [Backend.AUTO, Backend.CPU, Backend.TILES])
+@pytest.mark.parametrize("heads,Nq,Nk", [((2, 2), 33, 33), ((4, 2), 17, 40)])
+def test_a_scale_of_zero_or_below_is_attention_at_that_scale_under_causal(dtype, scale, backend, heads, Nq, Nk):
+    # torch's fused CPU op masks the causal flag's pairs before it scales the scores: at scale <= 0 their
+    # -inf became +inf (NaN at 0) and every row past the first came back NaN, gradients too, in float64
+    # and 16 bits (float32 ran on keyfold's own kernel). A scale of 0 is uniform attention over the
+    # visible keys; a negative one prefers the keys least like the query.
+    q, k, v = seeded_qkv(3, 1, heads[0], heads[1], Nq, Nk, 16, dtype=dtype)
+    assert_forward_by_rule(q, k, v, mask=kf.causal(), scale=scale, backend=backend)
+    assert_backward_by_rule(q, k, v, mask=kf.causal(), scale=scale, backend=backend)
+    if backend is Backend.AUTO and Nq == Nk and heads[0] == heads[1]:  # the drop-in's is_causal: the same call
+        got = kf.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        assert torch.isfinite(got).all()
+        assert torch.equal(got, kf.attention(q, k, v, mask=kf.causal(), scale=scale))
