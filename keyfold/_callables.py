@@ -676,6 +676,25 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
             if isinstance(obj, (weakref.WeakValueDictionary, weakref.WeakKeyDictionary)):
                 stack += [(x, depth + 1) for kv in list(obj.items()) for x in kv]
                 continue
+            # what a weak reference names, as if held (a layer's weakref to its model's config: the weakref
+            # module's objects were skipped as process state, and a window read through ref().window kept
+            # the old plan; a review, 2026-12-07): a ref's (or WeakMethod's) referent, a proxy's attributes
+            # and class, a WeakSet's members
+            if isinstance(obj, weakref.ref):
+                found.append(type(obj).__qualname__)
+                stack.append((obj(), depth + 1))
+                continue
+            if isinstance(obj, weakref.ProxyTypes):
+                try:
+                    stack += [(x, depth + 1) for x in (*vars(obj).values(), obj.__class__)]
+                except ReferenceError:  # its referent is gone: every read raises
+                    found.append(None)
+                except TypeError:  # a referent without a __dict__: what it holds is hidden
+                    complete = False
+                continue
+            if isinstance(obj, weakref.WeakSet):
+                stack.append((set(obj), depth + 1))
+                continue
             if isinstance(obj, types.MethodType):  # a bound method: its function and its object. The method
                 # itself is a fresh object at every attribute access: its id names nothing, and under
                 # torch.compile a guard on it failed in the frame that made it (score=self.score_mod)

@@ -1156,6 +1156,23 @@ class _Holder:
 _SIZE_WEAK_HOLDER = _Holder()
 _SIZE_WEAK = weakref.WeakValueDictionary({"cfg": _SIZE_WEAK_HOLDER})
 _SIZE_MASKED = np.ma.masked_array([2], mask=[False])
+_SIZE_REF_HOLDER = _Holder()  # (instances of their own: another entry's setter must not move them)
+_SIZE_REF = weakref.ref(_SIZE_REF_HOLDER)
+_SIZE_PROXY_HOLDER = _Holder()
+_SIZE_PROXY = weakref.proxy(_SIZE_PROXY_HOLDER)
+_SIZE_SET_HOLDER = _Holder()
+_SIZE_SET = weakref.WeakSet([_SIZE_SET_HOLDER])
+
+
+class _SizeOwner:
+    size = 2
+
+    def window_size(self):
+        return self.size
+
+
+_SIZE_OWNER = _SizeOwner()
+_SIZE_METHOD = weakref.WeakMethod(_SIZE_OWNER.window_size)
 
 
 # a mask that reads its window where the first walk did not look: (mask, set the window)
@@ -1188,6 +1205,16 @@ _HIDDEN_READERS = {
                                           lambda n: setattr(_by_name_module, "size", n)),
     "WeakValueDictionary": (lambda b, h, qi, ki: (qi - ki).abs() <= _SIZE_WEAK["cfg"].size,
                             lambda n: setattr(_SIZE_WEAK_HOLDER, "size", n)),
+    # a layer's weak reference to its model's config (the weakref module's objects were skipped as process
+    # state: the old plan; a review, 2026-12-07)
+    "weakref.ref": (lambda b, h, qi, ki: (qi - ki).abs() <= _SIZE_REF().size,
+                    lambda n: setattr(_SIZE_REF_HOLDER, "size", n)),
+    "weakref.proxy": (lambda b, h, qi, ki: (qi - ki).abs() <= _SIZE_PROXY.size,
+                      lambda n: setattr(_SIZE_PROXY_HOLDER, "size", n)),
+    "WeakSet": (lambda b, h, qi, ki: (qi - ki).abs() <= max(x.size for x in _SIZE_SET),
+                lambda n: setattr(_SIZE_SET_HOLDER, "size", n)),
+    "WeakMethod": (lambda b, h, qi, ki: (qi - ki).abs() <= _SIZE_METHOD()(),
+                   lambda n: setattr(_SIZE_OWNER, "size", n)),
     "numpy masked array": (lambda b, h, qi, ki: (qi - ki).abs() <= int(_SIZE_MASKED[0]),
                            lambda n: _SIZE_MASKED.__setitem__(0, n)),
     "range in a list": (lambda b, h, qi, ki: (qi - ki).abs() <= len(_SIZE_RANGES[0]), _set_ranges),

@@ -631,6 +631,23 @@ def test_mask_parameters_past_two_to_the_31_are_not_cut_to_32_bits(mask, same_as
     torch.testing.assert_close(kf.attention(q, k, v, mask=mask(), backend=backend), want, atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.parametrize("mask", [lambda: kf.dilated(300), lambda: kf.dilated(7), lambda: kf.window(5) | kf.dilated(64)])
+@pytest.mark.parametrize("block_size", [None, 3, 64])
+def test_preset_positions_far_apart_are_not_cut_to_32_bits(mask, block_size):
+    """Queries near -2^30 and keys near +2^30: a preset's query minus key position spans 2^31, and the
+    planner's int32 positions (chosen when each position fit) wrapped it: tiles called EMPTY or FULL that
+    are not, rows off by up to 5 (a review, 2026-12-07)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 256, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    qo, ko = -2 ** 30 - 5, 2 ** 30
+    m = mask()
+    vis = m.evaluate(None, None, torch.arange(qo, qo + 256).view(1, 1, -1, 1), torch.arange(ko, ko + 256).view(1, 1, 1, -1))
+    assert bool(vis.any()) and not bool(vis.all())
+    got = kf.attention(q, k, v, mask=m, q_offset=qo, kv_offset=ko, block_size=block_size)
+    want = kf.attention(q, k, v, mask=m, q_offset=qo, kv_offset=ko, backend=Backend.REFERENCE)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
 def test_keys_expanded_along_the_sequence_run_as_sdpa_runs_them():
     """k and v with stride 0 along the sequence: the prefill kernel refuses such keys (-1), and the
     call raised instead of going to the fused op (a helper's fuzz)."""
