@@ -84,15 +84,34 @@ def _mode_key(fn):
 
 
 def _stamp(fn) -> tuple:
-    """The float tensors ``fn`` captures, as they are now (object, version): broadcast mode is kept
-    only while this stays, since a choice made on a table's old values may not hold for its new
-    ones (a per-element term zero when broadcast was chosen, then trained, was 2.9 off; review,
-    2026-12-05). About 3 us a call. An inference tensor has no version: it stamps as new on every call
-    (the check runs again each time, as after a change: reading one raised before)."""
-    return tuple((id(t), object() if t.is_inference() else t._version) for t in captured_tensors(fn))
+    """What ``fn`` captures, as it is now: tensors as (object, version), numpy arrays by content, plain
+    values as they are (:func:`captured`). Broadcast mode is kept only while this stays, since a choice
+    made on a table's old values may not hold for its new ones (a per-element term zero when broadcast
+    was chosen, then trained, was 2.9 off; review, 2026-12-05), nor on another closure of the same code
+    whose captured flag takes another branch (``cfg["temp"]`` False, then True in a new closure: a
+    tile-wide sum, 2.1 off; review, 2026-12-07: the values were not stamped). About 3 us a call. An
+    inference tensor has no version: it stamps as new on every call (the check runs again each time, as
+    after a change: reading one raised before)."""
+    out = []
+    for x in captured(fn)[0]:
+        if isinstance(x, torch.Tensor):
+            out.append((id(x), object() if x.is_inference() else x._version))
+        elif type(x).__module__ == "numpy":
+            out.append(("numpy", hashlib.sha1(np.ascontiguousarray(x).tobytes()).hexdigest()))
+        elif isinstance(x, float) and x != x:
+            out.append("nan")
+        else:
+            out.append(x)
+    return tuple(out)
 
 
-def _get_mode(fn) -> Mode | None:
+def _spread(shape) -> tuple[bool, ...]:
+    """Which of a grid's four dims (b, h, q, kv; missing leading dims are 1) have more than one entry."""
+    shape = (1,) * (4 - len(shape)) + tuple(shape)
+    return tuple(n > 1 for n in shape[-4:])
+
+
+def _get_mode(fn, grid=None) -> Mode | None:
     key = _mode_key(fn)
     with _LOCK:
         if key is not None:
@@ -104,15 +123,32 @@ def _get_mode(fn) -> Mode | None:
                 return None
     if got is None:
         return None
-    mode, stamp = got
-    if mode is Mode.BROADCAST and stamp != _stamp(fn):  # captures changed: decide again
-        return None
+    mode, stamp, spread = got
+    if mode is Mode.BROADCAST:
+        if grid is not None and any(now and not seen for now, seen in zip(_spread(grid), spread)):
+            # a dim the checks never saw spread: a reduction over it cannot have shown there (a sum over
+            # the queries, checked on one-query tiles, came back one value for every query after)
+            return None
+        if stamp != _stamp(fn):  # captures changed: decide again
+            return None
     return mode
 
 
-def _set_mode(fn, mode: Mode) -> None:
+def _set_mode(fn, mode: Mode, grid=None) -> None:
+    """Remember ``mode``; broadcast with the captures' stamp and the dims shown spread by the checks that
+    chose it (``grid``'s, joined with an earlier choice's under the same stamp; all dims where no check
+    could run)."""
     key = _mode_key(fn)
-    mode = (mode, _stamp(fn) if mode is Mode.BROADCAST else None)
+    if mode is Mode.BROADCAST:
+        stamp = _stamp(fn)
+        spread = (True,) * 4 if grid is None else _spread(grid)
+        with _LOCK:
+            old = _MODES.get(key) if key is not None else _WEAK_MODES.get(fn) if _weak_ok(fn) else None
+        if old is not None and old[0] is Mode.BROADCAST and old[1] == stamp:
+            spread = tuple(a or b for a, b in zip(spread, old[2]))
+        mode = (mode, stamp, spread)
+    else:
+        mode = (mode, None, None)
     with _LOCK:
         if key is not None:
             _MODES[key] = mode
@@ -124,6 +160,14 @@ def _set_mode(fn, mode: Mode) -> None:
             _WEAK_MODES[fn] = mode
         except TypeError:
             pass
+
+
+def _weak_ok(fn) -> bool:
+    try:
+        weakref.ref(fn)
+        return True
+    except TypeError:
+        return False
 
 
 def mode_of(fn) -> Mode | None:
@@ -267,7 +311,7 @@ def _unsure_again(fn) -> bool:
     return False
 
 
-def _decide(fn, broadcast, element, sample_of, informative, exact):
+def _decide(fn, broadcast, element, sample_of, informative, exact, grid=None):
     """Run ``broadcast()``; check it against ``element`` at the tile's sample points; remember
     the mode. An agreement that could not have shown a difference (a mask all True or all False
     there, a score modifier adding one constant, as a zero-initialised table does) is no evidence:
@@ -296,7 +340,7 @@ def _decide(fn, broadcast, element, sample_of, informative, exact):
         got = sample_of(out)
         if _agree(got, ref, exact):
             if informative(got):
-                _set_mode(fn, Mode.BROADCAST)
+                _set_mode(fn, Mode.BROADCAST, grid)
                 return out
             try:
                 res = element(sample=False)
@@ -329,7 +373,7 @@ def call_mask(fn, b, h, qp, kp) -> torch.Tensor:
         grid = _bshape(b.shape, h.shape, qp.shape, kp.shape)
         if grid is None:
             raise ValueError(f"index tensors of shapes {b.shape}, {h.shape}, {qp.shape}, {kp.shape} do not broadcast")
-    mode = _get_mode(fn)
+    mode = _get_mode(fn, grid)
     vecs = None
     if mode is not Mode.ELEMENT:
         def broadcast():
@@ -365,7 +409,7 @@ def call_mask(fn, b, h, qp, kp) -> torch.Tensor:
                 out = _element_mask(fn, vecs)
                 _check_bool(fn, out)
                 return out
-            return _decide(fn, broadcast, element, lambda o: _sample(o, idx, grid), _varies, exact=True)
+            return _decide(fn, broadcast, element, lambda o: _sample(o, idx, grid), _varies, exact=True, grid=grid)
     vecs = vecs or _vectors(b, h, qp, kp)
     if vecs is None:
         return _flat(fn, (), (b, h, qp, kp), grid, _check_bool)
@@ -450,7 +494,7 @@ def _reads(fn, vecs, axis: int) -> bool:
 def call_score(fn, s, b, h, qp, kp) -> torch.Tensor:
     """``fn(s, b, h, qp, kp)`` with ``s.shape``; s keeps its dtype (Flex's rule: the modifier
     sees float32 scores for 16/32-bit inputs, and its result is cast back to the score dtype)."""
-    mode = _get_mode(fn)
+    mode = _get_mode(fn, s.shape)
     vecs = None
     if mode is not Mode.ELEMENT:
         def broadcast():
@@ -494,7 +538,8 @@ def call_score(fn, s, b, h, qp, kp) -> torch.Tensor:
                     return False
                 scale = float(torch.nan_to_num(o.abs()).max()) + float(torch.nan_to_num(s0.abs()).max())
                 return _varies(torch.nan_to_num(o - s0), 1e-5 * (1.0 + scale))
-            out = _decide(fn, broadcast, element, lambda o: _sample(o, idx, grid), informative, exact=False)
+            out = _decide(fn, broadcast, element, lambda o: _sample(o, idx, grid), informative, exact=False,
+                          grid=grid)
             return _finish(out, s)
     vecs = vecs or _vectors(b, h, qp, kp)
     if vecs is None:

@@ -1430,3 +1430,70 @@ def test_a_table_after_a_model_past_the_walks_budget_still_gets_its_gradient():
     score = make()
     assert not _callables.captured(score)[1]
     assert any(t is table for t in _callables.captured_tensors(score))
+
+
+def _by_hand(q, k, v, scores_of, visible=None):
+    """softmax(scores_of(q k^T / sqrt(D))) v in q's dtype, rows that see no key 0: a yardstick that
+    shares none of keyfold's evaluation of callables."""
+    s = scores_of(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5)
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    return torch.nan_to_num(torch.softmax(s, -1)) @ v
+
+
+@pytest.mark.parametrize("backend", [Backend.AUTO, Backend.TILES])
+def test_a_reduction_over_the_queries_first_met_on_one_query_is_checked_again_on_many(backend):
+    """A Flex score_mod whose per-element code reduces (a learned per-query temperature,
+    ``(tq[q_idx] * w).sum()``) and a mask_mod doing the same, first met on a one-query call (a decoding
+    step, a warm-up): broadcast gave the one-query answer there, passed its checks, and was kept for
+    later calls of 128 queries, where it summed over every query of the tile (out 0.74 off). A dim the
+    checks never saw spread is checked when a tile spreads it (a review, 2026-12-07)."""
+    g = torch.Generator().manual_seed(0)
+    N, D, R = 128, 32, 4
+    q, k, v = (torch.randn(1, 2, N, D, generator=g) for _ in range(3))
+    tq, w = torch.randn(N, R, generator=g) * 0.3, torch.randn(R, generator=g) * 0.3
+    tk = torch.randn(N, R, generator=g)
+
+    def temperature(score, b, h, q_idx, kv_idx):
+        return score * (1.0 + (tq[q_idx] * w).sum())
+
+    def agree(b, h, q_idx, kv_idx):
+        return (tq[q_idx] * tk[kv_idx]).sum() > -0.3
+
+    kf.attention(q[:, :, :1], k[:, :, :1], v[:, :, :1], score=temperature, mask=agree, q_offset=0, backend=backend)
+    got = kf.attention(q, k, v, score=temperature, mask=agree, q_offset=0, backend=backend)
+    vis = (tq @ tk.T) > -0.3
+    assert bool(vis.any(-1).all()) and not bool(vis.all())
+    ref = _by_hand(q.double(), k.double(), v.double(), lambda s: s * (1.0 + tq.double() @ w.double())[:, None], vis)
+    naive = _by_hand(q, k, v, lambda s: s * (1.0 + tq @ w)[:, None], vis)
+    assert_close_by_rule(got, ref, naive, None)
+
+
+@pytest.mark.parametrize("backend", [Backend.AUTO, Backend.TILES])
+def test_a_closure_whose_captured_flag_takes_another_branch_is_checked_again(backend):
+    """A score_mod factory called again with another config: the same code, the same captured shapes, so
+    the broadcast choice made for ``cfg["temp"] = False`` was kept for ``True``, whose branch reduces per
+    element (out 2.1 off). The plain values a callable captures are part of what the choice stands on
+    (a review, 2026-12-07)."""
+    g = torch.Generator().manual_seed(1)
+    N, D, R = 128, 32, 4
+    q, k, v = (torch.randn(1, 2, N, D, generator=g) for _ in range(3))
+    rel = torch.randn(33, generator=g) * 0.5
+    tq, w = torch.randn(N, R, generator=g) * 0.3, torch.randn(R, generator=g) * 0.3
+
+    def make(cfg):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            score = score + rel[(q_idx - kv_idx).clamp(-16, 16) + 16]
+            if cfg["temp"]:
+                score = score * (1.0 + (tq[q_idx] * w).sum())
+            return score
+        return score_mod
+
+    kf.attention(q, k, v, score=make({"temp": False}), q_offset=0, backend=backend)
+    got = kf.attention(q, k, v, score=make({"temp": True}), q_offset=0, backend=backend)
+    i = torch.arange(N)
+    bias = rel[(i[:, None] - i[None, :]).clamp(-16, 16) + 16]
+    ref = _by_hand(q.double(), k.double(), v.double(),
+                   lambda s: (s + bias.double()) * (1.0 + tq.double() @ w.double())[:, None])
+    naive = _by_hand(q, k, v, lambda s: (s + bias) * (1.0 + tq @ w)[:, None])
+    assert_close_by_rule(got, ref, naive, None)
