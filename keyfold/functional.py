@@ -156,15 +156,18 @@ def _mask_4d(m: torch.Tensor, lead, H: int, L: int, S: int) -> torch.Tensor:
     """An SDPA mask broadcastable to ``(*lead, H, L, S)`` as ``(B|1, H|1, L|1, S|1)``, expanding
     (copying) only the batch dims the mask actually varies over."""
     if not isinstance(m, torch.Tensor):
-        raise TypeError(f"attn_mask must be a tensor, got {type(m).__name__}")
+        raise SDPAInputError(f"attn_mask must be a tensor, got {type(m).__name__}")
+    if m.dtype is not torch.bool and not m.is_floating_point():  # (torch's SDPA raises a RuntimeError too)
+        raise SDPAInputError(f"attn_mask must be bool (True = attend) or float (added to the scores), got {m.dtype}; "
+                             f"convert it with `attn_mask.bool()` or `attn_mask.float()`")
     full = tuple(lead) + (H, L, S)
     if m.dim() > len(full):
-        raise RuntimeError(f"attn_mask of shape {tuple(m.shape)} has more dims than the attention (..., H, L, S) = {full}")
+        raise SDPAInputError(f"attn_mask of shape {tuple(m.shape)} has more dims than the attention (..., H, L, S) = {full}")
     m = m.reshape((1,) * (len(full) - m.dim()) + tuple(m.shape))
     try:
         torch.broadcast_shapes(m.shape, full)
     except RuntimeError:
-        raise RuntimeError(f"attn_mask of shape {tuple(m.shape)} does not broadcast to (..., H, L, S) = {full}") from None
+        raise SDPAInputError(f"attn_mask of shape {tuple(m.shape)} does not broadcast to (..., H, L, S) = {full}") from None
     if all(s == 1 for s in m.shape[:-3]):
         return m.reshape(1, *m.shape[-3:])
     return m.expand(*lead, *m.shape[-3:]).reshape(_prod(lead), *m.shape[-3:])

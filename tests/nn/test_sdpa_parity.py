@@ -349,6 +349,21 @@ def test_dropout_backend_errors_and_bad_p():
         torch.testing.assert_close(kf_sdpa(q, q, q, dropout_p=p), kf_sdpa(q, q, q))
 
 
+@pytest.mark.parametrize("mask", [torch.ones(4, 4, dtype=torch.int64), torch.ones(4, 4, dtype=torch.uint8),
+                                  torch.ones(4, 4, dtype=torch.complex64), [[True] * 4] * 4, torch.ones(2, 3, 4, 4).bool(),
+                                  torch.ones(1, 1, 1, 1, 4, 4).bool()])
+def test_a_bad_attn_mask_raises_the_drop_ins_error_where_torch_raises(mask):
+    """As every bad argument of the drop-in: SDPAInputError (a RuntimeError, as torch's SDPA raises, and a
+    TypeError / ValueError), naming attn_mask. An integer mask raised a bare TypeError (a review,
+    2026-12-07)."""
+    q = torch.randn(1, 2, 4, 8)
+    if isinstance(mask, torch.Tensor):
+        with pytest.raises(RuntimeError):
+            F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    with pytest.raises(SDPAInputError, match="attn_mask"):
+        kf_sdpa(q, q, q, attn_mask=mask)
+
+
 def test_meta_tensors_run_with_autocast_off_and_on():
     """A shape dry run on meta tensors: the autocast check asked torch about a device autocast
     does not know and raised (review of 2026-12-06)."""
