@@ -229,14 +229,23 @@ def _flat(fn, prefix, idx, grid, check):
 
 
 def _sample_index(vecs):
-    """Spread sample points of the tile: b, h, q at the first and last index, kv at the first,
-    middle and last (at most 2x2x2x3 points; spread so that masks see both sides of an edge)."""
+    """Spread sample points of the tile: b and h at the first and last index, q and kv at up to
+    :data:`_SAMPLES` evenly spaced ones, the first, middle and last among them (at most 2x2x32x32
+    points; spread so that masks see both sides of an edge). Where the first and last query alone were
+    sampled, a per-query gate ``(g[q_idx] * w).sum() > 0`` that broadcasting reduced over the tile
+    agreed at both and was wrong on 29 of 64 rows between (a review, 2026-12-07)."""
     out = []
     for axis, v in enumerate(vecs):
         n = len(v)
-        picks = (0, n // 2, n - 1) if axis == 3 else (0, n - 1)
-        out.append(torch.tensor(sorted(set(i for i in picks if n > 0)), dtype=torch.long))
+        if axis < 2:
+            picks = {0, n - 1}
+        else:
+            picks = {round(i * (n - 1) / (_SAMPLES - 1)) for i in range(_SAMPLES)} | {n // 2} if n > 0 else set()
+        out.append(torch.tensor(sorted(i for i in picks if 0 <= i < n), dtype=torch.long))
     return out
+
+
+_SAMPLES = 32
 
 
 def _sample(t, idx, grid):
@@ -618,7 +627,7 @@ def _value(obj):
             return (type(obj).__name__, len(obj), hashlib.sha1(obj).hexdigest())
         except (ValueError, TypeError, BufferError):  # a released view, an odd layout
             return _MISSING
-    if (type(obj).__module__ or "").split(".")[0] == "numpy" and isinstance(getattr(obj, "str", None), str):
+    if _package(type(obj).__module__) == "numpy" and isinstance(getattr(obj, "str", None), str):
         return ("numpy.dtype", str(obj))
     return _MISSING
 
@@ -626,13 +635,19 @@ def _value(obj):
 def _torch_c_object(obj) -> bool:
     """An object of torch's C++ side without a __dict__ (a process group, a stream, a generator):
     process state, not what a mask computes from; not followed, as before the walk keyed C objects."""
-    return (type(obj).__module__ or "").split(".")[0] == "torch" and not hasattr(obj, "__dict__")
+    return _package(type(obj).__module__) == "torch" and not hasattr(obj, "__dict__")
 
 
 def _library(obj) -> bool:
     """A class, module or function of torch, numpy, keyfold or the standard library's basics."""
     name = obj.__name__ if isinstance(obj, types.ModuleType) else getattr(obj, "__module__", None)
-    return (name or "").split(".")[0] in _LIBRARIES
+    return _package(name) in _LIBRARIES
+
+
+def _package(name) -> str:
+    """The top package of a ``__module__`` value; "" where it is not a string (a Cython class's can be a
+    descriptor: ``.split`` raised in a mask reading ``sys.modules[...]``; a review, 2026-12-07)."""
+    return name.split(".")[0] if isinstance(name, str) else ""
 
 
 def _static_attr(space, name: str):
@@ -682,7 +697,7 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
     The one walk behind the plan cache's key (:func:`keyfold.masks.captured_stamp`) and a score
     callable's tensors that get gradients (:func:`captured_tensors`): what one of them sees, the
     other does (a table behind a class attribute had no gradient while the mask side keyed it)."""
-    found, seen, complete = [], set(), True
+    found, seen, complete, lookups = [], set(), True, 0
     names: set[str] = set()
     spaces: dict[int, tuple] = {}  # user classes and modules met: (object, depth, names followed)
     stack = [(fn, 0)]
@@ -746,7 +761,7 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
                 stack += [(obj.__func__, depth + 1), (obj.__self__, depth + 1)]
                 continue
             if id(obj) in seen or (isinstance(obj, types.FunctionType) and _library(obj)) \
-                    or (type(obj).__module__ or "").split(".")[0] in _OPAQUE or isinstance(obj, _LOCKS):
+                    or _package(type(obj).__module__) in _OPAQUE or isinstance(obj, _LOCKS):
                 continue
             if depth > _MAX_DEPTH:  # this branch only: what comes after it is still found
                 complete = False
@@ -781,8 +796,11 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
                 names.update(code)
                 g = obj.__globals__
                 nxt += [g[n] for n in code if n in g]
+                # attributes set on the function itself (``sliding.window = 40``, read as ``sliding.window``
+                # inside): not followed, the old plan (a review, 2026-12-07)
+                nxt += list(getattr(obj, "__dict__", {}).values())
             elif isinstance(obj, functools.partial):
-                nxt += [obj.func, *obj.args, *obj.keywords.values()]
+                nxt += [obj.func, *obj.args, *obj.keywords.values(), *getattr(obj, "__dict__", {}).values()]
             elif isinstance(obj, (list, tuple, collections.deque)):  # (a deque: its items now)
                 nxt += list(obj)
                 found.append(len(obj))
@@ -820,9 +838,16 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
             elif not _torch_c_object(obj):  # a C callable, a slotted or another C object: what it
                 complete = False  # holds is hidden (deques and bytearrays filled in place kept old plans)
             stack += [(x, depth + 1) for x in reversed(nxt)]
-        # the attributes of the user classes and modules met that some code names, until none is new
+        # the attributes of the user classes and modules met that some code names, until none is new;
+        # at most _HARD_OBJECTS look-ups (a mask reading sys.modules[...] meets every loaded module and
+        # every name their code holds: 8.6 million look-ups, 25 s a call; a review, 2026-12-07)
         for space, depth, done in list(spaces.values()):
-            for n in sorted(names - done):
+            todo = sorted(names - done)
+            lookups += len(todo)
+            if lookups > _HARD_OBJECTS:
+                complete = False
+                break
+            for n in todo:
                 x = _static_attr(space, n)
                 if x is not _MISSING:
                     stack.append((x, depth + 1))
