@@ -1435,10 +1435,15 @@ def test_a_mask_module_is_planned_again_when_its_attribute_changes():
     q, k, v = _qkv(1, 2, 48, seed=53)
     for size in (2, 30):
         fn._size = size
-        got = kf.attention(q, k, v, mask=fn, q_offset=0)
-        band = lambda b, h, qi, ki, w=size: (qi - ki).abs() <= w  # noqa: E731
-        ref = kf.attention(q.double(), k.double(), v.double(), mask=band, q_offset=0, backend=Backend.REFERENCE)
-        assert_close_by_rule(got, ref, naive_attention(q, k, v, mask=band, q_offset=0), None, what=f"window {size}")
+        _assert_band(fn, q, k, v, size)
+
+
+def _assert_band(fn, q, k, v, size):
+    """``fn`` as a mask gives the band ``|q - k| <= size`` by the rule (top-left positions)."""
+    got = kf.attention(q, k, v, mask=fn, q_offset=0)
+    band = lambda b, h, qi, ki: (qi - ki).abs() <= size  # noqa: E731
+    ref = kf.attention(q.double(), k.double(), v.double(), mask=band, q_offset=0, backend=Backend.REFERENCE)
+    assert_close_by_rule(got, ref, naive_attention(q, k, v, mask=band, q_offset=0), None, what=f"window {size}")
 
 
 def test_a_table_after_a_model_past_the_walks_budget_still_gets_its_gradient():
@@ -1538,10 +1543,7 @@ def test_a_mask_reading_its_config_through_sys_modules_runs_and_follows_it():
         q, k, v = _qkv(1, 2, 48, seed=5)
         for w in (2, 30):
             cfg.W = w
-            got = kf.attention(q, k, v, mask=fn, q_offset=0)
-            band = lambda b, h, qi, ki, w=w: (qi - ki).abs() <= w  # noqa: E731
-            ref = kf.attention(q.double(), k.double(), v.double(), mask=band, q_offset=0, backend=Backend.REFERENCE)
-            assert_close_by_rule(got, ref, naive_attention(q, k, v, mask=band, q_offset=0), None, what=f"W={w}")
+            _assert_band(fn, q, k, v, w)
     finally:
         del sys.modules["_keyfold_test_cfg"]
 
