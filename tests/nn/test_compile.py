@@ -469,3 +469,51 @@ def test_a_bound_method_mask_compiles_whole():
     for w in (10, 3):
         eager.w = w
         torch.testing.assert_close(compiled(q, k, v), eager(q, k, v))
+
+
+class _Band(kf.Mask):
+    width = 40  # a class default, which an object rebuilt without its __init__ reads
+
+    def __init__(self, width):
+        self.width = width
+
+    def evaluate(self, b, h, qp, kp):
+        return (qp - kp).abs() <= self.width
+
+
+class _Temperature(kf.ScoreMod):
+    t = 1.0
+
+    def __init__(self, t):
+        self.t = t
+
+    def apply(self, s, b, h, qp, kp):
+        return s * self.t
+
+
+def _made_inside(q, k, v, w):
+    return kf.attention(q, k, v, mask=_Band(w), score=_Temperature(w / 2), q_offset=0)
+
+
+def test_a_mask_or_score_object_made_inside_the_compiled_function_is_never_run_without_its_attributes():
+    """A Mask or ScoreMod object of one's own made inside the compiled function reached keyfold's registry
+    as dynamo rebuilt it, without what its __init__ set: Band(2) ran with the class's width 40 (2.3 off)
+    and Temperature(3.0) with t = 1.0, silently, under fullgraph=True too (a review, 2026-12-07). Now
+    such an object breaks the graph (fullgraph=True raises) and the call runs eagerly; objects made
+    outside compile whole, each new one a recompile, and one changed in place is read as it is now."""
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    torch._dynamo.reset()
+    with pytest.raises(Exception):
+        torch.compile(_made_inside, backend="aot_eager", fullgraph=True)(q, k, v, 2)
+    torch._dynamo.reset()
+    compiled = torch.compile(_made_inside, backend="aot_eager")
+    for w in (2, 5):
+        torch.testing.assert_close(compiled(q, k, v, w), _made_inside(q, k, v, w))
+    torch._dynamo.reset()
+    outside = torch.compile(lambda q, k, v, m, s: kf.attention(q, k, v, mask=m, score=s, q_offset=0),
+                            backend="aot_eager", fullgraph=True)
+    for w in (3, 7):
+        m, s = _Band(w), _Temperature(w / 2)
+        torch.testing.assert_close(outside(q, k, v, m, s), kf.attention(q, k, v, mask=m, score=s, q_offset=0))
+    m.width, s.t = 11, 0.25
+    torch.testing.assert_close(outside(q, k, v, m, s), kf.attention(q, k, v, mask=m, score=s, q_offset=0))
