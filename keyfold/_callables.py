@@ -92,17 +92,37 @@ def _stamp(fn) -> tuple:
     tile-wide sum, 2.1 off; review, 2026-12-07: the values were not stamped). About 3 us a call. An
     inference tensor has no version: it stamps as new on every call (the check runs again each time, as
     after a change: reading one raised before)."""
-    out = []
-    for x in captured(fn)[0]:
+    found, complete = captured(fn)
+    out = [] if complete else [object()]  # what the walk could not see may differ: never equal (checked again)
+    for x in found:
         if isinstance(x, torch.Tensor):
             out.append((id(x), object() if x.is_inference() else x._version))
         elif type(x).__module__ == "numpy":
-            out.append(("numpy", hashlib.sha1(np.ascontiguousarray(x).tobytes()).hexdigest()))
+            out.append(("numpy", _np_digest(x)))
         elif isinstance(x, float) and x != x:
             out.append("nan")
         else:
             out.append(x)
     return tuple(out)
+
+
+_NP_WHOLE = 64 * 1024  # bytes of a captured numpy array hashed whole at every stamp
+
+
+def _np_digest(x) -> tuple:
+    """A numpy array (or scalar) as a stamp: small ones by their whole content; larger ones by identity,
+    address, shape and a 64 KiB strided sample of their content (an array of 64 MiB reached from a score
+    callable was hashed whole on every tile: 10-94x the time of a call; a review, 2026-12-07). A
+    change outside the sample is not seen: the choice it could move is broadcast or per element, and a
+    term that was zero when broadcast was chosen is caught on the sampled entries."""
+    a = np.asarray(x)
+    if a.nbytes <= _NP_WHOLE or a.dtype.hasobject:
+        return (a.dtype.str, a.shape, hashlib.sha1(np.ascontiguousarray(a).tobytes()).hexdigest()
+                if not a.dtype.hasobject else repr(a.tolist()))
+    flat = a.reshape(-1)
+    step = max(1, flat.size // max(1, _NP_WHOLE // a.itemsize))
+    return (id(x), a.__array_interface__["data"][0], a.dtype.str, a.shape,
+            hashlib.sha1(np.ascontiguousarray(flat[::step]).tobytes()).hexdigest())
 
 
 def _spread(shape) -> tuple[bool, ...]:
@@ -123,32 +143,53 @@ def _get_mode(fn, grid=None) -> Mode | None:
                 return None
     if got is None:
         return None
-    mode, stamp, spread = got
-    if mode is Mode.BROADCAST:
-        if grid is not None and any(now and not seen for now, seen in zip(_spread(grid), spread)):
-            # a dim the checks never saw spread: a reduction over it cannot have shown there (a sum over
-            # the queries, checked on one-query tiles, came back one value for every query after)
-            return None
-        if stamp != _stamp(fn):  # captures changed: decide again
-            return None
-    return mode
+    mode, entries = got
+    if mode is Mode.ELEMENT:
+        return mode
+    stamp = _stamp(fn)
+    for st, spread in entries:
+        if _same(st, stamp):
+            if grid is not None and any(now and not seen for now, seen in zip(_spread(grid), spread)):
+                # a dim the checks never saw spread: a reduction over it cannot have shown there (a sum
+                # over the queries, checked on one-query tiles, came back one value for every query after)
+                return None
+            return mode
+    return None  # captures changed (or another closure's): decide again
+
+
+#: broadcast choices kept per mode key, one per stamp: closures of one code over different plain values
+#: (a layer's config each) took turns replacing the one choice and decided again at every call (1.3-1.9x
+#: the time of a decode step; a review, 2026-12-07)
+_STAMPS = 8
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - a captured value whose comparison raises: not the same
+        return False
 
 
 def _set_mode(fn, mode: Mode, grid=None) -> None:
-    """Remember ``mode``; broadcast with the captures' stamp and the dims shown spread by the checks that
-    chose it (``grid``'s, joined with an earlier choice's under the same stamp; all dims where no check
-    could run)."""
+    """Remember ``mode``: per element for every closure of the key; broadcast for the captures' stamp
+    with the dims shown spread by the checks that chose it (``grid``'s, joined with an earlier choice's
+    under the same stamp; all dims where no check could run), beside the choices of up to
+    :data:`_STAMPS` - 1 other stamps."""
     key = _mode_key(fn)
     if mode is Mode.BROADCAST:
         stamp = _stamp(fn)
         spread = (True,) * 4 if grid is None else _spread(grid)
         with _LOCK:
             old = _MODES.get(key) if key is not None else _WEAK_MODES.get(fn) if _weak_ok(fn) else None
-        if old is not None and old[0] is Mode.BROADCAST and old[1] == stamp:
-            spread = tuple(a or b for a, b in zip(spread, old[2]))
-        mode = (mode, stamp, spread)
+        entries = []
+        for st, sp in (old[1] if old is not None and old[0] is Mode.BROADCAST else ()):
+            if _same(st, stamp):
+                spread = tuple(a or b for a, b in zip(spread, sp))
+            else:
+                entries.append((st, sp))
+        mode = (mode, tuple(entries[-(_STAMPS - 1):]) + ((stamp, spread),))
     else:
-        mode = (mode, None, None)
+        mode = (mode, ())
     with _LOCK:
         if key is not None:
             _MODES[key] = mode
@@ -229,23 +270,20 @@ def _flat(fn, prefix, idx, grid, check):
 
 
 def _sample_index(vecs):
-    """Spread sample points of the tile: b and h at the first and last index, q and kv at up to
-    :data:`_SAMPLES` evenly spaced ones, the first, middle and last among them (at most 2x2x32x32
-    points; spread so that masks see both sides of an edge). Where the first and last query alone were
-    sampled, a per-query gate ``(g[q_idx] * w).sum() > 0`` that broadcasting reduced over the tile
+    """Spread sample points of the tile: b and h at up to :data:`_SAMPLES_BH` evenly spaced indices, q
+    and kv at up to :data:`_SAMPLES` (the first, middle and last among them; at most 8x8x32x32 points;
+    spread so that masks see both sides of an edge). Where the first and last query alone were sampled, a per-query gate ``(g[q_idx] * w).sum() > 0`` that broadcasting reduced over the tile
     agreed at both and was wrong on 29 of 64 rows between (a review, 2026-12-07)."""
     out = []
     for axis, v in enumerate(vecs):
-        n = len(v)
-        if axis < 2:
-            picks = {0, n - 1}
-        else:
-            picks = {round(i * (n - 1) / (_SAMPLES - 1)) for i in range(_SAMPLES)} | {n // 2} if n > 0 else set()
+        n, m = len(v), (_SAMPLES_BH if axis < 2 else _SAMPLES)
+        picks = {round(i * (n - 1) / (m - 1)) for i in range(m)} | {n // 2} if n > 0 else set()
         out.append(torch.tensor(sorted(i for i in picks if 0 <= i < n), dtype=torch.long))
     return out
 
 
-_SAMPLES = 32
+_SAMPLES = 32  # queries and keys
+_SAMPLES_BH = 8  # batch entries and heads (first and last alone let a per-head gate through, 1.76 off)
 
 
 def _sample(t, idx, grid):
@@ -698,7 +736,9 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
     callable's tensors that get gradients (:func:`captured_tensors`): what one of them sees, the
     other does (a table behind a class attribute had no gradient while the mask side keyed it)."""
     found, seen, complete, lookups = [], set(), True, 0
-    names: set[str] = set()
+    names: dict[str, int] = {}  # names code reads: the depth of the shallowest code that reads each
+    by_depth: dict[int, set] = {}  # the same names, by that depth
+    held: set[str] = set()  # identifier strings held as values (a dict of modules holds thousands)
     spaces: dict[int, tuple] = {}  # user classes and modules met: (object, depth, names followed)
     stack = [(fn, 0)]
     if isinstance(fn, torch.nn.Module):  # what calling it runs
@@ -718,7 +758,7 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
             if isinstance(obj, _SCALARS):
                 found.append(obj)
                 if isinstance(obj, str) and obj.isidentifier():  # a name held in a variable: getattr(m, NAME)
-                    names.add(obj)
+                    held.add(obj)
                 continue
             if isinstance(obj, (types.ModuleType, type)):
                 if not _library(obj) and id(obj) not in spaces:
@@ -793,7 +833,13 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
                 # kept the old plan (errors 1.6-1.8; a review, 2026-12-07)
                 found.append(obj.__code__)
                 code = _code_names(obj.__code__)
-                names.update(code)
+                for n in code:
+                    was = names.get(n)
+                    if was is None or depth < was:
+                        if was is not None:
+                            by_depth[was].discard(n)
+                        names[n] = depth
+                        by_depth.setdefault(depth, set()).add(n)
                 g = obj.__globals__
                 nxt += [g[n] for n in code if n in g]
                 # attributes set on the function itself (``sliding.window = 40``, read as ``sliding.window``
@@ -824,35 +870,61 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
                 nxt += [*obj._parameters.values(), *obj._buffers.values(), *obj._modules.values()]
                 nxt += [x for name, x in vars(obj).items() if name not in _MODULE_TABLES and "hook" not in name]
                 nxt.append(type(obj))
-            elif hasattr(obj, "__dict__"):
+            elif hasattr(obj, "__dict__") or _slots(type(obj)):
                 try:
-                    nxt += list(vars(obj).values())
+                    nxt += list(vars(obj).values()) if hasattr(obj, "__dict__") else []
                 except Exception:  # noqa: BLE001 - a __dict__ that is not a dict
                     complete = False
+                # a slotted object's fields (a dataclass(slots=True) config: hidden, and the evaluation
+                # choice of one closure was kept for another reading other values; a review, 2026-12-07)
+                nxt += [getattr(obj, n, None) for n in _slots(type(obj))]
                 nxt.append(type(obj))  # its class attributes that the code names (self.scale)
                 if not _library(type(obj)):  # what runs when it is called, indexed, read or converted
                     nxt += [m for m in map(functools.partial(_static_attr, type(obj)), _IMPLICIT)
                             if isinstance(m, types.FunctionType)]
             elif (value := _value(obj)) is not _MISSING:
                 found.append(value)
-            elif not _torch_c_object(obj):  # a C callable, a slotted or another C object: what it
+            elif not _torch_c_object(obj):  # a C callable or another C object (no __dict__, no slots): what it
                 complete = False  # holds is hidden (deques and bytearrays filled in place kept old plans)
             stack += [(x, depth + 1) for x in reversed(nxt)]
-        # the attributes of the user classes and modules met that some code names, until none is new;
-        # at most _HARD_OBJECTS look-ups (a mask reading sys.modules[...] meets every loaded module and
-        # every name their code holds: 8.6 million look-ups, 25 s a call; a review, 2026-12-07)
-        for space, depth, done in list(spaces.values()):
-            todo = sorted(names - done)
-            lookups += len(todo)
-            if lookups > _HARD_OBJECTS:
+        # the attributes of the user classes and modules met that some code names, until none is new: the
+        # names the shallowest code reads first (the callable's own), then deeper code's, then names held
+        # in variables (getattr(m, NAME)); at most _HARD_OBJECTS look-ups (a mask reading sys.modules[...]
+        # meets every loaded module, the module names as strings and the names of every function those
+        # hold: 8.6 million look-ups, 25 s a call, or with a bound but in no order the table the callable
+        # itself named was not reached and got no gradient; a review, 2026-12-07)
+        tiers = [by_depth[d] for d in sorted(by_depth)] + [held]
+        for pool in tiers:
+            if lookups >= _HARD_OBJECTS:  # (each space's set difference below costs as much as its look-ups)
                 complete = False
                 break
-            for n in todo:
-                x = _static_attr(space, n)
-                if x is not _MISSING:
-                    stack.append((x, depth + 1))
-            done |= names
+            for space, depth, done in list(spaces.values()):
+                todo = sorted(pool - done)
+                if lookups + len(todo) > _HARD_OBJECTS:
+                    complete = False
+                    todo = todo[:max(0, _HARD_OBJECTS - lookups)]
+                lookups += len(todo)
+                for n in todo:
+                    x = _static_attr(space, n)
+                    if x is not _MISSING:
+                        stack.append((x, depth + 1))
+                done.update(todo)
+            if stack:  # what shallower names found is followed before deeper names are looked up
+                break
     return found, complete
+
+
+def _slots(cls) -> tuple[str, ...]:
+    """The ``__slots__`` fields of a user class and its bases (not ``__dict__`` / ``__weakref__``)."""
+    if _library(cls):
+        return ()
+    out = []
+    for c in cls.__mro__:
+        sl = c.__dict__.get("__slots__", ())
+        for n in ((sl,) if isinstance(sl, str) else sl):
+            if n not in ("__dict__", "__weakref__") and n not in out:
+                out.append(n)
+    return tuple(out)
 
 
 def captured_tensors(fn) -> tuple[torch.Tensor, ...]:

@@ -1576,3 +1576,113 @@ def test_a_per_query_gate_that_agrees_at_the_first_and_last_query_is_still_evalu
     ref = _by_hand(q.double(), k.double(), v.double(), lambda s: torch.where((gate > 0)[:, None], s, 0.25 * s - 1.0), vis)
     naive = _by_hand(q, k, v, lambda s: torch.where((gate > 0)[:, None], s, 0.25 * s - 1.0), vis)
     assert_close_by_rule(got, ref, naive, None)
+
+
+@dataclasses.dataclass(slots=True)
+class _SlottedCfg:
+    per_key: bool
+
+
+@pytest.mark.parametrize("backend", [Backend.AUTO, Backend.TILES])
+def test_a_closure_over_a_slotted_config_is_checked_again_when_its_fields_differ(backend):
+    """Closures of one code over ``dataclass(slots=True)`` configs: the walk could not see inside a
+    slotted object, so the stamp of the broadcast choice made for ``per_key=False`` matched the
+    ``per_key=True`` closure, whose per-element ``(tab[kv_idx] * w).sum()`` then summed the whole tile
+    (a review, 2026-12-07). The walk reads slots; a walk that cannot see everything never matches."""
+    g = torch.Generator().manual_seed(4)
+    tab, w = torch.randn(64, 8, generator=g), torch.randn(8, generator=g)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=g) for _ in range(3))
+
+    def make(cfg):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            if cfg.per_key:
+                return score + (tab[kv_idx] * w).sum()
+            return score + 0.1 * (q_idx - kv_idx)
+        return score_mod
+
+    def mask_of(cfg):
+        def mask_mod(b, h, q_idx, kv_idx):
+            if cfg.per_key:
+                return ((tab[kv_idx] * w).sum() > 0) | (q_idx == kv_idx)
+            return q_idx >= kv_idx
+        return mask_mod
+
+    kf.attention(q, k, v, score=make(_SlottedCfg(False)), mask=mask_of(_SlottedCfg(False)), q_offset=0, backend=backend)
+    got = kf.attention(q, k, v, score=make(_SlottedCfg(True)), mask=mask_of(_SlottedCfg(True)), q_offset=0,
+                       backend=backend)
+    bias = tab[:16] @ w
+    i = torch.arange(16)
+    vis = (bias > 0)[None, :] | (i[:, None] == i[None, :])
+    assert not bool(vis.all())
+    ref = _by_hand(q.double(), k.double(), v.double(), lambda s: s + bias.double(), vis)
+    assert_close_by_rule(got, ref, _by_hand(q, k, v, lambda s: s + bias, vis), None)
+
+
+def test_a_per_head_gate_that_agrees_at_the_first_and_last_head_is_still_evaluated_per_element():
+    """The head's twin of the per-query gate: b and h were sampled at their first and last index, so a
+    gate open at heads 0 and 3 and shut between was taken for broadcast (heads 1 and 2 off by 1.6-1.8;
+    a review, 2026-12-07). Batch entries and heads are sampled at up to 8 spread indices now."""
+    g = torch.Generator().manual_seed(5)
+    H, N = 4, 64
+    gate, w = torch.tensor([[1.0], [-0.5], [-0.2], [1.0]]), torch.ones(1)
+    q, k, v = (torch.randn(1, H, N, 16, generator=g) for _ in range(3))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (((gate[h] * w).sum() > 0) & (kv_idx < 40)) | (q_idx >= kv_idx)
+
+    got = kf.attention(q, k, v, mask=mask_mod, q_offset=0, backend=Backend.TILES)
+    i = torch.arange(N)
+    vis = torch.stack([((gate[h] @ w) > 0) & (i[None, :] < 40) | (i[:, None] >= i[None, :]) for h in range(H)])[None]
+    ref = _by_hand(q.double(), k.double(), v.double(), lambda s: s, vis)
+    assert_close_by_rule(got, ref, _by_hand(q, k, v, lambda s: s, vis), None)
+
+
+def test_a_table_read_through_sys_modules_gets_its_gradient():
+    """The walk's look-ups of module attributes, bounded since 2026-12-07, spent the bound on the module
+    names ``sys.modules`` holds as strings before the names the code reads: the table was not found
+    and got no gradient (a review, 2026-12-07). Names code reads are looked up first."""
+    import sys
+    mod = types.ModuleType("_keyfold_test_tables")
+    mod.bias = torch.nn.Parameter(torch.randn(16, generator=torch.Generator().manual_seed(6)) * 0.5)
+    sys.modules["_keyfold_test_tables"] = mod
+    try:
+        def score_mod(s, b, h, q_idx, kv_idx):
+            return s + sys.modules["_keyfold_test_tables"].bias[kv_idx]
+
+        assert any(t is mod.bias for t in _callables.captured_tensors(score_mod))
+        g = torch.Generator().manual_seed(7)
+        q, k, v, do = (torch.randn(1, 2, 16, 8, generator=g) for _ in range(4))
+        (kf.attention(q, k, v, score=score_mod, backend=Backend.TILES) * do).sum().backward()
+
+        def plain(dt):
+            bias = mod.bias.detach().to(dt).requires_grad_()
+            o = torch.softmax((q.to(dt) @ k.to(dt).transpose(-1, -2)) * 8 ** -0.5 + bias, -1) @ v.to(dt)
+            (o * do.to(dt)).sum().backward()
+            return bias.grad
+        assert mod.bias.grad is not None
+        assert_close_by_rule(mod.bias.grad, plain(torch.float64), plain(torch.float32), None, factor=3.0)
+    finally:
+        del sys.modules["_keyfold_test_tables"]
+
+
+def test_closures_of_one_code_over_different_configs_keep_their_own_choice(monkeypatch):
+    """Four layers' closures of one score code, each over its own config dict, called in turn: with one
+    remembered choice a key, each replaced the last one's and every call decided again (48 decisions in
+    12 steps; 1.3-1.9x a decode step's time; a review, 2026-12-07). One choice per stamp: 4 decisions."""
+    decided = []
+    real = _callables._decide
+    monkeypatch.setattr(_callables, "_decide", lambda fn, *a, **kw: decided.append(fn) or real(fn, *a, **kw))
+    rel = torch.randn(33, generator=torch.Generator().manual_seed(8))
+
+    def make(cfg):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score * cfg["temperature"] + rel[(q_idx - kv_idx).clamp(-16, 16) + 16]
+        return score_mod
+
+    layers = [make({"temperature": t}) for t in (0.5, 0.8, 1.3, 2.0)]
+    q, k, v = _qkv(1, 2, 48, seed=9)
+    for _ in range(12):
+        for fn in layers:
+            kf.attention(q, k, v, score=fn, q_offset=0, backend=Backend.TILES)
+    assert len(decided) == 4
+    assert all(_callables.mode_of(fn) is _callables.Mode.BROADCAST for fn in layers)
