@@ -5,7 +5,7 @@ states merge exactly, in any order (:func:`merge`). Every variant is a mask and 
 modifier on one engine (:func:`attend`, :func:`attention`). The math: ``docs/math.md``.
 """
 
-from .engine import Backend, attend, attend_backward, attend_row_sums, attention
+from .engine import Backend, attend, attend_backward, attend_row_sums, attend_wide, attention
 from .functional import scaled_dot_product_attention
 from .masks import (BlockKind, Logic, Mask, MaskKind, Varlen, as_mask, block_sparse, causal, dilated, documents,
                     full, padding, prefix, sinks, varlen, window)
@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "State", "merge", "merge_all", "empty_state",
-    "attend", "attention", "attend_backward", "attend_row_sums", "Backend", "scaled_dot_product_attention",
+    "attend", "attend_wide", "attention", "attend_backward", "attend_row_sums", "Backend", "scaled_dot_product_attention",
     "Mask", "BlockKind", "MaskKind", "Logic", "ScoreKind", "as_mask", "causal", "window", "sinks", "prefix", "documents",
     "block_sparse", "dilated", "full", "padding", "varlen", "Varlen",
     "ScoreMod", "as_score", "alibi", "alibi_slopes", "softcap", "score_fn",

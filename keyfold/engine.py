@@ -422,8 +422,8 @@ def attend(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offs
 
 def attend_wide(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offset=0,
                 backend=Backend.AUTO) -> State:
-    """:func:`attend` for keyfold's own callers that merge the states they get (decoding's split-KV
-    chunks, a window cache's sinks and band, pages, a cascade's prefix and suffix): the
+    """:func:`attend` for callers that merge the states they get (decoding's split-KV chunks, a window
+    cache's sinks and band, pages, a cascade's prefix and suffix; your own merges of key chunks): the
     state's lse is float64 (a wide lse, see :class:`State`) and its out float32, never rounded
     to 16 bits, on the CPU and tile backends, the kernels' ``m + log(sum)`` summed in double. A float32
     lse carries 2^-24 |lse| (4e-6 at lse 65), which a merge passes to out, and 16-bit pieces' outs
