@@ -443,6 +443,12 @@ class AttentionWeights:
                                  f"key and value to every row that certification does not model, so a bound would be "
                                  f"for a different function. Build the layer with {name}=False")
         E, H = mha.embed_dim, mha.num_heads
+        kdim, vdim = getattr(mha, "kdim", E), getattr(mha, "vdim", E)
+        if (kdim, vdim) != (E, E):  # (it raised a bare shape error inside the certificate; a review, 2026-12-07)
+            raise ValueError(f"AttentionWeights.from_module: the layer takes keys of {kdim} and values of {vdim} "
+                             f"features beside queries of {E} (cross-attention); certification covers "
+                             f"self-attention, one input x for queries, keys and values. Build it with "
+                             f"kdim = vdim = embed_dim")
         if getattr(mha, "in_proj_weight", None) is not None:
             wq, wk, wv = mha.in_proj_weight.detach().double().split(E)
         else:

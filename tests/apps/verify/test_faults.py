@@ -82,6 +82,14 @@ def test_attention_from_module_refuses_the_keys_it_does_not_model(make):
     assert not C.certify_attention(x, plain, eps=1e-3).contains(real)
 
 
+@pytest.mark.parametrize("cls", [torch.nn.MultiheadAttention, knn.MultiheadAttention])
+def test_attention_from_module_refuses_cross_attention_by_name(cls):
+    """kdim / vdim other than embed_dim: from_module took the layer, and the certificate raised a bare
+    "mat1 and mat2 shapes cannot be multiplied" (a review, 2026-12-07)."""
+    with pytest.raises(ValueError, match="kdim = vdim = embed_dim"):
+        C.AttentionWeights.from_module(cls(8, 2, kdim=6, vdim=6, batch_first=True))
+
+
 def test_block_from_module_reads_a_layer_built_without_biases():
     """bias=False (torch's and keyfold's encoder layers): no bias tensors, and from_module raised
     AttributeError on None; now zeros, and the certificate contains the layer's outputs on the box."""
