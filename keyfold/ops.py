@@ -65,7 +65,14 @@ def _callable_key(fn) -> int:
     try:
         fn.__closure__
     except AttributeError:  # dynamo's stand-in for a function made inside the traced one: made anew from the
-        return _register(fn)  # same code at every call (the first one's key serves); an id() there breaks the graph
+        # same code at every call (the first one's key serves); an id() there breaks the graph. One that
+        # captures variables (a window width, a tensor of document ids) cannot be made a constant: dynamo
+        # raised its internal ClosureConversionError, without fullgraph too (a review, 2026-12-07)
+        if fn.__code__.co_freevars:
+            raise TypeError(f"torch.compile cannot keep {fn.__code__.co_name}, made inside the compiled function "
+                            f"and capturing {', '.join(fn.__code__.co_freevars)}, as a constant: make mask and "
+                            f"score callables outside it (pass what changes as a tensor they capture)")
+        return _register(fn)
     return _guarded(fn)
 
 

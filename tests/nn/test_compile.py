@@ -517,3 +517,29 @@ def test_a_mask_or_score_object_made_inside_the_compiled_function_is_never_run_w
         torch.testing.assert_close(outside(q, k, v, m, s), kf.attention(q, k, v, mask=m, score=s, q_offset=0))
     m.width, s.t = 11, 0.25
     torch.testing.assert_close(outside(q, k, v, m, s), kf.attention(q, k, v, mask=m, score=s, q_offset=0))
+
+
+def _window_made_inside(q, k, v, w):
+    return kf.attention(q, k, v, mask=lambda b, h, qi, ki: (qi - ki).abs() <= w, q_offset=0)
+
+
+def _documents_made_inside(q, k, v, ids):
+    return kf.attention(q, k, v, mask=lambda b, h, qi, ki: ids[qi] == ids[ki], q_offset=0)
+
+
+def test_a_mask_callable_made_inside_that_captures_a_variable_runs_eagerly_or_says_why():
+    """A mask lambda made inside the compiled function over a changing int (after dynamo made it dynamic)
+    or over a tensor of document ids raised dynamo's InternalTorchDynamoError "ClosureConversionError",
+    also without fullgraph (a review, 2026-12-07). Now it breaks the graph and runs eagerly, and
+    fullgraph=True raises naming what it captures."""
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    torch._dynamo.reset()
+    window = torch.compile(_window_made_inside, backend="aot_eager")
+    for w in (1, 4, 9):
+        torch.testing.assert_close(window(q, k, v, w), _window_made_inside(q, k, v, w))
+    ids = torch.arange(40) // 15
+    torch.testing.assert_close(torch.compile(_documents_made_inside, backend="aot_eager")(q, k, v, ids),
+                               _documents_made_inside(q, k, v, ids))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="capturing ids"):
+        torch.compile(_documents_made_inside, backend="aot_eager", fullgraph=True)(q, k, v, ids)
