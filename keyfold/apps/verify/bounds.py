@@ -170,7 +170,8 @@ def error_bound(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv
                 pieces: int | None = None) -> ErrorBound:
     """The a-priori bound on keyfold's error for this call (docs/error_bounds.md).
 
-    Same arguments as :func:`keyfold.attend`; ``pieces`` is the number of partial states merged
+    Same arguments as :func:`keyfold.attend` (a tensor mask bool only: an additive one changes the
+    scores, which the bound does not model, and raises); ``pieces`` is the number of partial states merged
     into a row (default: what one engine call can produce, :func:`pieces_per_row`). When you
     split the keys into chunks yourself and merge them, pass
     ``pieces_per_row(Nq, [chunk sizes])``. The mask only decides which rows are empty (those are
@@ -183,7 +184,12 @@ def error_bound(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv
     >>> bool((err <= error_bound(q, k, v).out).all())
     True
     """
-    as_mask(mask)  # validates the mask argument the way attend does
+    if isinstance(mask, torch.Tensor):  # attend's tensor masks (a review, 2026-12-07: refused as not a mask)
+        if mask.dtype is not torch.bool:
+            raise ValueError("error_bound: an additive (float) tensor mask changes the scores, which this bound "
+                             "does not model; pass a bool tensor mask (True = attend), a keyfold mask or callable")
+    else:
+        as_mask(mask)  # validates the mask argument the way attend does
     score = as_score(score)
     B, Hq, Nq, D = q.shape
     Nk = k.shape[2]

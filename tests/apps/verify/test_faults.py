@@ -176,3 +176,20 @@ def test_fault_fuzz_counts_every_module_and_finds_an_injected_bug(monkeypatch, t
     assert F.fuzz_caches(200, 0).wrong > 0
     assert F.main(["--quick", "--modules", "distributed", "--out", str(tmp_path)]) == 0
     assert "| keyfold.distributed |" in (tmp_path / "faults-quick.md").read_text()
+
+
+def test_error_bound_takes_attends_bool_tensor_mask_and_names_what_it_refuses():
+    """error_bound says it takes attend's arguments, but refused every tensor mask with a TypeError
+    saying a mask must be a keyfold mask (a review, 2026-12-07). A bool tensor only decides which pairs
+    are seen (the bound already charges all keys); an additive one moves the scores: refused by name."""
+    from keyfold.apps.verify.bounds import error_bound
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 12, 16, generator=g, dtype=torch.bfloat16) for _ in range(3))
+    keep = torch.rand(12, 12, generator=g) > 0.3
+    keep[:, 0] = True
+    bound = error_bound(q, k, v, mask=keep)
+    err = (keyfold.attend(q, k, v, mask=keep).out.double()
+           - keyfold.attend(q.double(), k.double(), v.double(), mask=keep).out).abs()
+    assert bool((err <= bound.out).all()) and bool((err > 0).any())
+    with pytest.raises(ValueError, match="additive"):
+        error_bound(q, k, v, mask=torch.zeros(12, 12))
