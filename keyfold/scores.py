@@ -231,6 +231,20 @@ class ScoreFn(ScoreMod):
                 extra.append(t)
         return found + tuple(extra)
 
+    def reads_unseen_grad(self) -> bool:
+        """Whether the callable reads a tensor that requires grad where the walk of what it captures
+        gave up (:func:`keyfold._callables.captured`: too many objects, such as a table read through
+        ``sys.modules`` in a large program): one probe call at index 0 with grad on. Such a tensor would
+        get no gradient, silently; the engine raises instead."""
+        if _callables.captured(self.fn)[1] or not torch.is_grad_enabled():
+            return False
+        z = torch.zeros(1, 1, 1, 1, dtype=torch.int32)
+        try:
+            out = self.fn(torch.zeros(1, 1, 1, 1), z, z, z, z)
+        except Exception:  # noqa: BLE001 - a probe it cannot take: nothing learned
+            return False
+        return isinstance(out, torch.Tensor) and out.requires_grad
+
     def __repr__(self):
         return f"score_fn({_fn_name(self.fn)})"
 
