@@ -213,7 +213,7 @@ def _grad_tensors(score) -> tuple:
         return ()
     seen: set = set()  # each once (a ScoreMod's tensors() may repeat one): autograd adds what each entry gets
     got = tuple(t for t in score.tensors() if t.requires_grad and not (id(t) in seen or seen.add(id(t))))
-    if not got and _reads_unseen_grad(score):
+    if _reads_unseen_grad(score, got):
         raise ValueError(f"score={score!r} reads a tensor that requires grad, and keyfold's walk of what the "
                          f"callable captures gave up before finding it (too many objects on the way, such as "
                          f"sys.modules), so it would get no gradient: name it, "
@@ -221,12 +221,12 @@ def _grad_tensors(score) -> tuple:
     return got
 
 
-def _reads_unseen_grad(score) -> bool:
+def _reads_unseen_grad(score, found) -> bool:
     parts = score.parts()
     if parts is not None:
-        return any(_reads_unseen_grad(p) for p in parts)
+        return any(_reads_unseen_grad(p, found) for p in parts)
     check = getattr(score, "reads_unseen_grad", None)
-    return bool(check()) if check is not None else False
+    return bool(check(found)) if check is not None else False
 
 
 def _resolve(backend: Backend, q, score, dropout_p: float = 0.0) -> Backend:

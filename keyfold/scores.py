@@ -191,6 +191,23 @@ class _Softcap(ScoreMod):
         return hash(("softcap", self.cap))
 
 
+def _leaves(t: torch.Tensor) -> set:
+    """ids of the autograd leaves (tensors that require grad) ``t`` is made from (itself if it is one)."""
+    if t.grad_fn is None:
+        return {id(t)} if t.requires_grad else set()
+    out, seen, stack = set(), set(), [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+        if var is not None:
+            out.add(id(var))
+        stack += [n for n, _ in node.next_functions]
+    return out
+
+
 class ScoreFn(ScoreMod):
     """A FlexAttention-style ``score_mod(score, b, h, q_idx, kv_idx)`` callable (absolute positions).
 
@@ -231,10 +248,11 @@ class ScoreFn(ScoreMod):
                 extra.append(t)
         return found + tuple(extra)
 
-    def reads_unseen_grad(self) -> bool:
-        """Whether the callable reads a tensor that requires grad where the walk of what it captures
-        gave up (:func:`keyfold._callables.captured`: too many objects, such as a table read through
-        ``sys.modules`` in a large program): one probe call at index 0 with grad on. Such a tensor would
+    def reads_unseen_grad(self, found=()) -> bool:
+        """Whether the callable reads a tensor that requires grad, other than ``found`` (and what they are
+        made from), where the walk of what it captures gave up (:func:`keyfold._callables.captured`: too
+        many objects, such as a table read through ``sys.modules`` in a large program): one probe call
+        at index 0 with grad on, whose autograd leaves are compared with ``found``'s. Such a tensor would
         get no gradient, silently; the engine raises instead."""
         if _callables.captured(self.fn)[1] or not torch.is_grad_enabled():
             return False
@@ -243,7 +261,12 @@ class ScoreFn(ScoreMod):
             out = self.fn(torch.zeros(1, 1, 1, 1), z, z, z, z)
         except Exception:  # noqa: BLE001 - a probe it cannot take: nothing learned
             return False
-        return isinstance(out, torch.Tensor) and out.requires_grad
+        if not (isinstance(out, torch.Tensor) and out.requires_grad):
+            return False
+        known = set()
+        for t in found:
+            known |= _leaves(t)
+        return not _leaves(out) <= known
 
     def __repr__(self):
         return f"score_fn({_fn_name(self.fn)})"

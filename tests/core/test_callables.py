@@ -1708,6 +1708,12 @@ def test_a_trained_tensor_past_the_walks_bound_is_an_error_not_a_missing_gradien
     assert not _callables.captured(score_mod)[1]
     with pytest.raises(ValueError, match="gave up before finding it"):
         kf.attention(q, k, v, score=score_mod, backend=Backend.TILES)
+    other = torch.nn.Parameter(torch.zeros(16))  # a trained tensor the walk does find is not the table
+
+    def with_another(s, b, h, q_idx, kv_idx):
+        return s + other[kv_idx] + holder.a.b.table[kv_idx]
+    with pytest.raises(ValueError, match="gave up before finding it"):
+        kf.attention(q, k, v, score=with_another, backend=Backend.TILES)
     with torch.no_grad():  # no gradient asked: nothing to miss
         kf.attention(q, k, v, score=score_mod, backend=Backend.TILES)
     got = kf.attention(q, k, v, score=kf.score_fn(score_mod, tensors=[table]), backend=Backend.TILES)
