@@ -60,8 +60,10 @@ def _callable_key(fn) -> int:
     its own key. Without that guard the graph kept the first closure's key and ran the first closure:
     errors of 1.6-3.1 after the document boundaries moved (a review, 2026-12-07). The registry keeps
     every registered callable alive, so no id is reused while a graph names it."""
-    if not isinstance(fn, types.FunctionType):  # a partial, a callable object, a Mask class: keyed as before
-        return _register(fn)                    # (one made inside the traced function has no identity to guard)
+    if isinstance(fn, functools.partial):  # keyed as before (one whose arguments change raises dynamo's
+        return _register(fn)               # "argument conversion failed": never a stale result)
+    if not isinstance(fn, types.FunctionType):  # a callable object: by identity, as a Mask object (_object_key):
+        return _guarded(fn)  # one made inside the traced function ran without what its __init__ set (2.3 off)
     try:
         fn.__closure__
     except AttributeError:  # dynamo's stand-in for a function made inside the traced one: made anew from the

@@ -491,14 +491,26 @@ class _Temperature(kf.ScoreMod):
         return s * self.t
 
 
+class _BandCall:  # a mask_mod as a callable object
+    width = 40
+
+    def __init__(self, width):
+        self.width = width
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx).abs() <= self.width
+
+
 def _made_inside(q, k, v, w):
-    return kf.attention(q, k, v, mask=_Band(w), score=_Temperature(w / 2), q_offset=0)
+    return (kf.attention(q, k, v, mask=_Band(w), score=_Temperature(w / 2), q_offset=0)
+            + kf.attention(q, k, v, mask=_BandCall(w + 1), q_offset=0))
 
 
 def test_a_mask_or_score_object_made_inside_the_compiled_function_is_never_run_without_its_attributes():
-    """A Mask or ScoreMod object of one's own made inside the compiled function reached keyfold's registry
-    as dynamo rebuilt it, without what its __init__ set: Band(2) ran with the class's width 40 (2.3 off)
-    and Temperature(3.0) with t = 1.0, silently, under fullgraph=True too (a review, 2026-12-07). Now
+    """A Mask or ScoreMod object of one's own (or a mask_mod that is a callable object) made inside the
+    compiled function reached keyfold's registry as dynamo rebuilt it, without what its __init__ set:
+    Band(2) ran with the class's width 40 (2.3 off) and Temperature(3.0) with t = 1.0, silently, under
+    fullgraph=True too (a review, 2026-12-07). Now
     such an object breaks the graph (fullgraph=True raises) and the call runs eagerly; objects made
     outside compile whole, each new one a recompile, and one changed in place is read as it is now."""
     q, k, v = (torch.randn(1, 2, 40, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
