@@ -272,8 +272,9 @@ def _flat(fn, prefix, idx, grid, check):
 def _sample_index(vecs):
     """Spread sample points of the tile: b and h at up to :data:`_SAMPLES_BH` evenly spaced indices, q
     and kv at up to :data:`_SAMPLES` (the first, middle and last among them; at most 8x8x32x32 points;
-    spread so that masks see both sides of an edge). Where the first and last query alone were sampled, a per-query gate ``(g[q_idx] * w).sum() > 0`` that broadcasting reduced over the tile
-    agreed at both and was wrong on 29 of 64 rows between (a review, 2026-12-07)."""
+    spread so that masks see both sides of an edge). Where the first and last query alone were sampled,
+    a per-query gate ``(g[q_idx] * w).sum() > 0`` that broadcasting reduced over the tile agreed at both
+    and was wrong on 29 of 64 rows between (a review, 2026-12-07)."""
     out = []
     for axis, v in enumerate(vecs):
         n, m = len(v), (_SAMPLES_BH if axis < 2 else _SAMPLES)
