@@ -131,16 +131,19 @@ def _spread(shape) -> tuple[bool, ...]:
     return tuple(n > 1 for n in shape[-4:])
 
 
-def _get_mode(fn, grid=None) -> Mode | None:
-    key = _mode_key(fn)
+def _remembered(fn, key):
+    """What :func:`_set_mode` keeps for ``fn`` (its mode key ``key``), or None."""
     with _LOCK:
         if key is not None:
-            got = _MODES.get(key)
-        else:
-            try:
-                got = _WEAK_MODES.get(fn)
-            except TypeError:  # not weakly referenceable: decided per use
-                return None
+            return _MODES.get(key)
+        try:
+            return _WEAK_MODES.get(fn)
+        except TypeError:  # not weakly referenceable: decided per use
+            return None
+
+
+def _get_mode(fn, grid=None) -> Mode | None:
+    got = _remembered(fn, _mode_key(fn))
     if got is None:
         return None
     mode, entries = got
@@ -179,8 +182,7 @@ def _set_mode(fn, mode: Mode, grid=None) -> None:
     if mode is Mode.BROADCAST:
         stamp = _stamp(fn)
         spread = (True,) * 4 if grid is None else _spread(grid)
-        with _LOCK:
-            old = _MODES.get(key) if key is not None else _WEAK_MODES.get(fn) if _weak_ok(fn) else None
+        old = _remembered(fn, key)
         entries = []
         for st, sp in (old[1] if old is not None and old[0] is Mode.BROADCAST else ()):
             if _same(st, stamp):
@@ -201,14 +203,6 @@ def _set_mode(fn, mode: Mode, grid=None) -> None:
             _WEAK_MODES[fn] = mode
         except TypeError:
             pass
-
-
-def _weak_ok(fn) -> bool:
-    try:
-        weakref.ref(fn)
-        return True
-    except TypeError:
-        return False
 
 
 def mode_of(fn) -> Mode | None:
@@ -916,7 +910,20 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
 
 
 def _slots(cls) -> tuple[str, ...]:
-    """The ``__slots__`` fields of a user class and its bases (not ``__dict__`` / ``__weakref__``)."""
+    """The ``__slots__`` fields of a user class and its bases (not ``__dict__`` / ``__weakref__``); the
+    walk asks for every object it meets, so once a class."""
+    try:
+        return _slots_cached(cls)
+    except TypeError:  # a class whose metaclass makes it unhashable
+        return _slots_of(cls)
+
+
+@functools.lru_cache(maxsize=1024)
+def _slots_cached(cls) -> tuple[str, ...]:
+    return _slots_of(cls)
+
+
+def _slots_of(cls) -> tuple[str, ...]:
     if _library(cls):
         return ()
     out = []
@@ -930,5 +937,10 @@ def _slots(cls) -> tuple[str, ...]:
 
 def captured_tensors(fn) -> tuple[torch.Tensor, ...]:
     """Floating-point tensors ``fn`` can read (:func:`captured`), each once, in a stable order."""
-    return tuple(x for x in captured(fn)[0]  # (the walk lists each tensor once)
+    return float_tensors(captured(fn)[0])
+
+
+def float_tensors(found) -> tuple[torch.Tensor, ...]:
+    """The floating-point (and complex) tensors among what :func:`captured` found."""
+    return tuple(x for x in found  # (the walk lists each tensor once)
                  if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()))

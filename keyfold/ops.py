@@ -62,8 +62,8 @@ def _callable_key(fn) -> int:
     every registered callable alive, so no id is reused while a graph names it."""
     if isinstance(fn, functools.partial):  # keyed as before (one whose arguments change raises dynamo's
         return _register(fn)               # "argument conversion failed": never a stale result)
-    if not isinstance(fn, types.FunctionType):  # a callable object: by identity, as a Mask object (_object_key):
-        return _guarded(fn)  # one made inside the traced function ran without what its __init__ set (2.3 off)
+    if not isinstance(fn, types.FunctionType):  # a callable object: by identity, as a Mask object (_guarded)
+        return _guarded(fn)
     try:
         fn.__closure__
     except AttributeError:  # dynamo's stand-in for a function made inside the traced one: made anew from the
@@ -78,18 +78,13 @@ def _callable_key(fn) -> int:
     return _guarded(fn)
 
 
-def _object_key(x) -> int:
-    """The registry key of a user's own Mask or ScoreMod object, guarded by identity (:func:`_guarded`):
-    a new object recompiles and an object made inside the traced function breaks the graph (raises under
-    ``fullgraph=True``). Keyed by :func:`_register` alone, an object made inside reached the registry as
-    dynamo rebuilt it, without the attributes its ``__init__`` set (``Band(2)`` ran with the class's
-    ``width = 40``: 2.3 off, silently, also with ``fullgraph=True``; a review, 2026-12-07)."""
-    return _guarded(x)
-
-
 def _guarded(x) -> int:
     """``x``'s registry key, compared with ``id(x)`` in traced code: the comparison (never true) is what
-    makes dynamo guard on ``x`` itself."""
+    makes dynamo guard on ``x`` itself. For a user's own Mask or ScoreMod object or callable object: a new
+    object recompiles, and one made inside the traced function breaks the graph (raises under
+    ``fullgraph=True``). Keyed by :func:`_register` alone, one made inside reached the registry as dynamo
+    rebuilt it, without the attributes its ``__init__`` set (``Band(2)`` ran with the class's ``width =
+    40``: 2.3 off, silently, also with ``fullgraph=True``; a review, 2026-12-07)."""
     key = _register(x)
     if id(x) != key:
         raise RuntimeError("keyfold: a callable's registry key does not match it")
@@ -162,7 +157,7 @@ def _flat_mask(m, tensors: list) -> str:
     if type(m) is M.MaskFn:
         return _callable_node(m.fn)
     # a user's own Mask class: passed by reference (build it outside the compiled function)
-    return '["obj",' + str(_object_key(m)) + ']'
+    return '["obj",' + str(_guarded(m)) + ']'
 
 
 def _flat_score(s, tensors: list, grads) -> str:
@@ -182,7 +177,7 @@ def _flat_score(s, tensors: list, grads) -> str:
         return '["bias",' + slot + ',' + str(s.q0) + ',' + str(s.k0) + ']'
     if type(s) is S.ScoreFn:
         return _callable_node(s.fn)
-    return '["obj",' + str(_object_key(s)) + ']'
+    return '["obj",' + str(_guarded(s)) + ']'
 
 
 def flatten(mask, score, backend, block_size, check_inputs: bool = False, grad_tensors=()) -> tuple[str, list]:

@@ -237,7 +237,9 @@ class ScoreFn(ScoreMod):
         return _callables.call_score(self.fn, s, b, h, qp, kp)
 
     def tensors(self):
-        found = _callables.captured_tensors(self.fn)
+        objs, complete = _callables.captured(self.fn)
+        self._saw_all = complete  # for reads_unseen_grad, which the engine asks right after: one walk
+        found = _callables.float_tensors(objs)
         if not self.extra:
             return found
         ids = {id(t) for t in found}
@@ -254,7 +256,8 @@ class ScoreFn(ScoreMod):
         many objects, such as a table read through ``sys.modules`` in a large program): one probe call
         at index 0 with grad on, whose autograd leaves are compared with ``found``'s. Such a tensor would
         get no gradient, silently; the engine raises instead."""
-        if _callables.captured(self.fn)[1] or not torch.is_grad_enabled():
+        saw_all = getattr(self, "_saw_all", None)  # (the last tensors()'s walk)
+        if (_callables.captured(self.fn)[1] if saw_all is None else saw_all) or not torch.is_grad_enabled():
             return False
         z = torch.zeros(1, 1, 1, 1, dtype=torch.int32)
         try:
