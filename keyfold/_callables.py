@@ -335,6 +335,161 @@ def _varies(x, tol: float = 0.0) -> bool:
     return bool(x.max() - x.min() > tol) if x.numel() else False
 
 
+# ------------------------------------------------------------ reductions over the grid
+
+# A broadcast call that reduces over the tile (``.sum()`` of a per-element expression, ``.any()``, a
+# matmul over a grid dim) gives per-tile values where Flex gives per-element ones. Sampled points can
+# miss it (the reduction's one value may agree at every sampled point); the code cannot: while the
+# deciding broadcast call runs, a TorchFunctionMode follows which tensors derive from the index grids
+# and flags a reduction, sort or contraction over a dim where the grid's axes sit (the first four) and
+# that has more than one entry. A flagged callable goes per element (Flex's own evaluation), so a
+# false alarm (``torch.stack([a, b]).any(0)``: write ``a | b``) costs speed, never the answer.
+
+_ALL = "all"
+#: op name -> (position of its dim argument, what it reduces when that is absent)
+_REDUCTIONS = {
+    **{n: (1, _ALL) for n in ("sum", "nansum", "mean", "nanmean", "prod", "amax", "amin", "max", "min", "any",
+                              "all", "logsumexp", "softmax", "log_softmax", "cumsum", "cumprod", "cummax",
+                              "cummin", "logcumsumexp", "median", "nanmedian", "std", "var", "std_mean",
+                              "var_mean", "argmax", "argmin", "count_nonzero", "unbind")},
+    **{n: (1, -1) for n in ("sort", "argsort", "mode")},
+    **{n: (2, -1) for n in ("topk", "kthvalue")},
+    **{n: (2, _ALL) for n in ("norm", "quantile", "nanquantile")},
+    "normalize": (2, 1), "cosine_similarity": (2, 1), "msort": (None, 0),
+    **{n: (None, _ALL) for n in ("aminmax", "unique", "unique_consecutive", "nonzero", "argwhere",
+                                 "masked_select", "item", "tolist", "__bool__", "__int__", "__float__",
+                                 "__index__", "__iter__", "__len__")},
+}
+_CONTRACTIONS = frozenset({"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "mv", "dot", "vdot", "inner",
+                           "tensordot", "einsum", "linear", "bilinear", "chain_matmul", "multi_dot"})
+
+
+def _over_grid(x, dims) -> bool:
+    """Whether reducing ``x`` over ``dims`` (``_ALL``: every dim) mixes grid points: a dim among the
+    first four (where index-derived tensors keep b, h, q, kv) with more than one entry."""
+    n = x.dim()
+    if dims is _ALL or dims is None:
+        dims = range(n)
+    elif isinstance(dims, int):
+        dims = (dims,)
+    elif not isinstance(dims, (list, tuple, torch.Size)) or not all(isinstance(d, int) for d in dims):
+        dims = range(n)  # named dims or anything else: assume the worst
+    for d in dims:
+        if n == 0:
+            return False
+        d = d % n
+        if d < 4 and x.shape[d] > 1:
+            return True
+    return False
+
+
+def _reduced_dims(name, args, kwargs):
+    """The dims op ``name`` reduces of its first argument (``_ALL``), or None for an elementwise call
+    (``torch.max(a, b)``)."""
+    pos, default = _REDUCTIONS[name]
+    if name in ("max", "min") and (len(args) > 1 and isinstance(args[1], torch.Tensor) or "other" in kwargs):
+        return None
+    dims = kwargs.get("dim", kwargs.get("axis", _ALL))
+    if dims is _ALL and pos is not None and len(args) > pos and not isinstance(args[pos], bool):
+        dims = args[pos]
+    return default if dims is _ALL or dims is None else dims
+
+
+def _einsum_contracted(args):
+    """(operand, dims it contracts) for ``torch.einsum(equation, *operands)``."""
+    eq, ops = args[0], list(args[1:])
+    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+        ops = list(ops[0])
+    if not isinstance(eq, str):
+        return [(t, _ALL) for t in ops if isinstance(t, torch.Tensor)]
+    eq = eq.replace(" ", "")
+    lhs, arrow, rhs = eq.partition("->")
+    subs = lhs.split(",")
+    if not arrow:  # implicit output: the letters used once, and the ellipsis
+        letters = re.sub(r"\.\.\.", "", lhs.replace(",", ""))
+        rhs = ("..." if "..." in lhs else "") + "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    out = []
+    for sub, t in zip(subs, ops):
+        if not isinstance(t, torch.Tensor):
+            continue
+        head, dots, tail = sub.partition("...")
+        labels = list(head) + (["..."] * (t.dim() - len(head) - len(tail)) if dots else []) + list(tail)
+        out.append((t, [d for d, c in enumerate(labels) if c not in rhs and not (c == "..." and "..." in rhs)]))
+    return out
+
+
+def _contracted(name, args, kwargs):
+    """(operand, dims it contracts) for a matmul-like op."""
+    if name == "einsum":
+        return _einsum_contracted(args)
+    ts = [a for a in args if isinstance(a, torch.Tensor)]
+    if name in ("chain_matmul", "multi_dot", "bilinear") or len(ts) < 2:
+        ts = [t for a in args for t in (a if isinstance(a, (list, tuple)) else (a,)) if isinstance(t, torch.Tensor)]
+        return [(t, _ALL) for t in ts]
+    a, b = ts[0], ts[1]
+    if name == "__rmatmul__":
+        a, b = b, a
+    if name == "tensordot":
+        dims = kwargs.get("dims", args[2] if len(args) > 2 else 2)
+        if isinstance(dims, int):
+            return [(a, list(range(a.dim() - dims, a.dim()))), (b, list(range(dims)))]
+        if isinstance(dims, torch.Tensor):
+            dims = dims.tolist()
+        return [(a, list(dims[0]) if isinstance(dims[0], (list, tuple)) else [dims[0]]),
+                (b, list(dims[1]) if isinstance(dims[1], (list, tuple)) else [dims[1]])]
+    if name in ("linear", "inner"):
+        return [(a, [-1]), (b, [-1])]
+    return [(a, [-1]), (b, [-2 if b.dim() > 1 else -1])]
+
+
+class _GridWatch(torch.overrides.TorchFunctionMode):
+    """Follows the tensors derived from the index grids through a broadcast call; ``flagged`` names the
+    first op that reduced over grid points (see above)."""
+
+    def __init__(self, roots, spread):
+        super().__init__()
+        self.spread = {a for a, s in enumerate(spread) if s}
+        self.axes: dict[int, frozenset] = {}
+        self.keep: list = []  # the tensors whose ids are in ``axes`` (an id is not reused while held)
+        self.flagged: str | None = None
+        for t, axes in roots:
+            self._mark(t, frozenset(axes))
+
+    def _mark(self, t, axes):
+        if isinstance(t, torch.Tensor):
+            self.axes[id(t)] = self.axes.get(id(t), frozenset()) | axes
+            self.keep.append(t)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.spread:
+            return out
+        leaves = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        axes = frozenset().union(*(self.axes.get(id(t), frozenset()) for t in leaves))
+        if not axes:
+            return out
+        if self.flagged is None and axes & self.spread:
+            self.flagged = self._check(getattr(func, "__name__", ""), args, kwargs)
+        for t in torch.utils._pytree.tree_leaves(out):
+            self._mark(t, axes)
+        return out
+
+    def _grid_dependent(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and bool(self.axes.get(id(t), frozenset()) & self.spread)
+
+    def _check(self, name, args, kwargs) -> str | None:
+        if name in _REDUCTIONS and args and self._grid_dependent(args[0]):
+            dims = _reduced_dims(name, args, kwargs)
+            if dims is not None and _over_grid(args[0], dims):
+                return name
+        elif name in _CONTRACTIONS:
+            for t, dims in _contracted(name, args, kwargs):
+                if self._grid_dependent(t) and _over_grid(t, dims):
+                    return name
+        return None
+
+
 _UNSURE: "OrderedDict[object, int]" = OrderedDict()  # callables whose tiles have not told yet
 _UNSURE_TILES = 16
 
@@ -353,7 +508,7 @@ def _unsure_again(fn) -> bool:
     return False
 
 
-def _decide(fn, broadcast, element, sample_of, informative, exact, grid=None):
+def _decide(fn, broadcast, element, sample_of, informative, exact, grid=None, roots=()):
     """Run ``broadcast()``; check it against ``element`` at the tile's sample points; remember
     the mode. An agreement that could not have shown a difference (a mask all True or all False
     there, a score modifier adding one constant, as a zero-initialised table does) is no evidence:
@@ -367,12 +522,27 @@ def _decide(fn, broadcast, element, sample_of, informative, exact, grid=None):
     bool and showed a row every key it must not see, and a score modifier first met on one-token
     tiles, or on one query and key of two batch entries, added a tile-wide sum to every score after
     (errors 0.5 to 1.7); found by fuzzing, 2026-12-05.) Broadcast holds while the callable's captured
-    float tensors stay as they were (:func:`_stamp`); a change, such as a training step, checks again."""
+    float tensors stay as they were (:func:`_stamp`); a change, such as a training step, checks again.
+    A broadcast call seen reducing over grid points (:class:`_GridWatch`, given the index grids
+    ``roots``) goes per element whatever the points say, where vmap can run it."""
+    watch = _GridWatch(roots, _spread(grid)) if roots and grid is not None else None
     try:
-        out = broadcast()
+        if watch is None:
+            out = broadcast()
+        else:
+            with watch:
+                out = broadcast()
         err = None
     except Exception as e:  # noqa: BLE001 - any failure sends the callable to per-element mode
         out, err = None, e
+    if err is None and out is not None and watch is not None and watch.flagged:
+        try:
+            res = element(sample=False)
+        except Exception:  # noqa: BLE001 - vmap cannot run it: broadcast mode is the only one
+            _set_mode(fn, Mode.BROADCAST)
+            return out
+        _set_mode(fn, Mode.ELEMENT)
+        return res
     if err is None and out is not None:
         try:
             ref = element(sample=True)
@@ -451,7 +621,8 @@ def call_mask(fn, b, h, qp, kp) -> torch.Tensor:
                 out = _element_mask(fn, vecs)
                 _check_bool(fn, out)
                 return out
-            return _decide(fn, broadcast, element, lambda o: _sample(o, idx, grid), _varies, exact=True, grid=grid)
+            return _decide(fn, broadcast, element, lambda o: _sample(o, idx, grid), _varies, exact=True, grid=grid,
+                           roots=((b, (0,)), (h, (1,)), (qp, (2,)), (kp, (3,))))
     vecs = vecs or _vectors(b, h, qp, kp)
     if vecs is None:
         return _flat(fn, (), (b, h, qp, kp), grid, _check_bool)
@@ -581,7 +752,7 @@ def call_score(fn, s, b, h, qp, kp) -> torch.Tensor:
                 scale = float(torch.nan_to_num(o.abs()).max()) + float(torch.nan_to_num(s0.abs()).max())
                 return _varies(torch.nan_to_num(o - s0), 1e-5 * (1.0 + scale))
             out = _decide(fn, broadcast, element, lambda o: _sample(o, idx, grid), informative, exact=False,
-                          grid=grid)
+                          grid=grid, roots=((s, (0, 1, 2, 3)), (b, (0,)), (h, (1,)), (qp, (2,)), (kp, (3,))))
             return _finish(out, s)
     vecs = vecs or _vectors(b, h, qp, kp)
     if vecs is None:

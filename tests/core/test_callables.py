@@ -1033,14 +1033,15 @@ def test_a_per_head_score_decides_broadcast_and_identity_decides_per_element():
 
 def test_broadcast_is_checked_again_when_a_captured_table_changes():
     """Broadcast chosen while a per-element term's table was zero (the softcap part told), then the
-    table trained in place: the broadcast answer was 2.9 off (review, 2026-12-05)."""
+    table trained in place: the broadcast answer was 2.9 off (review, 2026-12-05). Since 2026-12-07 the
+    tile-wide ``.sum()`` is seen in the code itself while the table is still zero: per element at once."""
     x, y = torch.zeros(16, 4), _rand(16, 4, seed=80)
 
     def pair_score(score, b, h, q_idx, kv_idx):
         return torch.tanh(score / 5) * 5 + (x[q_idx] * y[kv_idx]).sum()
     q, k, v = _qkv(1, 2, 16)
     kf.attention(q, k, v, score=pair_score, q_offset=0)
-    assert _callables.mode_of(pair_score) is _callables.Mode.BROADCAST
+    assert _callables.mode_of(pair_score) is _callables.Mode.ELEMENT
     x.copy_(_rand(16, 4, seed=81))
     got = kf.attention(q, k, v, score=pair_score, q_offset=0)
     torch.testing.assert_close(got, _flex(q, k, v, score_mod=pair_score), atol=2e-5, rtol=1e-4)
@@ -1719,3 +1720,93 @@ def test_a_trained_tensor_past_the_walks_bound_is_an_error_not_a_missing_gradien
     got = kf.attention(q, k, v, score=kf.score_fn(score_mod, tensors=[table]), backend=Backend.TILES)
     got.sum().backward()
     assert table.grad is not None and bool(table.grad.abs().sum() > 0)
+
+
+# ------------------------------------------------ reductions over the grid, seen in the code itself
+
+
+def _unsampled(n: int) -> torch.Tensor:
+    """The query rows of an n-row tile that the sampled check never looks at."""
+    picked = _callables._sample_index([torch.arange(1), torch.arange(1), torch.arange(n), torch.arange(n)])[2]
+    rows = torch.ones(n, dtype=torch.bool)
+    rows[picked] = False
+    assert rows.any()
+    return rows
+
+
+@pytest.mark.parametrize("backend", [Backend.AUTO, Backend.TILES])
+def test_a_gate_summed_over_the_tile_that_agrees_at_every_sampled_point_is_still_per_element(backend):
+    """A per-element gate ``g[q_idx].sum() > 0`` (Flex: one row's own value) broadcast over a tile sums
+    the whole tile. With g positive at every row the sampled check looks at and slightly negative at
+    the others, the broadcast answer agreed at every sampled point, the causal part made the points
+    informative, and broadcast was chosen: the gated-off rows saw every earlier key, 3.78 off (found by
+    reasoning about the sampling, 2026-12-07). The broadcast call is now watched for reductions over the
+    grid's dims (``_callables._GridWatch``): per element at once."""
+    n = 256
+    g = torch.ones(n)
+    g[_unsampled(n)] = -0.01
+    assert float(g.sum()) > 0
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (g[q_idx].sum() > 0) & (q_idx >= kv_idx) | (kv_idx == 0)
+    q, k, v = _qkv(1, 1, n)
+    got = kf.attention(q, k, v, mask=mask_mod, backend=backend)
+    i = torch.arange(n)
+    vis = ((g > 0)[:, None] & (i[:, None] >= i[None, :])) | (i[None, :] == 0)
+    ref = _by_hand(q.double(), k.double(), v.double(), lambda s: s, vis)
+    assert_close_by_rule(got, ref, _by_hand(q, k, v, lambda s: s, vis), None)
+    assert _callables.mode_of(mask_mod) is _callables.Mode.ELEMENT
+
+
+def test_a_score_term_reduced_over_the_tile_that_agrees_at_every_sampled_point_is_still_per_element():
+    """The score twin: ``s + 0.5 * g[q_idx].amax()`` is the row's own value per element; broadcast, the
+    tile's maximum. With g at its maximum on every sampled row and lower elsewhere, the points agreed and
+    varied (the scores do), and the unsampled rows got the wrong bias (2026-12-07)."""
+    n = 256
+    g = torch.full((n,), 2.0)
+    g[_unsampled(n)] = -3.0
+
+    def score_mod(s, b, h, q_idx, kv_idx):
+        return s + 0.5 * g[q_idx].amax() * (kv_idx % 3 == 0)
+    q, k, v = _qkv(1, 1, n)
+    got = kf.attention(q, k, v, score=score_mod, backend=Backend.TILES)
+    bias = 0.5 * g[:, None] * (torch.arange(n)[None, :] % 3 == 0)
+    ref = _by_hand(q.double(), k.double(), v.double(), lambda s: s + bias.double())
+    assert_close_by_rule(got, ref, _by_hand(q, k, v, lambda s: s + bias), None)
+    assert _callables.mode_of(score_mod) is _callables.Mode.ELEMENT
+
+
+_TAB_X, _TAB_Y = _rand(64, 8, seed=90), _rand(64, 8, seed=91)
+_KEPT_BROADCAST = {  # reductions over what is not the grid: broadcast gives Flex's answer, and runs as fast
+    "sum over the table's last dim": lambda b, h, q, k: ((_TAB_X[q] * _TAB_Y[k]).sum(-1) > 0) | (q == k),
+    "einsum with an ellipsis": lambda b, h, q, k: (torch.einsum("...d,...d->...", _TAB_X[q], _TAB_Y[k]) > 0) | (q == k),
+    "elementwise max of two tensors": lambda b, h, q, k: torch.max(q, k) - torch.min(q, k) < 9,
+    "stack on a new last dim, any over it": lambda b, h, q, k: torch.stack(torch.broadcast_tensors(q >= k, k == 0), -1).any(-1),
+    "matmul over the table's dim": lambda b, h, q, k: ((_TAB_X[q] * _TAB_Y[k]).unsqueeze(-2) @ torch.ones(8, 1)).squeeze(-1).squeeze(-1) > 0,
+}
+_SENT_PER_ELEMENT = {  # per-element code reducing over the whole tile when broadcast
+    "sum()": lambda b, h, q, k: ((_TAB_X[q] * _TAB_Y[k]).sum() > 0) | (q >= k),
+    "any()": lambda b, h, q, k: (_TAB_X[q] > 2.5).any() | (q >= k),
+    "einsum d,d->": lambda b, h, q, k: (torch.einsum("...d,...d->", _TAB_X[q], _TAB_Y[k]) > 0) | (q >= k),
+    "amax over the last dim, then over all": lambda b, h, q, k: (_TAB_X[q].amax(-1).amax() > 1) | (q >= k),
+    "torch.max(x) of one tensor": lambda b, h, q, k: (torch.max(_TAB_X[q]) > 1) | (q >= k),
+    "norm()": lambda b, h, q, k: (_TAB_X[q].norm() > 30) | (q >= k),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_KEPT_BROADCAST))
+def test_reductions_over_non_grid_dims_keep_broadcast(name):
+    fn = _KEPT_BROADCAST[name]
+    q, k, v = _qkv(1, 2, 64)
+    got = kf.attention(q, k, v, mask=fn, q_offset=0, backend=Backend.TILES)
+    torch.testing.assert_close(got, _flex(q, k, v, mask_mod=fn), atol=2e-5, rtol=1e-4)
+    assert _callables.mode_of(fn) is _callables.Mode.BROADCAST
+
+
+@pytest.mark.parametrize("name", sorted(_SENT_PER_ELEMENT))
+def test_reductions_over_the_grid_go_per_element(name):
+    fn = _SENT_PER_ELEMENT[name]
+    q, k, v = _qkv(1, 2, 64)
+    got = kf.attention(q, k, v, mask=fn, q_offset=0, backend=Backend.TILES)
+    torch.testing.assert_close(got, _flex(q, k, v, mask_mod=fn), atol=2e-5, rtol=1e-4)
+    assert _callables.mode_of(fn) is _callables.Mode.ELEMENT
