@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import re
 import types
 
 import torch
@@ -118,6 +119,11 @@ def _slot(t: torch.Tensor, tensors: list) -> str:
 def _value(x, tensors: list) -> str:
     if isinstance(x, torch.Tensor):
         return _slot(x, tensors)
+    if isinstance(x, int) and not isinstance(x, bool) and torch.compiler.is_compiling():
+        # a preset's number: dynamo makes it symbolic from its second value (and cannot say which it
+        # is), so under compile it is data of the graph, read back in the op (it raised before)
+        tensors.append(torch.scalar_tensor(x, dtype=torch.int64))
+        return '["n",' + str(len(tensors) - 1) + ']'
     if x is None:
         return "null"
     if isinstance(x, str):
@@ -292,11 +298,19 @@ def _unflatten(spec, tensors, grads):
             tuple(block) if isinstance(block, list) else block, d.get("check", False))
 
 
+_NUMBER = re.compile(r'\["n",(\d+)\]')
+
+
 def unflatten(spec: str, tensors: list, grads: list = ()) -> tuple:
-    """``(mask, score, backend, block_size, check_inputs)`` from :func:`flatten`'s output (tensorless
-    specs cached). ``grads``: the op's grad tensors, which ``["g", i]`` slots name (taken as given:
-    the backward passes them as leaves that require grad, the forward detached)."""
-    if not tensors and not grads:
+    """``(mask, score, backend, block_size, check_inputs)`` from :func:`flatten`'s output (specs
+    without tensor slots cached). ``grads``: the op's grad tensors, which ``["g", i]`` slots name
+    (taken as given: the backward passes them as leaves that require grad, the forward detached). A
+    preset's number traced under compile (``["n", i]``) is read from its tensor into the spec first,
+    so a compiled call with a window passed in finds its mask in the cache (building it every call
+    doubled a small call's time)."""
+    if '["n",' in spec:
+        spec = _NUMBER.sub(lambda m: str(int(tensors[int(m.group(1))])), spec)
+    if not grads and '["#",' not in spec:
         return _cached(spec)
     return _unflatten(spec, [x.detach() for x in tensors], list(grads))
 

@@ -555,3 +555,28 @@ def test_a_mask_callable_made_inside_that_captures_a_variable_runs_eagerly_or_sa
     torch._dynamo.reset()
     with pytest.raises(Exception, match="capturing ids"):
         torch.compile(_documents_made_inside, backend="aot_eager", fullgraph=True)(q, k, v, ids)
+
+
+def test_preset_numbers_passed_in_compile_whole_and_each_gives_its_own_answer():
+    """A window, sink count or dilation step passed into a ``fullgraph=True`` function: from the second
+    value dynamo makes the int symbolic, and keyfold raised ``Unsupported`` (``hasattr`` on it; the
+    workaround was ``dynamic=False``, a graph per value). Under compile a preset's number now reaches
+    the op as data: one graph after the second value, each value its own answer and gradients."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 2, 64, 8, generator=g).requires_grad_(True) for _ in range(3))
+
+    def f(q, k, v, w, n, step):
+        a = kf.attention(q, k, v, mask=kf.causal() & (kf.window(w) | kf.sinks(n)))
+        b = kf.attention(q, k, v, mask=kf.dilated(step) & kf.causal())
+        return a + b
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    compiled(q, k, v, 3, 1, 2)
+    compiled(q, k, v, 5, 2, 3)  # dynamo makes the numbers symbolic here
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for w, n, step in ((9, 4, 5), (40, 0, 7), (1, 3, 1)):
+            got, want = compiled(q, k, v, w, n, step), f(q, k, v, w, n, step)
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+            dout = torch.randn_like(want)
+            for a, b in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
+                torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
