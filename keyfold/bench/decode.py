@@ -31,6 +31,7 @@ from tqdm import tqdm
 from ..caches import KVCache, PagedKVCache, WindowCache, cascade, choose_splits, decode
 from ..kernels import cpu, native
 from ..masks import causal
+from ..scores import alibi, alibi_slopes
 from .harness import fit_exponent, interleaved, machine, results_dir, stream_bandwidth
 
 B, H, D = 1, 8, 64  # the decode shape of DESIGN.md section 5
@@ -104,6 +105,32 @@ def bench_decode(lengths, reps, bar) -> list[dict]:
         rows.append(row)
         del cache, k, v, k_plain, v_plain
         bar.update(1)
+    return rows
+
+
+def bench_scored(lengths, reps, bar) -> list[dict]:
+    """A decoding step with ALiBi (BLOOM's and MPT's bias) vs SDPA given that bias as its float
+    attn_mask, over the same cache, float32 and bfloat16."""
+    rows = []
+    slopes = alibi_slopes(H)
+    for dtype in (torch.float32, torch.bfloat16):
+        for N in lengths:
+            cache = _filled_cache(N, dtype)
+            k, v = cache.k[:, :, :N], cache.v[:, :, :N]
+            q = torch.randn(B, H, 1, D, dtype=dtype)
+            bias = (-slopes.view(1, H, 1, 1) * torch.arange(N - 1, -1, -1).view(1, 1, 1, N)).to(dtype)
+            score = alibi(slopes)
+            t = interleaved({"keyfold": lambda: decode(q, cache, score=score),
+                             "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias)},
+                            max(3, reps * 4096 // N), warmup=2)
+            err = (decode(q, cache, score=score).double()
+                   - F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=bias.double())
+                   ).abs().max().item()
+            rows.append(dict(case=f"ALiBi {str(dtype).replace('torch.', '')}", tokens=N, keyfold_ms=t["keyfold"] * 1e3,
+                             sdpa_ms=t["sdpa"] * 1e3, ratio=t["keyfold"] / t["sdpa"],
+                             ratio_of_min=t.best["keyfold"] / t.best["sdpa"], max_abs_diff_vs_float64=err))
+            del cache, k, v
+            bar.update(1)
     return rows
 
 
@@ -339,6 +366,15 @@ def _markdown(res, cmd: str) -> str:
             out += ["", f"A {half} cache reads half the bytes: keyfold on it takes "
                         f"{r['keyfold_ms'] / fp32[r['tokens']]['sdpa_ms']:.2f}x the time of SDPA on the float32 cache "
                         f"at {r['tokens']} tokens, and {r['ratio']:.2f}x SDPA's on the same {half} cache."]
+    if res.get("scored"):
+        out += ["", "### A score modifier: ALiBi", "",
+                "keyfold's `decode(q, cache, score=alibi(slopes))` against SDPA given the same bias as a float "
+                "`attn_mask` (what a BLOOM or MPT decoding step passes), over the same cache.", "",
+                "| cache | tokens | keyfold ms | SDPA + bias ms | ratio (medians) | ratio (minima) | max abs diff vs float64 |",
+                "|---|---|---|---|---|---|---|"]
+        for r in res["scored"]:
+            out.append(f"| {r['case']} | {r['tokens']} | {r['keyfold_ms']:.3f} | {r['sdpa_ms']:.3f} | "
+                       f"**{r['ratio']:.2f}x** | {r['ratio_of_min']:.2f}x | {r['max_abs_diff_vs_float64']:.1e} |")
     out += ["", "## 2. Paged vs contiguous (target <= 1.10x)", "",
             f"{res['paged'][-1]['sequences']} sequences of {res['paged'][0]['tokens']} tokens grown in lock step "
             f"(their pages interleave); decoded: one of them, or all (paged: one call per sequence, "
@@ -393,11 +429,13 @@ def _markdown(res, cmd: str) -> str:
 def run(cfg: dict, lengths, reps: int, paged_tokens: int, cascade_shape, window_steps: int, progress=True) -> dict:
     """All four sections; ``cfg`` is stored with the results (window, sinks, stream_tokens used)."""
     n_win = len([p_ for p_ in range(10, 21) if (1 << p_) <= cfg["stream_tokens"]])
-    with tqdm(total=len(lengths) + 2 + 1 + 3 + 1 + n_win, desc="bench decode", disable=not progress) as bar:
+    with tqdm(total=len(lengths) + 2 + 1 + 3 + 1 + n_win + 2 * len(lengths[:2]), desc="bench decode",
+              disable=not progress) as bar:
         res = dict(config=cfg)
         cfg["stream_copy_bytes"] = 1 << 28
         cfg["stream_GBps"] = stream_bandwidth(cfg["stream_copy_bytes"])  # the roof every decode row is held to
         res["decode"] = bench_decode(lengths, reps, bar)
+        res["scored"] = bench_scored(lengths[:2], reps, bar)
         res["ragged"] = bench_ragged(paged_tokens, 8, reps, bar)
         res["paged"] = bench_paged(paged_tokens, 4, reps, bar)
         res["cascade"] = bench_cascade(*cascade_shape, reps, bar)
