@@ -276,7 +276,9 @@ def decode(q, cache: Cache, *, mask=None, score=None, scale=None, seq_ids=None, 
     ``Hq`` a multiple of the cache's heads (GQA/MQA). Row ``i`` is sequence ``seq_ids[i]``
     (default: every sequence in order; for :class:`PagedKVCache`, ``seq_ids`` is required).
     mask / score: as in :func:`keyfold.attention`, at absolute positions (query ``i`` of a
-    sequence of ``L`` tokens sits at ``L - Nq + i``). A window cache adds its own mask.
+    sequence of ``L`` tokens sits at ``L - Nq + i``), except that an SDPA-style tensor mask is not
+    taken (its columns would have to follow the cache's spans): write it as a mask (``padding``,
+    ``documents``, a ``mask_mod``). A window cache adds its own mask.
     splits: chunks per long span (split-KV); None chooses from the length and the threads.
 
     Returns ``out`` ``(b, Hq, Nq, Dv)`` in q's dtype (and lse ``(b, Hq, Nq)`` float32 with
