@@ -351,10 +351,11 @@ def test_a_callable_that_needs_equal_dtypes_on_later_tiles_only_keeps_every_tile
     tiles of a row band held together were made first, with the float64 stand-ins, and the band's later
     tile turned them into same-dtype ones before the gradients were taken: asked of the new stand-ins,
     the first tiles' share of the table came back None, and the table's gradient was 0 on keys below
-    1024 (a review, 2026-12-07). Each tile's gradient is asked of the stand-ins it was made with."""
+    1024 (a review, 2026-12-07). Each tile's gradient is asked of the stand-ins it was made with. (256
+    query rows: a piece of fewer rows may span more than 1,024 keys, and this callable differs by tile.)"""
     g = torch.Generator().manual_seed(0)
     Nk = 2500
-    q, k, v = (torch.randn(1, 2, n, 8, generator=g, dtype=torch.float64) for n in (8, Nk, Nk))
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g, dtype=torch.float64) for n in (256, Nk, Nk))
     tab0 = torch.randn(2, Nk, generator=g, dtype=torch.float64) * 0.5
 
     def grad(dt, backend):
