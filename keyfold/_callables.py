@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import array
 import collections
+import contextlib
 import datetime
 import decimal
 import enum
@@ -81,6 +82,29 @@ def _mode_key(fn):
     if isinstance(fn, types.MethodType):
         return (fn.__func__, type(fn.__self__))
     return None
+
+
+# ------------------------------------------------- what a compiled call's callables read
+
+@contextlib.contextmanager
+def reading(pairs):
+    """While it lasts, each tensor a callable captures (``stale``) holds what ``fresh`` holds (``set_`` onto
+    its storage, put back after): a compiled call's op is given the values the compiled function left
+    in them (a ``copy_`` or an attribute set just before the call lands in the real objects only after
+    the graph ran, and the op runs inside it). (Handing them over through a TorchFunctionMode failed
+    under vmap inside the compiled op: "Cannot access storage of BatchedTensorImpl".) The version counter
+    moves with each ``set_``: no stamp of the stale tensor is reused."""
+    saved = []
+    try:
+        with torch.no_grad():
+            for stale, fresh in pairs:
+                saved.append((stale, stale.untyped_storage(), stale.storage_offset(), stale.size(), stale.stride()))
+                stale.set_(fresh)
+        yield
+    finally:
+        with torch.no_grad():
+            for stale, storage, offset, size, stride in reversed(saved):
+                stale.set_(storage, offset, size, stride)
 
 
 def _stamp(fn) -> tuple:
@@ -795,6 +819,7 @@ _IMPLICIT = ("__call__", "__getitem__", "__getattr__", "__getattribute__", "__ge
              "__float__", "__bool__", "__len__", "__iter__", "__contains__")
 _MODULE_TABLES = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
 _MISSING = object()
+_BUILTIN_CONTAINERS = (dict, list, tuple, set, frozenset)
 
 
 def _code_names(code) -> list[str]:
@@ -886,7 +911,7 @@ def callable_id(fn) -> int | tuple:
     return (id(fn.__func__), id(fn.__self__)) if isinstance(fn, types.MethodType) else id(fn)
 
 
-def captured(fn, leaf=None) -> tuple[list, bool]:
+def captured(fn, leaf=None, *, every: bool = False) -> tuple[list, bool]:
     """Everything a callable can read that its result may depend on: tensors, numpy arrays and
     plain values in its closure cells, defaults, the globals its code names, a bound method's
     object, a partial's arguments, followed into nested functions, containers and objects (an
@@ -897,6 +922,9 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
 
     leaf: ``leaf(obj) -> (values, follow) | None`` for the caller's own value objects (masks):
     ``values`` are kept as they are, ``follow`` walked on; None leaves ``obj`` to the rules above.
+    every: a tensor met again is listed again (at each place it is held): two walks of one structure
+    then list as many tensors whichever of its places hold the same tensor (:mod:`keyfold.ops` matches
+    a traced walk with a later one place by place).
 
     The one walk behind the plan cache's key (:func:`keyfold.masks.captured_stamp`) and a score
     callable's tensors that get gradients (:func:`captured_tensors`): what one of them sees, the
@@ -913,6 +941,8 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
         while stack:
             obj, depth = stack.pop()
             if isinstance(obj, torch.Tensor):
+                if every and id(obj) in seen:
+                    found.append(obj)
                 if id(obj) not in seen:
                     seen.add(id(obj))
                     found.append(obj)
@@ -967,7 +997,8 @@ def captured(fn, leaf=None) -> tuple[list, bool]:
                 stack += [(obj.__func__, depth + 1), (obj.__self__, depth + 1)]
                 continue
             if id(obj) in seen or (isinstance(obj, types.FunctionType) and _library(obj)) \
-                    or _package(type(obj).__module__) in _OPAQUE or isinstance(obj, _LOCKS):
+                    or (type(obj) not in _BUILTIN_CONTAINERS and _package(type(obj).__module__) in _OPAQUE) \
+                    or isinstance(obj, _LOCKS):  # (a dict's module name: dynamo cannot split it)
                 continue
             if depth > _MAX_DEPTH:  # this branch only: what comes after it is still found
                 complete = False

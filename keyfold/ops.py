@@ -345,6 +345,130 @@ def _offsets(spec: str, tensors: list, q_offset: int, kv_offset: int) -> tuple[i
     return (q_offset if q is None else int(tensors[q[1]])), (kv_offset if kv is None else int(tensors[kv[1]]))
 
 
+# -------------------------------------------- what callables read, as the compiled function left it
+
+def _users(m) -> list:
+    """The user callables and objects of a mask tree, in the order :func:`_flat_mask` writes their nodes."""
+    if m is None:
+        return []
+    ops = m.operands()
+    if ops is not None:
+        return [u for x in ops[1] for u in _users(x)]
+    if m.spec() is not None or type(m) in (M._Padding, M._Keys, M.Varlen, _DenseMask):
+        return []
+    if type(m) is M._Remapped:
+        return _users(m.inner)
+    return [m.fn if type(m) is M.MaskFn else m]
+
+
+def _score_users(s) -> list:
+    """The same for a score tree (:func:`_flat_score`'s order)."""
+    if s is None:
+        return []
+    parts = s.parts()
+    if parts is not None:
+        return [u for x in parts for u in _score_users(x)]
+    if s.spec() is not None or type(s) is _DenseBias:
+        return []
+    return [s.fn if type(s) is S.ScoreFn else s]
+
+
+def _walkable(u) -> bool:
+    """Whether the walk can follow ``u`` while dynamo traces: not a function made inside the traced
+    function (dynamo's stand-in has no ``__closure__``; such a function captures nothing: see
+    :func:`_callable_key`)."""
+    if isinstance(u, types.FunctionType):
+        try:
+            u.__closure__
+        except AttributeError:
+            return False
+    return True
+
+
+def _captured_tensors(u) -> list:
+    """Every tensor ``u`` can read (:func:`keyfold._callables.captured`), in the walk's order, once at each
+    place that holds it."""
+    from ._callables import captured
+    return [x for x in captured(u, every=True)[0] if isinstance(x, torch.Tensor)]
+
+
+def _reads_slots(mask, score, tensors: list, grad_tensors) -> str:
+    """While dynamo traces: the tensors the mask's and score's callables capture, as the traced function
+    sees them (a buffer it ``copy_``-ed into, an attribute or dict entry it set: those land in the real
+    objects only after the graph has run, and the op runs inside it), appended to ``tensors``; the spec's
+    ``"reads"`` says where each stands in the callables' walk. Tensors that train are left out (the op's
+    grad tensors, named there)."""
+    users = [u for u in _users(mask) + _score_users(score) if _walkable(u)]
+    if not users:
+        return ""
+    keys = tuple(_user_keys(users))
+    found = [t for u in users for t in _captured_tensors(u)]
+    if ",".join(str(t.dtype) for t in found) != _walk_signature(keys):
+        # the traced function rebinds what a callable reads before the call (self.doc = doc where another
+        # name also held doc): the walks cannot be matched place by place. Raised while tracing: dynamo
+        # runs the call eagerly (after its writes), or says so under fullgraph=True
+        raise RuntimeError("keyfold under torch.compile: a mask or score callable reads state the compiled "
+                           "function replaces before the call; set that state outside the compiled function "
+                           "(or update a tensor it captures in place)")
+    at = []
+    for i, t in enumerate(found):
+        j = next((j for j, g in enumerate(grad_tensors) if t is g), None)
+        if j is None:
+            tensors.append(t)
+            at.append("[" + str(len(tensors) - 1) + "," + str(i) + "]")
+        else:  # a tensor that trains is already an input of the op: named by its place there, -1 - j
+            at.append("[" + str(-1 - j) + "," + str(i) + "]")
+    if not at:
+        return ""
+    names = ",".join("[" + str(k[0]) + "," + str(k[1]) + "]" if isinstance(k, tuple) else str(k) for k in keys)
+    return ',"reads":{"users":[' + names + '],"n":' + str(len(found)) + ',"at":[' + ",".join(at) + "]}"
+
+
+def _user_keys(users) -> list:
+    """Registry keys of the user callables (bound methods as a pair), as constants of the graph."""
+    return [(_callable_key(u.__func__), _guarded(u.__self__)) if isinstance(u, types.MethodType)
+            else _callable_key(u) if callable(u) and not isinstance(u, (M.Mask, S.ScoreMod)) else _guarded(u)
+            for u in users]
+
+
+def _users_of(keys) -> list:
+    """The callables and objects registry keys name (a pair: a bound method)."""
+    return [types.MethodType(_CALLABLES[k[0]], _CALLABLES[k[1]]) if isinstance(k, (tuple, list)) else _CALLABLES[k]
+            for k in keys]
+
+
+@torch._dynamo.assume_constant_result
+def _walk_signature(keys: tuple) -> str:
+    """The dtypes of the tensors the callables named by ``keys`` capture, walked on the real objects (run
+    eagerly, even while dynamo traces: the objects as they were before the compiled function ran)."""
+    return ",".join(str(t.dtype) for u in _users_of(keys) for t in _captured_tensors(u))
+
+
+def _stand_ins(spec: str, tensors: list, grads: list) -> list:
+    """``[(tensor a callable reads now, the op's tensor for it)]`` for a spec with ``"reads"``: the
+    callables' walk again, on the real objects (still as they were before the compiled function ran),
+    matched place by place with the traced one."""
+    if '"reads"' not in spec:
+        return []
+    reads = json.loads(spec)["reads"]
+    now = [t for u in _users_of(reads["users"]) for t in _captured_tensors(u)]
+    given = [(now[i] if i < len(now) else None, tensors[s] if s >= 0 else grads[-1 - s]) for s, i in reads["at"]]
+    if len(now) != reads["n"] or any(a.dtype != b.dtype for a, b in given):
+        raise RuntimeError(
+            "keyfold under torch.compile: the tensors a mask or score callable reads are not those it read when "
+            "traced (the compiled function adds or replaces what the callable captures before the call, or "
+            "changes its dtype); keyfold cannot hand the callable the values the compiled function gave them. "
+            "Set that state outside the compiled function, or pass it to the callable as a tensor it captures "
+            "and update that tensor in place")
+    # only where they differ (a set_ moves the version counter, which autograd checks on saved tensors)
+    return [(a, b.detach()) for a, b in given if a is not b and not _same_values(a, b)]
+
+
+def _same_values(a, b) -> bool:
+    return (a.shape == b.shape and a.stride() == b.stride() and a.device == b.device
+            and bool(torch.equal(a.detach(), b.detach())))
+
+
 def _call(q, k, v, tensors, spec, scale, q_offset, kv_offset, grads=()):
     from .engine import _Call
     q_offset, kv_offset = _offsets(spec, tensors, q_offset, kv_offset)
@@ -362,11 +486,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[tor
             grad_tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     # grad_tensors: the tensors a score modifier (passed by reference) reads that need gradients;
     # inputs only so that autograd routes their gradients to the backward (the modifier reads them)
+    from ._callables import reading
     from .engine import Backend, _reference
-    call = _call(q, k, v, tensors, spec, scale, q_offset, kv_offset, [g.detach() for g in grad_tensors])
-    with torch.no_grad():
-        st = (_reference.attend_reference(q, k, v, call.pb) if call.backend is Backend.REFERENCE
-              else call.forward(q, k, v))
+    with reading(_stand_ins(spec, tensors, grad_tensors)):
+        call = _call(q, k, v, tensors, spec, scale, q_offset, kv_offset, [g.detach() for g in grad_tensors])
+        with torch.no_grad():
+            st = (_reference.attend_reference(q, k, v, call.pb) if call.backend is Backend.REFERENCE
+                  else call.forward(q, k, v))
     shift = lse_shift_of(call.pb.score)  # a huge row's shift of a dense float mask: lse gets it back
     if shift is not None:
         from .engine import with_lse_shift
@@ -402,10 +528,11 @@ def _attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
                      dout: torch.Tensor, dlse: torch.Tensor | None, tensors: list[torch.Tensor], spec: str,
                      scale: float | None, q_offset: int, kv_offset: int, grad_tensors: list[torch.Tensor]
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    from ._callables import reading
     from .engine import Backend
     if dlse is not None and q.device.type == "cpu" and not bool(dlse.any()):
         dlse = None
-    with _autograd_dispatch():  # a non-additive score's backward takes autograd of the score tile
+    with _autograd_dispatch(), reading(_stand_ins(spec, tensors, grad_tensors)):  # a non-additive score's backward takes autograd of the score tile
         # (built with grad mode on when the score's tensors need gradients: the call finds them then)
         with torch.set_grad_enabled(bool(grad_tensors)):  # (a dense float mask's slot: a leaf of its own)
             call = _call(q, k, v, tensors, spec, scale, q_offset, kv_offset,
@@ -480,7 +607,8 @@ def attend_op(q, k, v, *, mask, score, scale, q_offset, kv_offset, backend, bloc
         m = None if isinstance(mask, torch.Tensor) else M.as_mask(mask)
         q_offset = 0 if m is not None and m.packed_queries else kv_offset + (k.shape[2] - q.shape[2])
     # an offset given as a tensor (a static cache's position) travels as data: no recompile per step
-    slots = ""
+    slots = _reads_slots(M.as_mask(mask) if not isinstance(mask, torch.Tensor) else None, score_obj, tensors,
+                         grad_tensors)
     if isinstance(q_offset, torch.Tensor):
         slots += ',"qoff":' + _slot(q_offset.reshape(()), tensors)
         q_offset = 0

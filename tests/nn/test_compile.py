@@ -580,3 +580,102 @@ def test_preset_numbers_passed_in_compile_whole_and_each_gives_its_own_answer():
             dout = torch.randn_like(want)
             for a, b in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
                 torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+# ----------------------------------- state a callable reads, changed by the compiled function itself
+
+def _doc_reference(q, k, v, doc):
+    """Attention within documents, causal, in float64, by hand."""
+    N = q.shape[2]
+    i = torch.arange(N)
+    allowed = (doc[:, :, None] == doc[:, None, :])[:, None] & (i[None, :] <= i[:, None])
+    s = (q.double() @ k.double().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    return torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ v.double()
+
+
+class _CopiedDocs(torch.nn.Module):
+    """The README's advice for changing data, done inside the compiled forward: a buffer updated in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("doc", torch.zeros(2, 12, dtype=torch.long))
+
+    def mask_mod(self, b, h, qi, ki):
+        return (self.doc[b, qi] == self.doc[b, ki]) & (ki <= qi)
+
+    def forward(self, q, k, v, doc):
+        self.doc.copy_(doc)
+        return kf.attention(q, k, v, mask=self.mask_mod)
+
+
+class _SetDocs(_CopiedDocs):
+    """The same state set as an attribute."""
+
+    def forward(self, q, k, v, doc):
+        self.doc = doc
+        return kf.attention(q, k, v, mask=self.mask_mod)
+
+
+_DOC_STATE = {"doc": torch.zeros(2, 12, dtype=torch.long)}
+
+
+def _dict_mask(b, h, qi, ki):
+    return (_DOC_STATE["doc"][b, qi] == _DOC_STATE["doc"][b, ki]) & (ki <= qi)
+
+
+def _dict_docs(q, k, v, doc):
+    _DOC_STATE["doc"] = doc
+    return kf.attention(q, k, v, mask=_dict_mask)
+
+
+@pytest.mark.parametrize("make", [_CopiedDocs, _SetDocs, lambda: _dict_docs], ids=["copy_", "attribute", "dict"])
+def test_state_a_mask_reads_changed_inside_the_compiled_function_is_what_it_reads(make):
+    """A mask callable reading documents that the compiled function itself wrote just before the call
+    (``self.doc.copy_(doc)``, ``self.doc = doc``, ``STATE["doc"] = doc``) read the previous call's
+    documents, 2.1-3.2 off with ``fullgraph=True``, silently: those writes land in the real objects
+    only after the graph has run, and keyfold's op runs inside it (a review, 2026-12-07; torch's
+    flex_attention was right). The op is now given what the callables capture as the traced function
+    left it, and the callables read that."""
+    g = torch.Generator().manual_seed(12)
+    fn = make()
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    for _ in range(3):
+        q, k, v = (torch.randn(2, 2, 12, 8, generator=g) for _ in range(3))
+        doc = torch.sort(torch.randint(0, 3, (2, 12), generator=g), dim=1)[0]
+        got = compiled(q, k, v, doc)
+        want = _doc_reference(q, k, v, doc)
+        assert_close_by_rule(got, want, _doc_reference(q, k, v, doc).float(), None)
+
+
+class _TableEachForward(torch.nn.Module):
+    """A score table recomputed from parameters at every forward (a continuous position bias)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = torch.nn.Linear(1, 2)
+        self.table = torch.zeros(2, 15)
+
+    def score_mod(self, s, b, h, qi, ki):
+        return s + self.table[h, (qi - ki).clamp(-7, 7) + 7]
+
+    def forward(self, q, k, v):
+        self.table = self.mlp(torch.arange(-7.0, 8.0)[:, None]).t()
+        return kf.attention(q, k, v, mask=kf.causal(), score=self.score_mod)
+
+
+def test_a_score_table_rebuilt_in_the_compiled_forward_is_the_one_read():
+    """The score twin: ``self.table = self.mlp(...)`` then ``score=self.score_mod``: the forward read the
+    previous call's table, 2.3 off (a review, 2026-12-07); its gradients were right."""
+    torch.manual_seed(13)
+    m = TableModel = _TableEachForward()
+    compiled = torch.compile(m, backend="aot_eager")
+    for _ in range(3):
+        with torch.no_grad():
+            m.mlp.weight.normal_()
+        q, k, v = (torch.randn(1, 2, 10, 8, requires_grad=True) for _ in range(3))
+        got, want = compiled(q, k, v), TableModel(q, k, v)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        g1 = torch.autograd.grad(got.sum(), [q, m.mlp.weight])
+        g2 = torch.autograd.grad(want.sum(), [q, m.mlp.weight])
+        for a, b in zip(g1, g2):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
