@@ -34,7 +34,7 @@ from torch import nn
 from . import baselines as _bl
 from . import data as _data
 from . import train as _train
-from .data import EOS, PAD
+from .data import PAD, source_ids
 from .transformer import MODEL_CONFIGS, ModelConfig, Transformer, _Embedding, greedy
 
 __all__ = ["TorchTransformer", "GRUAttention", "SYSTEMS", "greedy_recompute", "compare", "main"]
@@ -131,7 +131,7 @@ def decode_texts(model, tok, texts: list[str], batch_size: int = 128) -> list[st
     """Greedy translations of German strings (batched by length)."""
     model.eval()
     fn = _keyfold_decode if isinstance(model, Transformer) else greedy_recompute
-    ids = [seq[: model.cfg.max_len // 2 - 1] + [EOS] for seq in tok.encode(texts)]
+    ids = source_ids(tok.encode(texts), model.cfg.max_len)
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     out: list[str] = [""] * len(ids)
     for s in range(0, len(order), batch_size):

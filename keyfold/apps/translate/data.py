@@ -438,3 +438,17 @@ class Tokenizer:
     def decode(self, ids: list[list[int]]) -> list[str]:
         clean = [[t for t in seq if t > EOS] for seq in ids]
         return self.sp.decode(clean)
+
+
+def source_ids(encoded: list[list[int]], max_len: int) -> list[list[int]]:
+    """Encoded inputs as a model of ``max_len`` positions takes them: EOS appended, an input longer than
+    ``max_len - 1`` tokens cut there with a warning naming how many were (until 2026-12-07 every input was
+    cut at ``max_len // 2 - 1`` tokens, 127 for the ``cpu`` and ``base`` presets, silently)."""
+    import warnings
+
+    room = max_len - 1
+    cut = sum(len(seq) > room for seq in encoded)
+    if cut:
+        warnings.warn(f"{cut} of {len(encoded)} input(s) longer than the model's {room} source positions "
+                      f"(ModelConfig.max_len - 1) were cut there; split long inputs into sentences", stacklevel=3)
+    return [seq[:room] + [EOS] for seq in encoded]

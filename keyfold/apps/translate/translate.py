@@ -74,12 +74,15 @@ def translate(model: Transformer, tok: _data.Tokenizer, texts: list[str], *, bea
               device: str | torch.device = "cpu", dtype: str | torch.dtype = "fp32",
               max_len: int | None = None) -> list[str]:
     """Translate German strings (batched by length; ``beam=1`` is greedy; output at most input + 50
-    tokens unless ``max_len``). ``dtype="bf16"`` decodes under bf16 autocast on ``device``."""
+    tokens unless ``max_len``, and never past the model's ``cfg.max_len``). ``dtype="bf16"`` decodes
+    under bf16 autocast on ``device``. An input longer than the model's positions (``cfg.max_len - 1``
+    tokens and EOS) is cut there, with a warning naming how many inputs were (until 2026-12-07 every
+    input was cut at ``cfg.max_len // 2 - 1`` tokens, 127 for ``cpu``/``base``, silently)."""
     from tqdm import tqdm
 
     device, dtype = _train.resolve_device(device), _train.resolve_dtype(dtype)
     model = model.to(device)
-    ids = [seq[: model.cfg.max_len // 2 - 1] + [EOS] for seq in tok.encode(texts)]
+    ids = _data.source_ids(tok.encode(texts), model.cfg.max_len)
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     out: list[str | None] = [None] * len(ids)
     starts = range(0, len(order), batch_size)

@@ -400,3 +400,32 @@ def test_command_line_prepare_train_resume_translate(tmp_path, capsys):
     assert res["cache_check"]["identical"] and (out / "translate.png").stat().st_size > 0
     with pytest.raises(FileNotFoundError, match="pass the run folder"):
         TR.load_checkpoint(tmp_path / "nothing")
+
+
+class _CharTokenizer:
+    """One id per character (4..63): a stand-in that needs no sentencepiece model."""
+
+    def encode(self, texts):
+        return [[4 + (ord(c) % 60) for c in t] for t in texts]
+
+    def decode(self, ids):
+        return [" ".join(str(i) for i in seq if i > EOS) for seq in ids]
+
+
+def test_translate_gives_the_model_the_whole_input_and_warns_where_it_must_cut(monkeypatch):
+    """``translate()`` cut every input to ``max_len // 2 - 1`` tokens (31 for ``tiny``, 127 for ``cpu`` and
+    ``base``) and translated only that prefix, silently (a review, 2026-12-07). Now the model gets all
+    of an input its positions hold, and a longer one is cut there with a warning."""
+    from keyfold.apps.translate import translate as TR
+    seen = []
+    monkeypatch.setattr(TR, "beam_search", lambda model, src, **kw: seen.append(src.ne(PAD).sum(1).tolist())
+                        or beam_search(model, src, **kw))
+    torch.manual_seed(0)
+    model = Transformer(dataclasses.replace(TINY, dropout=0.0)).eval()
+    text = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOP"  # 42 tokens
+    TR.translate(model, _CharTokenizer(), [text], beam=2, max_len=4)
+    assert seen[-1] == [len(text) + 1]
+    long = "x" * (model.cfg.max_len + 10)
+    with pytest.warns(UserWarning, match="1 of 1 input"):
+        TR.translate(model, _CharTokenizer(), [long], beam=2, max_len=4)
+    assert seen[-1] == [model.cfg.max_len]
