@@ -123,8 +123,11 @@ class Transformer(nn.Module):
         self.dec_norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else nn.Identity()
 
     def encode(self, src: torch.Tensor):
-        """Encoder output ``(B, S, d)`` and the keyfold mask hiding padded source keys."""
-        src_mask = key_padding_to_mask(src.eq(PAD), src.shape[1])
+        """Encoder output ``(B, S, d)`` and the keyfold mask hiding padded source keys. Its query ids cover
+        every target position too (cross-attention's queries): a source padded anywhere but at its end
+        becomes ``documents`` ids, and ids for the S source positions only raised once a target passed
+        S tokens (a review, 2026-12-07)."""
+        src_mask = key_padding_to_mask(src.eq(PAD), max(src.shape[1], self.cfg.max_len))
         x = self.embed(src)
         for layer in self.encoder:
             x = layer(x, mask=src_mask)
@@ -254,7 +257,7 @@ def beam_search(model: Transformer, src: torch.Tensor, beam: int = 4, alpha: flo
     B, K = src.shape[0], beam
     memory, src_mask = model.encode(src)
     memory = memory.repeat_interleave(K, 0)  # (B*K, S, d)
-    src_mask = key_padding_to_mask(src.eq(PAD).repeat_interleave(K, 0), src.shape[1])
+    src_mask = key_padding_to_mask(src.eq(PAD).repeat_interleave(K, 0), max(src.shape[1], model.cfg.max_len))
     caches = model.new_caches()
     dev = src.device
     tokens = torch.full((B * K, 1), BOS, dtype=torch.long, device=dev)

@@ -429,3 +429,25 @@ def test_translate_gives_the_model_the_whole_input_and_warns_where_it_must_cut(m
     with pytest.warns(UserWarning, match="1 of 1 input"):
         TR.translate(model, _CharTokenizer(), [long], beam=2, max_len=4)
     assert seen[-1] == [model.cfg.max_len]
+
+
+def test_a_source_padded_on_the_left_takes_targets_longer_than_itself():
+    """A source padded anywhere but at its end becomes ``documents`` ids whose queries covered the S
+    source positions only: teacher forcing and uncached greedy with a longer target raised (a review,
+    2026-12-07). The logits equal the same layers given torch's ``key_padding_mask``."""
+    from keyfold.masks import causal
+    torch.manual_seed(0)
+    m = Transformer(dataclasses.replace(TINY, dropout=0.0)).eval()
+    src = torch.tensor([[PAD, PAD, 6, EOS], [7, 8, 9, EOS]])
+    tgt = torch.tensor([[BOS, 9, 10, 11, 12, 13], [BOS, 11, 12, 13, 14, 15]])
+    with torch.no_grad():
+        kpm = src.eq(PAD)
+        x = m.embed(src)
+        for layer in m.encoder:
+            x = layer(x, src_key_padding_mask=kpm)
+        y = m.embed(tgt)
+        for layer in m.decoder:
+            y = layer(y, m.enc_norm(x), memory_key_padding_mask=kpm, mask=causal())
+        want = m.embed.logits(m.dec_norm(y))
+        torch.testing.assert_close(m(src, tgt), want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(greedy(m, src, max_len=8, use_cache=False), greedy(m, src, max_len=8))
