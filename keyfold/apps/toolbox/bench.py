@@ -30,6 +30,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -485,10 +486,12 @@ def _streaming(model: nn.Module, prob: _Problem) -> dict:
 
 
 def _interval(xs: list[float]) -> tuple[float, float]:
-    """Mean and the half-width of its 95 % Student-t interval (0 for fewer than 2 values)."""
+    """Mean and the half-width of its 95 % Student-t interval (NaN for fewer than 2 values: no interval,
+    so no verdict calls two one-seed means apart; it was 0, and ``--seeds 1`` showed ``± 0.000`` and
+    called 0.738 against 0.739 a win; a review, 2026-12-07)."""
     m = statistics.fmean(xs)
     if len(xs) < 2:
-        return m, 0.0
+        return m, math.nan
     from scipy import stats
 
     return m, float(stats.t.ppf(0.975, len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs)))
@@ -682,12 +685,17 @@ def _add_ratios(rows: list[dict]) -> None:
 
 def _fmt_metric(r: dict) -> str:
     if r["metric"] == "accuracy":
-        return f"{100 * r['mean']:.1f} ± {100 * r['ci95']:.1f}"
-    return f"{r['mean']:.3f} ± {r['ci95']:.3f}"
+        return f"{100 * r['mean']:.1f} ± " + _half(100 * r["ci95"], 1)
+    return f"{r['mean']:.3f} ± " + _half(r["ci95"], 3)
+
+
+def _half(x: float, digits: int) -> str:
+    """An interval's half-width, or ``n/a`` where one seed gives none."""
+    return "n/a" if math.isnan(x) else f"{x:.{digits}f}"
 
 
 def _pct(m: dict) -> str:
-    return f"{100 * m['mean']:.1f} ± {100 * m['ci95']:.1f} %"
+    return f"{100 * m['mean']:.1f} ± " + _half(100 * m["ci95"], 1) + " %"
 
 
 def _opt(x, fmt):
@@ -824,7 +832,7 @@ def _extrapolation_table(rows: list[dict]) -> list[str]:
 
 
 def _apart(a: dict, b: dict) -> bool:
-    """The two 95 % intervals do not overlap."""
+    """The two 95 % intervals do not overlap (never, where one of them is undefined: NaN)."""
     return abs(a["mean"] - b["mean"]) > a["ci95"] + b["ci95"]
 
 
@@ -1178,7 +1186,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_partial:
         if not partial.is_file():
             ap.error(f"--from-partial: {partial} does not exist; run the preset first")
-        rows = [json.loads(line) for line in partial.read_text().splitlines() if line.strip()]
+        rows = [{k: v for k, v in json.loads(line).items() if k != "made_under"}
+                for line in partial.read_text().splitlines() if line.strip()]
         _add_ratios(rows)
         have = {(r["task"], r["mixer"]) for r in rows}
         missing = [f"{p.name} / {_kind_name(k)}" for p in _problems(preset) for k in p.kinds
@@ -1188,14 +1197,23 @@ def main(argv: list[str] | None = None) -> int:
                   "rows": rows, "incomplete": True, "missing": missing}
         return _write(result, args.out, stem)
     done = []
+    # the settings a saved row was made under: --resume keeps only rows of these (rows of a --seeds 1 run
+    # were merged into a 2-seed report, one value each under "mean ± 95 % t-interval"; a review, 2026-12-07)
+    made_under = json.dumps(_preset_json(preset), sort_keys=True)
     if args.resume and partial.is_file():
-        done = [json.loads(line) for line in partial.read_text().splitlines() if line.strip()]
+        saved = [json.loads(line) for line in partial.read_text().splitlines() if line.strip()]
+        done = [r for r in saved if r.get("made_under") == made_under]
+        if len(done) < len(saved):
+            print(f"--resume: {len(saved) - len(done)} saved row(s) were made under other settings (preset, "
+                  f"seeds, mixers); they run again", file=sys.stderr)
+            partial.write_text("".join(json.dumps(r) + "\n" for r in done))
+        done = [{k: v for k, v in r.items() if k != "made_under"} for r in done]
     else:
         partial.write_text("")
 
     def save(row):
         with partial.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(dict(row, made_under=made_under)) + "\n")
 
     if args.workers < 1:
         ap.error(f"--workers must be >= 1, got {args.workers}")

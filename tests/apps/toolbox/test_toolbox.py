@@ -370,6 +370,19 @@ def test_interval_is_student_t():
     assert mean == 2.0 and half == pytest.approx(4.302653 / math.sqrt(3), rel=1e-5)
 
 
+def test_one_seed_gives_no_interval_and_no_verdict_of_apart():
+    """With ``--seeds 1`` every row read ``± 0.000`` and the verdicts called 0.738 against 0.739 MSE a win
+    (a review, 2026-12-07): one value has no interval (``n/a``), and no two such rows are apart."""
+    from keyfold.apps.toolbox.bench import _apart, _fmt_metric, _interval, _verdicts
+    mean, half = _interval([0.738])
+    assert mean == 0.738 and math.isnan(half)
+    a = {"task": "t", "mixer": "attention", "metric": "mse", "mean": 0.738, "ci95": half}
+    g = {"task": "t", "mixer": "gru", "metric": "mse", "mean": 0.739, "ci95": _interval([0.739])[1]}
+    assert not _apart(a, g) and _fmt_metric(a) == "0.738 ± n/a"
+    text = " ".join(_verdicts([a, g]))
+    assert "tied with gru" in text and "wins" not in text
+
+
 def test_repeated_tokens_vary_rules_out_the_fixed_offset_shortcut():
     """With one repeat length every answer sits M - 1 positions back, so a model that learned
     that offset "solves" induction and scores exactly 0 at twice the length (seen in the bench:
@@ -413,3 +426,31 @@ def test_zoology_scaling_verdict_counts_only_moves_beyond_both_intervals(gru_lon
             _mqar_row("tcn", 48, 96, *tcn_wide)]
     line = next(x for x in tb._claims(rows) if "Zoology, scaling" in x)
     assert verdict in line, line
+
+
+def test_resume_keeps_only_rows_made_under_the_same_settings(tmp_path, monkeypatch):
+    """``--resume`` kept every saved row by (task, mixer): rows of a ``--seeds 1`` run went into a 2-seed
+    report, one value each under "mean ± 95 % t-interval" (a review, 2026-12-07). Rows now carry the
+    settings they were made under, and the others run again."""
+    from keyfold.apps.toolbox import bench
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_run(preset, *, done, on_row, **kw):
+        seen["done"] = done
+        on_row({"task": "t", "mixer": "gru"})
+        raise Stop
+    monkeypatch.setattr(bench, "run", fake_run)
+    with pytest.raises(Stop):  # a first run saves its row with its settings
+        bench.main(["--tiny", "--seeds", "1", "--out", str(tmp_path), "--no-progress", "--workers", "1"])
+    partial = next(tmp_path.glob("*.partial.jsonl"))
+    assert json.loads(partial.read_text())["made_under"]
+    with pytest.raises(Stop):  # the same settings: kept, without the bookkeeping key
+        bench.main(["--tiny", "--seeds", "1", "--resume", "--out", str(tmp_path), "--no-progress", "--workers", "1"])
+    assert seen["done"] == [{"task": "t", "mixer": "gru"}]
+    partial.write_text(partial.read_text().splitlines()[0] + "\n")
+    with pytest.raises(Stop):  # two seeds now: the one-seed row runs again
+        bench.main(["--tiny", "--seeds", "2", "--resume", "--out", str(tmp_path), "--no-progress", "--workers", "1"])
+    assert seen["done"] == []
