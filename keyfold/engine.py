@@ -522,6 +522,13 @@ def _attend(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_siz
                             dropout_p, dropout_seed, generator, in_dtype, lse_exact, wide_lse)
 
 
+def _int_offset(x):
+    if isinstance(x, torch.Tensor) and x.dim() == 0 and not x.dtype.is_floating_point and not x.dtype.is_complex \
+            and x.dtype is not torch.bool:
+        return int(x)
+    return x
+
+
 def _attend_here(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs, dropout_p,
                  dropout_seed, generator, in_dtype: bool, lse_exact: bool, wide_lse: bool = False) -> State:
     """:func:`_attend` with autocast settled (``wide_lse``: :func:`attend_wide`)"""
@@ -532,6 +539,9 @@ def _attend_here(q, k, v, mask, score, scale, q_offset, kv_offset, backend, bloc
         from .ops import attend_op
         return attend_op(q, k, v, mask=mask, score=score, scale=scale, q_offset=q_offset, kv_offset=kv_offset,
                          backend=backend, block_size=block_size, check_inputs=check_inputs)
+    # a position given as a 0-d integer tensor (a static cache's, data of the graph when compiled) is its int
+    # eagerly too: a compiled decode step raised TypeError when run eagerly (a review, 2026-12-07)
+    q_offset, kv_offset = _int_offset(q_offset), _int_offset(kv_offset)
     if mask is None and score is None and not dropout_p and _plain_fused(
             q, k, v, backend, block_size, check_inputs, scale, q_offset, kv_offset):
         return _cpu.dense(q, k, v, float(q.shape[-1] ** -0.5 if scale is None else scale), keep_dtype=in_dtype,

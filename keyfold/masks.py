@@ -405,7 +405,8 @@ class _Sinks(Mask):
     def __init__(self, n, name="sinks"):
         self.name = name
         if isinstance(n, torch.Tensor) and n.dim() != 0:  # (a 0-d integer tensor is an int, as elsewhere)
-            if n.dim() != 1 or n.dtype.is_floating_point or (n < 0).any():
+            # (traced: no data-dependent check; the op rebuilds the mask from its spec and checks there)
+            if n.dim() != 1 or n.dtype.is_floating_point or (not torch.compiler.is_compiling() and bool((n < 0).any())):
                 raise ValueError(f"{name}(n): a tensor n must be 1-D (one count per batch entry), "
                                  f"integer and >= 0; got shape {tuple(n.shape)}, dtype {n.dtype}")
             self.n = _TensorKey(n.long())

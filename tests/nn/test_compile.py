@@ -679,3 +679,23 @@ def test_a_score_table_rebuilt_in_the_compiled_forward_is_the_one_read():
         g2 = torch.autograd.grad(want.sum(), [q, m.mlp.weight])
         for a, b in zip(g1, g2):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_per_batch_sinks_compile_whole_and_a_tensor_position_runs_eagerly_too():
+    """``sinks(n)`` with a per-batch tensor raised dynamo's "data-dependent branching" under
+    ``fullgraph=True`` (its ``n >= 0`` check; the op checks the rebuilt mask instead), and a 0-d tensor
+    ``q_offset``, taken compiled, raised ``TypeError`` eagerly (a review, 2026-12-07)."""
+    g = torch.Generator().manual_seed(14)
+    q, k, v = (torch.randn(2, 2, 16, 8, generator=g) for _ in range(3))
+
+    def f(q, k, v, n):
+        return kf.attention(q, k, v, mask=kf.causal() | kf.sinks(n))
+
+    n = torch.tensor([3, 7])
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(q, k, v, n), f(q, k, v, n))
+    with pytest.raises(ValueError, match="sinks"):
+        compiled(q, k, v, torch.tensor([3, -1]))
+    q1 = q[:, :, :1]
+    want = kf.attention(q1, k, v, mask=kf.causal() & kf.window(4), q_offset=9)
+    assert torch.equal(kf.attention(q1, k, v, mask=kf.causal() & kf.window(4), q_offset=torch.tensor(9)), want)
