@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine import Backend, attend_wide
-from ..masks import as_mask
+from ..masks import as_mask, default_q_offset
 from ..state import State, empty_state, merge_all, state_dtype
 from .comm import Comm, Described, ShardError
 
@@ -84,7 +84,8 @@ def tree_decode(q, k_local, v_local, group=None, *, mask=None, score=None, scale
     q: ``(B, Hq, Nq, D)``, the same on every rank (the new token(s)); k_local ``(B, Hkv, n_r, D)``,
     v_local ``(B, Hkv, n_r, Dv)``: rank r's contiguous part of the cache, ranks in position order
     (``n_r`` may differ, even be 0). mask/score use absolute positions; ``q_offset`` defaults to
-    ``total - Nq`` (the new tokens are the last positions). Returns ``(B, Hq, Nq, Dv)`` in q's
+    ``total - Nq`` (the new tokens are the last positions), 0 with a ``varlen`` mask (packed queries), as
+    in :func:`keyfold.attention`. Returns ``(B, Hq, Nq, Dv)`` in q's
     dtype on every rank (and the lse with ``return_lse=True``). Not differentiable (inference).
 
     >>> out = tree_decode(q, k_cache_shard, v_cache_shard)   # on every rank   # doctest: +SKIP
@@ -111,8 +112,10 @@ def tree_decode(q, k_local, v_local, group=None, *, mask=None, score=None, scale
     kv_offset, total = sum(lengths[:comm.rank]), sum(lengths)
     if error is None:
         try:
-            q_offset = total - q.shape[2] if q_offset is None else q_offset
             checked = as_mask(mask)
+            if q_offset is None:  # as keyfold.attention: the last positions, or 0 for packed queries (varlen;
+                # total - Nq there raised, naming q_offset=0 as "the default", which it was not here; a review)
+                q_offset = default_q_offset(checked, q.shape[2], total)
             if checked is not None:
                 checked.check_positions(q_offset, q_offset + q.shape[2], 0, total)
         except (ValueError, TypeError) as e:

@@ -853,3 +853,21 @@ def test_agreement_tells_masks_apart_by_a_repr_of_their_own():
     a, b = _Private(torch.tensor([0, 0, 1, 1])), _Private(torch.tensor([0, 1, 1, 1]))
     assert Described(a) != Described(b) and Described(a) == Described(_Private(torch.tensor([0, 0, 1, 1])))
     assert Described(_Band()) == Described(_Band())
+
+
+def _worker_tree_decode_varlen(rank, P):
+    g = torch.Generator().manual_seed(0)
+    cu_q, cu_k = torch.tensor([0, 1, 2]), torch.tensor([0, 30, 69])  # 2 requests, one new token each
+    q = torch.randn(1, 2, 2, 16, generator=g)
+    k, v = torch.randn(1, 2, 69, 16, generator=g), torch.randn(1, 2, 69, 16, generator=g)
+    m = keyfold.varlen(cu_q, cu_k, causal=True)
+    a, n = (0, 40) if rank == 0 else (40, 29)
+    got = tree_decode(q, k[:, :, a:a + n], v[:, :, a:a + n], mask=m)
+    return max_err(got, keyfold.attention(q.double(), k.double(), v.double(), mask=m, backend=REF))
+
+
+def test_tree_decode_with_a_varlen_mask_takes_attentions_default_position():
+    """tree_decode put packed queries at total - Nq (keyfold.attention puts them at 0 with a varlen mask)
+    and raised on every rank, its message calling 0 "the default" (a review, 2026-12-07)."""
+    for err in _values(launch(_worker_tree_decode_varlen, 2)):
+        assert err < 1e-5
