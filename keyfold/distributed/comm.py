@@ -336,8 +336,9 @@ class Comm:
             raise ShardError(f"{what}: invalid input on rank(s) {failed} (see their errors)")
         if not bool((every == every[0]).all()):
             lines = "; ".join(f"rank {r}: {every[r, 2:2 + int(every[r, 1])].tolist()}" for r in range(self.size))
-            raise ShardError(f"{what}: the ranks' shard shapes disagree ({lines}); every rank of the group must "
-                             f"pass local shards of one shape and dtype")
+            raise ShardError(f"{what}: the ranks' shard shapes disagree, or their dtype or schedule ({lines}); "
+                             f"every rank of the group must pass local shards of one shape and dtype, and the "
+                             f"same strategy, layout and head groups")
 
 
 def _differences(metas) -> str:

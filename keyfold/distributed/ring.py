@@ -331,6 +331,11 @@ def _describe(x) -> Described | None:
     return None if x is None else Described(x)
 
 
+def _index(enum_cls, x) -> int:
+    """A member's place in its enum (-1 for anything else: the rank's own validation names it)."""
+    return list(enum_cls).index(x) if isinstance(x, enum_cls) else -1
+
+
 def ring_attention(q, k, v, *, group=None, mask=None, score=None, scale=None,
                    layout: Layout = Layout.CONTIGUOUS, strategy: Strategy = Strategy.RING,
                    return_lse: bool = False, backend: Backend = Backend.AUTO, head_groups: int = 2,
@@ -349,9 +354,10 @@ def ring_attention(q, k, v, *, group=None, mask=None, score=None, scale=None,
     raises the same :class:`ShardError` if a rank's input is invalid or the shards disagree.
     check_shards: exchange shapes and settings before any transfer (one small all-gather of
     Python objects per call; masks and score modifiers are compared by content: the shape and
-    bytes of every tensor they hold). False skips the settings and exchanges only the shard
-    shapes and dtype as one 13-int tensor, so a shape mismatch or one rank's invalid input still
-    raises :class:`ShardError` on every rank; different masks then go unnoticed.
+    bytes of every tensor they hold). False skips the masks and scores and exchanges only the shard
+    shapes, dtype, strategy, layout and head groups as one 16-int tensor, so a shape or schedule
+    mismatch or one rank's invalid input still raises :class:`ShardError` on every rank; different
+    masks then go unnoticed.
 
     >>> out = ring_attention(shard(q), shard(k), shard(v), mask=causal(), layout=Layout.ZIGZAG)  # doctest: +SKIP
     """
@@ -368,9 +374,13 @@ def ring_attention(q, k, v, *, group=None, mask=None, score=None, scale=None,
                 scale=scale, head_groups=head_groups)
     if check_shards:
         comm.agree("ring_attention", meta, error)
-    else:  # shapes only, as one small tensor: a mismatch raises on every rank instead of aborting
+    else:  # shapes, dtype and the schedule only, as one small tensor: a mismatch raises on every rank
+        # instead of aborting (one rank on another strategy waited out the group's timeout, 30 minutes by
+        # default, and left the group broken; a review, 2026-12-07)
         sizes = [d for n in ("q", "k", "v") for d in (list(meta[n]) + [0] * 4)[:4]]
-        comm.agree_sizes("ring_attention", sizes + [_DTYPES.get(getattr(q, "dtype", None), -1)], error)
+        schedule = [_index(Strategy, strategy), _index(Layout, layout),
+                    head_groups if isinstance(head_groups, int) and not isinstance(head_groups, bool) else -1]
+        comm.agree_sizes("ring_attention", sizes + [_DTYPES.get(getattr(q, "dtype", None), -1)] + schedule, error)
     job = Job(mask, score, scale, backend, layout, q.shape[2] * comm.size, comm.size, comm.rank)
     # under torch.autocast: the inputs cast as SDPA's are, every piece run without it (a piece's
     # forward in bfloat16 against a backward recomputing it in float32 gave dv 2.9x torch's error;

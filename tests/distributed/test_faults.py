@@ -18,7 +18,7 @@ import torch
 import torch.multiprocessing as mp
 
 import keyfold
-from keyfold.distributed import ShardError, ring_attention
+from keyfold.distributed import ShardError, Strategy, ring_attention
 from tests.distributed.test_distributed import _entry, _free_port, rank_context
 
 
@@ -131,6 +131,12 @@ def _worker_disagreements(rank, P):
         seen["unchecked_invalid"] = "passed"
     except ShardError as e:
         seen["unchecked_invalid"] = (str(e), time.monotonic() - t0)
+    t0 = time.monotonic()
+    try:   # another strategy on one rank: they posted different collectives and waited out the timeout
+        ring_attention(q, q, q, check_shards=False, strategy=Strategy.ALL_GATHER if rank == 1 else Strategy.RING)
+        seen["unchecked_strategy"] = "passed"
+    except ShardError as e:
+        seen["unchecked_strategy"] = (str(e), time.monotonic() - t0)
     out = ring_attention(q, q, q, mask=keyfold.causal(), check_shards=False)     # and it still works
     seen["after"] = bool(torch.isfinite(out).all())
     return seen
@@ -150,6 +156,8 @@ def test_rank_disagreements_raise_on_every_rank():
         msg, waited = seen["unchecked_invalid"]
         assert "int32" in msg if r == 1 else "rank(s) [1]" in msg, msg
         assert waited < 3, f"rank {r} waited {waited:.1f}s for the other rank's error"
+        msg, waited = seen["unchecked_strategy"]
+        assert "schedule" in msg and waited < 3, seen
         assert seen["after"]
 
 
@@ -214,7 +222,6 @@ class _CallBand:
 
 
 def _worker_backward_it_cannot_run(rank, P):
-    from keyfold.distributed import Strategy
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 2, 8, 8, generator=g).requires_grad_(True) for _ in range(3))
     table = torch.zeros(2, requires_grad=True)
