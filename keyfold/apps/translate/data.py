@@ -436,7 +436,9 @@ class Tokenizer:
         return self.sp.encode(texts)
 
     def decode(self, ids: list[list[int]]) -> list[str]:
-        clean = [[t for t in seq if t > EOS] for seq in ids]
+        # UNK stays (sentencepiece writes it " ⁇ "): dropped with PAD/BOS/EOS, an unknown character or an
+        # UNK the model generated vanished from the text without a trace (a review, 2026-12-07)
+        clean = [[t for t in seq if t > EOS or t == UNK] for seq in ids]
         return self.sp.decode(clean)
 
 

@@ -286,6 +286,12 @@ def main(argv: list[str]) -> int:
         res["device"], res["dtype"] = str(device), str(dtype).replace("torch.", "")
         res["command"] = "python -m keyfold translate " + " ".join(
             ["--checkpoint", str(args.checkpoint), "--test", f"--beam {args.beam}", f"--average {args.average}"]
+            # every setting the scores depend on (--alpha, --data, --dtype, --device were left out: rerunning
+            # the printed command after --alpha 1.5 decoded with 0.6; a review, 2026-12-07)
+            + ([f"--alpha {args.alpha}"] if args.alpha != 0.6 else [])
+            + ([f"--data {args.data}"] if args.data != Path("data/deu-eng") else [])
+            + ([f"--dtype {args.dtype}"] if args.dtype != "fp32" else [])
+            + ([f"--device {args.device}"] if args.device != "cpu" else [])
             + ([f"--split {args.split}"] if args.split != "test" else [])
             + ([f"--limit {args.limit}"] if args.limit else []) + ([f"--out {args.out}"] if args.out else []))
         write_test_files(out, hyps, examples, {**res["systems"]["transformer"], "split": args.split,

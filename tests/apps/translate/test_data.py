@@ -92,6 +92,10 @@ def test_prepare_writes_splits_and_a_shared_tokenizer(tmp_path):
         assert all(data.split_of(ex.german) == split for ex in exs)
     tok = data.Tokenizer(tmp_path / "out" / "spm.model")
     assert tok.decode(tok.encode(["Wort3 word3"])) == ["Wort3 word3"]   # one vocabulary for both sides
+    # a character it never saw decodes as sentencepiece's unknown mark: it vanished with PAD/BOS/EOS before
+    # (a review, 2026-12-07: "Größe" came back "rße")
+    unseen = tok.encode(["Wort3 Ω"])[0]
+    assert data.UNK in unseen and "\u2047" in tok.decode([unseen])[0]
     assert tok.sp.pad_id() == data.PAD and tok.sp.eos_id() == data.EOS and tok.sp.bos_id() == data.BOS
 
 

@@ -394,8 +394,10 @@ def test_command_line_prepare_train_resume_translate(tmp_path, capsys):
     assert [r["step"] for r in run_log(run)] == [1, 2, 3, 4, 5, 6]
     out = tmp_path / "results"
     assert TR.main(["--checkpoint", str(run), "--data", str(data_dir), "--test", "--out", str(out),
-                    "--beam", "2", "Wort3"]) == 0
+                    "--beam", "2", "--alpha", "1.5", "Wort3"]) == 0
     res = json.loads((out / "translate.json").read_text())
+    # the printed command reproduces the scores: every setting they depend on (it left out --alpha, --data)
+    assert "--alpha 1.5" in res["command"] and f"--data {data_dir}" in res["command"]
     assert set(res["systems"]) == {"transformer", "copy source", "word by word"}
     assert res["cache_check"]["identical"] and (out / "translate.png").stat().st_size > 0
     with pytest.raises(FileNotFoundError, match="pass the run folder"):
