@@ -532,8 +532,9 @@ def _attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     from .engine import Backend
     if dlse is not None and q.device.type == "cpu" and not bool(dlse.any()):
         dlse = None
-    with _autograd_dispatch(), reading(_stand_ins(spec, tensors, grad_tensors)):  # a non-additive score's backward takes autograd of the score tile
-        # (built with grad mode on when the score's tensors need gradients: the call finds them then)
+    # a non-additive score's backward takes autograd of the score tile (built with grad mode on when the
+    # score's tensors need gradients: the call finds them then)
+    with _autograd_dispatch(), reading(_stand_ins(spec, tensors, grad_tensors)):
         with torch.set_grad_enabled(bool(grad_tensors)):  # (a dense float mask's slot: a leaf of its own)
             call = _call(q, k, v, tensors, spec, scale, q_offset, kv_offset,
                          [g.detach().requires_grad_() for g in grad_tensors])
