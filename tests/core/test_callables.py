@@ -1795,19 +1795,13 @@ _SENT_PER_ELEMENT = {  # per-element code reducing over the whole tile when broa
 }
 
 
-@pytest.mark.parametrize("name", sorted(_KEPT_BROADCAST))
-def test_reductions_over_non_grid_dims_keep_broadcast(name):
-    fn = _KEPT_BROADCAST[name]
+@pytest.mark.parametrize("name,fn,mode", [(n, f, _callables.Mode.BROADCAST) for n, f in sorted(_KEPT_BROADCAST.items())]
+                         + [(n, f, _callables.Mode.ELEMENT) for n, f in sorted(_SENT_PER_ELEMENT.items())],
+                         ids=lambda x: x if isinstance(x, str) else "")
+def test_a_reduction_goes_per_element_exactly_when_it_spans_grid_points(name, fn, mode):
+    """Flex's answer either way; broadcast kept for reductions over a table's own dims, per element for
+    reductions over the grid's (``_callables._GridWatch``)."""
     q, k, v = _qkv(1, 2, 64)
     got = kf.attention(q, k, v, mask=fn, q_offset=0, backend=Backend.TILES)
     torch.testing.assert_close(got, _flex(q, k, v, mask_mod=fn), atol=2e-5, rtol=1e-4)
-    assert _callables.mode_of(fn) is _callables.Mode.BROADCAST
-
-
-@pytest.mark.parametrize("name", sorted(_SENT_PER_ELEMENT))
-def test_reductions_over_the_grid_go_per_element(name):
-    fn = _SENT_PER_ELEMENT[name]
-    q, k, v = _qkv(1, 2, 64)
-    got = kf.attention(q, k, v, mask=fn, q_offset=0, backend=Backend.TILES)
-    torch.testing.assert_close(got, _flex(q, k, v, mask_mod=fn), atol=2e-5, rtol=1e-4)
-    assert _callables.mode_of(fn) is _callables.Mode.ELEMENT
+    assert _callables.mode_of(fn) is mode
