@@ -522,11 +522,14 @@ def _run_kind(prob: _Problem, kind, preset: Preset, bar) -> dict:
         models.append(model)
         bar.update(1)
     tests = [prob.score(m, "test") for m in models]
-    mean, half = _interval(tests)
+    # a baseline with nothing to train is exact (one run, no spread: 0); one seed of a trained one has no
+    # interval (NaN, see _interval)
+    interval = _interval if learned else (lambda xs: (statistics.fmean(xs), 0.0))
+    mean, half = interval(tests)
     extra_tests = {}
     for label, fn in prob.extra_tests.items():
         vals = [fn(m) for m in models]
-        extra_tests[label] = {"mean": _interval(vals)[0], "ci95": _interval(vals)[1], "values": vals}
+        extra_tests[label] = dict(zip(("mean", "ci95"), interval(vals)), values=vals)
     n_params = sum(p.numel() for p in first.parameters())
     n_train = sum(p.numel() for p in first.parameters() if p.requires_grad)
     return {"task": prob.name, "group": prob.group, "mixer": _kind_name(kind), "metric": prob.metric,
