@@ -822,6 +822,11 @@ _MISSING = object()
 _BUILTIN_CONTAINERS = (dict, list, tuple, set, frozenset)
 
 
+def _by_name(item) -> str:
+    """Sort key of an attribute ``(name, value)`` (a name that is not a string: its repr)."""
+    return item[0] if isinstance(item[0], str) else repr(item[0])
+
+
 def _code_names(code) -> list[str]:
     """Names a code object and the code nested in it read: globals and attributes (``co_names``),
     and the string constants that could name one (``getattr(Cfg, "size")``, ``globals()["T"]``)."""
@@ -1065,11 +1070,14 @@ def captured(fn, leaf=None, *, every: bool = False) -> tuple[list, bool]:
             elif isinstance(obj, torch.nn.Module):  # its tensors, submodules and own attributes (self._size
                 # too), not its hook tables: a whole model then stays inside the object budget
                 nxt += [*obj._parameters.values(), *obj._buffers.values(), *obj._modules.values()]
-                nxt += [x for name, x in vars(obj).items() if name not in _MODULE_TABLES and "hook" not in name]
+                # attributes by name: while dynamo traces, an attribute the traced code set comes first in its
+                # view of __dict__, and keyfold.ops matches that walk with an eager one place by place
+                nxt += [x for name, x in sorted(vars(obj).items(), key=_by_name)
+                        if name not in _MODULE_TABLES and "hook" not in name]
                 nxt.append(type(obj))
             elif hasattr(obj, "__dict__") or _slots(type(obj)):
-                try:
-                    nxt += list(vars(obj).values()) if hasattr(obj, "__dict__") else []
+                try:  # (by name, as a module's attributes above)
+                    nxt += [x for _, x in sorted(vars(obj).items(), key=_by_name)] if hasattr(obj, "__dict__") else []
                 except Exception:  # noqa: BLE001 - a __dict__ that is not a dict
                     complete = False
                 # a slotted object's fields (a dataclass(slots=True) config: hidden, and the evaluation

@@ -385,11 +385,15 @@ def _walkable(u) -> bool:
     return True
 
 
-def _captured_tensors(u) -> list:
-    """Every tensor ``u`` can read (:func:`keyfold._callables.captured`), in the walk's order, once at each
-    place that holds it."""
+def _walked(users) -> tuple[list, list]:
+    """``(tensors, numbers)`` the callables ``users`` can read (:func:`keyfold._callables.captured`), in the
+    walk's order: every tensor once at each place that holds it, and the numbers and flags among their plain
+    values (what a traced call saw, compared with what the real objects hold when the op runs). One walk
+    for both: dynamo traces it."""
     from ._callables import captured
-    return [x for x in captured(u, every=True)[0] if isinstance(x, torch.Tensor)]
+    found = [x for u in users for x in captured(u, every=True)[0]]
+    return ([x for x in found if isinstance(x, torch.Tensor)],
+            [float(x) for x in found if isinstance(x, (bool, int, float)) and not isinstance(x, torch.Tensor)])
 
 
 def _reads_slots(mask, score, tensors: list, grad_tensors) -> str:
@@ -402,7 +406,7 @@ def _reads_slots(mask, score, tensors: list, grad_tensors) -> str:
     if not users:
         return ""
     keys = tuple(_user_keys(users))
-    found = [t for u in users for t in _captured_tensors(u)]
+    found, numbers = _walked(users)
     if ",".join(str(t.dtype) for t in found) != _walk_signature(keys):
         # the traced function rebinds what a callable reads before the call (self.doc = doc where another
         # name also held doc): the walks cannot be matched place by place. Raised while tracing: dynamo
@@ -418,10 +422,11 @@ def _reads_slots(mask, score, tensors: list, grad_tensors) -> str:
             at.append("[" + str(len(tensors) - 1) + "," + str(i) + "]")
         else:  # a tensor that trains is already an input of the op: named by its place there, -1 - j
             at.append("[" + str(-1 - j) + "," + str(i) + "]")
-    if not at:
-        return ""
     names = ",".join("[" + str(k[0]) + "," + str(k[1]) + "]" if isinstance(k, tuple) else str(k) for k in keys)
-    return ',"reads":{"users":[' + names + '],"n":' + str(len(found)) + ',"at":[' + ",".join(at) + "]}"
+    # the numbers as the traced code sees them (a symbolic one too): data the op compares with the objects'
+    tensors.append(torch.tensor(numbers, dtype=torch.float64))
+    return (',"reads":{"users":[' + names + '],"n":' + str(len(found)) + ',"at":[' + ",".join(at) + '],"plain":'
+            + str(len(tensors) - 1) + "}")
 
 
 def _user_keys(users) -> list:
@@ -441,7 +446,7 @@ def _users_of(keys) -> list:
 def _walk_signature(keys: tuple) -> str:
     """The dtypes of the tensors the callables named by ``keys`` capture, walked on the real objects (run
     eagerly, even while dynamo traces: the objects as they were before the compiled function ran)."""
-    return ",".join(str(t.dtype) for u in _users_of(keys) for t in _captured_tensors(u))
+    return ",".join(str(t.dtype) for t in _walked(_users_of(keys))[0])
 
 
 def _stand_ins(spec: str, tensors: list, grads: list) -> list:
@@ -451,7 +456,17 @@ def _stand_ins(spec: str, tensors: list, grads: list) -> list:
     if '"reads"' not in spec:
         return []
     reads = json.loads(spec)["reads"]
-    now = [t for u in _users_of(reads["users"]) for t in _captured_tensors(u)]
+    users = _users_of(reads["users"])
+    now, numbers = _walked(users)
+    now_numbers, then = torch.tensor(numbers, dtype=torch.float64), tensors[reads["plain"]]
+    if now_numbers.shape != then.shape or not torch.allclose(now_numbers, then, rtol=0, atol=0, equal_nan=True):
+        # a number or flag the compiled function set before the call (self.window = w) is not yet in the
+        # object: the callable would read the previous call's (it did, silently: 1.3-1.7 off; 2026-12-07)
+        raise RuntimeError(
+            "keyfold under torch.compile: a mask or score callable reads a plain value (a number, flag or "
+            "string) that the compiled function changes before the call; the op runs before that change "
+            "reaches the object. Set it outside the compiled function, or pass it as a preset's argument "
+            "(window(w)) or as a tensor the callable captures")
     given = [(now[i] if i < len(now) else None, tensors[s] if s >= 0 else grads[-1 - s]) for s, i in reads["at"]]
     if len(now) != reads["n"] or any(a.dtype != b.dtype for a, b in given):
         raise RuntimeError(

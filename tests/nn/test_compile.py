@@ -699,3 +699,60 @@ def test_per_batch_sinks_compile_whole_and_a_tensor_position_runs_eagerly_too():
     q1 = q[:, :, :1]
     want = kf.attention(q1, k, v, mask=kf.causal() & kf.window(4), q_offset=9)
     assert torch.equal(kf.attention(q1, k, v, mask=kf.causal() & kf.window(4), q_offset=torch.tensor(9)), want)
+
+
+class _TwoTables(torch.nn.Module):
+    """Two tensors of one dtype a mask reads, one of them set in the compiled forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.zeta = torch.zeros(2, 12, dtype=torch.long)
+        self.zeta[:, :2] = 1
+        self.doc = torch.zeros(2, 12, dtype=torch.long)
+
+    def mask_mod(self, b, h, qi, ki):
+        return (self.doc[b, qi] == self.doc[b, ki]) & (ki <= qi) | (self.zeta[b, ki] > 0)
+
+    def forward(self, q, k, v, doc):
+        self.doc = doc
+        return kf.attention(q, k, v, mask=self.mask_mod)
+
+
+def test_the_tensors_a_callable_reads_are_matched_by_place_not_by_the_order_dynamo_lists_them():
+    """Dynamo lists an attribute the traced code set first in its view of the module's ``__dict__``: the
+    traced walk and the eager one listed ``doc`` and ``zeta`` in other orders, and ``zeta``'s values
+    stood in for ``doc`` (2.2-2.5 off; found the day the hand-over landed). The walk takes attributes by
+    name."""
+    g = torch.Generator().manual_seed(15)
+    m = _TwoTables()
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    for _ in range(3):
+        q, k, v = (torch.randn(2, 2, 12, 8, generator=g) for _ in range(3))
+        doc = torch.sort(torch.randint(0, 3, (2, 12), generator=g), dim=1)[0]
+        other = _TwoTables()
+        other.doc = doc
+        torch.testing.assert_close(compiled(q, k, v, doc), kf.attention(q, k, v, mask=other.mask_mod))
+
+
+class _WindowSetInside(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.window = 2
+
+    def mask_mod(self, b, h, qi, ki):
+        return (ki <= qi) & (qi - ki <= self.window)
+
+    def forward(self, q, k, v, w):
+        self.window = w
+        return kf.attention(q, k, v, mask=self.mask_mod)
+
+
+def test_a_number_a_callable_reads_set_inside_the_compiled_function_raises_instead_of_reading_the_old_one():
+    """``self.window = w`` in the compiled forward, read by the mask: the op ran before the attribute was
+    set and read the previous call's window (1.3-1.7 off, silently; 2026-12-07). keyfold cannot hand a
+    Python number over as it does a tensor: it compares the numbers the traced call saw with the
+    object's, and raises naming the fix."""
+    q, k, v = (torch.randn(1, 2, 32, 8, generator=torch.Generator().manual_seed(16)) for _ in range(3))
+    compiled = torch.compile(_WindowSetInside(), backend="aot_eager", fullgraph=True)
+    with pytest.raises(RuntimeError, match="plain value"):
+        compiled(q, k, v, 5)
