@@ -445,26 +445,29 @@ def test_a_new_closure_of_the_same_code_is_a_new_mask_under_compile():
         torch.testing.assert_close(model(q, k, v), want)
 
 
+class _WindowLayer(torch.nn.Module):
+    """A layer whose bound-method mask and score read its window ``self.w``."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = 10
+
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx <= self.w)
+
+    def score_mod(self, s, b, h, q_idx, kv_idx):
+        return s - 0.01 * self.w * (q_idx - kv_idx).abs()
+
+    def forward(self, q, k, v):
+        return kf.attention(q, k, v, mask=self.mask_mod, score=self.score_mod)
+
+
 def test_a_bound_method_mask_compiles_whole():
     """mask=self.mask_mod under fullgraph=True raised dynamo's "assume_constant_result argument
     conversion failed" (a review, 2026-12-07): a bound method is now named by its function and its
     object. The object's state is read when the op runs (a changed window gives a new plan)."""
     q, k, v = (torch.randn(1, 2, 64, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
-
-    class Layer(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = 10
-
-        def mask_mod(self, b, h, q_idx, kv_idx):
-            return (kv_idx <= q_idx) & (q_idx - kv_idx <= self.w)
-
-        def score_mod(self, s, b, h, q_idx, kv_idx):
-            return s - 0.01 * self.w * (q_idx - kv_idx).abs()
-
-        def forward(self, q, k, v):
-            return kf.attention(q, k, v, mask=self.mask_mod, score=self.score_mod)
-    eager = Layer()
+    eager = _WindowLayer()
     compiled = torch.compile(eager, backend="aot_eager", fullgraph=True)
     for w in (10, 3):
         eager.w = w
@@ -584,6 +587,14 @@ def test_preset_numbers_passed_in_compile_whole_and_each_gives_its_own_answer():
 
 # ----------------------------------- state a callable reads, changed by the compiled function itself
 
+def _doc_batches(seed, n=3):
+    """``n`` batches ``(q, k, v, doc)``: two sequences of 12 tokens in sorted documents 0-2."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        q, k, v = (torch.randn(2, 2, 12, 8, generator=g) for _ in range(3))
+        yield q, k, v, torch.sort(torch.randint(0, 3, (2, 12), generator=g), dim=1)[0]
+
+
 def _doc_reference(q, k, v, doc):
     """Attention within documents, causal, in float64, by hand."""
     N = q.shape[2]
@@ -636,12 +647,8 @@ def test_state_a_mask_reads_changed_inside_the_compiled_function_is_what_it_read
     only after the graph has run, and keyfold's op runs inside it (a review, 2026-12-07; torch's
     flex_attention was right). The op is now given what the callables capture as the traced function
     left it, and the callables read that."""
-    g = torch.Generator().manual_seed(12)
-    fn = make()
-    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
-    for _ in range(3):
-        q, k, v = (torch.randn(2, 2, 12, 8, generator=g) for _ in range(3))
-        doc = torch.sort(torch.randint(0, 3, (2, 12), generator=g), dim=1)[0]
+    compiled = torch.compile(make(), backend="aot_eager", fullgraph=True)
+    for q, k, v, doc in _doc_batches(12):
         got = compiled(q, k, v, doc)
         want = _doc_reference(q, k, v, doc)
         assert_close_by_rule(got, want, _doc_reference(q, k, v, doc).float(), None)
@@ -723,27 +730,18 @@ def test_the_tensors_a_callable_reads_are_matched_by_place_not_by_the_order_dyna
     traced walk and the eager one listed ``doc`` and ``zeta`` in other orders, and ``zeta``'s values
     stood in for ``doc`` (2.2-2.5 off; found the day the hand-over landed). The walk takes attributes by
     name."""
-    g = torch.Generator().manual_seed(15)
-    m = _TwoTables()
-    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
-    for _ in range(3):
-        q, k, v = (torch.randn(2, 2, 12, 8, generator=g) for _ in range(3))
-        doc = torch.sort(torch.randint(0, 3, (2, 12), generator=g), dim=1)[0]
+    compiled = torch.compile(_TwoTables(), backend="aot_eager", fullgraph=True)
+    for q, k, v, doc in _doc_batches(15):
         other = _TwoTables()
         other.doc = doc
         torch.testing.assert_close(compiled(q, k, v, doc), kf.attention(q, k, v, mask=other.mask_mod))
 
 
-class _WindowSetInside(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.window = 2
-
-    def mask_mod(self, b, h, qi, ki):
-        return (ki <= qi) & (qi - ki <= self.window)
+class _WindowSetInside(_WindowLayer):
+    """The window set in the compiled forward itself."""
 
     def forward(self, q, k, v, w):
-        self.window = w
+        self.w = w
         return kf.attention(q, k, v, mask=self.mask_mod)
 
 
