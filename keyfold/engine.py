@@ -523,6 +523,7 @@ def _attend(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_siz
 
 
 def _int_offset(x):
+    """A 0-d integer tensor as its int; anything else as it is (``_check`` names what is wrong)."""
     if isinstance(x, torch.Tensor) and x.dim() == 0 and not x.dtype.is_floating_point and not x.dtype.is_complex \
             and x.dtype is not torch.bool:
         return int(x)
