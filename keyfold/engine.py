@@ -18,7 +18,7 @@ from .kernels import reference as _reference
 from .kernels import tiles as _tiles
 from .kernels._common import Problem
 from .dense import tensor_mask
-from .masks import as_mask, default_q_offset
+from .masks import as_mask, default_q_offset, int_of_scalar
 from .planner import Plan, _plan, default_block
 from .scores import as_score
 from .state import State, empty_state, state_dtype
@@ -522,14 +522,6 @@ def _attend(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_siz
                             dropout_p, dropout_seed, generator, in_dtype, lse_exact, wide_lse)
 
 
-def _int_offset(x):
-    """A 0-d integer tensor as its int; anything else as it is (``_check`` names what is wrong)."""
-    if isinstance(x, torch.Tensor) and x.dim() == 0 and not x.dtype.is_floating_point and not x.dtype.is_complex \
-            and x.dtype is not torch.bool:
-        return int(x)
-    return x
-
-
 def _attend_here(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs, dropout_p,
                  dropout_seed, generator, in_dtype: bool, lse_exact: bool, wide_lse: bool = False) -> State:
     """:func:`_attend` with autocast settled (``wide_lse``: :func:`attend_wide`)"""
@@ -542,7 +534,7 @@ def _attend_here(q, k, v, mask, score, scale, q_offset, kv_offset, backend, bloc
                          backend=backend, block_size=block_size, check_inputs=check_inputs)
     # a position given as a 0-d integer tensor (a static cache's, data of the graph when compiled) is its int
     # eagerly too: a compiled decode step raised TypeError when run eagerly (a review, 2026-12-07)
-    q_offset, kv_offset = _int_offset(q_offset), _int_offset(kv_offset)
+    q_offset, kv_offset = int_of_scalar(q_offset), int_of_scalar(kv_offset)
     if mask is None and score is None and not dropout_p and _plain_fused(
             q, k, v, backend, block_size, check_inputs, scale, q_offset, kv_offset):
         return _cpu.dense(q, k, v, float(q.shape[-1] ** -0.5 if scale is None else scale), keep_dtype=in_dtype,

@@ -1125,15 +1125,22 @@ def captured_bytes(fn) -> int:
 # --------------------------------------------------------------------------- builders
 
 
+def int_of_scalar(x):
+    """A 0-d integer tensor as its int; anything else as it is (the caller names what is wrong)."""
+    if isinstance(x, torch.Tensor) and x.dim() == 0 and not x.dtype.is_floating_point \
+            and not x.dtype.is_complex and x.dtype is not torch.bool:
+        return int(x)
+    return x
+
+
 def _int_arg(x, name, fn, minimum=0):
     """``x`` as a Python int: an int, a numpy integer or a 0-d integer tensor (never a bool). Under
     ``torch.compile`` a number dynamo made symbolic (``torch.SymInt``: the second value of a window
     passed in) stays symbolic; :mod:`keyfold.ops` hands it to the op as a tensor."""
     if isinstance(x, int) and not isinstance(x, bool):  # (first: dynamo cannot trace hasattr on a SymInt)
         pass
-    elif isinstance(x, torch.Tensor) and x.dim() == 0 and not x.dtype.is_floating_point \
-            and not x.dtype.is_complex and x.dtype is not torch.bool:
-        x = int(x)
+    elif isinstance(x, torch.Tensor):
+        x = int_of_scalar(x)
     elif not isinstance(x, (bool, torch.Tensor)) and hasattr(x, "__index__") \
             and "bool" not in type(x).__name__:
         x = operator.index(x)  # numpy integers

@@ -449,13 +449,19 @@ def _walk_signature(keys: tuple) -> str:
     return ",".join(str(t.dtype) for t in _walked(_users_of(keys))[0])
 
 
+@functools.lru_cache(maxsize=256)
+def _reads_of(spec: str) -> dict:
+    """The spec's ``"reads"`` (parsed once per spec: the forward and backward of every call ask)."""
+    return json.loads(spec)["reads"]
+
+
 def _stand_ins(spec: str, tensors: list, grads: list) -> list:
     """``[(tensor a callable reads now, the op's tensor for it)]`` for a spec with ``"reads"``: the
     callables' walk again, on the real objects (still as they were before the compiled function ran),
     matched place by place with the traced one."""
     if '"reads"' not in spec:
         return []
-    reads = json.loads(spec)["reads"]
+    reads = _reads_of(spec)
     users = _users_of(reads["users"])
     now, numbers = _walked(users)
     now_numbers, then = torch.tensor(numbers, dtype=torch.float64), tensors[reads["plain"]]
