@@ -839,6 +839,41 @@ def _code_names(code) -> list[str]:
     return names
 
 
+class _Spaces:
+    """Modules whose globals a walk traced by dynamo reads, held here as attributes (see _globals_read)."""
+
+
+@torch._dynamo.assume_constant_result
+def _space_of(fn, names: tuple) -> tuple:
+    """``(attribute of _Spaces holding fn's module, the names in its globals)``, run eagerly; ``("", ())``
+    where fn's globals are not a loaded module's (code run by exec with a dict of its own)."""
+    import sys
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    g = fn.__globals__
+    if module is None or vars(module) is not g:
+        return "", ()
+    key = "m" + str(id(module))
+    setattr(_Spaces, key, module)
+    return key, tuple(n for n in names if n in g)
+
+
+def _globals_read(fn, names: list) -> list:
+    """The values of ``fn``'s globals that its code names, in the order of ``names``.
+
+    While dynamo traces, each is read as an attribute of its module, never through ``fn.__globals__``:
+    dynamo builds that dict whole, iterating it, and its own compiled frames' entries in the same dict
+    (``__compiled_fn_*``, put in the user's module) were deleted by a garbage collection meanwhile:
+    ``InternalTorchDynamoError: dictionary changed size during iteration`` on a recompile (2026-12-07)."""
+    if torch.compiler.is_compiling():
+        key, present = _space_of(fn, tuple(names))
+        if key:
+            module = getattr(_Spaces, key)
+            present = set(present)
+            return [getattr(module, n) for n in names if n in present]
+    g = fn.__globals__
+    return [g[n] for n in names if n in g]
+
+
 # objects without a __dict__ that are values: keyed by what they show (a range or dtype rebound in a
 # list or a global kept an old plan when they were skipped; review, 2026-12-06). By repr where
 # equality would hide a difference the mask can read (range(2, 2) == range(30, 30); two aware
@@ -1042,8 +1077,7 @@ def captured(fn, leaf=None, *, every: bool = False) -> tuple[list, bool]:
                             by_depth[was].discard(n)
                         names[n] = depth
                         by_depth.setdefault(depth, set()).add(n)
-                g = obj.__globals__
-                nxt += [g[n] for n in code if n in g]
+                nxt += _globals_read(obj, code)
                 # attributes set on the function itself (``sliding.window = 40``, read as ``sliding.window``
                 # inside): not followed, the old plan (a review, 2026-12-07)
                 nxt += list(getattr(obj, "__dict__", {}).values())

@@ -1,7 +1,9 @@
 """torch.compile: keyfold reaches dynamo as custom ops, so models compile whole (0 graph breaks,
 fullgraph=True) and give eager's outputs and gradients."""
 
+import gc
 import os
+import sys
 
 import pytest
 import torch
@@ -754,3 +756,44 @@ def test_a_number_a_callable_reads_set_inside_the_compiled_function_raises_inste
     compiled = torch.compile(_WindowSetInside(), backend="aot_eager", fullgraph=True)
     with pytest.raises(RuntimeError, match="plain value"):
         compiled(q, k, v, 5)
+
+
+_GC_BAND = torch.tensor(5)
+
+
+def _gc_band(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx).abs() <= _GC_BAND
+
+
+def _gc_scaled(s, b, h, q_idx, kv_idx):
+    return s * _GC_BAND.float() / 5
+
+
+def test_a_collection_changing_the_callables_module_meanwhile_is_harmless():
+    """Dynamo's compiled frames live in the user's module globals (``__compiled_fn_*``) and a garbage
+    collection deletes old ones. The callables' walk read a mask's globals through ``fn.__globals__``,
+    which dynamo builds whole by iterating it: a collection meanwhile raised ``InternalTorchDynamoError:
+    dictionary changed size during iteration`` (on recompiles in the suite, 2026-12-07). Here every
+    collection adds or deletes a global of this module, and collections run every few allocations."""
+    module = sys.modules[__name__]
+
+    def tick(phase, info):
+        if phase == "start":
+            if "_gc_tick" in vars(module):
+                del module._gc_tick
+            else:
+                module._gc_tick = 1
+
+    q, k, v = (torch.randn(1, 2, 32, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    fn = torch.compile(lambda q, k, v: kf.attention(q, k, v, mask=_gc_band, score=_gc_scaled),
+                       backend="aot_eager", fullgraph=True)
+    before = gc.get_threshold()
+    gc.callbacks.append(tick)
+    gc.set_threshold(5)
+    try:
+        out = fn(q, k, v)
+    finally:
+        gc.set_threshold(*before)
+        gc.callbacks.remove(tick)
+        vars(module).pop("_gc_tick", None)
+    torch.testing.assert_close(out, kf.attention(q, k, v, mask=_gc_band, score=_gc_scaled))
