@@ -843,10 +843,10 @@ class _Spaces:
     """Modules whose globals a walk traced by dynamo reads, held here as attributes (see _globals_read)."""
 
 
-@torch._dynamo.assume_constant_result
 def _space_of(fn, names: tuple) -> tuple:
-    """``(attribute of _Spaces holding fn's module, the names in its globals)``, run eagerly; ``("", ())``
-    where fn's globals are not a loaded module's (code run by exec with a dict of its own)."""
+    """``(attribute of _Spaces holding fn's module, the names in its globals)``; ``("", ())`` where fn's
+    globals are not a loaded module's (code run by exec with a dict of its own). Run eagerly while dynamo
+    traces: :mod:`keyfold.ops` marks it a constant of the graph (``import keyfold`` loads no dynamo)."""
     import sys
     module = sys.modules.get(getattr(fn, "__module__", None) or "")
     g = fn.__globals__
@@ -1054,17 +1054,27 @@ def captured(fn, leaf=None, *, every: bool = False) -> tuple[list, bool]:
                 found += mine[0]
                 nxt += mine[1]
             elif isinstance(obj, types.FunctionType):
+                stand_in = False
                 try:
                     cells = obj.__closure__ or ()
-                except AttributeError:  # dynamo's stand-in for a function made inside the traced one
-                    raise TypeError(f"torch.compile cannot read what {fn_name(obj)} captures (a callable made "
-                                    f"inside the compiled function): make score callables outside it") from None
+                except AttributeError:  # dynamo's stand-in for a function made inside the traced one: what it
+                    # captures is hidden, but one that captures nothing reads only its globals, defaults and code
+                    # (dynamo gives neither its __globals__ nor its __kwdefaults__: see _globals_read)
+                    if not obj.__code__.co_freevars:
+                        cells, stand_in = (), True
+                    else:
+                        raise TypeError(f"torch.compile cannot read what {fn_name(obj)} captures (a callable made "
+                                        f"inside the compiled function): make score callables outside it") from None
                 for cell in cells:
                     try:
                         nxt.append(cell.cell_contents)
                     except ValueError:  # a cell not yet assigned
                         nxt.append(None)
-                nxt += list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
+                nxt += list(obj.__defaults__ or ())
+                if not stand_in:
+                    nxt += list((obj.__kwdefaults__ or {}).values())
+                elif obj.__code__.co_kwonlyargcount:  # keyword-only defaults dynamo does not show
+                    complete = False
                 # its code too (code objects compare by their bytecode, constants and names): a helper the
                 # mask calls, redefined (a notebook cell run again), or a lambda swapped in a captured dict
                 # kept the old plan (errors 1.6-1.8; a review, 2026-12-07)

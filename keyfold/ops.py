@@ -32,6 +32,7 @@ import types
 
 import torch
 
+from . import _callables
 from . import masks as M
 from . import scores as S
 from .dense import _DenseBias, _DenseMask, check_additive, lse_shift_of, shifted_bias, tensor_mask
@@ -42,6 +43,10 @@ __all__ = ["attend_op", "flatten", "unflatten"]
 # ------------------------------------------------------------------ masks and scores as data
 
 _CALLABLES: dict[int, object] = {}  # key -> a user's callable or mask/score object (kept alive)
+
+# the callables' walk reads a function's globals by name from its module while dynamo traces, asking this
+# (run eagerly) for the module and the names it holds: a mark on the function itself
+torch._dynamo.assume_constant_result(_callables._space_of)
 
 
 @torch._dynamo.assume_constant_result
@@ -375,13 +380,15 @@ def _score_users(s) -> list:
 
 def _walkable(u) -> bool:
     """Whether the walk can follow ``u`` while dynamo traces: not a function made inside the traced
-    function (dynamo's stand-in has no ``__closure__``; such a function captures nothing: see
-    :func:`_callable_key`)."""
+    function that captures variables (dynamo's stand-in has no ``__closure__``; :func:`_callable_key`
+    refuses those). One that captures nothing is walked: its globals, defaults and code (a lambda made
+    there reading a module's dict the function changed before the call read the old entry, 1.1-1.4 off,
+    and a score one raised; 2026-12-08)."""
     if isinstance(u, types.FunctionType):
         try:
             u.__closure__
         except AttributeError:
-            return False
+            return not u.__code__.co_freevars
     return True
 
 

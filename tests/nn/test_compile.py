@@ -401,16 +401,24 @@ def _score_made_inside(q, k, v):
     return kf.attention(q, k, v, score=lambda s, b, h, qi, ki: s - 0.1 * (qi - ki).abs())
 
 
+def _score_made_inside_capturing(q, k, v):
+    slope = q.shape[-1] / 80  # a local the lambda captures: dynamo shows no closure of it
+    return kf.attention(q, k, v, score=lambda s, b, h, qi, ki: s - slope * (qi - ki).abs())
+
+
 def test_a_score_callable_made_inside_the_compiled_function_is_named_in_the_error():
     """dynamo cannot read the closure of a function made inside the traced one, so keyfold cannot
     see which tensors it captures: fullgraph=True raises saying to make it outside (it raised an
-    AttributeError from inside dynamo); without fullgraph the call breaks the graph and runs eagerly."""
+    AttributeError from inside dynamo); without fullgraph the call breaks the graph and runs eagerly.
+    One that captures nothing compiles whole (its globals are walked; it raised too until 2026-12-08)."""
     q, k, v, _ = inputs()
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="make score callables outside it"):
-        torch.compile(_score_made_inside, fullgraph=True, backend="aot_eager")(q, k, v)
+    with pytest.raises(Exception, match="callables outside it"):
+        torch.compile(_score_made_inside_capturing, fullgraph=True, backend="aot_eager")(q, k, v)
     torch._dynamo.reset()
-    got = torch.compile(_score_made_inside, backend="aot_eager")(q, k, v)
+    got = torch.compile(_score_made_inside_capturing, backend="aot_eager")(q, k, v)
+    torch.testing.assert_close(got, _score_made_inside_capturing(q, k, v))
+    got = torch.compile(_score_made_inside, fullgraph=True, backend="aot_eager")(q, k, v)
     torch.testing.assert_close(got, _score_made_inside(q, k, v))
 
 
@@ -797,3 +805,36 @@ def test_a_collection_changing_the_callables_module_meanwhile_is_harmless():
         gc.callbacks.remove(tick)
         vars(module).pop("_gc_tick", None)
     torch.testing.assert_close(out, kf.attention(q, k, v, mask=_gc_band, score=_gc_scaled))
+
+
+_INSIDE = {"doc": torch.zeros(32, dtype=torch.long), "t": torch.tensor(1.0)}
+
+
+def test_a_lambda_made_inside_reads_the_module_state_the_function_set_before_the_call():
+    """A mask made inside the compiled function, reading a module-level dict the function changes just
+    before the call, read the old entry: 1.1-1.4 off on every call, silently; the same as a score raised
+    TypeError (2026-12-08). Such a lambda captures nothing, so its globals are walked as any callable's;
+    the score's tensor that trains gets its gradient."""
+    def masked(q, k, v, doc):
+        _INSIDE["doc"] = doc
+        return kf.attention(q, k, v, mask=lambda b, h, qi, ki: _INSIDE["doc"][qi] == _INSIDE["doc"][ki])
+
+    def scored(q, k, v, t):
+        _INSIDE["t"] = t
+        return kf.attention(q, k, v, score=lambda s, b, h, qi, ki: s * _INSIDE["t"])
+
+    q, k, v = (torch.randn(1, 2, 32, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    for fullgraph in (True, False):
+        cm = torch.compile(masked, backend="aot_eager", fullgraph=fullgraph)
+        cs = torch.compile(scored, backend="aot_eager", fullgraph=fullgraph)
+        for cut in (5, 20, 11):
+            doc = (torch.arange(32) >= cut).long()
+            torch.testing.assert_close(cm(q, k, v, doc), kf.attention(q, k, v, mask=lambda b, h, qi, ki: doc[qi] == doc[ki]))
+        for t in (1.0, 3.0, 0.5):
+            got_t, want_t = torch.tensor(t, requires_grad=True), torch.tensor(t, requires_grad=True)
+            got = cs(q, k, v, got_t)
+            want = kf.attention(q, k, v, score=lambda s, b, h, qi, ki: s * want_t)
+            torch.testing.assert_close(got, want)
+            got.sum().backward()
+            want.sum().backward()
+            torch.testing.assert_close(got_t.grad, want_t.grad)
