@@ -101,6 +101,56 @@ class _TensorKey:
                 and torch.equal(self.t, other.t))
 
 
+def watch(obj, *tensors):
+    """``obj`` (a preset holding a copy of ``tensors``' values), remembering those tensors: a call then
+    raises once one of them holds other values (:func:`check_unchanged`). A preset built once and reused
+    after its tensor was changed in place (a static ``cu_seqlens`` or ``cache_seqlens`` buffer filled
+    each step, as FlashAttention code does) ran with the old values, silently (1.5-2.7 off; a review,
+    2026-12-08). Returns ``obj``."""
+    watched = [] if torch.compiler.is_compiling() else [
+        [weakref.ref(t), t._version, t.detach().clone()] for t in tensors
+        if isinstance(t, torch.Tensor) and not t.is_inference()]  # (inference tensors keep no version)
+    obj._watched = watched + list(getattr(obj, "_watched", ()))
+    return obj
+
+
+def _all_watched(obj) -> list:
+    """The watched entries of ``obj`` and the presets it is made of (tests)."""
+    out = list(getattr(obj, "_watched", ()))
+    for x in vars(obj).values() if hasattr(obj, "__dict__") else ():
+        if isinstance(x, Mask):
+            out += _all_watched(x)
+    return out
+
+
+def check_unchanged(*objs) -> None:
+    """Raise ``ValueError`` where a preset among ``objs`` (masks and score modifiers, composed or not) was
+    built from a tensor whose values changed in place since (see :func:`watch`)."""
+    stack, seen = list(objs), set()
+    while stack:
+        obj = stack.pop()
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, (list, tuple)):
+            stack += obj
+            continue
+        for entry in getattr(obj, "_watched", ()):
+            t = entry[0]()
+            if t is None or t._version == entry[1]:
+                continue
+            if t.shape == entry[2].shape and t.dtype == entry[2].dtype and bool(torch.equal(t.detach(), entry[2])):
+                entry[1] = t._version  # written, but to the same values
+                continue
+            raise ValueError(f"{obj!r} was built from a tensor that has changed in place since; a preset keeps "
+                             f"the values its tensors had when it was built. Build it again after changing the "
+                             f"tensor, or pass a mask_mod / score_mod callable that reads the tensor (read at "
+                             f"every call)")
+        if isinstance(obj, Mask) or type(obj).__module__.startswith("keyfold."):
+            stack += [x for x in (vars(obj).values() if hasattr(obj, "__dict__") else ())
+                      if isinstance(x, (Mask, list, tuple)) or type(x).__module__.startswith("keyfold.")]
+
+
 _DEPS: dict = {}  # id(mask) -> {(Bp, Hp): (reads b, reads h)}, dropped when the mask is collected
 
 
@@ -410,6 +460,7 @@ class _Sinks(Mask):
                 raise ValueError(f"{name}(n): a tensor n must be 1-D (one count per batch entry), "
                                  f"integer and >= 0; got shape {tuple(n.shape)}, dtype {n.dtype}")
             self.n = _TensorKey(n.long())
+            watch(self, n)
         else:
             self.n = _int_arg(n, "n", name)
 
@@ -545,6 +596,7 @@ class _Documents(Mask):
                                  f"got {getattr(t, 'shape', type(t))}")
         self.ids = _TensorKey(ids.long())
         self.kv_ids = None if kv_ids is None else _TensorKey(kv_ids.long())
+        watch(self, ids, kv_ids)
 
     def _kv(self):
         return self.ids if self.kv_ids is None else self.kv_ids
@@ -683,6 +735,7 @@ class _BlockSparse(Mask):
             raise ValueError("block_sparse(layout): expected a bool tensor (nq_blocks, nk_blocks) "
                              "or (H, nq_blocks, nk_blocks)")
         self.layout = _TensorKey(layout.bool())
+        watch(self, layout)
         self.block_size = _int_arg(block_size, "block_size", "block_sparse", minimum=1)
         L = self.layout.t if self.layout.t.dim() == 3 else self.layout.t.unsqueeze(0)
         # 2-D prefix sums over the layout, summed over heads, for O(1) rectangle counts.
@@ -856,6 +909,69 @@ class _Not(Mask):
         return hash(("not", self.a))
 
 
+def key_spans(mask: Mask, qp: int, k0: int, k1: int) -> list[tuple[int, int]] | None:
+    """The key positions query position ``qp`` sees among ``[k0, k1)``, as sorted disjoint ranges
+    ``[a, b)``, for a mask made of closed forms (``full``, ``causal``, ``window``, ``sinks`` with an int,
+    and ``&``, ``|``, ``~`` of them); None for any other (its own class, a tensor, a callable). A decoding
+    step's one row then runs on those keys alone, with no mask and no plan (engine)."""
+    t = type(mask)
+    if t is _Full:
+        return [(k0, k1)] if k0 < k1 else []
+    if t is _Causal:
+        return _clip(k0, min(qp + 1, k1))
+    if t is _Window:
+        lo = k0 if mask.left is None else max(k0, qp - mask.left)
+        hi = k1 if mask.right is None else min(k1, qp + mask.right + 1)
+        return _clip(lo, hi)
+    if t is _Sinks and isinstance(mask.n, int):
+        return _clip(k0, min(k1, mask.n))
+    if t is _And or t is _Or:
+        a, b = key_spans(mask.a, qp, k0, k1), key_spans(mask.b, qp, k0, k1)
+        if a is None or b is None:
+            return None
+        return _intersect(a, b) if t is _And else _union(a, b)
+    if t is _Not:
+        a = key_spans(mask.a, qp, k0, k1)
+        return None if a is None else _intersect(_clip(k0, k1), _complement(a, k0, k1))
+    return None
+
+
+def _clip(a: int, b: int) -> list[tuple[int, int]]:
+    return [(a, b)] if a < b else []
+
+
+def _intersect(xs, ys) -> list[tuple[int, int]]:
+    out, i, j = [], 0, 0
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        if a < b:
+            out.append((a, b))
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _union(xs, ys) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(xs + ys):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _complement(xs, k0: int, k1: int) -> list[tuple[int, int]]:
+    out, at = [], k0
+    for a, b in xs:
+        if at < a:
+            out.append((at, a))
+        at = max(at, b)
+    return out + _clip(at, k1)
+
+
 def _terms(m: Mask) -> list[Mask]:
     """The operands of a conjunction, flattened (``a & (b & c)`` -> [a, b, c])."""
     return _terms(m.a) + _terms(m.b) if type(m) is _And else [m]
@@ -923,7 +1039,7 @@ class Varlen(Mask):
     def _restricted(self, left, right) -> "Varlen":
         lo = left if self.left is None else (self.left if left is None else min(self.left, left))
         hi = right if self.right is None else (self.right if right is None else min(self.right, right))
-        return Varlen(self.cu_q.t, self.cu_k.t, lo, hi)
+        return watch(Varlen(self.cu_q.t, self.cu_k.t, lo, hi), *[x[0]() for x in self._watched])
 
     @staticmethod
     def _seq(cu: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -1263,7 +1379,7 @@ def padding(lengths=None, *, starts=None, keys=None) -> Mask:
         if not isinstance(keys, torch.Tensor) or keys.dim() != 2 or keys.dtype.is_floating_point:
             raise ValueError(f"padding(keys=...): expected a (batch, keys) bool or 0/1 integer tensor, got "
                              f"{getattr(keys, 'shape', type(keys).__name__)} {getattr(keys, 'dtype', '')}")
-        return _Keys(keys.detach().to("cpu", torch.bool))
+        return watch(_Keys(keys.detach().to("cpu", torch.bool)), keys)
     if lengths is None and starts is None:
         raise ValueError("padding(lengths, starts=...): pass lengths (right padding), starts (left padding) "
                          "or both")
@@ -1271,7 +1387,7 @@ def padding(lengths=None, *, starts=None, keys=None) -> Mask:
     s = _per_batch(0 if starts is None else starts, "starts", None if n is None else n.shape[0])
     if n is not None and n.shape[0] != s.shape[0]:
         n, s = torch.broadcast_tensors(n, s)
-    return _Padding(s.clone(), None if n is None else s + n)
+    return watch(_Padding(s.clone(), None if n is None else s + n), lengths, starts)
 
 
 def varlen(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None = None, *, causal: bool = False,
@@ -1313,7 +1429,7 @@ def varlen(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None = None,
                        else _int_arg(w, name, "varlen") for w, name in zip(window, ("window[0]", "window[1]")))
     if causal:
         right = 0 if right is None else min(right, 0)
-    return Varlen(cus[0], cus[1], left, right)
+    return watch(Varlen(cus[0], cus[1], left, right), cu_seqlens_q, cu_seqlens_k)
 
 
 def block_sparse(layout: torch.Tensor, block_size: int) -> Mask:

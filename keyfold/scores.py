@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from . import _callables
-from .masks import _TensorKey, _fn_name
+from .masks import _TensorKey, _fn_name, watch
 
 __all__ = ["ScoreKind", "ScoreMod", "alibi", "alibi_slopes", "softcap", "score_fn", "as_score"]
 
@@ -105,6 +105,7 @@ class _Alibi(ScoreMod):
                              "score=lambda s, b, h, q, kv: s - slopes[h] * (q - kv).abs() (it trains like Flex's), "
                              "or pass slopes.detach() to keep them fixed")
         self.slopes = _TensorKey(slopes.float())
+        watch(self, slopes)
 
     def _per_batch(self) -> bool:
         return self.slopes.t.dim() == 2

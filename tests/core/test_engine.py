@@ -623,3 +623,44 @@ def test_a_scale_of_zero_or_below_is_attention_at_that_scale_under_causal(dtype,
         got = kf.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         assert torch.isfinite(got).all()
         assert torch.equal(got, kf.attention(q, k, v, mask=kf.causal(), scale=scale))
+
+
+_ONE_ROW_MASKS = [kf.causal(), kf.causal() & kf.window(7), kf.window(5, 3), kf.causal() & (kf.window(6) | kf.sinks(3)),
+                  ~kf.sinks(4), kf.full() & kf.causal(), kf.sinks(2) | kf.window(0, 2)]
+
+
+@pytest.mark.parametrize("m", range(len(_ONE_ROW_MASKS)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decoding_row_under_a_closed_form_mask_runs_on_its_keys_alone(m, dtype):
+    """One query row under causal / window / sinks and their & | ~ runs on the keys it sees with no mask
+    and no plan (a window of 512 over a 4k cache took 0.9-1.2 ms a step: planning; 2026-12-08). Outputs
+    and gradients by the rule, at positions inside, before and past the keys, with a score on one span."""
+    mask = _ONE_ROW_MASKS[m]
+    g = torch.Generator().manual_seed(m)
+    for Nk, q_offset, kv_offset, score in ((40, None, 0, None), (40, 20, 0, None), (33, 50, 9, None),
+                                           (40, 3, 2, kf.alibi(kf.alibi_slopes(4))), (40, 35, 0, kf.softcap(5.0))):
+        q = torch.randn(2, 4, 1, 16, generator=g).to(dtype)
+        k, v = (torch.randn(2, 2, Nk, 16, generator=g).to(dtype) for _ in range(2))
+        kw = dict(mask=mask, q_offset=q_offset, kv_offset=kv_offset, score=score)
+        assert_forward_by_rule(q, k, v, **kw)
+        if dtype is torch.float32:
+            assert_backward_by_rule(q, k, v, **kw)
+
+
+def test_a_window_decoding_step_never_classifies_its_mask(monkeypatch):
+    """The step runs on the window's keys with no mask: the planner never asks the mask about a block."""
+    import keyfold.masks as masks
+
+    def refuse(*args):
+        raise AssertionError("a decoding row's closed-form mask was classified (planned)")
+
+    k = v = torch.randn(1, 2, 4096, 16)
+    q = torch.randn(1, 4, 1, 16)
+    for step in range(3):
+        with monkeypatch.context() as patched:
+            for cls in (masks._Window, masks._Causal, masks._Sinks):
+                patched.setattr(cls, "classify", refuse)
+            out = kf.attention(q, k[:, :, :4000 + step], v[:, :, :4000 + step],
+                               mask=kf.causal() & (kf.window(512) | kf.sinks(4)))
+        keys = torch.cat([torch.arange(4), torch.arange(3487 + step, 4000 + step)])  # sinks and 513 keys
+        torch.testing.assert_close(out, kf.attention(q, k[:, :, keys], v[:, :, keys]))

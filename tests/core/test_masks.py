@@ -182,3 +182,81 @@ def test_narrow_windows_prefer_smaller_tiles():
     assert (kf.window(256) & kf.block_sparse(layout, 64)).preferred_block() == 64
     narrow, wide = plan(kf.causal() & kf.window(256), 1024, 1024), plan(kf.causal() & kf.window(1024), 1024, 1024)
     assert sum(narrow.counts().values()) == 64 and sum(wide.counts().values()) == 16  # 8x8 vs 4x4 tiles
+
+
+# ------------------------------------------------------------------ one row's keys in closed form
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from keyfold.masks import key_spans  # noqa: E402
+
+
+def _closed_forms():
+    leaf = st.one_of(
+        st.just(kf.causal()), st.just(kf.full()),
+        st.builds(kf.window, st.integers(0, 12), st.one_of(st.none(), st.integers(0, 6))),
+        st.builds(kf.sinks, st.integers(0, 9)))
+    return st.recursive(leaf, lambda inner: st.one_of(
+        st.builds(lambda a, b: a & b, inner, inner), st.builds(lambda a, b: a | b, inner, inner),
+        st.builds(lambda a: ~a, inner)), max_leaves=5)
+
+
+@settings(max_examples=300, deadline=None)
+@given(mask=_closed_forms(), qp=st.integers(-5, 40), k0=st.integers(0, 20), n=st.integers(0, 25))
+def test_key_spans_are_exactly_the_keys_a_row_sees(mask, qp, k0, n):
+    """key_spans (a decoding row's keys, run with no mask and no plan) lists exactly the positions the
+    mask's own evaluate shows for that row, as sorted disjoint ranges."""
+    spans = key_spans(mask, qp, k0, k0 + n)
+    kp = torch.arange(k0, k0 + n).view(1, 1, 1, -1)
+    zero = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+    seen = torch.broadcast_to(mask.evaluate(zero, zero, torch.tensor(qp).view(1, 1, 1, 1), kp), kp.shape).flatten()
+    want = [k0 + i for i in range(n) if bool(seen[i])]
+    assert [p for a, b in spans for p in range(a, b)] == want
+    assert all(a < b for a, b in spans) and all(x[1] < y[0] for x, y in zip(spans, spans[1:]))
+
+
+def test_key_spans_answer_none_for_what_has_no_closed_form():
+    ids = torch.tensor([0, 0, 1, 1])
+    for mask in (kf.documents(ids), kf.causal() & kf.documents(ids), kf.dilated(2), kf.sinks(torch.tensor([1, 2])),
+                 ~kf.as_mask(lambda b, h, q, k: q >= k)):
+        assert key_spans(mask, 3, 0, 4) is None
+
+
+def _stale_cases():
+    ids = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+    lengths, starts = torch.tensor([6, 8]), torch.tensor([2, 0])
+    keys = torch.ones(2, 8, dtype=torch.bool)
+    n = torch.tensor([2, 3])
+    layout = torch.ones(2, 2, dtype=torch.bool)
+    slopes = torch.full((2,), 0.1)
+    return [
+        ("documents", lambda: dict(mask=kf.documents(ids)), lambda: ids.copy_(torch.tensor([0, 0, 1, 1, 1, 1, 1, 1]))),
+        ("causal & documents", lambda: dict(mask=kf.causal() & kf.documents(ids)), lambda: ids.fill_(3).index_fill_(0, torch.tensor([0]), 1)),
+        ("varlen", lambda: dict(mask=kf.varlen(cu, cu, causal=True)), lambda: cu.__setitem__(1, 2)),
+        ("varlen & window", lambda: dict(mask=kf.varlen(cu, cu) & kf.window(2)), lambda: cu.__setitem__(1, 5)),
+        ("padding lengths", lambda: dict(mask=kf.padding(lengths)), lambda: lengths.sub_(1)),
+        ("padding starts", lambda: dict(mask=kf.padding(starts=starts)), lambda: starts.add_(1)),
+        ("padding keys", lambda: dict(mask=kf.padding(keys=keys)), lambda: keys[0, 3:].fill_(False)),
+        ("sinks", lambda: dict(mask=kf.causal() | kf.sinks(n)), lambda: n.add_(2)),
+        ("block_sparse", lambda: dict(mask=kf.block_sparse(layout, 4)), lambda: layout[0, 1].fill_(False)),
+        ("alibi", lambda: dict(score=kf.alibi(slopes)), lambda: slopes.fill_(2.0)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_a_preset_whose_tensor_changed_in_place_raises(case):
+    """Presets keep the values their tensors had when built. One reused after its tensor was changed in
+    place (a static cu_seqlens buffer filled each step, FlashAttention style) ran with the old values,
+    1.5-2.7 off, silently (a review, 2026-12-08): now the call raises. A write of the same values is fine."""
+    name, build, change = _stale_cases()[case]
+    q, k, v = (torch.randn(2, 2, 8, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    kw = build()
+    kf.attention(q, k, v, **kw)
+    watched = [e[0]() for obj in kw.values() for e in kf.masks._all_watched(obj)]
+    for t in watched:
+        t.copy_(t.clone())  # the same values: no error
+    kf.attention(q, k, v, **kw)
+    change()
+    with pytest.raises(ValueError, match="changed in place"):
+        kf.attention(q, k, v, **kw)
