@@ -83,6 +83,36 @@ class KeyfoldMask(BlockMask):
 
     __str__ = __repr__  # BlockMask's __str__ reads block tables this mask does not have
 
+    def __getitem__(self, index):
+        """Rows of the queries: ``mask[:, :, a:b]`` or ``mask[..., a:b, :]`` (Gemma 4's KV-shared layers keep
+        the last queries), the query offset moved by ``a``. Anything else raises: BlockMask's own indexing
+        read tables this mask does not have (AttributeError 'dq_kv_order'; a review, 2026-12-08)."""
+        idx = index if isinstance(index, tuple) else (index,)
+        if Ellipsis in idx:
+            at = idx.index(Ellipsis)
+            idx = idx[:at] + (slice(None),) * (4 - len(idx) + 1) + idx[at + 1:]
+        idx = idx + (slice(None),) * (4 - len(idx))
+        whole = slice(None)
+        if (len(idx) != 4 or not all(isinstance(i, slice) and i == whole for i in (idx[0], idx[1], idx[3]))
+                or not isinstance(idx[2], slice) or idx[2].step not in (None, 1)):
+            raise NotImplementedError(
+                f"keyfold's attention mask cannot be indexed as {index!r}: only its query rows can be "
+                f"sliced (mask[:, :, a:b]). A model that reads the mask itself needs attn_implementation='eager' "
+                f"or 'sdpa'")
+        B, H, Nq, Nk = self._shape
+        a, b, _ = idx[2].indices(Nq)
+        b = max(a, b)
+        if isinstance(self.mask, torch.Tensor):  # a dense mask of this call's pairs: its rows
+            return KeyfoldMask(self.mask[:, :, a:b], self.q_offset, self.kv_offset, (B, H, b - a, Nk))
+        return KeyfoldMask(self.mask, self.q_offset + a, self.kv_offset, (B, H, b - a, Nk))
+
+    def _refuse_arithmetic(self, other):
+        raise TypeError("keyfold's attention mask is not a tensor: this model adds it to scores it computes "
+                        "itself, outside transformers' attention interface (GIT does); use "
+                        "attn_implementation='eager' or 'sdpa' for this model")
+
+    __add__ = __radd__ = __mul__ = __rmul__ = __sub__ = __rsub__ = _refuse_arithmetic
+
 
 # ------------------------------------------------------------------ mask functions -> masks
 
@@ -156,7 +186,7 @@ def to_keyfold_mask(fn, mu=None, codes: _Codes | None = None) -> M.Mask | None:
                 out = (out & m) if code is codes.and_masks else (out | m)
         return out
     if code is codes.sliding:       # kv_idx > q_idx - w
-        return M.window(_closure(fn)["sliding_window"] - 1, None)
+        return _keys_from(_closure(fn)["sliding_window"] - 1)
     if code is codes.sliding_bi:    # |q_idx - kv_idx| <= w
         w = _closure(fn)["sliding_window"]
         return M.window(w, w)
@@ -268,13 +298,25 @@ class _Abs:
         raise _NotClosedForm
 
 
+def _keys_from(c: int) -> M.Mask:
+    """``kv >= q - c`` for any int ``c``: a window's left bound, or for ``c < 0`` keys ahead of the query
+    only (a window of 0, which Qwen2-MoE's config sets where no layer slides: ``window(-1)`` raised and
+    the model could not run; a review, 2026-12-08)."""
+    return M.window(c, None) if c >= 0 else ~M.window(None, -c - 1)
+
+
+def _keys_up_to(c: int) -> M.Mask:
+    """``kv <= q + c`` for any int ``c``."""
+    return M.window(None, c) if c >= 0 else ~M.window(-c - 1, None)
+
+
 def _at_least_zero(d: _Lin) -> "_Pred":
     """``d >= 0`` as a keyfold mask, for ``d = +-(q - kv) + c`` or ``d = q + c`` (of remapped
     positions when ``d.pos`` is set)."""
     if d.cq == 1 and d.ckv == -1:      # kv <= q + c
-        m = M.causal() if d.c == 0 else M.window(None, d.c)
+        m = M.causal() if d.c == 0 else _keys_up_to(d.c)
     elif d.cq == -1 and d.ckv == 1:    # kv >= q - c
-        m = M.window(d.c, None)
+        m = _keys_from(d.c)
     elif d.cq == 1 and d.ckv == 0 and d.c >= 0 and d.pos is None:  # q >= -c: every query (bidirectional)
         return _Pred(M.full())
     else:
@@ -447,6 +489,14 @@ def _supports_dropout() -> bool:
     return "dropout_p" in inspect.signature(attention).parameters
 
 
+#: keyword arguments transformers' sparse-attention models give the attention function in place of a mask:
+#: keys the kernel must select (MiniMax-M3's block_indices, the DeepSeek-V3.2 family's indices), sinks
+_CHANGES_THE_MATH = ("indices", "block_indices", "topk_indices", "sinks")
+
+#: attention modules that skip their own masking when handed FlexAttention's BlockMask (KeyfoldMask is one)
+_MASK_IN_THE_MODEL = ("DogeAttention",)
+
+
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask, dropout: float = 0.0, scaling: float | None = None,
                       softcap: float | None = None, is_causal: bool | None = None, **kwargs):
@@ -460,6 +510,16 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("keyfold attention: learned attention sinks (s_aux) are not supported; "
                                   "use attn_implementation='eager' for this model")
+    for name in _CHANGES_THE_MATH:  # a model that hands its sparse selection to the kernel: dropped, the
+        if kwargs.get(name) is not None:  # attention was dense, 4.1 off (MiniMax-M3's block_indices; 2026-12-08)
+            raise NotImplementedError(f"keyfold attention: {type(module).__name__} passes {name}= (a selection "
+                                      f"of keys the attention must apply), which keyfold does not take; use "
+                                      f"attn_implementation='eager' or 'sdpa' for this model")
+    if type(module).__name__ in _MASK_IN_THE_MODEL:
+        raise NotImplementedError(f"keyfold attention: {type(module).__name__} folds the causal and padding mask "
+                                  f"into its own bias only when the mask is not FlexAttention's, and keyfold's "
+                                  f"mask passes for one (its tokens saw the future, 3.2 off; 2026-12-08); use "
+                                  f"attn_implementation='eager' or 'sdpa' for this model")
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError("keyfold attention: a dense position_bias is not supported; "
                                   "use attn_implementation='sdpa' or 'eager' for this model")

@@ -423,3 +423,87 @@ def test_a_static_caches_empty_slots_are_hidden_from_masks_that_are_not_causal(f
     out = kft.attention_forward(None, q, k, v, m)[0]
     torch.testing.assert_close(out[0, 0, 0], v[0, 0, 0])
     assert str(m) == repr(m)  # (BlockMask's __str__ raised AttributeError)
+
+
+def _gemma4_kv_shared():
+    t = transformers
+    torch.manual_seed(0)
+    cfg = t.Gemma4TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                             sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                             num_kv_shared_layers=2, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
+                             pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return t.Gemma4ForCausalLM(cfg).float().eval()
+
+
+def _qwen2_moe_default():
+    t = transformers
+    torch.manual_seed(0)
+    cfg = t.Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                           shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return t.Qwen2MoeForCausalLM(cfg).float().eval()
+
+
+@pytest.mark.parametrize("make", [_gemma4_kv_shared, _qwen2_moe_default])
+def test_models_that_slice_the_mask_or_build_an_empty_window_match_eager(make):
+    """Gemma 4's KV-shared layers slice the mask by query on every forward (BlockMask's indexing raised
+    AttributeError 'dq_kv_order'); Qwen2-MoE's default config builds a window-0 mask no layer uses
+    (window(-1) raised). Both now run: logits on a left-padded batch, logits_to_keep and greedy
+    generation equal eager's (reviews, 2026-12-08)."""
+    model = make()
+    ids, am = batch(left=True)
+    real = am.bool()
+    want = run(model, "eager", input_ids=ids, attention_mask=am)
+    got = run(model, "keyfold", input_ids=ids, attention_mask=am)
+    assert (got - want)[real].abs().max() <= 1e-4
+    for keep in (1, 3):
+        want = run(model, "eager", input_ids=ids, attention_mask=am, logits_to_keep=keep)
+        got = run(model, "keyfold", input_ids=ids, attention_mask=am, logits_to_keep=keep)
+        assert got.shape == want.shape and (got - want).abs().max() <= 1e-4
+    gens = {}
+    for impl in ("eager", "keyfold"):
+        model.set_attn_implementation(impl)
+        gens[impl] = model.generate(input_ids=ids, attention_mask=am, max_new_tokens=4, do_sample=False)
+    assert torch.equal(gens["eager"], gens["keyfold"])
+
+
+def test_a_sliced_mask_moves_its_query_offset_and_other_indexing_raises():
+    mask = kft.KeyfoldMask(kf.causal(), 0, 0, (2, 1, 10, 10))
+    rows = mask[:, :, -3:]
+    assert (rows.q_offset, rows.shape) == (7, (2, 1, 3, 10))
+    rows = mask[..., 2:5, :]
+    assert (rows.q_offset, rows.shape) == (2, (2, 1, 3, 10))
+    q = torch.randn(2, 4, 10, 8)
+    k = v = torch.randn(2, 2, 10, 8)
+    whole, _ = kft.attention_forward(torch.nn.Module(), q, k, v, mask)
+    part, _ = kft.attention_forward(torch.nn.Module(), q[:, :, 7:], k, v, mask[:, :, -3:])
+    torch.testing.assert_close(part, whole[:, 7:])
+    with pytest.raises(NotImplementedError, match="only its query rows"):
+        mask[:, 0]
+    with pytest.raises(TypeError, match="not a tensor"):
+        torch.zeros(2, 1, 10, 10) + mask
+
+
+@pytest.mark.parametrize("name", ["block_indices", "indices"])
+def test_a_models_key_selection_is_refused_not_dropped(name):
+    """MiniMax-M3 hands its sparse key-block selection to any attention but eager and sdpa as
+    block_indices= (the DeepSeek-V3.2 family: indices=); keyfold dropped it and attended densely,
+    4.1 off (a review, 2026-12-08)."""
+    q = k = v = torch.randn(1, 2, 4, 8)
+    with pytest.raises(NotImplementedError, match=name):
+        kft.attention_forward(torch.nn.Module(), q, k, v, None, **{name: torch.zeros(1, 2, 4, 1, dtype=torch.long)})
+
+
+def test_doge_is_refused():
+    """Doge folds its causal and padding mask into its own bias only when the mask is not a BlockMask,
+    which keyfold's mask is: its tokens saw the future, 3.2 off (a review, 2026-12-08)."""
+    t = transformers
+    torch.manual_seed(0)
+    model = t.DogeForCausalLM(t.DogeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+                                           bos_token_id=1, eos_token_id=2)).float().eval()
+    ids, am = batch(left=True)
+    with pytest.raises(NotImplementedError, match="DogeAttention"):
+        run(model, "keyfold", input_ids=ids, attention_mask=am)
