@@ -62,11 +62,15 @@ _MODES_MAX = 4096
 _LOCK = threading.Lock()
 
 
-def _shape_sig(x):
+def _shape_sig(x, depth: int = 0):
     if isinstance(x, torch.Tensor):
         return ("T", tuple(x.shape), x.dtype)
     if isinstance(x, (int, float, bool, str, type(None))):
         return x
+    if depth < 2 and isinstance(x, types.FunctionType):  # a closure over other callables (and_masks'):
+        return ("F", x.__code__)                          # the mode is theirs, told apart by their code
+    if depth < 2 and isinstance(x, (tuple, list)) and len(x) <= 8:
+        return (type(x), tuple(_shape_sig(y, depth + 1) for y in x))
     return type(x)
 
 
@@ -679,6 +683,10 @@ def batch_head_dependence(fn, B: int | None, H: int | None) -> tuple[bool, bool]
     told apart, and needs no telling: there is only one entry to plan for."""
     Bp, Hp = probe_sizes(B, H)
     vecs, grid = _probe_grid(Bp, Hp)
+    # its own copies each time: a mask writing its index in place (q_idx += offset, which Flex takes) wrote
+    # into the cached grid, and unrelated masks probed later raised IndexError (a review, 2026-12-08)
+    vecs = [v.clone() for v in vecs]
+    grid = [vecs[0].view(-1, 1, 1, 1), vecs[1].view(1, -1, 1, 1), vecs[2].view(1, 1, 1, 1), vecs[3].view(1, 1, 1, 1)]
     try:
         out = call_mask(fn, *grid)
     except Exception:  # noqa: BLE001
@@ -730,7 +738,29 @@ def _reads(fn, vecs, axis: int) -> bool:
 
 def call_score(fn, s, b, h, qp, kp) -> torch.Tensor:
     """``fn(s, b, h, qp, kp)`` with ``s.shape``; s keeps its dtype (Flex's rule: the modifier
-    sees float32 scores for 16/32-bit inputs, and its result is cast back to the score dtype)."""
+    sees float32 scores for 16/32-bit inputs, and its result is cast back to the score dtype).
+
+    A modifier that writes its scores in place (``score += bias``) raises, as compiled Flex does: the
+    checks that choose how to run it call it again on the same scores, and it was applied twice, 1.0-3.4
+    off, silently (a review, 2026-12-08)."""
+    version = None if s.is_inference() else s._version
+    try:
+        out = _call_score(fn, s, b, h, qp, kp)
+    except Exception:
+        _refuse_in_place(fn, s, version)
+        raise
+    _refuse_in_place(fn, s, version)
+    return out
+
+
+def _refuse_in_place(fn, s, version) -> None:
+    if version is not None and s._version != version:
+        raise ValueError(f"score callable {fn_name(fn)} changed its score argument in place (score += ..., "
+                         f"score.mul_(...)); return a new tensor instead (score = score + ...), as compiled "
+                         f"FlexAttention requires")
+
+
+def _call_score(fn, s, b, h, qp, kp) -> torch.Tensor:
     mode = _get_mode(fn, s.shape)
     vecs = None
     if mode is not Mode.ELEMENT:
@@ -1035,6 +1065,25 @@ def captured(fn, leaf=None, *, every: bool = False) -> tuple[list, bool]:
                 # itself is a fresh object at every attribute access: its id names nothing, and under
                 # torch.compile a guard on it failed in the frame that made it (score=self.score_mod)
                 stack += [(obj.__func__, depth + 1), (obj.__self__, depth + 1)]
+                continue
+            if isinstance(obj, types.FunctionType) and id(obj) not in seen and _library(obj):
+                # a library's closure over the user's callables and tensors (torch's and_masks / or_masks,
+                # transformers' padding_mask_function): its cells and defaults are followed, its code and
+                # globals are the library's. Skipped whole, a tensor its inner masks read kept the old plan
+                # after an in-place change, and one and_masks' broadcast choice served every other (1.8-2.8
+                # off; a review, 2026-12-08)
+                seen.add(id(obj))
+                try:
+                    cells = obj.__closure__ or ()
+                except AttributeError:  # dynamo's stand-in: nothing it captures can be read
+                    cells = ()
+                    complete = False
+                for cell in cells:
+                    try:
+                        stack.append((cell.cell_contents, depth + 1))
+                    except ValueError:  # a cell not yet assigned
+                        pass
+                stack += [(x, depth + 1) for x in obj.__defaults__ or ()]
                 continue
             if id(obj) in seen or (isinstance(obj, types.FunctionType) and _library(obj)) \
                     or (type(obj) not in _BUILTIN_CONTAINERS and _package(type(obj).__module__) in _OPAQUE) \

@@ -27,7 +27,9 @@ def attend_reference(q, k, v, pb: Problem) -> State:
     s = s.reshape(B, Hq, Nq, Nk)
     b, h, qp, kp = grid_positions(B, Hq, pb.q_offset, Nq, pb.kv_offset, Nk, q.device)
     if pb.score is not None:  # in the state dtype, as the other backends take it (a float64 table beside
-        s = pb.score.apply(s, b, h, qp, kp).to(sd)  # float32 scores made P float64, and P @ v raised)
+        # float32 scores made P float64, and P @ v raised); positions of its own: a score callable shifting
+        # q_idx in place (q_idx += 7) moved the mask's too, 2.2-3.8 off (a review, 2026-12-08)
+        s = pb.score.apply(s, *(t.clone() for t in (b, h, qp, kp))).to(sd)
     if pb.mask is not None:
         s = s.masked_fill(~pb.mask.evaluate(b, h, qp, kp), NEG_INF)
     # shift by the row max and divide by the sum: exp(s - lse) would not sum to 1 once |lse| is so
@@ -70,7 +72,7 @@ def _naive(q, k, v, pb: Problem):
     s = (q @ kk.transpose(-1, -2)) * pb.scale                  # (B, Hq, Nq, Nk), input dtype
     b, h, qp, kp = grid_positions(B, Hq, pb.q_offset, Nq, pb.kv_offset, Nk, q.device)
     if pb.score is not None:
-        s = pb.score.apply(s.float(), b, h, qp, kp).to(q.dtype)
+        s = pb.score.apply(s.float(), *(t.clone() for t in (b, h, qp, kp))).to(q.dtype)
     if pb.mask is None:
         return torch.softmax(s.float(), dim=-1).to(q.dtype) @ vv, s
     m = torch.broadcast_to(pb.mask.evaluate(b, h, qp, kp), s.shape)

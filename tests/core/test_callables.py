@@ -1805,3 +1805,92 @@ def test_a_reduction_goes_per_element_exactly_when_it_spans_grid_points(name, fn
     got = kf.attention(q, k, v, mask=fn, q_offset=0, backend=Backend.TILES)
     torch.testing.assert_close(got, _flex(q, k, v, mask_mod=fn), atol=2e-5, rtol=1e-4)
     assert _callables.mode_of(fn) is mode
+
+
+# ------------------------------------------------- torch's and_masks / or_masks, in-place writes (2026-12-08)
+
+def _dense_of(fn, N):
+    """The mask per element, by plain Python (the meaning Flex gives a mask_mod)."""
+    i = torch.arange(N)
+    z = torch.zeros((), dtype=torch.long)
+    return torch.tensor([[bool(fn(z, z, i[a], i[c])) for c in range(N)] for a in range(N)])
+
+
+def test_torchs_and_masks_follow_what_their_inner_masks_read():
+    """A mask built once with torch's and_masks / or_masks over a mask reading a tensor changed in place
+    kept its first plan (2.75 / 2.4 off Flex): the walk skipped the library's closure whole. And the
+    broadcast choice made for one and_masks served a later one whose inner mask reduces per element
+    (1.91 off): every and_masks is the same code."""
+    from torch.nn.attention.flex_attention import and_masks, or_masks
+    N = 48
+    q, k, v = (torch.randn(1, 2, N, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    doc = torch.zeros(N, dtype=torch.long)
+    x, y = torch.randn(N, 4), torch.randn(N, 4)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    def near(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx <= 5
+
+    def gate(b, h, q_idx, kv_idx):
+        return (x[q_idx] * y[kv_idx]).sum() > 0
+
+    for combine in (and_masks, or_masks):
+        mask = combine(causal, same_doc)
+        for cut in (30, 11):
+            doc.copy_((torch.arange(N) >= cut).long())
+            got = kf.attention(q, k, v, mask=mask, q_offset=0)
+            want = kf.attention(q, k, v, mask=_dense_of(mask, N))
+            torch.testing.assert_close(got, want)
+    first, second = and_masks(causal, near), and_masks(causal, gate)
+    torch.testing.assert_close(kf.attention(q, k, v, mask=first, q_offset=0),
+                               kf.attention(q, k, v, mask=_dense_of(first, N)))
+    torch.testing.assert_close(kf.attention(q, k, v, mask=second, q_offset=0),
+                               kf.attention(q, k, v, mask=_dense_of(second, N)))
+
+
+@pytest.mark.parametrize("backend", [kf.Backend.AUTO, kf.Backend.TILES, kf.Backend.REFERENCE])
+def test_a_score_callable_writing_its_scores_in_place_raises(backend):
+    """score += bias was applied twice (the checks call the modifier again on the same scores): 1.0-3.4
+    off, silently. Compiled Flex raises for it; keyfold now does too."""
+    q, k, v = (torch.randn(1, 2, 32, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    bias = torch.randn(63)
+
+    def plus_eq(score, b, h, q_idx, kv_idx):
+        score += bias[q_idx - kv_idx + 31]
+        return score
+
+    with pytest.raises(ValueError, match="in place"):
+        kf.attention(q, k, v, score=plus_eq, backend=backend)
+    out = kf.attention(q, k, v, score=lambda s, b, h, qi, ki: s + bias[qi - ki + 31], backend=backend)
+    want = kf.attention(q.double(), k.double(), v.double(), score=lambda s, b, h, qi, ki: s + bias.double()[qi - ki + 31],
+                        backend=kf.Backend.REFERENCE)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_callables_writing_their_positions_in_place_touch_nothing_else():
+    """A score shifting q_idx in place moved the mask's positions on the reference backend (2.2-3.8 off);
+    a mask doing q_idx += offset wrote into the cached probe grid, and later masks raised IndexError."""
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+
+    def shifted(score, b, h, q_idx, kv_idx):
+        q_idx += 7
+        return score - 0.1 * (q_idx - kv_idx).abs()
+
+    for mask in (kf.causal(), kf.window(5)):
+        want = kf.attention(q, k, v, mask=mask, score=shifted, backend=kf.Backend.TILES)
+        torch.testing.assert_close(kf.attention(q, k, v, mask=mask, score=shifted, backend=kf.Backend.REFERENCE), want)
+
+    def ahead(b, h, q_idx, kv_idx):
+        q_idx += 1000
+        return q_idx >= kv_idx
+
+    doc = (torch.arange(40) >= 17).long()
+    for _ in range(3):
+        kf.attention(q, k, v, mask=ahead)
+    out = kf.attention(q, k, v, mask=lambda b, h, qi, ki: doc[qi] == doc[ki])
+    torch.testing.assert_close(out, kf.attention(q, k, v, mask=kf.documents(doc)))
