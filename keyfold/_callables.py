@@ -607,8 +607,10 @@ def _decide(fn, broadcast, element, sample_of, informative, exact, grid=None, ro
 
 def call_mask(fn, b, h, qp, kp) -> torch.Tensor:
     """``fn(b, h, qp, kp)`` as a bool tensor broadcastable to the grid of the four index tensors."""
-    if b.dim() == h.dim() == qp.dim() == kp.dim() == 4:
-        grid = tuple(map(max, b.shape, h.shape, qp.shape, kp.shape))  # (they broadcast: callers build them so)
+    if b.dim() == h.dim() == qp.dim() == kp.dim() == 4:  # (they broadcast: callers build them so; a dim of 0
+        # beside 1s is 0: as max, an empty query's grid had one row and the reference backend raised, where
+        # the other backends give the empty output; a review, 2026-12-08)
+        grid = tuple(max(d) if min(d) else 0 for d in zip(b.shape, h.shape, qp.shape, kp.shape))
     else:
         grid = _bshape(b.shape, h.shape, qp.shape, kp.shape)
         if grid is None:

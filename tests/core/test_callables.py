@@ -1894,3 +1894,16 @@ def test_callables_writing_their_positions_in_place_touch_nothing_else():
         kf.attention(q, k, v, mask=ahead)
     out = kf.attention(q, k, v, mask=lambda b, h, qi, ki: doc[qi] == doc[ki])
     torch.testing.assert_close(out, kf.attention(q, k, v, mask=kf.documents(doc)))
+
+
+@pytest.mark.parametrize("backend", [kf.Backend.REFERENCE, kf.Backend.AUTO, kf.Backend.CPU, kf.Backend.TILES])
+def test_an_empty_query_with_a_callable_mask_gives_an_empty_output(backend):
+    """The mask's grid took max(1, 0) = 1 row for an empty query: the reference backend raised "does not fit
+    the grid" (and `python -m keyfold verify faults`, as the README prints it, counted 6 wrong answers); the
+    other backends and SDPA give the empty output (a review, 2026-12-08)."""
+    for score in (None, kf.alibi(kf.alibi_slopes(1))):
+        q, k, v = (torch.randn(1, 1, n, d, requires_grad=True) for n, d in ((0, 8), (7, 8), (7, 11)))
+        st = kf.attend(q, k, v, mask=lambda b, h, qi, ki: (qi - ki) % 3 != 1, score=score, q_offset=7, backend=backend)
+        assert tuple(st.out.shape) == (1, 1, 0, 11) and tuple(st.lse.shape) == (1, 1, 0)
+        (st.out.sum() + st.lse.sum()).backward()
+        assert bool((k.grad == 0).all()) and bool((v.grad == 0).all())

@@ -479,6 +479,13 @@ class BlockWeights:
     ln2: tuple[torch.Tensor, torch.Tensor]
     norm_first: bool = False
     eps: float = 1e-5
+    #: the second LayerNorm's eps (None: ``eps``); a layer's two norms may differ, and taking norm1's for both
+    #: put the layer's own outputs 0.26-0.37 outside its certified bounds (a review, 2026-12-08)
+    eps2: float | None = None
+
+    @property
+    def eps_of_ln2(self) -> float:
+        return self.eps if self.eps2 is None else self.eps2
 
     @staticmethod
     def random(E: int, heads: int, F: int, *, seed: int = 0, norm_first: bool = False) -> "BlockWeights":
@@ -504,7 +511,7 @@ class BlockWeights:
         if hasattr(layer, "linear1"):
             l1, l2 = layer.linear1, layer.linear2
             act = getattr(layer, "activation", None)
-            if act is not None and act is not torch.nn.functional.relu and not isinstance(act, torch.nn.ReLU):
+            if act is not None and act not in (torch.nn.functional.relu, torch.relu) and not isinstance(act, torch.nn.ReLU):
                 raise ValueError("BlockWeights.from_module: only a ReLU feed-forward is certified; "
                                  "build the layer with activation='relu'")
         elif hasattr(layer, "ff"):
@@ -523,7 +530,8 @@ class BlockWeights:
             return (vec(n.weight, E, 1.0), vec(n.bias, E, 0.0))
         return BlockWeights(AttentionWeights.from_module(layer.self_attn), l1.weight.detach().double(),
                             vec(l1.bias, l1.out_features, 0.0), l2.weight.detach().double(),
-                            vec(l2.bias, l2.out_features, 0.0), ln(n1), ln(n2), bool(layer.norm_first), float(n1.eps))
+                            vec(l2.bias, l2.out_features, 0.0), ln(n1), ln(n2), bool(layer.norm_first), float(n1.eps),
+                            float(n2.eps))
 
 
 # ------------------------------------------------------------------ one forward, two domains
@@ -595,9 +603,9 @@ def _block(x: Abstract, w: BlockWeights, vis: torch.Tensor) -> Abstract:
         return t.linear(w.w1, w.b1).apply(RELU).linear(w.w2, w.b2)
     if w.norm_first:
         y = x + _attention(_layernorm(x, *w.ln1, w.eps), w.attn, vis)
-        return y + ff(_layernorm(y, *w.ln2, w.eps))
+        return y + ff(_layernorm(y, *w.ln2, w.eps_of_ln2))
     y = _layernorm(x + _attention(x, w.attn, vis), *w.ln1, w.eps)
-    return _layernorm(y + ff(y), *w.ln2, w.eps)
+    return _layernorm(y + ff(y), *w.ln2, w.eps_of_ln2)
 
 
 # ------------------------------------------------------------------------------- public
@@ -710,7 +718,7 @@ def block_forward(x: torch.Tensor, w: BlockWeights, mask=None) -> torch.Tensor:
     import torch.nn.functional as F
 
     def ln(t, p):
-        return F.layer_norm(t, (t.shape[-1],), p[0], p[1], w.eps)
+        return F.layer_norm(t, (t.shape[-1],), p[0], p[1], w.eps if p is w.ln1 else w.eps_of_ln2)
 
     def ff(t):
         return torch.relu(t @ w.w1.t() + w.b1) @ w.w2.t() + w.b2

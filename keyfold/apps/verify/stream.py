@@ -99,7 +99,7 @@ def _cast(w: BlockWeights, dtype) -> BlockWeights:
     c = (lambda t: t.to(dtype))
     attn = type(a)(*(c(t) for t in (a.wq, a.wk, a.wv, a.wo, a.bq, a.bk, a.bv, a.bo)), heads=a.heads, mask=a.mask)
     return BlockWeights(attn, c(w.w1), c(w.b1), c(w.w2), c(w.b2), (c(w.ln1[0]), c(w.ln1[1])),
-                        (c(w.ln2[0]), c(w.ln2[1])), w.norm_first, w.eps)
+                        (c(w.ln2[0]), c(w.ln2[1])), w.norm_first, w.eps, w.eps2)
 
 
 def _attn_step(x, w, cache: WindowCache):
@@ -114,16 +114,16 @@ def _attn_step(x, w, cache: WindowCache):
 
 
 def _block_step(x, w: BlockWeights, cache):
-    def ln(t, p):
-        return F.layer_norm(t, (t.shape[-1],), p[0], p[1], w.eps)
+    def ln(t, p, eps):
+        return F.layer_norm(t, (t.shape[-1],), p[0], p[1], eps)
 
     def ff(t):
         return F.linear(torch.relu(F.linear(t, w.w1, w.b1)), w.w2, w.b2)
     if w.norm_first:
-        x = x + _attn_step(ln(x, w.ln1), w.attn, cache)
-        return x + ff(ln(x, w.ln2))
-    x = ln(x + _attn_step(x, w.attn, cache), w.ln1)
-    return ln(x + ff(x), w.ln2)
+        x = x + _attn_step(ln(x, w.ln1, w.eps), w.attn, cache)
+        return x + ff(ln(x, w.ln2, w.eps_of_ln2))
+    x = ln(x + _attn_step(x, w.attn, cache), w.ln1, w.eps)
+    return ln(x + ff(x), w.ln2, w.eps_of_ln2)
 
 
 def stream(layers: Sequence[BlockWeights], tokens: Iterable[torch.Tensor], *, window: int, sinks: int = 0):

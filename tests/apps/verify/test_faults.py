@@ -193,3 +193,24 @@ def test_error_bound_takes_attends_bool_tensor_mask_and_names_what_it_refuses():
     assert bool((err <= bound.out).all()) and bool((err > 0).any())
     with pytest.raises(ValueError, match="additive"):
         error_bound(q, k, v, mask=torch.zeros(12, 12))
+
+
+def test_a_layers_second_norm_keeps_its_own_eps():
+    """from_module read norm1's eps for both LayerNorms: a layer whose norm2 had another eps put its own
+    outputs 0.26-0.37 outside the certified bounds (a review, 2026-12-08). Now every sample of the box
+    lies inside, for both methods; activation=torch.relu is taken as ReLU."""
+    from keyfold.apps.verify.certify import BlockWeights, Method, block_forward, certify_block, sample_box
+    torch.manual_seed(0)
+    for activation in ("relu", torch.relu):
+        layer = torch.nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True,
+                                                 activation=activation).double().eval()
+        layer.norm2 = torch.nn.LayerNorm(4, eps=0.5).double()
+        x = torch.randn(3, 4, dtype=torch.float64) * 0.3
+        w = BlockWeights.from_module(layer)
+        assert (w.eps, w.eps_of_ln2) == (layer.norm1.eps, 0.5)
+        with torch.no_grad():
+            ys = layer(sample_box(x - 1e-3, x + 1e-3, 200))
+            torch.testing.assert_close(block_forward(x, w), layer(x))
+        for method in Method:
+            b = certify_block(x, w, eps=1e-3, method=method)
+            assert bool((ys <= b.hi + 1e-12).all()) and bool((ys >= b.lo - 1e-12).all())
