@@ -71,7 +71,8 @@ class LoopResult:
     controller returned, projected on the input box; NaN where it raised or returned something
     malformed), reference ``(T + 1,)``, latency ``(T,)`` seconds per step and filter_latency ``(T,)``
     the filter's share of it (0 with the filter off), sources (T :class:`Source`),
-    disturbance ``(T, n_x)`` measured ``x+ - (A x + B u)``, w_bar ``(n_x,)`` the disturbance bound
+    disturbance ``(T, n_x)`` measured ``x+ - (A x + B u)`` with the filter's model ``A, B`` (the plant's
+    with the filter off), w_bar ``(n_x,)`` the disturbance bound
     the *filter assumed* (the plant's own with the filter off), w_plant ``(n_x,)`` the plant's
     bound, violation ``(T + 1,)`` distance outside the true state limits (0 inside, inf for a NaN or
     infinite state), input_lo / input_hi the input box, faults ``{step: message}`` for every step
@@ -218,9 +219,9 @@ def _action(controller: Controller, plant: Plant, x_hist, u_hist, ref) -> tuple[
         raw = controller.propose(x_hist, u_hist, ref)
     except Exception as e:  # noqa: BLE001 - any failure of the controller is one step's fault
         return None, f"the controller raised {type(e).__name__}: {e!s:.200}"
-    try:
+    try:  # (any exception: a tensor that requires grad raises RuntimeError, and ended the run; 2026-12-08)
         plan = np.atleast_2d(np.asarray(raw, dtype=np.float64))
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - what the controller returned is one step's fault
         return None, f"the controller returned {type(raw).__name__}, not numbers ({e!s:.100})"
     if plan.ndim != 2 or plan.shape[0] < 1 or plan.shape[1] != plant.n_u:
         return None, f"the controller returned shape {np.shape(raw)}; expected (horizon, n_u={plant.n_u})"
@@ -277,6 +278,8 @@ def run_loop(plant: Plant, controller: Controller, reference: np.ndarray, config
     x_hist = np.repeat(x[None], L, 0)                     # (L, n_x), padded with x0
     u_hist = np.zeros((L - 1, n_u))                       # (L - 1, n_u)
     last_plan = np.zeros((1, n_u))                        # the controller's previous plan
+    u_last = plant.input_limits.project(np.zeros(n_u))   # the input applied last
+    model_A, model_B = (safety.A, safety.B) if config.filter_on else (plant.A, plant.B)
     stopped, steps = None, T
     for k in range(T):
         t0 = clock.now()
@@ -307,13 +310,20 @@ def run_loop(plant: Plant, controller: Controller, reference: np.ndarray, config
                 u, src = fallback.v[0].copy(), kind if fallback.certified else Source.UNCERTIFIED
             else:
                 last_plan = last_plan[1:] if len(last_plan) > 1 else last_plan   # shift the old plan
-                u, src = plant.input_limits.project(last_plan[0]), Source.DEADLINE if late else Source.FAULT
+                # its next row was never checked: one that is not finite holds the input applied last (a NaN
+                # there reached the plant and ended the run as if the plant had failed; a review, 2026-12-08)
+                nxt = last_plan[0] if np.isfinite(last_plan[0]).all() else u_last
+                u, src = plant.input_limits.project(nxt), Source.DEADLINE if late else Source.FAULT
         else:
             last_plan = proposal
         if config.filter_on:
             plan = new_plan
         x_new = plant.step(x, u, plant.sample_noise(rng, config.disturbance, x))
-        U[k], P[k], W[k] = u, u_prop, x_new - plant.A @ x - plant.B @ u
+        # the disturbance as the bound it is compared with sees it: against the filter's own model when the
+        # filter runs (against the plant's, a filter built on a wrong model broke its assumption by 16.7x
+        # while the log said ratio 1.0 and no warning; a review, 2026-12-08)
+        U[k], P[k], W[k] = u, u_prop, x_new - model_A @ x - model_B @ u
+        u_last = u
         sources.append(src)
         x = x_new
         X[k + 1] = x

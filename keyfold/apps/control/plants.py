@@ -43,6 +43,11 @@ class Polytope:
             raise ValueError(f"Polytope: H has {H.shape[0]} rows but h has {h.shape[0]} entries; give one bound per row")
         if not (np.isfinite(H).all() and np.isfinite(h).all()):
             raise ValueError("Polytope: H and h must be finite; drop a row instead of using an infinite bound")
+        zero = np.flatnonzero(~H.any(axis=1))
+        if zero.size:  # its violation distance was 0/0 = NaN, which counted as none: a state at 4.9 against a
+            # limit of 1 read "violations 0" (a review, 2026-12-08)
+            raise ValueError(f"Polytope: row {int(zero[0])} of H is zero (0 . x <= {h[zero[0]]} bounds no state); "
+                             f"drop it")
         H.setflags(write=False)
         h.setflags(write=False)
         object.__setattr__(self, "H", H)

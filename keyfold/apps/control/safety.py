@@ -398,8 +398,15 @@ class SafetyFilter:
 
         ``fallback`` is :meth:`initial_plan` at step 0 and ``shift(previous_plan, x)`` after.
         The proposal is first projected onto the input box (saturation is not an intervention).
-        If the QP finds no certified plan, the fallback is applied."""
-        u_target = self.U.project(np.asarray(u_prop, np.float64).reshape(self.n_u))
+        If the QP finds no certified plan, the fallback is applied. A non-finite state or proposal raises
+        ``ValueError`` before the solver sees it (a NaN proposal left OSQP's workspace unable to solve
+        again: every later step took the fallback, silently; a review, 2026-12-08)."""
+        x = np.asarray(x, np.float64)
+        u_prop = np.asarray(u_prop, np.float64).reshape(self.n_u)
+        if not (np.isfinite(x).all() and np.isfinite(u_prop).all()):
+            raise ValueError(f"SafetyFilter.filter: the state {x} and the proposal {u_prop} must be finite; apply "
+                             f"the fallback plan for a step whose controller gave no usable action (run_loop does)")
+        u_target = self.U.project(u_prop)
         plan = self.solve(x, u_target, warm=fallback)
         if plan is not None:
             same = np.array_equal(plan.v[0], u_target)

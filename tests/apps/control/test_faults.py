@@ -260,3 +260,67 @@ def test_a_late_step_with_an_uncertified_fallback_is_still_a_deadline_miss():
     late = np.asarray(res.latency) > res.deadline
     assert any(s is Source.UNCERTIFIED for s, x in zip(res.sources, late) if x)  # the case the count missed
     assert res.summary()["deadline_misses"] == int(late.sum()) == 100
+
+
+class _Scripted:
+    """A controller returning ``plans[k]`` at step k (raising where it is an exception)."""
+    window, horizon = 1, 2
+
+    def __init__(self, plans):
+        self.plans = plans
+
+    def reset(self, seed):
+        self.k = 0
+
+    def propose(self, x_hist, u_hist, ref):
+        p = self.plans[min(self.k, len(self.plans) - 1)]
+        self.k += 1
+        if isinstance(p, Exception):
+            raise p
+        return p
+
+
+def test_a_watchdog_fallback_never_applies_an_unchecked_row_and_a_grad_tensor_is_one_fault():
+    """Filter off: the fallback (the previous plan shifted) applied its row 1, never checked: a NaN there
+    reached the plant and the run stopped as if the plant had failed. A controller returning a torch tensor
+    that requires grad raised RuntimeError out of run_loop (reviews, 2026-12-08)."""
+    import torch
+    plant = make_plant("msd")
+    plans = [np.array([[0.1], [np.nan]])] * 4 + [RuntimeError("once")] + [np.array([[0.1], [0.1]])] * 30
+    res = run_loop(plant, _Scripted(plans), np.zeros(40), LoopConfig(steps=30, filter_on=False), None, FakeClock())
+    assert res.stopped is None and np.isfinite(res.inputs).all() and res.inputs[4][0] == 0.1
+    assert list(res.faults) == [4]
+    grad = torch.full((2, 1), 0.1, requires_grad=True)
+    res = run_loop(plant, _Scripted([grad]), np.zeros(13), LoopConfig(steps=10), SafetyFilter.from_plant(plant),
+                   FakeClock())
+    assert len(res.faults) == 10 and res.summary()["violations"] == 0
+
+
+def test_a_filter_on_another_model_reports_its_own_assumption_broken():
+    """The loop measured the disturbance against the plant's model, not the filter's: a filter on a model
+    with a spring 4x too stiff broke its assumption by up to 16.7x while the log said ratio 1.0, 0 steps
+    exceeded and no warning (a review, 2026-12-08)."""
+    plant = make_plant("msd")
+    model = make_plant("msd", spring=2.0)
+    sf = SafetyFilter(model.A, model.B, plant.state_limits, plant.input_limits, plant.disturbance_bound())
+    adv = WorstActionController(plant.A, plant.B, plant.state_limits, plant.input_limits)
+    res = run_loop(plant, adv, np.zeros(320), LoopConfig(steps=300, seed=0, disturbance=Disturbance.WORST), sf,
+                   FakeClock())
+    resid = res.states[1:] - res.states[:-1] @ model.A.T - res.inputs @ model.B.T
+    np.testing.assert_allclose(res.disturbance, resid, atol=1e-12)
+    assert res.summary()["assumption_exceeded"] > 0 and res.warnings()
+
+
+def test_the_filter_refuses_a_non_finite_proposal_and_limits_refuse_a_zero_row():
+    """A NaN proposal passed to SafetyFilter.filter left OSQP unable to solve again (every later step took
+    the fallback); a zero row of state limits made every violation distance NaN, counted as none."""
+    from keyfold.apps.control import Polytope
+    plant = make_plant("msd")
+    sf = SafetyFilter.from_plant(plant)
+    plan = sf.initial_plan(plant.x0)
+    with pytest.raises(ValueError, match="must be finite"):
+        sf.filter(plant.x0, np.array([np.nan]), plan)
+    u, _, _ = sf.filter(plant.x0, np.array([0.0]), plan)
+    assert np.isfinite(u).all()
+    with pytest.raises(ValueError, match="row 2 of H is zero"):
+        Polytope(np.array([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]), np.array([1.0, 1.0, 0.0]))
