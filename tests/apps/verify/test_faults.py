@@ -214,3 +214,19 @@ def test_a_layers_second_norm_keeps_its_own_eps():
         for method in Method:
             b = certify_block(x, w, eps=1e-3, method=method)
             assert bool((ys <= b.hi + 1e-12).all()) and bool((ys >= b.lo - 1e-12).all())
+
+
+def test_the_fault_tool_counts_a_refused_valid_layer_as_wrong_and_covers_blocks(monkeypatch):
+    """fuzz_verify filed any ValueError as a clear error for invalid input, but every input it draws is
+    valid: a certifier that refused every layer scored 0 wrong answers; and it never ran certify_block
+    (a review, 2026-12-08)."""
+    from keyfold.apps.verify import faults
+    calls = []
+    real = C.certify_block
+    monkeypatch.setattr(C, "certify_block", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert faults.fuzz_verify(6, 0).wrong == 0 and calls
+
+    def refuse(*args, **kwargs):
+        raise ValueError("a softmax denominator's lower bound reached 0")
+    monkeypatch.setattr(C, "certify_attention", refuse)
+    assert faults.fuzz_verify(6, 0).wrong > 0
