@@ -621,7 +621,7 @@ def _plain_fused(q, k, v, backend, block_size, check_inputs, scale, q_offset, kv
         return False
     qs, ks, vs = q.shape, k.shape, v.shape
     if not (len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and qs[0] == ks[0] == vs[0] and qs[1] == ks[1] == vs[1]
-            and qs[3] == ks[3] == vs[3] and ks[2] == vs[2] and qs[2] > 0 and ks[2] > 0 and qs[1] > 0):
+            and qs[3] == ks[3] == vs[3] and ks[2] == vs[2] and qs[2] > 0 and ks[2] > 0 and qs[1] > 0 and qs[3] > 0):
         return False
     if not (scale is None or (type(scale) in (int, float) and math.isfinite(scale))):
         return False

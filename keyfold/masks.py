@@ -1289,6 +1289,11 @@ def window(left: int | None, right: int | None = 0) -> Mask:
 
     ``window(W)`` alone is causal-or-local: it admits the W keys before the query and the query's own.
     """
+    for name, side in (("left", left), ("right", right)):
+        if side is not None and not isinstance(side, bool) and isinstance(side, int) and side < 0:
+            # (FlashAttention's window_size takes -1 for "unbounded": say so, a port passes it)
+            raise ValueError(f"window({name}): must be >= 0, got {side}; pass None for an unbounded side "
+                             f"(FlashAttention's -1)")
     if left is not None:
         left = _int_arg(left, "left", "window")
     if right is not None:
