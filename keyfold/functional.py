@@ -86,21 +86,24 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     nd = max(query.dim(), key.dim(), value.dim(), 3)
     q, k, v = (t.reshape((1,) * (nd - t.dim()) + tuple(t.shape)) for t in (query, key, value))
     Hq, Hkv = q.shape[-3], k.shape[-3]
+    if v.shape[-3] != Hkv and 1 in (Hkv, v.shape[-3]):  # one of them 1: heads broadcast (as in SDPA)
+        Hkv = max(Hkv, v.shape[-3])
+        k, v = k.expand(*k.shape[:-3], Hkv, *k.shape[-2:]), v.expand(*v.shape[:-3], Hkv, *v.shape[-2:])
     if v.shape[-3] != Hkv:
-        raise ValueError(f"key has {Hkv} heads but value has {v.shape[-3]}")
+        raise SDPAInputError(f"key has {Hkv} heads but value has {v.shape[-3]}")
     if Hq != Hkv and not enable_gqa and 1 in (Hq, Hkv):  # heads broadcast like any batch dim (as in SDPA)
         if Hq == 1:
             q, Hq = q.expand(*q.shape[:-3], Hkv, L, E), Hkv
     if Hq != Hkv:
         if not enable_gqa and Hkv != 1:
-            raise RuntimeError(f"query has {Hq} heads and key/value {Hkv}: pass enable_gqa=True for grouped-query "
+            raise SDPAInputError(f"query has {Hq} heads and key/value {Hkv}: pass enable_gqa=True for grouped-query "
                                f"attention (as in SDPA), or repeat the key/value heads")
         if Hkv == 0 or Hq % Hkv:
-            raise RuntimeError(f"enable_gqa=True needs query heads ({Hq}) to be a multiple of key/value heads ({Hkv})")
+            raise SDPAInputError(f"enable_gqa=True needs query heads ({Hq}) to be a multiple of key/value heads ({Hkv})")
     try:
         lead = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
     except RuntimeError as e:
-        raise RuntimeError(f"the batch dims of query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+        raise SDPAInputError(f"the batch dims of query {tuple(query.shape)}, key {tuple(key.shape)} and value "
                            f"{tuple(value.shape)} do not broadcast: {e}") from None
     B = _prod(lead)
     q4 = q.expand(*lead, Hq, L, E).reshape(B, Hq, L, E)             # (B, Hq, L, E)
@@ -117,8 +120,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             mask = m4
     if scale is not None:
         scale = float(scale)
-    out = attention(q4, k4, v4, mask=mask, score=score, scale=scale, q_offset=q_offset, dropout_p=float(dropout_p),
-                    generator=generator)
+    if E == 0:  # no features: every score is 0 (SDPA gives the average of the visible values); one zero feature
+        q4, k4 = q4.new_zeros(B, Hq, L, 1) + q4.sum() * 0, k4.new_zeros(B, Hkv, S, 1) + k4.sum() * 0
+        scale = 1.0
+    if Ev == 0:  # no value features: an empty output (as SDPA gives), in the graph of the inputs
+        out = v4.new_zeros(B, Hq, L, 0) + (q4.sum() + k4.sum() + v4.sum()) * 0
+    else:
+        out = attention(q4, k4, v4, mask=mask, score=score, scale=scale, q_offset=q_offset,
+                        dropout_p=float(dropout_p), generator=generator)
     out = out.reshape(*lead, Hq, L, Ev)                             # (..., Hq, L, Ev)
     return out if max(query.dim(), key.dim(), value.dim()) >= 3 else out.reshape(L, Ev)
 

@@ -402,3 +402,26 @@ def test_zero_heads_give_an_empty_output(is_causal):
     for backend in keyfold.Backend:
         if backend in (keyfold.Backend.AUTO, keyfold.Backend.REFERENCE, keyfold.Backend.CPU, keyfold.Backend.TILES):
             assert keyfold.attention(q, k, v, backend=backend).shape == (2, 0, 5, 4)
+
+
+def test_sdpa_shapes_torch_takes_that_were_refused():
+    """Key and value head counts that differ with one of them 1 broadcast in torch's SDPA, and a head or
+    value dim of 0 gives the average of the values / an empty output; keyfold's drop-in raised plain
+    ValueErrors (a review, 2026-12-08). Its own refusals are SDPAInputError (a RuntimeError, as SDPA's)."""
+    import torch.nn.functional as F
+    from keyfold.functional import SDPAInputError
+    from keyfold import scaled_dot_product_attention as kf_sdpa
+    g = torch.Generator().manual_seed(0)
+    cases = [((2, 3, 5, 8), (2, 1, 7, 8), (2, 3, 7, 6), {}), ((2, 3, 5, 8), (2, 3, 7, 8), (2, 1, 7, 6), {}),
+             ((2, 3, 5, 0), (2, 3, 7, 0), (2, 3, 7, 6), {}), ((2, 3, 5, 0), (2, 3, 7, 0), (2, 3, 7, 6), {"is_causal": True}),
+             ((2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 0), {})]
+    for qs, ks, vs, kw in cases:
+        q, k, v = (torch.randn(*s, generator=g, requires_grad=True) for s in (qs, ks, vs))
+        want, got = F.scaled_dot_product_attention(q, k, v, **kw), kf_sdpa(q, k, v, **kw)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want)
+        got.sum().backward()
+    with pytest.raises(SDPAInputError):
+        kf_sdpa(torch.randn(1, 4, 5, 8), torch.randn(1, 3, 7, 8), torch.randn(1, 3, 7, 8))
+    with pytest.raises(SDPAInputError):
+        kf_sdpa(torch.randn(1, 3, 5, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 3, 7, 8))
