@@ -584,6 +584,9 @@ class _Keys(Mask):
         return hash(("keys", self.valid))
 
 
+_MISSING_BLOCK = object()
+
+
 class _Documents(Mask):
     """Packed sequences: a pair is visible when the query's and the key's document ids match."""
 
@@ -597,6 +600,17 @@ class _Documents(Mask):
         self.ids = _TensorKey(ids.long())
         self.kv_ids = None if kv_ids is None else _TensorKey(kv_ids.long())
         watch(self, ids, kv_ids)
+        self._block = _MISSING_BLOCK
+
+    def preferred_block(self):
+        """128 where the documents are mostly at most 128 positions long (their median run): 256-tiles
+        computed up to twice their pairs (eight documents of 128 over 1k with a relative-bias callable:
+        0.56x the time at 128, plain 0.84x; runs of 256 or more: 1.0-1.2x, so those keep the default)."""
+        if self._block is _MISSING_BLOCK:
+            t = self.ids.t.reshape(-1)
+            runs = torch.unique_consecutive(t, return_counts=True)[1] if t.numel() else t
+            self._block = 128 if runs.numel() and float(runs.float().median()) <= 128 else None
+        return self._block
 
     def _kv(self):
         return self.ids if self.kv_ids is None else self.kv_ids

@@ -260,3 +260,13 @@ def test_a_preset_whose_tensor_changed_in_place_raises(case):
     change()
     with pytest.raises(ValueError, match="changed in place"):
         kf.attention(q, k, v, **kw)
+
+
+def test_short_documents_plan_128_tiles():
+    """Documents of at most 128 positions took 256-tiles, computing up to twice their pairs (a relative
+    bias callable over eight documents of 128 at 1.6-4x compiled Flex's time; a review, 2026-12-08)."""
+    assert kf.documents(torch.arange(1024) // 128).preferred_block() == 128
+    assert kf.documents(torch.arange(4096) // 512).preferred_block() is None
+    assert (kf.causal() & kf.documents(torch.arange(512) // 64)).preferred_block() == 128
+    plan = kf.plan(kf.documents(torch.arange(1024) // 128), 1024, 1024)
+    assert plan.counts()["empty"] > 0 and plan.counts()["partial"] == 0
