@@ -169,8 +169,14 @@ class _Alibi(ScoreMod):
 
 class _Softcap(ScoreMod):
     def __init__(self, cap: float):
+        if isinstance(cap, torch.Tensor) and cap.dim() == 0 and cap.dtype.is_floating_point \
+                and not torch.compiler.is_compiling():
+            if cap.requires_grad:  # a fixed number here: a learnable cap would get no gradient
+                raise ValueError("softcap(cap): cap requires grad, but softcap() holds a fixed number; for a "
+                                 "learnable cap pass score=lambda s, b, h, q, kv: cap * torch.tanh(s / cap)")
+            cap = float(cap)  # a 0-d float tensor (a config's value kept as a tensor): its number
         if not isinstance(cap, (int, float)) or isinstance(cap, bool) or not cap > 0 or math.isinf(cap):
-            raise ValueError(f"softcap(cap): cap must be a finite number > 0, got {cap!r}")
+            raise ValueError(f"softcap(cap): cap must be a finite number > 0 (or a 0-d float tensor), got {cap!r}")
         self.cap = float(cap)
 
     def apply(self, s, b, h, qp, kp):

@@ -128,3 +128,13 @@ def test_the_unmasked_fast_path_validates_like_the_engine():
     assert st.out.dtype == torch.float32 and st.lse.dtype == torch.float32
     torch.testing.assert_close(st.out.double(), ref.out, atol=1e-6, rtol=0)
     torch.testing.assert_close(st.lse.double(), ref.lse, atol=1e-5, rtol=0)
+
+
+def test_softcap_takes_a_0d_tensor_and_refuses_one_that_trains():
+    """softcap(torch.tensor(30.)) (a config's value kept as a tensor) raised "must be a finite number"
+    (a review, 2026-12-08); one that requires grad is refused naming the callable that trains it."""
+    import torch
+    import keyfold as kf
+    assert kf.softcap(torch.tensor(30.0)) == kf.softcap(30.0)
+    with pytest.raises(ValueError, match="learnable cap"):
+        kf.softcap(torch.tensor(30.0, requires_grad=True))
