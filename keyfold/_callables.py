@@ -745,7 +745,19 @@ def call_score(fn, s, b, h, qp, kp) -> torch.Tensor:
     A modifier that writes its scores in place (``score += bias``) raises, as compiled Flex does: the
     checks that choose how to run it call it again on the same scores, and it was applied twice, 1.0-3.4
     off, silently (a review, 2026-12-08)."""
-    version = None if s.is_inference() else s._version
+    if s.is_inference():  # no version counter: where the modifier may run more than once on these scores (its
+        # mode undecided or per element), it gets a copy, compared after (under inference_mode the double write
+        # came back, 1.59 off; a review, 2026-12-08). Decided broadcast runs it once: a write there is its answer
+        if _get_mode(fn, s.shape) is Mode.BROADCAST:
+            return _call_score(fn, s, b, h, qp, kp)
+        mine = s.clone()
+        try:
+            out = _call_score(fn, mine, b, h, qp, kp)
+        finally:
+            if not bool(((mine == s) | (mine.isnan() & s.isnan())).all()):  # (NaN scores are no write)
+                _refuse_in_place(fn, None, None)
+        return out
+    version = s._version
     try:
         out = _call_score(fn, s, b, h, qp, kp)
     except Exception:
@@ -756,7 +768,8 @@ def call_score(fn, s, b, h, qp, kp) -> torch.Tensor:
 
 
 def _refuse_in_place(fn, s, version) -> None:
-    if version is not None and s._version != version:
+    """Raise where the score tensor ``s`` moved past ``version`` (``s`` None: a write was seen already)."""
+    if s is None or s._version != version:
         raise ValueError(f"score callable {fn_name(fn)} changed its score argument in place (score += ..., "
                          f"score.mul_(...)); return a new tensor instead (score = score + ...), as compiled "
                          f"FlexAttention requires")

@@ -101,15 +101,51 @@ class _TensorKey:
                 and torch.equal(self.t, other.t))
 
 
+class _Watched:
+    """A tensor a preset was built from: a weak reference to it (and to its base, for a view: a preset
+    built from ``cu_buf[:B + 1]`` or ``ids.view(1, -1)`` watches the buffer, whose version counter the
+    view shares), its version then, and a copy of its values then."""
+
+    __slots__ = ("ref", "base", "geometry", "version", "values")
+
+    def __init__(self, t: torch.Tensor):
+        self.ref = weakref.ref(t)
+        base = t._base
+        self.base = None if base is None else weakref.ref(base)
+        self.geometry = (tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        # an inference tensor keeps no version counter: its values are compared at every call
+        self.version = None if t.is_inference() else t._version
+        self.values = t.detach().clone()
+
+    def now(self) -> torch.Tensor | None:
+        """The watched tensor as it is now (the view rebuilt over its base where the view object is
+        gone), or None where nothing of it is left to change."""
+        t = self.ref()
+        if t is None and self.base is not None:
+            b = self.base()
+            if b is not None:
+                t = b.as_strided(*self.geometry)
+        return t
+
+    def changed(self) -> bool:
+        t = self.now()
+        if t is None or (self.version is not None and t._version == self.version):
+            return False
+        if t.shape == self.values.shape and t.dtype == self.values.dtype and bool(torch.equal(t.detach(), self.values)):
+            if self.version is not None:
+                self.version = t._version  # written, but to the same values
+            return False
+        return True
+
+
 def watch(obj, *tensors):
     """``obj`` (a preset holding a copy of ``tensors``' values), remembering those tensors: a call then
     raises once one of them holds other values (:func:`check_unchanged`). A preset built once and reused
     after its tensor was changed in place (a static ``cu_seqlens`` or ``cache_seqlens`` buffer filled
     each step, as FlashAttention code does) ran with the old values, silently (1.5-2.7 off; a review,
-    2026-12-08). Returns ``obj``."""
-    watched = [] if torch.compiler.is_compiling() else [
-        [weakref.ref(t), t._version, t.detach().clone()] for t in tensors
-        if isinstance(t, torch.Tensor) and not t.is_inference()]  # (inference tensors keep no version)
+    2026-12-08). Views are watched through their base, inference tensors by value. Not under
+    torch.compile (README "torch.compile"). Returns ``obj``."""
+    watched = [] if torch.compiler.is_compiling() else [_Watched(t) for t in tensors if isinstance(t, torch.Tensor)]
     obj._watched = watched + list(getattr(obj, "_watched", ()))
     return obj
 
@@ -136,11 +172,7 @@ def check_unchanged(*objs) -> None:
             stack += obj
             continue
         for entry in getattr(obj, "_watched", ()):
-            t = entry[0]()
-            if t is None or t._version == entry[1]:
-                continue
-            if t.shape == entry[2].shape and t.dtype == entry[2].dtype and bool(torch.equal(t.detach(), entry[2])):
-                entry[1] = t._version  # written, but to the same values
+            if not entry.changed():
                 continue
             raise ValueError(f"{obj!r} was built from a tensor that has changed in place since; a preset keeps "
                              f"the values its tensors had when it was built. Build it again after changing the "
@@ -1053,7 +1085,11 @@ class Varlen(Mask):
     def _restricted(self, left, right) -> "Varlen":
         lo = left if self.left is None else (self.left if left is None else min(self.left, left))
         hi = right if self.right is None else (self.right if right is None else min(self.right, right))
-        return watch(Varlen(self.cu_q.t, self.cu_k.t, lo, hi), *[x[0]() for x in self._watched])
+        out = Varlen(self.cu_q.t, self.cu_k.t, lo, hi)
+        # the parent's watch, as it was: a fresh watch would take the tensors' values now, and a composition
+        # made after an in-place change ran on the old values, silently (2.28 off; a review, 2026-12-08)
+        out._watched = list(getattr(self, "_watched", ()))
+        return out
 
     @staticmethod
     def _seq(cu: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

@@ -1907,3 +1907,42 @@ def test_an_empty_query_with_a_callable_mask_gives_an_empty_output(backend):
         assert tuple(st.out.shape) == (1, 1, 0, 11) and tuple(st.lse.shape) == (1, 1, 0)
         (st.out.sum() + st.lse.sum()).backward()
         assert bool((k.grad == 0).all()) and bool((v.grad == 0).all())
+
+
+def test_in_place_writes_are_caught_under_inference_mode_and_presets_watch_views_and_inference_tensors():
+    """Under torch.inference_mode the scores keep no version counter: a score_mod's score += bias was applied
+    twice again (1.59 off). A preset built from a view of a buffer (varlen(cu_buf[:3]), ids.view(1, -1)) or
+    from an inference tensor was never watched, and varlen(cu) & window(w) composed after a change took the
+    tensors' new values as its watch (2.3 off each, silently; a review, 2026-12-08)."""
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    bias = torch.randn(16, 16)
+
+    def plus_eq(score, b, h, q_idx, kv_idx):
+        score += bias[q_idx, kv_idx]
+        return score
+
+    with torch.inference_mode():
+        with pytest.raises(ValueError, match="in place"):
+            kf.attention(q, k, v, score=plus_eq)
+        nan_q = q.clone()
+        nan_q[0, 0, 3] = float("nan")  # NaN scores are no write
+        kf.attention(nan_q, k, v, score=lambda s, b, h, qi, ki: s + bias[qi, ki])
+
+    cu_buf = torch.tensor([0, 8, 16, 16])
+    mask = kf.varlen(cu_buf[:3], causal=True)
+    kf.attention(q, k, v, mask=mask)
+    cu_buf[1] = 4
+    with pytest.raises(ValueError, match="changed in place"):
+        kf.attention(q, k, v, mask=mask)
+    cu = torch.tensor([0, 8, 16])
+    mask = kf.varlen(cu, causal=True)
+    cu[1] = 4
+    with pytest.raises(ValueError, match="changed in place"):
+        kf.attention(q, k, v, mask=mask & kf.window(3))
+    with torch.inference_mode():
+        ids = (torch.arange(16) >= 8).long()
+        mask = kf.documents(ids)
+        kf.attention(q, k, v, mask=mask)
+        ids[4:] = 1
+        with pytest.raises(ValueError, match="changed in place"):
+            kf.attention(q, k, v, mask=mask)

@@ -253,7 +253,7 @@ def test_a_preset_whose_tensor_changed_in_place_raises(case):
     q, k, v = (torch.randn(2, 2, 8, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
     kw = build()
     kf.attention(q, k, v, **kw)
-    watched = [e[0]() for obj in kw.values() for e in kf.masks._all_watched(obj)]
+    watched = [e.now() for obj in kw.values() for e in kf.masks._all_watched(obj)]
     for t in watched:
         t.copy_(t.clone())  # the same values: no error
     kf.attention(q, k, v, **kw)
