@@ -570,9 +570,15 @@ def _one_row_keys(q, k, v, mask, score, q_offset, kv_offset, backend, block_size
             or check_inputs or type(q_offset) is not int or type(kv_offset) is not int or kv_offset < 0):
         return None
     spans = key_spans(mask, q_offset, kv_offset, kv_offset + k.shape[2])
-    if not spans or (len(spans) > 1 and score is not None):
+    if not spans or (len(spans) > 1 and (score is not None or sum(b - a for a, b in spans) > _CAT_KEYS)):
         return None
     return [(a - kv_offset, b - kv_offset) for a, b in spans]
+
+
+#: most keys of several ranges a decoding row's keys are copied together for: the copy costs what the
+#: plan saves around 1k keys, and a window of 8k beside sinks took 2.4-8.7x the planned path's time
+#: copied (allocating two fresh buffers a step; a review, 2026-12-08)
+_CAT_KEYS = 1024
 
 
 def with_lse_shift(st: State, shift: torch.Tensor) -> State:
