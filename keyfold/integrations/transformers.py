@@ -532,6 +532,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         extra["dropout_p"] = float(dropout)
     q_offset, kv_offset = None, 0
     if isinstance(attention_mask, KeyfoldMask):
+        if key.shape[-2] > attention_mask.shape[-1]:
+            # more keys than the mask describes: their positions are unknown (a DynamicCache's window of 1
+            # keeps every key and its mask says 1: keyfold read key j at position kv_offset + j, 0.15-0.63 off;
+            # eager and sdpa spread their one column over every key, itself not a window of 1; 2026-12-08)
+            raise RuntimeError(f"keyfold attention: {type(module).__name__} got {key.shape[-2]} keys but its mask "
+                               f"describes {attention_mask.shape[-1]}; the cache and the mask disagree (transformers' "
+                               f"sliding-window cache with sliding_window=1 does): use a larger window, a "
+                               f"StaticCache, or attn_implementation='eager'")
         mask, q_offset, kv_offset = attention_mask.mask, attention_mask.q_offset, attention_mask.kv_offset
         if isinstance(q_offset, torch.Tensor) and not torch.compiler.is_compiling():
             q_offset = int(q_offset)  # (compiled, the op reads it at run time)

@@ -507,3 +507,21 @@ def test_doge_is_refused():
     ids, am = batch(left=True)
     with pytest.raises(NotImplementedError, match="DogeAttention"):
         run(model, "keyfold", input_ids=ids, attention_mask=am)
+
+
+def test_more_keys_than_the_mask_describes_raise():
+    """transformers' sliding-window DynamicCache with sliding_window=1 keeps every key while its mask
+    describes one: keyfold read key j at position kv_offset + j, 0.15-0.35 off eager from the second
+    generated token, silently (a review, 2026-12-08). Such a call now raises."""
+    t = transformers
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = t.MistralForCausalLM(t.MistralConfig(**common, sliding_window=1)).float().eval()
+    model.set_attn_implementation("keyfold")
+    with pytest.raises(RuntimeError, match="keys but its mask describes"):
+        model.generate(input_ids=torch.randint(3, VOCAB, (1, 4)), max_new_tokens=3, do_sample=False)
+    q = torch.randn(1, 4, 1, 8)
+    k = v = torch.randn(1, 2, 5, 8)
+    with pytest.raises(RuntimeError, match="5 keys"):
+        kft.attention_forward(torch.nn.Module(), q, k, v, kft.KeyfoldMask(kf.causal(), 4, 4, (1, 1, 1, 1)))
