@@ -1134,11 +1134,10 @@ def captured(fn, leaf=None, *, every: bool = False) -> tuple[list, bool]:
                         nxt.append(cell.cell_contents)
                     except ValueError:  # a cell not yet assigned
                         nxt.append(None)
-                nxt += list(obj.__defaults__ or ())
                 if not stand_in:
-                    nxt += list((obj.__kwdefaults__ or {}).values())
-                elif obj.__code__.co_kwonlyargcount:  # keyword-only defaults dynamo does not show
-                    complete = False
+                    nxt += list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
+                elif obj.__code__.co_argcount > 4 or obj.__code__.co_kwonlyargcount:  # defaults it may have:
+                    complete = False  # dynamo gives a stand-in's as a bare tuple (reading them crashed it)
                 # its code too (code objects compare by their bytecode, constants and names): a helper the
                 # mask calls, redefined (a notebook cell run again), or a lambda swapped in a captured dict
                 # kept the old plan (errors 1.6-1.8; a review, 2026-12-07)

@@ -101,6 +101,17 @@ class _TensorKey:
                 and torch.equal(self.t, other.t))
 
 
+def _nothing():
+    return None
+
+
+def _unwatched() -> "_Watched":
+    """A watch entry tied to nothing (what a pickled or deep-copied preset carries: its tensors are copies)."""
+    w = _Watched.__new__(_Watched)
+    w.ref, w.base, w.geometry, w.version, w.values = _nothing, None, None, None, None
+    return w
+
+
 class _Watched:
     """A tensor a preset was built from: a weak reference to it (and to its base, for a view: a preset
     built from ``cu_buf[:B + 1]`` or ``ids.view(1, -1)`` watches the buffer, whose version counter the
@@ -116,6 +127,9 @@ class _Watched:
         # an inference tensor keeps no version counter: its values are compared at every call
         self.version = None if t.is_inference() else t._version
         self.values = t.detach().clone()
+
+    def __reduce__(self):  # (a weak reference does not pickle: presets went through no DataLoader worker)
+        return _unwatched, ()
 
     def now(self) -> torch.Tensor | None:
         """The watched tensor as it is now (the view rebuilt over its base where the view object is
@@ -148,6 +162,13 @@ def watch(obj, *tensors):
     watched = [] if torch.compiler.is_compiling() else [_Watched(t) for t in tensors if isinstance(t, torch.Tensor)]
     obj._watched = watched + list(getattr(obj, "_watched", ()))
     return obj
+
+
+def inherit_watch(new, old):
+    """``new`` (a preset made from ``old``'s private copies: a slice of its heads, a narrower window) with
+    ``old``'s watch added: checked against the tensors ``old`` was built from. Returns ``new``."""
+    new._watched = list(getattr(new, "_watched", ())) + list(getattr(old, "_watched", ()))
+    return new
 
 
 def _all_watched(obj) -> list:

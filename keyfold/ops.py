@@ -378,7 +378,7 @@ def _score_users(s) -> list:
     return [s.fn if type(s) is S.ScoreFn else s]
 
 
-def _walkable(u) -> bool:
+def _walkable(u, nargs: int) -> bool:
     """Whether the walk can follow ``u`` while dynamo traces: not a function made inside the traced
     function that captures variables (dynamo's stand-in has no ``__closure__``; :func:`_callable_key`
     refuses those). One that captures nothing is walked: its globals, defaults and code (a lambda made
@@ -387,8 +387,10 @@ def _walkable(u) -> bool:
     if isinstance(u, types.FunctionType):
         try:
             u.__closure__
-        except AttributeError:
-            return not u.__code__.co_freevars
+        except AttributeError:  # (``nargs``: a mask's 4 or a score's 5; one with more has defaults, whose
+            # values dynamo's stand-in gives as a bare tuple: reading them crashed dynamo; a review, 2026-12-08)
+            code = u.__code__
+            return not code.co_freevars and code.co_argcount == nargs and not code.co_kwonlyargcount
     return True
 
 
@@ -409,7 +411,7 @@ def _reads_slots(mask, score, tensors: list, grad_tensors) -> str:
     objects only after the graph has run, and the op runs inside it), appended to ``tensors``; the spec's
     ``"reads"`` says where each stands in the callables' walk. Tensors that train are left out (the op's
     grad tensors, named there)."""
-    users = [u for u in _users(mask) + _score_users(score) if _walkable(u)]
+    users = [u for u in _users(mask) if _walkable(u, 4)] + [u for u in _score_users(score) if _walkable(u, 5)]
     if not users:
         return ""
     keys = tuple(_user_keys(users))

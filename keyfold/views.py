@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .masks import BlockKind, Mask
+from .masks import BlockKind, Mask, inherit_watch
 from .scores import ScoreKind, ScoreMod, alibi, as_score
 
 __all__ = ["RowTable", "Remap", "MaskView", "ScoreView", "heads_slice", "span_kinds"]
@@ -245,7 +245,7 @@ def heads_slice(score: ScoreMod | None, h0: int, h1: int) -> ScoreMod | None:
         return None
     spec = score.spec()
     if spec is not None and spec[0] is ScoreKind.ALIBI:
-        return alibi(spec[1]["slopes"][..., h0:h1])
+        return inherit_watch(alibi(spec[1]["slopes"][..., h0:h1]), score)  # (its slopes' watch: 2.5 off, 2026-12-08)
     if score.parts() is not None:
         return as_score([heads_slice(m, h0, h1) for m in score.parts()])
     return score

@@ -270,3 +270,14 @@ def test_short_documents_plan_128_tiles():
     assert (kf.causal() & kf.documents(torch.arange(512) // 64)).preferred_block() == 128
     plan = kf.plan(kf.documents(torch.arange(1024) // 128), 1024, 1024)
     assert plan.counts()["empty"] > 0 and plan.counts()["partial"] == 0
+
+
+def test_presets_pickle_and_keep_their_meaning():
+    """The watch's weak references made presets unpicklable (a DataLoader worker returning documents(ids)
+    hung); a pickled preset carries no watch (its tensors are copies) and means the same."""
+    import pickle
+    ids = (torch.arange(16) >= 5).long()
+    for m in (kf.documents(ids), kf.padding(torch.tensor([3, 9])), kf.varlen(torch.tensor([0, 4, 16]), causal=True)):
+        back = pickle.loads(pickle.dumps(m))
+        assert back == m
+        assert torch.equal(back.to_dense(16, 16, B=2), m.to_dense(16, 16, B=2))

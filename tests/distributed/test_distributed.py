@@ -917,3 +917,17 @@ def test_tree_decode_with_a_varlen_mask_takes_attentions_default_position():
     and raised on every rank, its message calling 0 "the default" (a review, 2026-12-07)."""
     for err in _values(launch(_worker_tree_decode_varlen, 2)):
         assert err < 1e-5
+
+
+def test_a_slice_of_an_alibi_presets_heads_keeps_its_watch():
+    """views.heads_slice rebuilt alibi from its private copy: slopes changed in place after alibi(slopes) was
+    built were missed on the all-gather path's head groups (2.5 off; a review, 2026-12-08)."""
+    N, H = 16, 4
+    q, k, v = (torch.randn(1, H, N, 8, dtype=torch.float64) for _ in range(3))
+    slopes = keyfold.alibi_slopes(H).double()
+    job = Job(keyfold.causal(), keyfold.alibi(slopes), None, keyfold.Backend.AUTO, Layout.CONTIGUOUS, N, 1, 0)
+    acc = empty_state(1, 2, N, 8, dtype=torch.float64)
+    accumulate(acc, q[:, :2], k[:, :2], v[:, :2], job, 0, heads=(0, 2, H))
+    slopes.mul_(8.0)
+    with pytest.raises(ValueError, match="changed in place"):
+        accumulate(empty_state(1, 2, N, 8, dtype=torch.float64), q[:, :2], k[:, :2], v[:, :2], job, 0, heads=(0, 2, H))

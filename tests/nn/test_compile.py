@@ -838,3 +838,17 @@ def test_a_lambda_made_inside_reads_the_module_state_the_function_set_before_the
             got.sum().backward()
             want.sum().backward()
             torch.testing.assert_close(got_t.grad, want_t.grad)
+
+
+def test_a_lambda_with_a_default_made_inside_compiles():
+    """mask=lambda b, h, q, kv, w=w: ... made inside the compiled function crashed dynamo on its first call
+    (the walk read a stand-in's defaults, which dynamo gives as a bare tuple; a review of 2026-12-08's
+    changes): it runs again."""
+    q, k, v = (torch.randn(1, 2, 32, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+
+    def f(q, k, v, w):
+        return kf.attention(q, k, v, mask=lambda b, h, qi, ki, w=w: (qi - ki <= w) & (ki <= qi))
+    for fullgraph in (True, False):
+        torch._dynamo.reset()
+        out = torch.compile(f, backend="aot_eager", fullgraph=fullgraph)(q, k, v, 9)
+        torch.testing.assert_close(out, kf.attention(q, k, v, mask=kf.causal() & kf.window(9)))
