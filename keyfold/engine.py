@@ -21,7 +21,7 @@ from .dense import tensor_mask
 from .masks import Mask, as_mask, check_unchanged, default_q_offset, int_of_scalar, key_spans
 from .planner import Plan, _plan, default_block
 from .scores import as_score
-from .state import State, empty_state, state_dtype
+from .state import State, empty_state, merge_all, state_dtype
 
 __all__ = ["attend", "attention", "attend_backward", "attend_row_sums", "Backend"]
 
@@ -544,13 +544,18 @@ def _attend_here(q, k, v, mask, score, scale, q_offset, kv_offset, backend, bloc
         q_offset = default_q_offset(_mask_object(mask), q.shape[2], k.shape[2], kv_offset)
     spans = _one_row_keys(q, k, v, mask, score, q_offset, kv_offset, backend, block_size, check_inputs, dropout_p)
     if spans is not None:  # a decoding step's row under a closed-form mask: its keys alone, no mask, no plan
-        a = spans[0][0]
         if len(spans) == 1:
-            k, v = k[:, :, a:spans[0][1]], v[:, :, a:spans[0][1]]
-        else:  # (no score: positions do not matter)
-            k, v = (torch.cat([t[:, :, x:y] for x, y in spans], 2) for t in (k, v))
-        return _attend_here(q, k, v, None, score, scale, q_offset, kv_offset + a, backend, block_size, check_inputs,
-                            dropout_p, dropout_seed, generator, in_dtype, lse_exact, wide_lse)
+            a, e = spans[0]
+            return _attend_here(q, k[:, :, a:e], v[:, :, a:e], None, score, scale, q_offset, kv_offset + a, backend,
+                                block_size, check_inputs, dropout_p, dropout_seed, generator, in_dtype, lse_exact,
+                                wide_lse)
+        # several ranges (sinks beside a window): one state each, merged, wide (16-bit pieces rounded each
+        # would carry a rounding per piece, see attend_wide); copying them together instead cost 2.4-10x the
+        # planned path's time over wide ranges (a fresh buffer a step; a review, 2026-12-08)
+        st = merge_all([_attend_here(q, k[:, :, a:e], v[:, :, a:e], None, score, scale, q_offset, kv_offset + a,
+                                     backend, block_size, check_inputs, dropout_p, dropout_seed, generator,
+                                     False, True, True) for a, e in spans])
+        return st if wide_lse or st.lse.dtype == st.out.dtype else State(st.out, st.lse.to(st.out.dtype))
     dropout_p, dropout_seed = _dropout_args(dropout_p, dropout_seed, generator)
     call = _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs,
                  dropout_p, dropout_seed)
@@ -570,15 +575,10 @@ def _one_row_keys(q, k, v, mask, score, q_offset, kv_offset, backend, block_size
             or check_inputs or type(q_offset) is not int or type(kv_offset) is not int or kv_offset < 0):
         return None
     spans = key_spans(mask, q_offset, kv_offset, kv_offset + k.shape[2])
-    if not spans or (len(spans) > 1 and (score is not None or sum(b - a for a, b in spans) > _CAT_KEYS)):
-        return None
+    if not spans or (len(spans) > 1 and torch.is_grad_enabled()
+                     and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return None  # (several ranges merge states: a backward through merged pieces is the general path's)
     return [(a - kv_offset, b - kv_offset) for a, b in spans]
-
-
-#: most keys of several ranges a decoding row's keys are copied together for: the copy costs what the
-#: plan saves around 1k keys, and a window of 8k beside sinks took 2.4-8.7x the planned path's time
-#: copied (allocating two fresh buffers a step; a review, 2026-12-08)
-_CAT_KEYS = 1024
 
 
 def with_lse_shift(st: State, shift: torch.Tensor) -> State:

@@ -36,6 +36,7 @@ class ScoreMod:
     Additive modifiers also give ``bias(b, h, qp, kp)`` with ``apply(s) == s + bias``.
     """
 
+    _watchable = True  # check_unchanged looks inside (the presets it is made of)
     additive = False
     #: True when the modifier depends on positions only through ``qp - kp``.
     translation_invariant = False

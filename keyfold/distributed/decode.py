@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine import Backend, attend_wide
-from ..masks import as_mask, default_q_offset
+from ..masks import as_mask, check_unchanged, default_q_offset
 from ..state import State, empty_state, merge_all, state_dtype
 from .comm import Comm, Described, ShardError
 
@@ -113,6 +113,7 @@ def tree_decode(q, k_local, v_local, group=None, *, mask=None, score=None, scale
     if error is None:
         try:
             checked = as_mask(mask)
+            check_unchanged(checked, score)
             if q_offset is None:  # as keyfold.attention: the last positions, or 0 for packed queries (varlen;
                 # total - Nq there raised, naming q_offset=0 as "the default", which it was not here; a review)
                 q_offset = default_q_offset(checked, q.shape[2], total)

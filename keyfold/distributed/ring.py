@@ -22,7 +22,7 @@ import enum
 import torch
 
 from ..engine import Backend, attend, no_autocast, refuse_second_order, settle_autocast
-from ..masks import as_mask
+from ..masks import as_mask, check_unchanged
 from ..scores import as_score
 from ..state import State, empty_state, state_dtype
 from .comm import Comm, Described
@@ -365,6 +365,7 @@ def ring_attention(q, k, v, *, group=None, mask=None, score=None, scale=None,
     error = None
     try:
         mask, score = as_mask(mask), as_score(score)
+        check_unchanged(mask, score)  # before the ranks agree: raised mid-exchange, the group's next call hung
         _validate(q, k, v, comm.size, layout, strategy, mask, score, head_groups, backend)
     except (ValueError, TypeError, NotImplementedError) as e:
         error = e

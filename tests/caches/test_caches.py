@@ -998,3 +998,28 @@ def test_a_decoding_step_with_a_score_over_a_long_cache_is_one_piece(dtype):
         s = q.to(dtype).to(t) @ k.to(dtype).to(t).mT * 32 ** -0.5 + bias.to(t)
         return torch.softmax(s, -1) @ v.to(dtype).to(t)
     assert_close_by_rule(got, plain(torch.float64), plain(dtype), None)
+
+
+def test_decode_and_cascade_raise_for_a_preset_whose_tensor_changed():
+    """decode() classified each span with the preset's old copy and attended a span it called full with no
+    mask, past the engine's check: a padding(lengths) buffer changed in place gave 0.85-0.89 off, or zeros
+    for a row that now sees keys (a review, 2026-12-08). The caches check at their entry now."""
+    kf = keyfold
+    from keyfold.caches import KVCache, cascade, decode
+    H, D, N = 2, 16, 10
+    k, v, q = torch.randn(1, H, N, D), torch.randn(1, H, N, D), torch.randn(1, H, 1, D)
+    cache = KVCache(batch=1, heads=H, head_dim=D, capacity=16)
+    cache.append(k, v)
+    for start, then in ((N, 4), (0, N)):
+        lengths = torch.tensor([start])
+        mask = kf.padding(lengths)
+        decode(q, cache, mask=mask)
+        lengths.fill_(then)
+        with pytest.raises(ValueError, match="changed in place"):
+            decode(q, cache, mask=mask)
+    ids = torch.zeros(12, dtype=torch.long)
+    mask = kf.documents(ids)
+    cascade(q, k[:, :, :8], v[:, :, :8], k[:, :, 8:].expand(1, H, 2, D), v[:, :, 8:].expand(1, H, 2, D), mask=mask)
+    ids[9:] = 1
+    with pytest.raises(ValueError, match="changed in place"):
+        cascade(q, k[:, :, :8], v[:, :, :8], k[:, :, 8:].expand(1, H, 2, D), v[:, :, 8:].expand(1, H, 2, D), mask=mask)
