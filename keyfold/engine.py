@@ -92,7 +92,7 @@ class _Call:
     """A resolved call: problem settings, backend, plan."""
 
     def __init__(self, q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, check_inputs,
-                 dropout_p=0.0, dropout_seed=0):
+                 dropout_p=0.0, dropout_seed=0, check_presets: bool = True):
         _check(q, k, v, scale, q_offset, kv_offset, check_inputs)
         if not isinstance(backend, Backend):
             raise TypeError(f"backend must be a keyfold.Backend, got {backend!r}")
@@ -108,7 +108,8 @@ class _Call:
                 self.lse_shift = bias.lse_shift
         mask = as_mask(mask)
         score = as_score(score)
-        check_unchanged(mask, score)
+        if check_presets:  # (a piece's backward takes the forward's values, the preset's own: see _piece_call)
+            check_unchanged(mask, score)
         if score is not None:
             score.check_heads(Hq)
             score.check_batch(B)
@@ -549,9 +550,16 @@ def _attend_here(q, k, v, mask, score, scale, q_offset, kv_offset, backend, bloc
             return _attend_here(q, k[:, :, a:e], v[:, :, a:e], None, score, scale, q_offset, kv_offset + a, backend,
                                 block_size, check_inputs, dropout_p, dropout_seed, generator, in_dtype, lse_exact,
                                 wide_lse)
-        # several ranges (sinks beside a window): one state each, merged, wide (16-bit pieces rounded each
-        # would carry a rounding per piece, see attend_wide); copying them together instead cost 2.4-10x the
-        # planned path's time over wide ranges (a fresh buffer a step; a review, 2026-12-08)
+        # several ranges (sinks beside a window): few bytes are copied together (one call: each range's own
+        # took 1.7-2.3x the copy's time at windows of 64-256), more attended one state each, merged, wide
+        # (16-bit pieces rounded each would carry a rounding per piece, see attend_wide): copying them
+        # together cost 2.4-10x the planned path's time over wide ranges (a fresh buffer a step; reviews,
+        # 2026-12-08)
+        copied = sum(e - a for a, e in spans) * k.shape[0] * k.shape[1] * (k.shape[-1] + v.shape[-1]) * k.element_size()
+        if copied <= _CAT_BYTES and score is None:
+            k, v = (torch.cat([t[:, :, a:e] for a, e in spans], 2) for t in (k, v))
+            return _attend_here(q, k, v, None, None, scale, q_offset, kv_offset, backend, block_size, check_inputs,
+                                dropout_p, dropout_seed, generator, in_dtype, lse_exact, wide_lse)
         st = merge_all([_attend_here(q, k[:, :, a:e], v[:, :, a:e], None, score, scale, q_offset, kv_offset + a,
                                      backend, block_size, check_inputs, dropout_p, dropout_seed, generator,
                                      False, True, True) for a, e in spans])
@@ -561,6 +569,10 @@ def _attend_here(q, k, v, mask, score, scale, q_offset, kv_offset, backend, bloc
                  dropout_p, dropout_seed)
     st = _run(q, k, v, call, in_dtype, lse_exact, wide_lse)
     return st if call.lse_shift is None else with_lse_shift(st, call.lse_shift)
+
+
+#: most bytes of keys and values a decoding row's several key ranges are copied together for (see _attend_here)
+_CAT_BYTES = 1 << 20
 
 
 def _one_row_keys(q, k, v, mask, score, q_offset, kv_offset, backend, block_size, check_inputs, dropout_p):
@@ -695,9 +707,12 @@ def _piece_call(name, q, k, v, mask, score, scale, q_offset, kv_offset, backend,
             raise ValueError(f"{name}(backend={backend}) with row sums: P and dP must be the ones attend_row_sums "
                              f"sums, which the tile kernel computes; use Backend.TILES, or Backend.AUTO")
         backend = Backend.TILES
+    # no stale-preset check: a piece's backward differentiates the forward that ran, with the values the
+    # preset held then (raised there, one rank of a ring's backward left the others waiting out the group's
+    # timeout; a review, 2026-12-08)
     with torch.enable_grad():  # backward hooks run without grad mode; the score tensors still need theirs
         return _Call(q, k, v, mask, score, scale, q_offset, kv_offset, backend, block_size, False,
-                     *_dropout_args(dropout_p, dropout_seed, None))
+                     *_dropout_args(dropout_p, dropout_seed, None), check_presets=False)
 
 
 def _piece_lse(q, k, v, call: _Call, lse):

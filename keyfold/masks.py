@@ -121,9 +121,12 @@ class _Watched:
 
     def __init__(self, t: torch.Tensor):
         base = t._base
-        # the copy is let go with the last of the tensor (and its base): nothing is left to compare then
-        self.ref = weakref.ref(t, None if base is not None else self._gone)
-        self.base = None if base is None else weakref.ref(base, self._gone)
+        if t.is_inference():  # its views keep no base: held (a slice of a static buffer, refilled under
+            # inference_mode, died with the call and was never checked again, 1.93 off; a review, 2026-12-08)
+            self.ref, self.base = (lambda: t), None
+        else:  # the copy is let go with the last of the tensor (and its base): nothing is left to compare then
+            self.ref = weakref.ref(t, None if base is not None else self._gone)
+            self.base = None if base is None else weakref.ref(base, self._gone)
         self.geometry = (tuple(t.shape), tuple(t.stride()), t.storage_offset())
         # an inference tensor keeps no version counter: its values are compared at every call
         self.version = None if t.is_inference() else t._version

@@ -281,3 +281,27 @@ def test_presets_pickle_and_keep_their_meaning():
         back = pickle.loads(pickle.dumps(m))
         assert back == m
         assert torch.equal(back.to_dense(16, 16, B=2), m.to_dense(16, 16, B=2))
+
+
+def test_a_pieces_backward_takes_the_presets_values_and_inference_slices_are_watched():
+    """A piece's backward (attend_backward, attend_row_sums: the ring's) differentiates the forward that ran,
+    with the preset's own values: it raised mid-exchange on one rank and the others waited out the group's
+    timeout. A slice of an inference tensor keeps no base: a varlen built from one was never checked again
+    (1.93 off; reviews, 2026-12-08)."""
+    q, k, v = (torch.randn(1, 2, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+               for i in range(3))
+    ids = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1])
+    mask = kf.documents(ids)
+    st = kf.attend(q, k, v, mask=mask)
+    want = kf.attend_backward(q, k, v, st.out, st.lse, torch.ones_like(st.out), mask=mask)
+    ids[1:] = 1
+    got = kf.attend_backward(q, k, v, st.out, st.lse, torch.ones_like(st.out), mask=mask)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    with torch.inference_mode():
+        cu_buf = torch.tensor([0, 4, 8, 8], dtype=torch.int32)
+        m = kf.varlen(cu_buf[:3], causal=True)
+        kf.attention(q, k, v, mask=m)
+        cu_buf[1] = 2
+        with pytest.raises(ValueError, match="changed in place"):
+            kf.attention(q, k, v, mask=m)
