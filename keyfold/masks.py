@@ -23,6 +23,7 @@ Meaning (``qp = q_offset + i``, ``kp = kv_offset + j``):
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import operator
 import weakref
@@ -112,12 +113,23 @@ def _unwatched() -> "_Watched":
     return w
 
 
+#: bytes of a watched tensor compared by value at every call whatever its version says
+_WHOLE_BYTES = 64 * 1024
+
+
+def _forget(entry_ref, _gone) -> None:
+    """A watched tensor (or its base) is gone: let the entry's copy go once nothing of it is left."""
+    w = entry_ref()
+    if w is not None and w.ref() is None and (w.base is None or w.base() is None):
+        w.values = None
+
+
 class _Watched:
     """A tensor a preset was built from: a weak reference to it (and to its base, for a view: a preset
     built from ``cu_buf[:B + 1]`` or ``ids.view(1, -1)`` watches the buffer, whose version counter the
     view shares), its version then, and a copy of its values then."""
 
-    __slots__ = ("ref", "base", "geometry", "version", "values")
+    __slots__ = ("ref", "base", "geometry", "version", "values", "__weakref__")
 
     def __init__(self, t: torch.Tensor):
         base = t._base
@@ -125,16 +137,15 @@ class _Watched:
             # inference_mode, died with the call and was never checked again, 1.93 off; a review, 2026-12-08)
             self.ref, self.base = (lambda: t), None
         else:  # the copy is let go with the last of the tensor (and its base): nothing is left to compare then
-            self.ref = weakref.ref(t, None if base is not None else self._gone)
-            self.base = None if base is None else weakref.ref(base, self._gone)
+            # (through a weak reference to this entry: a bound method there made a cycle, and the copies of
+            # dropped presets waited for the cycle collector, 183-275 MB in a review)
+            gone = functools.partial(_forget, weakref.ref(self))
+            self.ref = weakref.ref(t, None if base is not None else gone)
+            self.base = None if base is None else weakref.ref(base, gone)
         self.geometry = (tuple(t.shape), tuple(t.stride()), t.storage_offset())
         # an inference tensor keeps no version counter: its values are compared at every call
         self.version = None if t.is_inference() else t._version
         self.values = t.detach().clone()
-
-    def _gone(self, _ref) -> None:
-        if self.ref() is None and (self.base is None or self.base() is None):
-            self.values = None
 
     def __reduce__(self):  # (a weak reference does not pickle: presets went through no DataLoader worker)
         return _unwatched, ()
@@ -150,9 +161,14 @@ class _Watched:
         return t
 
     def changed(self) -> bool:
-        t = self.now()
-        if t is None or self.values is None or (self.version is not None and t._version == self.version):
+        try:
+            t = self.now()
+        except RuntimeError:  # the buffer took other storage (set_, .data =): its view no longer fits
+            return True
+        if t is None or self.values is None:
             return False
+        if self.version is not None and t._version == self.version and self.values.nbytes > _WHOLE_BYTES:
+            return False  # (a small one is compared anyway: a write through .data or numpy moves no version)
         if t.shape == self.values.shape and t.dtype == self.values.dtype and bool(torch.equal(t.detach(), self.values)):
             if self.version is not None:
                 self.version = t._version  # written, but to the same values
@@ -651,9 +667,6 @@ class _Keys(Mask):
         return hash(("keys", self.valid))
 
 
-_MISSING_BLOCK = object()
-
-
 class _Documents(Mask):
     """Packed sequences: a pair is visible when the query's and the key's document ids match."""
 
@@ -667,13 +680,13 @@ class _Documents(Mask):
         self.ids = _TensorKey(ids.long())
         self.kv_ids = None if kv_ids is None else _TensorKey(kv_ids.long())
         watch(self, ids, kv_ids)
-        self._block = _MISSING_BLOCK
+        self._block = -1  # (not known yet; an int, which a pickled copy keeps: a sentinel object did not)
 
     def preferred_block(self):
         """128 where the documents are mostly at most 128 positions long (their median run): 256-tiles
         computed up to twice their pairs (eight documents of 128 over 1k with a relative-bias callable:
         0.56x the time at 128, plain 0.84x; runs of 256 or more: 1.0-1.2x, so those keep the default)."""
-        if self._block is _MISSING_BLOCK:
+        if self._block == -1:
             t = self.ids.t.reshape(-1)
             runs = torch.unique_consecutive(t, return_counts=True)[1] if t.numel() else t
             self._block = 128 if runs.numel() and float(runs.float().median()) <= 128 else None

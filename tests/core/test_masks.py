@@ -305,3 +305,31 @@ def test_a_pieces_backward_takes_the_presets_values_and_inference_slices_are_wat
         cu_buf[1] = 2
         with pytest.raises(ValueError, match="changed in place"):
             kf.attention(q, k, v, mask=m)
+
+
+def test_the_watch_sees_data_and_numpy_writes_new_storage_and_survives_pickling_before_use():
+    """A write through .data or a numpy view moves no version counter (a small tensor is compared by value
+    now); a buffer given new storage (set_) made the watched view's as_strided raise an unclear
+    RuntimeError; a documents() preset pickled before its first use crashed the planner (its tile
+    preference was a sentinel object; reviews, 2026-12-08)."""
+    import pickle
+    q = torch.randn(1, 2, 8, 16)
+    def through_data(t):
+        t.data[1] = 2
+
+    def through_numpy(t):
+        t.numpy()[1] = 2
+
+    def new_storage(t):
+        t.set_(torch.tensor([0, 2, 8, 8]))
+
+    for write in (through_data, through_numpy, new_storage):
+        cu_buf = torch.tensor([0, 4, 8, 8])
+        m = kf.varlen(cu_buf[:3], causal=True)
+        kf.attention(q, q, q, mask=m)
+        write(cu_buf)
+        with pytest.raises(ValueError, match="changed in place"):
+            kf.attention(q, q, q, mask=m)
+    ids = torch.tensor([0] * 4 + [1] * 4)
+    back = pickle.loads(pickle.dumps(kf.documents(ids)))
+    torch.testing.assert_close(kf.attention(q, q, q, mask=back), kf.attention(q, q, q, mask=kf.documents(ids)))
