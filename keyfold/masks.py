@@ -1550,6 +1550,13 @@ def as_mask(mask) -> Mask | None:
     if mask is None or isinstance(mask, Mask):
         return mask
     if callable(mask):
+        code = getattr(mask, "__code__", None)
+        bound = 1 if getattr(mask, "__self__", None) is not None and not isinstance(mask, type) else 0
+        if code is not None and code.co_argcount - len(getattr(mask, "__defaults__", None) or ()) - bound == 5:
+            # a Flex score_mod(score, b, h, q_idx, kv_idx) given as the mask: Python's own "missing 1 required
+            # positional argument" did not say where it belongs (a review, 2026-12-08)
+            raise TypeError(f"mask callable {_fn_name(mask)} takes 5 arguments, as a score_mod(score, b, h, q_idx, "
+                            f"kv_idx) does; pass it as score=, or give the mask as mask_mod(b, h, q_idx, kv_idx)")
         return MaskFn(mask)
     raise TypeError(f"mask must be None, a keyfold mask (causal(), window(...), ...) or a "
                     f"mask_mod(b, h, q_idx, kv_idx) callable; got {type(mask).__name__}")

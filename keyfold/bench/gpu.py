@@ -515,7 +515,7 @@ def tune_backward(N: int = 8192, B: int = 4, H: int = 16, D: int = 128, echo=pri
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m keyfold bench gpu", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="directory for gpu.json / gpu.md / gpu.png (default: the repository's benchmarks/results)")
     ap.add_argument("--dry-run", action="store_true", help="tiny float32 shapes on the CPU (interpreter)")
     ap.add_argument("--budget", type=float, default=240.0, help="seconds; later cases are skipped past it")

@@ -333,3 +333,19 @@ def test_the_watch_sees_data_and_numpy_writes_new_storage_and_survives_pickling_
     ids = torch.tensor([0] * 4 + [1] * 4)
     back = pickle.loads(pickle.dumps(kf.documents(ids)))
     torch.testing.assert_close(kf.attention(q, q, q, mask=back), kf.attention(q, q, q, mask=kf.documents(ids)))
+
+
+def test_a_score_mod_given_as_the_mask_says_so():
+    """A 5-argument Flex score_mod passed as mask= got Python's "missing 1 required positional argument"
+    (a review, 2026-12-08); bound methods and masks with defaults are mask_mods as before."""
+    q = torch.randn(1, 1, 4, 8)
+    with pytest.raises(TypeError, match="pass it as score="):
+        kf.attention(q, q, q, mask=lambda s, b, h, qi, ki: s)
+
+    class Layer:
+        w = 1
+
+        def mask_mod(self, b, h, qi, ki):
+            return qi - ki <= self.w
+    kf.attention(q, q, q, mask=Layer().mask_mod)
+    kf.attention(q, q, q, mask=lambda b, h, qi, ki, w=2: qi - ki <= w)
