@@ -26,6 +26,7 @@ import enum
 import functools
 import hashlib
 import operator
+import types
 import weakref
 from typing import Callable
 
@@ -1550,8 +1551,9 @@ def as_mask(mask) -> Mask | None:
     if mask is None or isinstance(mask, Mask):
         return mask
     if callable(mask):
-        code = getattr(mask, "__code__", None)
-        bound = 1 if getattr(mask, "__self__", None) is not None and not isinstance(mask, type) else 0
+        code = None if torch.compiler.is_compiling() else getattr(mask, "__code__", None)  # (dynamo's stand-ins
+        # give their defaults as a bare tuple, which crashed it; eagerly the first call says it anyway)
+        bound = 1 if isinstance(mask, types.MethodType) else 0
         if code is not None and code.co_argcount - len(getattr(mask, "__defaults__", None) or ()) - bound == 5:
             # a Flex score_mod(score, b, h, q_idx, kv_idx) given as the mask: Python's own "missing 1 required
             # positional argument" did not say where it belongs (a review, 2026-12-08)
