@@ -114,8 +114,10 @@ def _unwatched() -> "_Watched":
     return w
 
 
-#: bytes of a watched tensor compared by value at every call whatever its version says
+#: bytes of a watched CPU tensor compared by value at every call whatever its version says
 _WHOLE_BYTES = 64 * 1024
+#: largest storage of an inference tensor a watch holds alive (a bigger one's temporary slices go unwatched)
+_HELD_BYTES = 1 << 20
 
 
 def _forget(entry_ref, _gone) -> None:
@@ -134,8 +136,10 @@ class _Watched:
 
     def __init__(self, t: torch.Tensor):
         base = t._base
-        if t.is_inference():  # its views keep no base: held (a slice of a static buffer, refilled under
-            # inference_mode, died with the call and was never checked again, 1.93 off; a review, 2026-12-08)
+        if t.is_inference() and t.untyped_storage().nbytes() <= _HELD_BYTES:
+            # its views keep no base: held (a slice of a static buffer, refilled under inference_mode, died with
+            # the call and was never checked again, 1.93 off; a review, 2026-12-08). Only a small buffer: a slice
+            # held the whole of a 40 MB one alive, in every cached plan's preset (a review, the same night)
             self.ref, self.base = (lambda: t), None
         else:  # the copy is let go with the last of the tensor (and its base): nothing is left to compare then
             # (through a weak reference to this entry: a bound method there made a cycle, and the copies of
@@ -168,8 +172,10 @@ class _Watched:
             return True
         if t is None or self.values is None:
             return False
-        if self.version is not None and t._version == self.version and self.values.nbytes > _WHOLE_BYTES:
-            return False  # (a small one is compared anyway: a write through .data or numpy moves no version)
+        if self.version is not None and t._version == self.version and (self.values.nbytes > _WHOLE_BYTES
+                                                                        or t.device.type != "cpu"):
+            return False  # (a small CPU one is compared anyway: a write through .data or numpy moves no version;
+            # on a GPU a comparison every call would wait for the device)
         if t.shape == self.values.shape and t.dtype == self.values.dtype and bool(torch.equal(t.detach(), self.values)):
             if self.version is not None:
                 self.version = t._version  # written, but to the same values

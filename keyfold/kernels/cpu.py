@@ -291,11 +291,12 @@ def _op(q, k, v, causal: bool, mask, scale: float, way: str | None = None, wide:
         return native.run(q, k, v, scale, mask, exact=_exact(q, group) or _few_keys(q, k))
     if way == "chunks":
         return _by_chunks(q, k, v, scale)
-    # in float32, out rounded to 16 bits once by the caller; where lse is read, up to native.MIN_KEYS keys: the
-    # op's 16-bit lse over a few keys at a small scale (head size 8, scale 0.05) was 16-20x the naive's error
-    # (3.5e-5 against 1.7e-6; a review, 2026-12-08), the decode kernel's 0.02x
-    tiny = way == "op" and (_tiny_16bit(q, k) or (hidden and q.dtype in (torch.bfloat16, torch.float16)
-                                                  and q.shape[2] <= EXACT_ROWS and k.shape[2] < native.MIN_KEYS))
+    # in float32, out rounded to 16 bits once by the caller; where lse is read, a 16-bit call over fewer than
+    # native.MIN_KEYS keys, a decoding step's few rows, and float16 at any size: the op's 16-bit lse at a small
+    # scale (0.01-0.05) was 2-20x the naive's error (3.5e-5 against 1.7e-6 over 120 keys; reviews, 2026-12-08),
+    # the decode kernel's or the widened op's 0.02-0.04x
+    tiny = way == "op" and (_tiny_16bit(q, k) or (hidden and q.dtype in (torch.bfloat16, torch.float16) and (
+        k.shape[2] < native.MIN_KEYS or q.shape[2] <= NATIVE_ROWS or q.dtype is torch.float16)))
     if (tiny or (wide and _wide_native(q, causal))) and not causal and _kernel_takes(q, k, v, mask):
         return native.run(q, k, v, scale, mask)  # the kernel widens the 16-bit values in registers
     if wide or tiny:

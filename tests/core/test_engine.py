@@ -679,3 +679,18 @@ def test_a_16bit_lse_over_few_keys_holds_the_rule():
         _, naive = naive_attention(q, k, v, scale=0.05, return_lse=True)
         _, got = kf.attention(q, k, v, scale=0.05, return_lse=True)
         assert float((got.double() - ref).abs().max()) <= 2 * float((naive.double() - ref).abs().max()) + 1e-6
+
+
+@pytest.mark.parametrize("dtype, Hq, Hkv, Nq, Nk", [(torch.float16, 4, 1, 21, 197), (torch.float16, 1, 1, 33, 197),
+                                                    (torch.float16, 1, 1, 256, 1024), (torch.bfloat16, 8, 8, 1, 1000),
+                                                    (torch.bfloat16, 8, 8, 1, 4096)])
+def test_a_16bit_lse_at_a_small_scale_holds_the_rule(dtype, Hq, Hkv, Nq, Nk):
+    """GQA groups folded past 32 rows, 33 rows, a float16 prefill and bfloat16 decoding rows at scale 0.01
+    took PyTorch's op, whose 16-bit lse there was 2-9x the rule's allowance (a review, 2026-12-08)."""
+    g = torch.Generator().manual_seed(Nq + Nk)
+    q = torch.randn(1, Hq, Nq, 32, generator=g).to(dtype)
+    k, v = (torch.randn(1, Hkv, Nk, 32, generator=g).to(dtype) for _ in range(2))
+    _, ref = kf.attention(q.double(), k.double(), v.double(), scale=0.01, return_lse=True, backend=Backend.REFERENCE)
+    _, naive = naive_attention(q, k, v, scale=0.01, return_lse=True)
+    _, got = kf.attention(q, k, v, scale=0.01, return_lse=True)
+    assert float((got.double() - ref).abs().max()) <= 2 * float((naive.double() - ref).abs().max()) + 1e-6
