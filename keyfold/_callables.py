@@ -34,6 +34,7 @@ import fractions
 import functools
 import hashlib
 import re
+import sys
 import threading
 import types
 import weakref
@@ -892,7 +893,6 @@ def _space_of(fn, names: tuple) -> tuple:
     """``(attribute of _Spaces holding fn's module, the names in its globals)``; ``("", ())`` where fn's
     globals are not a loaded module's (code run by exec with a dict of its own). Run eagerly while dynamo
     traces: :mod:`keyfold.ops` marks it a constant of the graph (``import keyfold`` loads no dynamo)."""
-    import sys
     module = sys.modules.get(getattr(fn, "__module__", None) or "")
     g = fn.__globals__
     if module is None or vars(module) is not g:

@@ -580,7 +580,7 @@ def _one_row_keys(q, k, v, mask, score, q_offset, kv_offset, backend, block_size
     the key index ranges ``[(a, b), ...]`` it sees, else None. Attention over exactly those keys with no
     mask is the same softmax: a window's or causal cache's step then skips planning (a window of 512
     over a 4k cache took 0.9-1.2 ms a step, 18x SDPA on the window's slice; 2026-12-08). None where the
-    row sees no key, or sees several ranges and a score reads positions (the general path answers)."""
+    row sees no key, or sees several ranges and autograd records the call (the general path answers)."""
     if (type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor
             or q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[2] != 1 or k.shape[2] != v.shape[2]
             or not isinstance(mask, Mask) or dropout_p or backend is not Backend.AUTO or block_size is not None
