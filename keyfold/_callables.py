@@ -63,6 +63,16 @@ _MODES_MAX = 4096
 _LOCK = threading.Lock()
 
 
+def stand_in(fn) -> bool:
+    """Whether ``fn`` is dynamo's stand-in for a function made inside the traced one (it has no
+    ``__closure__``: what it captures cannot be read while tracing)."""
+    try:
+        fn.__closure__
+    except AttributeError:
+        return True
+    return False
+
+
 def _shape_sig(x, depth: int = 0):
     if isinstance(x, torch.Tensor):
         return ("T", tuple(x.shape), x.dtype)
@@ -1118,14 +1128,14 @@ def captured(fn, leaf=None, *, every: bool = False) -> tuple[list, bool]:
                 found += mine[0]
                 nxt += mine[1]
             elif isinstance(obj, types.FunctionType):
-                stand_in = False
-                try:
+                substitute = stand_in(obj)
+                if not substitute:
                     cells = obj.__closure__ or ()
-                except AttributeError:  # dynamo's stand-in for a function made inside the traced one: what it
-                    # captures is hidden, but one that captures nothing reads only its globals, defaults and code
-                    # (dynamo gives neither its __globals__ nor its __kwdefaults__: see _globals_read)
+                else:  # dynamo's stand-in for a function made inside the traced one: what it captures is
+                    # hidden, but one that captures nothing reads only its globals, defaults and code (dynamo
+                    # gives neither its __globals__ nor its __kwdefaults__: see _globals_read)
                     if not obj.__code__.co_freevars:
-                        cells, stand_in = (), True
+                        cells = ()
                     else:
                         raise TypeError(f"torch.compile cannot read what {fn_name(obj)} captures (a callable made "
                                         f"inside the compiled function): make score callables outside it") from None
@@ -1134,7 +1144,7 @@ def captured(fn, leaf=None, *, every: bool = False) -> tuple[list, bool]:
                         nxt.append(cell.cell_contents)
                     except ValueError:  # a cell not yet assigned
                         nxt.append(None)
-                if not stand_in:
+                if not substitute:
                     nxt += list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
                 elif obj.__code__.co_argcount > 4 or obj.__code__.co_kwonlyargcount:  # defaults it may have:
                     complete = False  # dynamo gives a stand-in's as a bare tuple (reading them crashed it)

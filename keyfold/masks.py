@@ -202,15 +202,6 @@ def inherit_watch(new, old):
     return new
 
 
-def _all_watched(obj) -> list:
-    """The watched entries of ``obj`` and the presets it is made of (tests)."""
-    out = list(getattr(obj, "_watched", ()))
-    for x in vars(obj).values() if hasattr(obj, "__dict__") else ():
-        if isinstance(x, Mask):
-            out += _all_watched(x)
-    return out
-
-
 def check_unchanged(*objs) -> None:
     """Raise ``ValueError`` where a preset among ``objs`` (masks and score modifiers, composed or not) was
     built from a tensor whose values changed in place since (see :func:`watch`)."""
@@ -1140,11 +1131,9 @@ class Varlen(Mask):
     def _restricted(self, left, right) -> "Varlen":
         lo = left if self.left is None else (self.left if left is None else min(self.left, left))
         hi = right if self.right is None else (self.right if right is None else min(self.right, right))
-        out = Varlen(self.cu_q.t, self.cu_k.t, lo, hi)
         # the parent's watch, as it was: a fresh watch would take the tensors' values now, and a composition
         # made after an in-place change ran on the old values, silently (2.28 off; a review, 2026-12-08)
-        out._watched = list(getattr(self, "_watched", ()))
-        return out
+        return inherit_watch(Varlen(self.cu_q.t, self.cu_k.t, lo, hi), self)
 
     @staticmethod
     def _seq(cu: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -1394,15 +1383,13 @@ def window(left: int | None, right: int | None = 0) -> Mask:
 
     ``window(W)`` alone is causal-or-local: it admits the W keys before the query and the query's own.
     """
-    for name, side in (("left", left), ("right", right)):
-        if side is not None and not isinstance(side, bool) and isinstance(side, int) and side < 0:
-            # (FlashAttention's window_size takes -1 for "unbounded": say so, a port passes it)
-            raise ValueError(f"window({name}): must be >= 0, got {side}; pass None for an unbounded side "
-                             f"(FlashAttention's -1)")
-    if left is not None:
-        left = _int_arg(left, "left", "window")
-    if right is not None:
-        right = _int_arg(right, "right", "window")
+    try:
+        if left is not None:
+            left = _int_arg(left, "left", "window")
+        if right is not None:
+            right = _int_arg(right, "right", "window")
+    except ValueError as e:  # (FlashAttention's window_size takes -1 for "unbounded": say so, a port passes it)
+        raise ValueError(f"{e}; pass None for an unbounded side (FlashAttention's -1)") from None
     return _Window(_side(left), _side(right))
 
 

@@ -70,9 +70,7 @@ def _callable_key(fn) -> int:
         return _register(fn)               # "argument conversion failed": never a stale result)
     if not isinstance(fn, types.FunctionType):  # a callable object: by identity, as a Mask object (_guarded)
         return _guarded(fn)
-    try:
-        fn.__closure__
-    except AttributeError:  # dynamo's stand-in for a function made inside the traced one: made anew from the
+    if _callables.stand_in(fn):  # dynamo's stand-in for a function made inside the traced one: made anew from the
         # same code at every call (the first one's key serves); an id() there breaks the graph. One that
         # captures variables (a window width, a tensor of document ids) cannot be made a constant: dynamo
         # raised its internal ClosureConversionError, without fullgraph too (a review, 2026-12-07)
@@ -384,13 +382,11 @@ def _walkable(u, nargs: int) -> bool:
     refuses those). One that captures nothing is walked: its globals, defaults and code (a lambda made
     there reading a module's dict the function changed before the call read the old entry, 1.1-1.4 off,
     and a score one raised; 2026-12-08)."""
-    if isinstance(u, types.FunctionType):
-        try:
-            u.__closure__
-        except AttributeError:  # (``nargs``: a mask's 4 or a score's 5; one with more has defaults, whose
-            # values dynamo's stand-in gives as a bare tuple: reading them crashed dynamo; a review, 2026-12-08)
-            code = u.__code__
-            return not code.co_freevars and code.co_argcount == nargs and not code.co_kwonlyargcount
+    if isinstance(u, types.FunctionType) and _callables.stand_in(u):  # (``nargs``: a mask's 4 or a score's 5; one
+        # with more has defaults, whose values dynamo's stand-in gives as a bare tuple: reading them crashed
+        # dynamo; a review, 2026-12-08)
+        code = u.__code__
+        return not code.co_freevars and code.co_argcount == nargs and not code.co_kwonlyargcount
     return True
 
 

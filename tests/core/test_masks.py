@@ -222,6 +222,15 @@ def test_key_spans_answer_none_for_what_has_no_closed_form():
         assert key_spans(mask, 3, 0, 4) is None
 
 
+def _all_watched(obj) -> list:
+    """The watch entries of ``obj`` and of the presets it is made of."""
+    out = list(getattr(obj, "_watched", ()))
+    for x in vars(obj).values() if hasattr(obj, "__dict__") else ():
+        if isinstance(x, kf.Mask):
+            out += _all_watched(x)
+    return out
+
+
 def _stale_cases():
     ids = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
     cu = torch.tensor([0, 4, 8], dtype=torch.int32)
@@ -253,7 +262,7 @@ def test_a_preset_whose_tensor_changed_in_place_raises(case):
     q, k, v = (torch.randn(2, 2, 8, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
     kw = build()
     kf.attention(q, k, v, **kw)
-    watched = [e.now() for obj in kw.values() for e in kf.masks._all_watched(obj)]
+    watched = [e.now() for obj in kw.values() for e in _all_watched(obj)]
     for t in watched:
         t.copy_(t.clone())  # the same values: no error
     kf.attention(q, k, v, **kw)
