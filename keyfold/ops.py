@@ -490,6 +490,62 @@ def _stand_ins(spec: str, tensors: list, grads: list) -> list:
     return [(a, b.detach()) for a, b in given if a is not b and not _same_values(a, b)]
 
 
+def _watch_entries(m, s) -> list:
+    """The watch entries (:func:`keyfold.masks.watch`) of the presets in the mask tree ``m`` and score tree
+    ``s``, in the nodes :func:`_flat_mask` / :func:`_flat_score` rebuild (an ``"obj"`` node runs the user's
+    own object, whose presets the call checks itself)."""
+    out, stack = [], [m, s]
+    while stack:
+        x = stack.pop()
+        if x is None:
+            continue
+        out += list(getattr(x, "_watched", ()))
+        ops = x.operands() if isinstance(x, M.Mask) else None
+        parts = x.parts() if isinstance(x, S.ScoreMod) else None
+        if ops is not None:
+            stack += list(ops[1])
+        elif parts is not None:
+            stack += list(parts)
+        elif type(x) is M._Remapped:
+            stack.append(x.inner)
+    return out
+
+
+def _stale_slot(mask, score, tensors: list) -> str:
+    """While dynamo traces: one flag tensor saying whether a preset built OUTSIDE the compiled function has seen
+    its tensor change in place since (the tensor as the graph holds it now against the preset's copy), as the
+    spec's ``"stale"`` slot; the op raises as the eager call does. Without it the op ran on the preset's old
+    copy, silently (1.25 off; 2026-12-08). A preset built inside the function watches nothing: its tensor is
+    data of the graph already."""
+    flags = []
+    for entry in _watch_entries(mask, score):
+        t = entry.now()
+        if t is None or entry.values is None:
+            continue
+        if t.shape != entry.values.shape or t.dtype != entry.values.dtype:
+            flags.append(torch.ones((), dtype=torch.bool, device=t.device))
+        else:  # (NaN counts as a change, as torch.equal in the eager check)
+            flags.append((t.detach() != entry.values.to(t.device)).any())
+    if not flags:
+        return ""
+    flag = torch.stack([f.to("cpu") for f in flags]).any()
+    return ',"stale":' + _slot(flag, tensors)
+
+
+def _check_stale(spec: str, tensors: list) -> None:
+    """Raise as :func:`keyfold.masks.check_unchanged` where the spec's ``"stale"`` flag is set (the forward
+    only: a backward takes the forward's values)."""
+    if '"stale"' not in spec:
+        return
+    i = json.loads(spec)["stale"][1]
+    if bool(tensors[i]):
+        raise ValueError("a preset (documents, varlen, padding, sinks(tensor), block_sparse, alibi) used in this "
+                         "compiled function was built from a tensor that has changed in place since; a preset keeps "
+                         "the values its tensors had when it was built. Build it again after changing the tensor "
+                         "(inside the compiled function, where its tensor is data of the graph), or pass a mask_mod "
+                         "/ score_mod callable that reads the tensor")
+
+
 def _same_values(a, b) -> bool:
     return (a.shape == b.shape and a.stride() == b.stride() and a.device == b.device
             and bool(torch.equal(a.detach(), b.detach())))
@@ -514,6 +570,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[tor
     # inputs only so that autograd routes their gradients to the backward (the modifier reads them)
     from ._callables import reading
     from .engine import Backend, _reference
+    _check_stale(spec, tensors)
     with reading(_stand_ins(spec, tensors, grad_tensors)):
         call = _call(q, k, v, tensors, spec, scale, q_offset, kv_offset, [g.detach() for g in grad_tensors])
         with torch.no_grad():
@@ -636,6 +693,7 @@ def attend_op(q, k, v, *, mask, score, scale, q_offset, kv_offset, backend, bloc
     # an offset given as a tensor (a static cache's position) travels as data: no recompile per step
     slots = _reads_slots(M.as_mask(mask) if not isinstance(mask, torch.Tensor) else None, score_obj, tensors,
                          grad_tensors)
+    slots += _stale_slot(M.as_mask(mask) if not isinstance(mask, torch.Tensor) else None, score_obj, tensors)
     if isinstance(q_offset, torch.Tensor):
         slots += ',"qoff":' + _slot(q_offset.reshape(()), tensors)
         q_offset = 0

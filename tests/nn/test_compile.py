@@ -852,3 +852,46 @@ def test_a_lambda_with_a_default_made_inside_compiles():
         torch._dynamo.reset()
         out = torch.compile(f, backend="aot_eager", fullgraph=fullgraph)(q, k, v, 9)
         torch.testing.assert_close(out, kf.attention(q, k, v, mask=kf.causal() & kf.window(9)))
+
+
+def test_a_preset_built_outside_raises_once_its_tensor_changed_in_place():
+    """A preset built outside the compiled function and reused after its tensor changed in place ran on the
+    preset's old copy under torch.compile, silently (documents 1.25 off; eager raised since 2026-12-08). The
+    graph now compares the tensor as it is with the preset's copy and the op raises as the eager call does;
+    unchanged, the call matches eager under fullgraph=True, gradients included."""
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    ids = torch.repeat_interleave(torch.arange(4), 16)
+    cu_buf = torch.tensor([0, 32, 64, 64, 64])
+    lengths = torch.tensor([64])
+    slopes = torch.tensor([0.5, 0.25])
+    cases = [(lambda: ids, kf.masks.documents(ids), None, lambda: ids.copy_(torch.repeat_interleave(torch.arange(2), 32))),
+             (lambda: cu_buf, kf.masks.varlen(cu_buf[:3]), None, lambda: cu_buf[1].fill_(16)),
+             (lambda: lengths, kf.masks.padding(lengths), None, lambda: lengths.fill_(40)),
+             (lambda: slopes, None, kf.scores.alibi(slopes), lambda: slopes.mul_(2))]
+    for _, mask, score, change in cases:
+        torch._dynamo.reset()
+        f = torch.compile(lambda q, k, v: kf.attention(q, k, v, mask=mask, score=score, q_offset=0),
+                          backend="aot_eager", fullgraph=True)
+        qg = q.clone().requires_grad_()
+        got = f(qg, k, v)
+        want = kf.attention(q, k, v, mask=mask, score=score, q_offset=0)
+        torch.testing.assert_close(got, want)
+        got.sum().backward()
+        assert qg.grad is not None and torch.isfinite(qg.grad).all()
+        change()
+        with pytest.raises(ValueError, match="changed in place"):
+            f(q, k, v)
+        with pytest.raises(ValueError, match="changed in place"):  # as the eager call
+            kf.attention(q, k, v, mask=mask, score=score, q_offset=0)
+
+
+def test_a_preset_built_inside_from_a_changing_tensor_is_data_of_the_graph():
+    """Built inside the compiled function, a preset's tensor is data: each call sees its values, no check needed."""
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    ids = torch.repeat_interleave(torch.arange(4), 16)
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v, ids: kf.attention(q, k, v, mask=kf.masks.documents(ids), q_offset=0),
+                      backend="aot_eager", fullgraph=True)
+    for _ in range(2):
+        torch.testing.assert_close(f(q, k, v, ids), kf.attention(q, k, v, mask=kf.masks.documents(ids), q_offset=0))
+        ids.copy_(torch.repeat_interleave(torch.arange(2), 32))
