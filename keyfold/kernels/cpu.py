@@ -1164,6 +1164,11 @@ def forward(q, k, v, plan: Plan, pb: Problem, keep_dtype: bool = False, wide_lse
     return acc
 
 
+#: 16-bit calls join their pieces only up to this many keys x head size: the masked call over a long cache
+#: took 1.2-1.9x the pieces' time (bfloat16/float16, 2-4 rows: 4k keys at D=128-256, 8k+ at D=64)
+JOIN_16BIT_KEYS_X_HEAD = 2048 * 64
+
+
 def _joined_rows(q, k, v, plan: Plan, pb: Problem) -> Plan | None:
     """For a call of a few rows (a speculative decoding step, a chunk verified at once) whose pieces all hold
     every row: one piece over their keys, the mask evaluated on it as a tile, so one fused call runs instead
@@ -1183,6 +1188,11 @@ def _joined_rows(q, k, v, plan: Plan, pb: Problem) -> Plan | None:
             p.q0 != 0 or p.q1 != Nq for p in pieces):
         return None
     k0, k1 = min(p.k0 for p in pieces), max(p.k1 for p in pieces)
+    if k1 - k0 > sum(p.k1 - p.k0 for p in pieces) + plan.block_k:  # keys no piece reads (sinks and a window
+        # far apart): the joined call would read and mask them all (32k keys: 33-54x the pieces' time)
+        return None
+    if not f32 and (k1 - k0) * max(q.shape[-1], v.shape[-1]) > JOIN_16BIT_KEYS_X_HEAD:
+        return None
     if f32 and not native.pays(q, k[:, :, k0:k1], v[:, :, k0:k1], 1):
         return None
     return dataclasses.replace(plan, pieces=(Piece(0, Nq, k0, k1, PieceKind.MASKED),))
