@@ -275,8 +275,26 @@ def _nested(fn, prefix: int):
     return f
 
 
+class ControlFlowError(TypeError):
+    """A callable uses a tensor in Python control flow (no grid, per element or broadcast, can answer it)."""
+
+
+def _run_vmapped(fn, f, *args):
+    """``f(*args)`` (``fn`` under vmap), with torch's "data-dependent control flow" error said in the
+    callable's terms: Python's ``and`` / ``or`` / ``not`` / ``if`` on a tensor (Flex refuses the same)"""
+    try:
+        return f(*args)
+    except RuntimeError as e:
+        if "data-dependent control flow" not in str(e):
+            raise
+        raise ControlFlowError(f"callable {fn_name(fn)} uses a tensor in Python control flow (`and`, `or`, `not`, `if`, "
+                        f"`bool(...)`, a comparison chain such as `a <= b < c`), which no grid of indices can "
+                        f"answer; write it with tensor operators: `&`, `|`, `~`, `torch.where(...)` "
+                        f"(FlexAttention refuses it too)") from e
+
+
 def _element_mask(fn, vecs):
-    out = _nested(fn, 0)(*vecs)
+    out = _run_vmapped(fn, _nested(fn, 0), *vecs)
     if not isinstance(out, torch.Tensor) or out.dim() != 4:
         raise TypeError(f"mask callable {fn_name(fn)} must return one bool per (b, h, q_idx, kv_idx), "
                         f"got shape {tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")
@@ -285,7 +303,7 @@ def _element_mask(fn, vecs):
 
 def _element_score(fn, s, vecs):
     shape = tuple(len(v) for v in vecs)
-    out = _nested(fn, 1)(s.expand(shape), *vecs)
+    out = _run_vmapped(fn, _nested(fn, 1), s.expand(shape), *vecs)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape:
         raise TypeError(f"score callable {fn_name(fn)} must return one score per (b, h, q_idx, kv_idx), "
                         f"got shape {tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")
@@ -297,7 +315,7 @@ def _flat(fn, prefix, idx, grid, check):
     element of the broadcast grid (memory and time grow with the grid; rare)."""
     grid = _bshape(tuple(grid), *(t.shape for t in (*prefix, *idx)))
     args = [torch.broadcast_to(t, grid).reshape(-1) for t in (*prefix, *idx)]
-    out = torch.vmap(fn)(*args)
+    out = _run_vmapped(fn, torch.vmap(fn), *args)
     check(fn, out)
     return out.view(grid)
 
@@ -606,7 +624,7 @@ def _decide(fn, broadcast, element, sample_of, informative, exact, grid=None, ro
     try:
         res = element(sample=False)
     except Exception as e2:  # noqa: BLE001
-        if err is not None:
+        if err is not None and not isinstance(e2, ControlFlowError):  # (that one says what to write instead)
             raise err from e2
         raise
     _set_mode(fn, Mode.ELEMENT)

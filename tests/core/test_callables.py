@@ -1946,3 +1946,14 @@ def test_in_place_writes_are_caught_under_inference_mode_and_presets_watch_views
         ids[4:] = 1
         with pytest.raises(ValueError, match="changed in place"):
             kf.attention(q, k, v, mask=mask)
+
+
+@pytest.mark.parametrize("kw", [dict(mask=lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) and (kv_idx >= 0)),
+                                dict(mask=lambda b, h, q_idx, kv_idx: 0 <= kv_idx <= q_idx),
+                                dict(score=lambda s, b, h, q_idx, kv_idx: s if q_idx > kv_idx else s * 0)])
+def test_a_callable_with_python_control_flow_on_tensors_says_what_to_write(kw):
+    """Python's `and`, a comparison chain or an `if` on a tensor raised torch's vmap message asking to file an
+    issue at pytorch (a review, 2026-12-08); Flex refuses these too. keyfold names the operators to use."""
+    q = torch.randn(1, 2, 48, 16)
+    with pytest.raises(TypeError, match=r"Python control flow.*`&`, `\|`, `~`"):
+        kf.attention(q, q, q, **kw)
