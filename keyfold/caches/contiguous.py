@@ -126,6 +126,28 @@ class KVCache:
             self._len[s] = 0
         self._whole = None
 
+    def truncate(self, lengths, seq_ids=None) -> None:
+        """Keep only the first ``lengths[i]`` tokens of sequence ``seq_ids[i]`` (default: every row in
+        order; one int for all): speculative decoding rolls back the draft tokens the target model
+        rejected. The dropped slots are zeroed, as :meth:`reset` leaves them. A length above what a
+        sequence holds, or below 0, raises ``ValueError`` and changes nothing."""
+        ids = list(range(self.batch)) if seq_ids is None else seq_list(seq_ids, "KVCache.truncate")
+        for s in ids:
+            self._seq(s)
+        lens = [lengths] * len(ids) if isinstance(lengths, int) and not isinstance(lengths, bool) else (
+            lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths))
+        if len(lens) != len(ids) or any(isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self._len[s]
+                                        for n, s in zip(lens, ids)):
+            raise ValueError(f"KVCache.truncate(lengths={lengths!r}): expected {len(ids)} int(s), each between 0 and "
+                             f"the tokens its sequence holds ({[self._len[s] for s in ids]}); truncate only drops "
+                             f"tokens")
+        for s, n in zip(ids, lens):
+            if n < self._len[s]:
+                self.k[s, :, n:self._len[s]].zero_()
+                self.v[s, :, n:self._len[s]].zero_()
+                self._len[s] = n
+        self._whole = None
+
     def reorder(self, index) -> None:
         """Row ``i`` becomes what row ``index[i]`` held (beam search: keep the surviving hypotheses).
 

@@ -133,6 +133,31 @@ class PagedKVCache:
                 self._release(p)
         del self._len[seq]
 
+    def truncate(self, seq: int, length: int) -> None:
+        """Keep only the first ``length`` tokens of ``seq`` (speculative decoding: roll back the draft tokens
+        the target model rejected). Pages past them leave the sequence (back to the pool where no other
+        sequence references them); a kept last page shared with a fork stays shared, and the next append
+        copies it first, as after :meth:`fork`. A length above what ``seq`` holds, or below 0, raises
+        ``ValueError`` and changes nothing."""
+        self._seq(seq)
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self._len[seq]:
+            raise ValueError(f"PagedKVCache.truncate(length={length!r}): expected an int between 0 and the "
+                             f"{self._len[seq]} tokens sequence {seq} holds; truncate only drops tokens")
+        table, ps = self._tables[seq], self.page_size
+        keep = -(-length // ps)
+        for p in table[keep:]:
+            self._ref[p] -= 1
+            if self._ref[p] == 0:
+                self._release(p)
+        del table[keep:]
+        o = length % ps
+        if o and self._ref[table[-1]] == 1 and self._fill[table[-1]] > o:  # our own last page: its tail goes
+            p = table[-1]
+            self.k_pages[:, p, o:self._fill[p]].zero_()
+            self.v_pages[:, p, o:self._fill[p]].zero_()
+            self._fill[p] = o
+        self._len[seq] = length
+
     def length(self, seq: int) -> int:
         return self._len[self._seq(seq)]
 

@@ -1023,3 +1023,41 @@ def test_decode_and_cascade_raise_for_a_preset_whose_tensor_changed():
     ids[9:] = 1
     with pytest.raises(ValueError, match="changed in place"):
         cascade(q, k[:, :, :8], v[:, :, :8], k[:, :, 8:].expand(1, H, 2, D), v[:, :, 8:].expand(1, H, 2, D), mask=mask)
+
+
+def test_truncate_rolls_back_draft_tokens():
+    """Speculative decoding drops the draft tokens the target rejected: truncate keeps a prefix of each
+    sequence (zeroing the rest), and the next decode equals attention over what is kept; a paged fork
+    keeps its own tokens, pages past the kept ones return to the pool; growing or negative lengths raise."""
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 2, 12, 8, generator=g), torch.randn(2, 2, 12, 8, generator=g)
+    q = torch.randn(2, 2, 1, 8, generator=g)
+    cache = KVCache(2, 2, 8, 16)
+    cache.append(k, v)
+    cache.truncate([9, 5])
+    assert cache.lengths == (9, 5) and bool((cache.k[1, :, 5:] == 0).all())
+    got = decode(q, cache)
+    for b, n in ((0, 9), (1, 5)):
+        torch.testing.assert_close(got[b:b + 1], keyfold.attention(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n]))
+    cache.append(k[:, :, :2], v[:, :, :2])
+    assert cache.lengths == (11, 7)
+    for bad in ([12, 5], [-1, 0], 20):
+        with pytest.raises(ValueError, match="truncate"):
+            cache.truncate(bad)
+    assert cache.lengths == (11, 7)
+
+    pool = PagedKVCache(num_pages=8, page_size=4, heads=2, head_dim=8)
+    a = pool.new_sequence()
+    pool.append(k[:1], v[:1], [a])
+    b = pool.fork(a)
+    pool.truncate(b, 6)  # pages 3 of a: b keeps 2, its last one still shared
+    assert pool.length(a) == 12 and pool.length(b) == 6 and pool.stats().used == 3
+    pool.append(k[1:, :, :3], v[1:, :, :3], [b])  # copies the shared page first
+    torch.testing.assert_close(pool.keys(a), k[:1])
+    torch.testing.assert_close(pool.keys(b), torch.cat([k[:1, :, :6], k[1:, :, :3]], 2))
+    pool.truncate(a, 1)
+    assert pool.stats().used == 3  # a's first page (shared with b) + b's two
+    with pytest.raises(ValueError, match="truncate"):
+        pool.truncate(a, 2)
+    out = decode(q, pool, seq_ids=[a, b])
+    torch.testing.assert_close(out[:1], keyfold.attention(q[:1], k[:1, :, :1], v[:1, :, :1]))
