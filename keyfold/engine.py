@@ -20,7 +20,7 @@ from .kernels._common import Problem
 from .dense import tensor_mask
 from .masks import Mask, as_mask, check_unchanged, default_q_offset, int_of_scalar, key_spans
 from .planner import Plan, _plan, default_block
-from .scores import as_score
+from .scores import aligned, as_score
 from .state import State, empty_state, merge_all, state_dtype
 
 __all__ = ["attend", "attention", "attend_backward", "attend_row_sums", "Backend"]
@@ -107,7 +107,7 @@ class _Call:
                 score = [score, bias]
                 self.lse_shift = bias.lse_shift
         mask = as_mask(mask)
-        score = as_score(score)
+        score = aligned(as_score(score), mask, B)  # (ALiBi inside each sequence of a varlen mask)
         if check_presets:  # (a piece's backward takes the forward's values, the preset's own: see _piece_call)
             check_unchanged(mask, score)
         if score is not None:

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from . import _callables
-from .masks import _TensorKey, _fn_name, watch
+from .masks import Logic, Varlen, _TensorKey, _fn_name, watch
 
 __all__ = ["ScoreKind", "ScoreMod", "alibi", "alibi_slopes", "softcap", "score_fn", "as_score"]
 
@@ -166,6 +166,91 @@ class _Alibi(ScoreMod):
 
     def __hash__(self):
         return hash(("alibi", self.slopes))
+
+
+class _VarlenAlibi(_Alibi):
+    """:func:`alibi` under a :func:`keyfold.masks.varlen` mask: each sequence's own bottom-right distance
+    ``|i + Lk - Lq - j|``, FlashAttention's varlen ALiBi, which is ``|qp + shift[s] - kp|`` on packed
+    positions (the mask's per-sequence shift); slopes ``(sequences, H)`` are picked by the query's
+    sequence. Made by :func:`aligned`, never by users."""
+
+    translation_invariant = False
+
+    def __init__(self, alibi: _Alibi, varlen: Varlen, per_sequence: bool):
+        self.slopes, self.varlen, self.per_sequence = alibi.slopes, varlen, per_sequence
+        self._watched = list(getattr(alibi, "_watched", ()))
+
+    def _per_batch(self) -> bool:
+        return self.slopes.t.dim() == 2 and not self.per_sequence
+
+    def bias(self, b, h, qp, kp, dtype: torch.dtype = torch.float32):
+        q = qp[:, :1] if qp.dim() == 4 else qp  # (positions never depend on the head)
+        sq = Varlen._seq(self.varlen.cu_q.on(q.device), q)
+        a = q.long() + self.varlen._shift.to(q.device)[sq]  # the query's place among its sequence's keys
+        dist = (a - kp.long()).abs().to(dtype)
+        t = self.slopes.on(q.device).to(dtype)
+        if self.per_sequence:
+            slopes = t[sq].movedim(-1, 1).squeeze(2)  # (1|B, H, L, 1)
+        else:
+            slopes = t[b.long()].movedim(-1, 1).squeeze(2) if self._per_batch() else t.view(1, -1, 1, 1)
+        return -slopes * dist
+
+    def separable(self, q0, q1, k0, k1, device):
+        return None
+
+    def check_batch(self, B):
+        n = self.varlen.cu_q.t.numel() - 1
+        if not self.per_sequence:
+            super().check_batch(B)
+        elif self.slopes.t.shape[0] != n:
+            raise ValueError(f"alibi(slopes): slopes of shape {tuple(self.slopes.t.shape)} are per sequence, but "
+                             f"the varlen mask packs {n} sequences; pass ({n}, H) slopes or (H,) for all")
+
+    def spec(self):
+        return None
+
+    def __repr__(self):
+        return f"alibi(<{'x'.join(map(str, self.slopes.t.shape))} slopes>, per sequence of {self.varlen!r})"
+
+    def __eq__(self, other):
+        return (type(other) is _VarlenAlibi and self.slopes == other.slopes and self.varlen == other.varlen
+                and self.per_sequence == other.per_sequence)
+
+    def __hash__(self):
+        return hash(("varlen-alibi", self.slopes, self.varlen, self.per_sequence))
+
+
+def _varlen_of(mask):
+    """The :class:`~keyfold.masks.Varlen` a mask is, or is a conjunction with, else None."""
+    if type(mask) is Varlen:
+        return mask
+    ops = mask.operands() if mask is not None else None
+    if ops is not None and ops[0] is Logic.AND:
+        return next((v for v in map(_varlen_of, ops[1]) if v is not None), None)
+    return None
+
+
+def aligned(score, mask, B: int):
+    """``score`` with its :func:`alibi` measured inside each sequence of a varlen ``mask`` (FlashAttention's
+    varlen ALiBi): packed positions gave ``|qp - kp|``, another distance wherever queries and keys are packed
+    differently (chunked prefill, decoding: 1.8-3.0 off, gradients 3-7.8; a review, 2026-12-08), and
+    FlashAttention's ``(sequences, H)`` slopes were refused. Anything else is returned as it is."""
+    if score is None or mask is None:
+        return score
+    parts = score.parts()
+    if parts is not None:
+        new = [aligned(x, mask, B) for x in parts]
+        return score if all(a is b for a, b in zip(new, parts)) else as_score(new)
+    if type(score) is not _Alibi:
+        return score
+    vl = _varlen_of(mask)
+    if vl is None:
+        return score
+    # (B, H) slopes of this batch are picked by batch entry as before; other 2-d slopes by sequence
+    per_sequence = score._per_batch() and score.slopes.t.shape[0] != B
+    if not per_sequence and bool((vl._shift == 0).all()):
+        return score  # queries and keys packed alike: packed distances are the sequences' own
+    return _VarlenAlibi(score, vl, per_sequence)
 
 
 class _Softcap(ScoreMod):

@@ -20,6 +20,7 @@ import keyfold as kf
 from keyfold.kernels._common import Problem
 from keyfold.kernels.reference import attend_naive
 from keyfold.masks import grid_positions
+from keyfold.scores import aligned
 
 
 def _custom(b, h, q, k):
@@ -80,7 +81,8 @@ def _check_rows(q, k, v, kw, out, rows: slice):
     q_offset = rows.start
     ref = kf.attention(qs.double(), k.double(), v.double(), q_offset=q_offset,
                        backend=kf.Backend.REFERENCE, **kw)
-    pb = Problem(kf.as_mask(kw.get("mask")), kf.as_score(kw.get("score")), q.shape[-1] ** -0.5, q_offset, 0)
+    pb = Problem(kf.as_mask(kw.get("mask")), aligned(kf.as_score(kw.get("score")), kf.as_mask(kw.get("mask")), q.shape[0]),
+                 q.shape[-1] ** -0.5, q_offset, 0)
     naive = attend_naive(qs, k, v, pb)
     err = float((out[:, :, rows].double() - ref).abs().max())
     bound = 2 * float((naive.double() - ref).abs().max()) + 1e-6

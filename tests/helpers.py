@@ -18,7 +18,7 @@ import keyfold
 from keyfold.kernels._common import Problem
 from keyfold.kernels.reference import attend_naive
 from keyfold.masks import as_mask, grid_positions
-from keyfold.scores import as_score
+from keyfold.scores import aligned, as_score
 
 
 def naive_attention(q, k, v, *, mask=None, score=None, scale=None, q_offset=None, kv_offset=0, return_lse=False,
@@ -26,7 +26,7 @@ def naive_attention(q, k, v, *, mask=None, score=None, scale=None, q_offset=None
     """The plain same-dtype implementation (the yardstick, materialises Nq x Nk); with ``return_lse``
     also its float32 lse (0 on rows that see no key)."""
     Nq, Nk, D = q.shape[2], k.shape[2], q.shape[-1]
-    pb = Problem(as_mask(mask), as_score(score), D ** -0.5 if scale is None else scale,
+    pb = Problem(as_mask(mask), aligned(as_score(score), as_mask(mask), q.shape[0]), D ** -0.5 if scale is None else scale,
                  kv_offset + Nk - Nq if q_offset is None else q_offset, kv_offset)
     return attend_naive(q, k, v, pb, with_lse=return_lse)
 

@@ -38,6 +38,7 @@ from tqdm import tqdm  # noqa: E402
 import keyfold as kf  # noqa: E402
 import keyfold.kernels.triton as kt  # noqa: E402
 from keyfold.bench.harness import interleaved, results_dir  # noqa: E402
+from keyfold.scores import aligned  # noqa: E402
 
 VARIANTS = ("dense", "causal", "window1024", "documents")
 MODES = ("fwd", "fwd+bwd")
@@ -402,7 +403,7 @@ def check_case(case: Case, dt: torch.dtype, N: int, D: int, device) -> tuple[str
          torch.randn(2, case.Hkv, Nk, D, dtype=dt, device=device),
          torch.randn(2, case.Hkv, Nk, Dv, dtype=dt, device=device)]
     dout = torch.randn(2, case.Hq, Nq, Dv, dtype=torch.float64, device=device) * seen[..., None]
-    pb = Problem(m, kf.as_score(case.score), D ** -0.5, q_offset, case.kv_offset)
+    pb = Problem(m, aligned(kf.as_score(case.score), m, 2), D ** -0.5, q_offset, case.kv_offset)
     res = {}
     for who, fn, cast in (
             ("keyfold", lambda a, b, c: kf.attention(a, b, c, backend=backend, **kw), dt),
