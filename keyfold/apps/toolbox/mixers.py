@@ -571,6 +571,25 @@ def check_mixer(mixer: "MixerSpec | nn.Module", dim: int, *, batch: int = 2, seq
     if not isinstance(m, MixerProtocol):
         raise TypeError(f"mixer {name!r} lacks forward / init_state / step (see MixerProtocol)")
     m = m.double().eval()
+    if _check_once(m, name, batch, seq_len, dim, atol):
+        return
+    # no output moved whatever input changed: a zero-initialised gain or output projection (a residual
+    # branch's common init) made every check vacuous, and a mixer reading the next input passed, trained and
+    # "solved" induction from the answer ahead (a review, 2026-12-08): its all-zero parameters are drawn
+    # afresh on the copy and the checks run again
+    g = torch.Generator().manual_seed(1)
+    redrawn = [p for p in m.parameters() if p.numel() and not bool(p.any())]
+    for p in redrawn:
+        p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
+    if not redrawn or not _check_once(m, name, batch, seq_len, dim, atol):
+        raise ValueError(f"mixer {name!r}: no output depends on any input (every output stays as it is when an "
+                         f"input changes{', also with its all-zero parameters drawn at random' if redrawn else ''}), "
+                         f"so causality and streaming cannot be checked; a mixer must read its inputs")
+
+
+def _check_once(m, name, batch, seq_len, dim, atol) -> bool:
+    """:func:`check_mixer`'s checks on the float64 copy ``m``; returns whether changing an input moved any
+    output (False: the checks could not have failed)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, seq_len, dim, generator=g, dtype=torch.float64)
     full = m(x)
@@ -579,11 +598,14 @@ def check_mixer(mixer: "MixerSpec | nn.Module", dim: int, *, batch: int = 2, seq
         raise ValueError(f"mixer {name!r}: forward must map (B, N, dim) = {(batch, seq_len, dim)} to the same "
                          f"shape, got {got}")
     scale = 1.0 + float(full.abs().max())
+    moved = False
     for j in sorted({round(1 + i * (seq_len - 2) / 31) for i in range(32)} if seq_len > 33 else range(1, seq_len),
                     reverse=True):
         x2 = x.clone()
         x2[:, j] += 1.0
-        leak = float((m(x2)[:, :j] - full[:, :j]).abs().max())
+        y2 = m(x2)
+        moved = moved or not torch.equal(y2, full)
+        leak = float((y2[:, :j] - full[:, :j]).abs().max())
         if not leak <= atol * scale:  # checked first: a mixer that peeks ahead cannot stream either
             raise ValueError(f"mixer {name!r} is not causal: changing position {j} of {seq_len} moves earlier "
                              f"outputs by {leak:.3g}; output t may depend on inputs 0..t only")
@@ -599,3 +621,4 @@ def check_mixer(mixer: "MixerSpec | nn.Module", dim: int, *, batch: int = 2, seq
     if not err <= atol * scale:
         raise ValueError(f"mixer {name!r}: streaming step disagrees with the full-sequence forward by {err:.3g} "
                          f"(allowed {atol * scale:.3g}, float64); step over x[:, 0], x[:, 1], ... must equal mixer(x)")
+    return moved

@@ -419,3 +419,39 @@ def test_report_lists_rows_stopped_at_the_cap():
     text = "\n".join(B._capped(rows))
     assert "t / gru (2 of 3)" in text and "attention" not in text
     assert "none at the step cap" in "\n".join(B._capped(rows[1:]))
+
+
+class _PeekBehindZeroGain(nn.Module):
+    """Reads x[t + 1] (a 'same'-padded conv) behind a gain initialised to zero, with a wrong step."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.conv = nn.Conv1d(dim, dim, 3, padding=1)
+        self.gain = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        return self.gain * self.conv(x.transpose(1, 2)).transpose(1, 2)
+
+    def init_state(self, batch):
+        return None
+
+    def step(self, x_t, state):
+        return torch.zeros_like(x_t), state
+
+
+class _Deaf(_PeekBehindZeroGain):
+    def forward(self, x):
+        return torch.zeros_like(x)
+
+
+def test_a_mixer_silent_at_init_is_checked_with_its_zero_parameters_drawn():
+    """A zero-initialised gain made every output 0 at init, so the causality and streaming checks could not
+    fail: a mixer reading the next input passed check_mixer (and SequenceModel's guard), trained, and scored
+    100% on induction by reading the answer ahead (a review, 2026-12-08). Its all-zero parameters are now
+    drawn afresh for a second check; a mixer no input can move raises."""
+    with pytest.raises(ValueError, match="not causal"):
+        check_mixer(_PeekBehindZeroGain(8), 8, seq_len=16)
+    with pytest.raises(ValueError, match="not causal"):
+        SequenceModel(_PeekBehindZeroGain, vocab=16, d_out=16, width=8, depth=1, seq_len=16)
+    with pytest.raises(ValueError, match="no output depends on any input"):
+        check_mixer(_Deaf(8), 8, seq_len=16)
