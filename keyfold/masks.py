@@ -176,11 +176,45 @@ class _Watched:
                                                                         or t.device.type != "cpu"):
             return False  # (a small CPU one is compared anyway: a write through .data or numpy moves no version;
             # on a GPU a comparison every call would wait for the device)
-        if t.shape == self.values.shape and t.dtype == self.values.dtype and bool(torch.equal(t.detach(), self.values)):
+        # (another dtype compared in the preset's: a model's .double() after alibi(a frozen parameter) moved no
+        # value, and raised at every call; a review, 2026-12-08)
+        if t.shape == self.values.shape and bool(torch.equal(t.detach().to(self.values.dtype), self.values)):
             if self.version is not None:
                 self.version = t._version  # written, but to the same values
             return False
         return True
+
+
+@torch._dynamo.assume_constant_result
+def _compile_id() -> str:
+    """The compile (dynamo's frame and attempt) tracing now, as a string (run eagerly, even while traced)"""
+    from torch._guards import CompileContext
+    return str(CompileContext.current_compile_id())
+
+
+class _Traced:
+    """The watch entry of a preset built while dynamo traced: its tensors were the graph's values then, with
+    nothing left to compare them with later. Used again by a later call (kept on a module:
+    ``if self.m is None: self.m = documents(self.ids)`` inside a compiled forward), it ran on that trace's
+    copy, silently (1.25 off once the ids changed; a review, 2026-12-08): such a reuse raises."""
+
+    __slots__ = ("compile_id",)
+    why = ("was built inside a compiled function and is used again by a later call; keyfold cannot check it "
+           "against the tensor it came from (it may hold that call's values). Build the preset in every call "
+           "(inside the compiled function it is data of the graph) or outside the compiled function")
+
+    def __init__(self, compile_id: str):
+        self.compile_id = compile_id
+
+    def __reduce__(self):
+        return _unwatched, ()
+
+    def changed(self) -> bool:
+        return True  # an eager call: always a later one
+
+    def stale_in_trace(self) -> bool:
+        """While dynamo traces: whether this preset came from another trace than the one running"""
+        return self.compile_id != _compile_id()
 
 
 def watch(obj, *tensors):
@@ -190,7 +224,10 @@ def watch(obj, *tensors):
     each step, as FlashAttention code does) ran with the old values, silently (1.5-2.7 off; a review,
     2026-12-08). Views are watched through their base, inference tensors by value. Not under
     torch.compile (README "torch.compile"). Returns ``obj``."""
-    watched = [] if torch.compiler.is_compiling() else [_Watched(t) for t in tensors if isinstance(t, torch.Tensor)]
+    if torch.compiler.is_compiling():
+        watched = [_Traced(_compile_id())]
+    else:
+        watched = [_Watched(t) for t in tensors if isinstance(t, torch.Tensor)]
     obj._watched = watched + list(getattr(obj, "_watched", ()))
     return obj
 
@@ -217,6 +254,8 @@ def check_unchanged(*objs) -> None:
         for entry in getattr(obj, "_watched", ()):
             if not entry.changed():
                 continue
+            if isinstance(entry, _Traced):
+                raise ValueError(f"{obj!r} {entry.why}")
             raise ValueError(f"{obj!r} was built from a tensor that has changed in place since; a preset keeps "
                              f"the values its tensors had when it was built. Build it again after changing the "
                              f"tensor, or pass a mask_mod / score_mod callable that reads the tensor (read at "

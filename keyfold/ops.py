@@ -519,13 +519,22 @@ def _stale_slot(mask, score, tensors: list) -> str:
     data of the graph already."""
     flags = []
     for entry in _watch_entries(mask, score):
-        t = entry.now()
+        if isinstance(entry, M._Traced):  # built while tracing: by this trace (its tensors are data), or by one
+            if entry.stale_in_trace():   # before, whose copy nothing can check now
+                raise ValueError(f"a preset {entry.why}")
+            continue
+        try:
+            t = entry.now()
+        except RuntimeError:  # the buffer took other storage (set_): its view no longer fits
+            flags.append(torch.ones((), dtype=torch.bool))
+            continue
         if t is None or entry.values is None:
             continue
-        if t.shape != entry.values.shape or t.dtype != entry.values.dtype:
+        if t.shape != entry.values.shape:
             flags.append(torch.ones((), dtype=torch.bool, device=t.device))
-        else:  # (NaN counts as a change, as torch.equal in the eager check)
-            flags.append((t.detach() != entry.values.to(t.device)).any())
+        else:  # (NaN counts as a change, as torch.equal in the eager check; another dtype is compared in the
+            # preset's: a model's .double() moves no value)
+            flags.append((t.detach().to(entry.values.dtype) != entry.values.to(t.device)).any())
     if not flags:
         return ""
     flag = torch.stack([f.to("cpu") for f in flags]).any()

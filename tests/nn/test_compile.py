@@ -895,3 +895,45 @@ def test_a_preset_built_inside_from_a_changing_tensor_is_data_of_the_graph():
     for _ in range(2):
         torch.testing.assert_close(f(q, k, v, ids), kf.attention(q, k, v, mask=kf.masks.documents(ids), q_offset=0))
         ids.copy_(torch.repeat_interleave(torch.arange(2), 32))
+
+
+class _LazyDocuments(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ids", torch.repeat_interleave(torch.arange(4), 16))
+        self.m = None
+
+    def forward(self, q, k, v):
+        if self.m is None:  # built lazily inside the compiled forward and kept
+            self.m = kf.masks.documents(self.ids)
+        return kf.attention(q, k, v, mask=self.m, q_offset=0)
+
+
+def test_a_preset_built_inside_a_compiled_forward_and_kept_raises_when_reused():
+    """A preset built while dynamo traced and kept on the module (lazily, in forward) held that trace's copy
+    with nothing to compare it with: after the ids changed in place, compiled and eager calls ran on the
+    old ids, silently (1.25 off; a review, 2026-12-08). Reused by a later call it now raises, compiled or not."""
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    torch._dynamo.reset()
+    mod = _LazyDocuments()
+    f = torch.compile(mod, backend="aot_eager")
+    torch.testing.assert_close(f(q, k, v), kf.attention(q, k, v, mask=kf.masks.documents(mod.ids), q_offset=0))
+    mod.ids.copy_(torch.repeat_interleave(torch.arange(2), 32))
+    with pytest.raises(ValueError, match="built inside a compiled function"):
+        f(q, k, v)
+    with pytest.raises(ValueError, match="built inside a compiled function"):
+        mod(q, k, v)
+
+
+def test_a_preset_whose_tensor_only_changed_dtype_does_not_raise():
+    """alibi(a frozen parameter) then model.double(): the slopes took another dtype, no other value, and every
+    call raised "changed in place", eager and compiled (a review, 2026-12-08)."""
+    q, k, v = (torch.randn(1, 2, 32, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    p = torch.nn.Parameter(torch.tensor([0.5, 0.25]), requires_grad=False)
+    score = kf.scores.alibi(p)
+    want = kf.attention(q, k, v, score=score)
+    p.data = p.data.double()
+    torch.testing.assert_close(kf.attention(q, k, v, score=score), want)
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v: kf.attention(q, k, v, score=score), backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(f(q, k, v), want)
