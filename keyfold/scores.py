@@ -261,6 +261,11 @@ class _Softcap(ScoreMod):
                 raise ValueError("softcap(cap): cap requires grad, but softcap() holds a fixed number; for a "
                                  "learnable cap pass score=lambda s, b, h, q, kv: cap * torch.tanh(s / cap)")
             cap = float(cap)  # a 0-d float tensor (a config's value kept as a tensor): its number
+        elif isinstance(cap, torch.Tensor) and cap.dim() == 0 and cap.dtype.is_floating_point:
+            # while dynamo traces: the tensor travels as data of the graph and the op takes its number (its
+            # checks ran into dynamo's "Unsupported repr() on tensor" under fullgraph=True; a review, 2026-12-08)
+            self.cap = cap
+            return
         if not isinstance(cap, (int, float)) or isinstance(cap, bool) or not cap > 0 or math.isinf(cap):
             raise ValueError(f"softcap(cap): cap must be a finite number > 0 (or a 0-d float tensor), got {cap!r}")
         self.cap = float(cap)

@@ -937,3 +937,14 @@ def test_a_preset_whose_tensor_only_changed_dtype_does_not_raise():
     torch._dynamo.reset()
     f = torch.compile(lambda q, k, v: kf.attention(q, k, v, score=score), backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(f(q, k, v), want)
+
+
+def test_softcap_of_a_0d_tensor_built_inside_fullgraph():
+    """softcap(torch.tensor(2.0)) (a config's value kept as a tensor) inside torch.compile(fullgraph=True)
+    crashed in dynamo ("Unsupported repr() on tensor"; a review, 2026-12-08): the tensor is data of the graph."""
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    cap = torch.tensor(2.0)
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v: kf.attention(q, k, v, score=kf.scores.softcap(cap), mask=kf.causal()),
+                      backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(f(q, k, v), kf.attention(q, k, v, score=kf.scores.softcap(2.0), mask=kf.causal()))
