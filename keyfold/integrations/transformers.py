@@ -491,7 +491,7 @@ def _supports_dropout() -> bool:
 
 #: keyword arguments transformers' sparse-attention models give the attention function in place of a mask:
 #: keys the kernel must select (MiniMax-M3's block_indices, the DeepSeek-V3.2 family's indices), sinks
-_CHANGES_THE_MATH = ("indices", "block_indices", "topk_indices", "sinks")
+_CHANGES_THE_MATH = ("indices", "block_indices", "topk_indices")
 
 #: attention modules that skip their own masking when handed FlexAttention's BlockMask (KeyfoldMask is one)
 _MASK_IN_THE_MODEL = ("DogeAttention",)
@@ -507,9 +507,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     module is causal, else every key). Returns ``(out (B, Nq, Hq, Dv), None)``: attention weights
     are never materialised.
     """
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("keyfold attention: learned attention sinks (s_aux) are not supported; "
-                                  "use attn_implementation='eager' for this model")
+    for name in ("s_aux", "sinks"):  # (sinks=: the Inkling 2 models' name for them; it was said to be a selection)
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"keyfold attention: learned attention sinks ({name}=) are not supported; "
+                                      f"use attn_implementation='eager' for this model")
     for name in _CHANGES_THE_MATH:  # a model that hands its sparse selection to the kernel: dropped, the
         if kwargs.get(name) is not None:  # attention was dense, 4.1 off (MiniMax-M3's block_indices; 2026-12-08)
             raise NotImplementedError(f"keyfold attention: {type(module).__name__} passes {name}= (a selection "

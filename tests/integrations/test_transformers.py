@@ -496,6 +496,15 @@ def test_a_models_key_selection_is_refused_not_dropped(name):
         kft.attention_forward(torch.nn.Module(), q, k, v, None, **{name: torch.zeros(1, 2, 4, 1, dtype=torch.long)})
 
 
+@pytest.mark.parametrize("name", ["s_aux", "sinks"])
+def test_learned_sinks_are_refused_as_sinks(name):
+    """Learned attention sinks come as s_aux= (gpt-oss) or sinks= (Inkling 2): refused, and said to be sinks
+    (sinks= was called "a selection of keys"; a review, 2026-12-08)."""
+    q = k = v = torch.randn(1, 2, 4, 8)
+    with pytest.raises(NotImplementedError, match=rf"learned attention sinks \({name}=\)"):
+        kft.attention_forward(torch.nn.Module(), q, k, v, None, **{name: torch.zeros(2)})
+
+
 def test_doge_is_refused():
     """Doge folds its causal and padding mask into its own bias only when the mask is not a BlockMask,
     which keyfold's mask is: its tokens saw the future, 3.2 off (a review, 2026-12-08)."""
