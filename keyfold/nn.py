@@ -25,7 +25,7 @@ from .caches import KVCache, decode
 from .dense import tensor_mask
 from .engine import attention
 from .kernels._common import dropout_keep, row_divisor
-from .masks import Mask, as_mask, causal, documents, grid_positions, sinks
+from .masks import Mask, as_mask, causal, grid_positions, padding, sinks
 from .scores import as_score
 
 __all__ = ["MultiheadAttention", "AttentionCache", "TransformerEncoderLayer", "TransformerDecoderLayer",
@@ -41,8 +41,8 @@ def key_padding_to_mask(key_padding_mask: torch.Tensor, n_queries: int = 0) -> M
 
     Padding at the end of every row (the usual right padding) becomes ``sinks(lengths)`` with a
     ``(B,)`` length vector: classified in closed form and hashed by content, so equal batches reuse
-    one plan. Any other pattern becomes ``documents`` ids: key ids 0 (real) / 1 (pad), query ids 0;
-    ``n_queries`` is the number of query positions the ids must cover (absolute positions).
+    one plan. Any other pattern becomes ``padding(keys=~key_padding_mask)``, for any number of queries
+    (``n_queries`` is kept for callers that pass it and no longer needed).
 
     >>> m = key_padding_to_mask(torch.tensor([[False, False, True]]))
     >>> m.to_dense(1, 3, q_offset=0, B=1).view(-1).tolist()
@@ -60,8 +60,9 @@ def key_padding_to_mask(key_padding_mask: torch.Tensor, n_queries: int = 0) -> M
     suffix = torch.arange(S, device=kpm.device).unsqueeze(0) >= lengths.unsqueeze(1)  # (B, S)
     if torch.equal(suffix, kpm):
         return sinks(lengths.cpu())
-    q_ids = torch.zeros(B, max(n_queries, S), dtype=torch.long)
-    return documents(q_ids, kpm.long().cpu())
+    # (any query position: documents ids covered max(n_queries, S) query positions, and a call with more
+    # queries raised about documents(ids); a review, 2026-12-08)
+    return padding(keys=~kpm.cpu())
 
 
 def combine_masks(*masks) -> Mask | None:

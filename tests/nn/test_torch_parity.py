@@ -259,3 +259,16 @@ def test_float32_weights_are_as_accurate_as_torchs_and_rows_sum_to_one(average):
     pad = torch.zeros(2, 31).masked_fill(torch.tensor([[False] * 31, [True] * 31]), torch.finfo(torch.float32).min)
     _, w = ours(x.float(), m.float(), m.float(), key_padding_mask=pad, need_weights=True, average_attn_weights=average)
     torch.testing.assert_close(w.sum(-1), torch.ones_like(w.sum(-1)), atol=1e-5, rtol=0)
+
+
+def test_key_padding_to_mask_serves_more_queries_than_keys():
+    """A padding pattern that is not a suffix became documents ids covering max(n_queries, S) query positions:
+    with more queries than keys (the default n_queries) the call raised about documents(ids) (a review,
+    2026-12-08). It is padding(keys=...) now, for any number of queries; equal to torch's SDPA."""
+    from keyfold.nn import key_padding_to_mask
+    kpm = torch.tensor([[True, False, False], [False, True, False]])
+    q, k = torch.randn(2, 2, 5, 8), torch.randn(2, 2, 3, 8)
+    import keyfold as kf
+    got = kf.attention(q, k, k, mask=key_padding_to_mask(kpm), q_offset=0)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=~kpm[:, None, None, :])
+    torch.testing.assert_close(got, want)
