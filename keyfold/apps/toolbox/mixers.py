@@ -438,14 +438,17 @@ class S4DMixer(Mixer):
         self.out = nn.Linear(dim, dim)
 
     def _discrete(self):
-        """``(Abar, C * Bbar, c)``: ``(dim, state)`` each (complex for S4D-Lin)."""
-        dt = self.log_dt.exp()[:, None]  # (dim, 1)
+        """``(Abar, C * Bbar, c)``: ``(dim, state)`` each (complex for S4D-Lin), in float32 for 16-bit
+        parameters (torch has no half-precision complex exp or FFT on the CPU: a bfloat16 or float16 S4D
+        raised from inside torch; a review, 2026-12-08)."""
+        w = _wide(self.log_dt.dtype)
+        dt = self.log_dt.to(w).exp()[:, None]  # (dim, 1)
         if self.complex_diag:
-            A = torch.complex(-self.log_a_re.exp(), self.a_im)
-            C = torch.view_as_complex(self.c.contiguous())
+            A = torch.complex(-self.log_a_re.to(w).exp(), self.a_im.to(w))
+            C = torch.view_as_complex(self.c.to(w).contiguous())
             factor = 2.0
         else:
-            A, C, factor = -self.log_a_re.exp(), self.c, 1.0
+            A, C, factor = -self.log_a_re.to(w).exp(), self.c.to(w), 1.0
         abar = torch.exp(dt * A)
         return abar, C * (abar - 1.0) / A, factor
 
@@ -458,28 +461,34 @@ class S4DMixer(Mixer):
     def forward(self, x):
         self._check(x, 3)
         B, N, _ = x.shape
-        u = x.transpose(1, 2)  # (B, dim, N)
+        u = x.transpose(1, 2).to(_wide(x.dtype))  # (B, dim, N)
         K = self.kernel(N)
         y = torch.fft.irfft(torch.fft.rfft(u, n=2 * N) * torch.fft.rfft(K, n=2 * N), n=2 * N)[..., :N]
-        y = y + self.d[:, None] * u  # (B, dim, N)
-        return self.out(F.gelu(y.transpose(1, 2)))
+        y = y + self.d.to(u.dtype)[:, None] * u  # (B, dim, N)
+        return self.out(F.gelu(y.transpose(1, 2)).to(x.dtype))
 
     def init_state(self, batch):
         base = super().init_state(batch)
         p = self._param()
-        dtype = (torch.complex128 if p.dtype == torch.float64 else torch.complex64) if self.complex_diag else p.dtype
+        dtype = (torch.complex128 if p.dtype == torch.float64 else torch.complex64) if self.complex_diag else _wide(p.dtype)
         return {**base, "h": torch.zeros(batch, self.dim, self.n, dtype=dtype, device=p.device)}
 
     def step(self, x_t, state):
         self._check_step(x_t, state)
         abar, cb, factor = self._discrete()
         # h carries sum_s Abar^(t-s) x_s; C*Bbar is applied on read-out (the same product as K)
-        h = abar * state["h"] + x_t[:, :, None]  # (B, dim, state)
-        y = factor * (cb * h).sum(-1).real + self.d * x_t  # (B, dim)
-        return self.out(F.gelu(y)), {"batch": state["batch"], "h": h}
+        xw = x_t.to(_wide(x_t.dtype))
+        h = abar * state["h"] + xw[:, :, None]  # (B, dim, state)
+        y = factor * (cb * h).sum(-1).real + self.d.to(xw.dtype) * xw  # (B, dim)
+        return self.out(F.gelu(y).to(x_t.dtype)), {"batch": state["batch"], "h": h}
 
 
 # ------------------------------------------------------------------------------ MLP
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype S4D's recurrence and FFT run in: float32 for 16-bit parameters or inputs"""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
 class MLPMixer(Mixer):

@@ -455,3 +455,20 @@ def test_a_mixer_silent_at_init_is_checked_with_its_zero_parameters_drawn():
         SequenceModel(_PeekBehindZeroGain, vocab=16, d_out=16, width=8, depth=1, seq_len=16)
     with pytest.raises(ValueError, match="no output depends on any input"):
         check_mixer(_Deaf(8), 8, seq_len=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_s4d_runs_and_streams_in_16_bits(dtype):
+    """S4D in bfloat16 / float16 raised from inside torch (no half-precision complex exp or FFT on the CPU; a
+    review, 2026-12-08): its recurrence and FFT run in float32, out in the dtype; step follows forward."""
+    m = SequenceModel("s4d", vocab=16, d_out=16, width=16, depth=1).to(dtype).eval()
+    mix = m.blocks[0].mixer
+    x = torch.randn(2, 9, 16).to(dtype)
+    with torch.no_grad():
+        full = mix(x)
+        st, ys = mix.init_state(2), []
+        for t in range(9):
+            y, st = mix.step(x[:, t], st)
+            ys.append(y)
+    assert full.dtype == dtype and torch.isfinite(full).all()
+    torch.testing.assert_close(torch.stack(ys, 1).float(), full.float(), atol=3e-2, rtol=3e-2)
