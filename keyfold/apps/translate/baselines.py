@@ -44,6 +44,9 @@ def score(hyps: list[str], examples: list[Example]) -> dict[str, float]:
 
     if len(hyps) != len(examples):
         raise ValueError(f"{len(hyps)} hypotheses for {len(examples)} examples")
+    if not examples:  # (max() of nothing raised; a review, 2026-12-08)
+        raise ValueError("score: no examples to score (an empty split, or --limit 0); BLEU needs at least one "
+                         "phrase: check the data folder's split or pass --limit N with N >= 1")
     n = max(len(ex.english) for ex in examples)
     refs = [[ex.english[i] if i < len(ex.english) else None for ex in examples] for i in range(n)]
     bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()

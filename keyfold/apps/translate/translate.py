@@ -276,6 +276,9 @@ def main(argv: list[str]) -> int:
     for de, en in zip(args.texts, translate(model, tok, args.texts, **kw)):
         print(f"{de}\t{en}")
     if args.test:
+        if args.limit is not None and args.limit < 1:
+            raise SystemExit(f"--limit {args.limit}: BLEU needs at least one phrase; pass --limit N with N >= 1, or "
+                             f"leave it out for the whole split")
         run_dir = args.checkpoint if args.checkpoint.is_dir() else args.checkpoint.parent
         out = args.out or run_dir / args.split
         res = evaluate(model, tok, args.data, limit=args.limit, split=args.split, **kw)

@@ -162,3 +162,10 @@ def test_prepare_killed_halfway_is_refused_and_a_rerun_recovers(tmp_path, where,
     assert not list(out.glob("*.tmp"))
     tok, train_pairs, _ = T.load_data(out, CFG)
     assert tok.vocab_size > 0 and train_pairs
+
+
+def test_scoring_nothing_says_what_is_wrong():
+    """An empty split (or --limit 0) crashed with "max() arg is an empty sequence" (a review, 2026-12-08)."""
+    from keyfold.apps.translate import baselines
+    with pytest.raises(ValueError, match="no examples to score"):
+        baselines.score([], [])
