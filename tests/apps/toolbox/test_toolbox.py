@@ -454,3 +454,23 @@ def test_resume_keeps_only_rows_made_under_the_same_settings(tmp_path, monkeypat
     with pytest.raises(Stop):  # two seeds now: the one-seed row runs again
         bench.main(["--tiny", "--seeds", "2", "--resume", "--out", str(tmp_path), "--no-progress", "--workers", "1"])
     assert seen["done"] == []
+
+
+def test_claims_say_not_tested_where_nothing_learned_the_task():
+    """With attention at chance on induction (1 %), the verdict explained that "RoPE attention keeps the copy
+    rule at longer lengths"; with every mixer at chance on selective copying, S4D "does not fail" for a reason
+    (a review, 2026-12-08). A verdict whose premise no mixer met says "not tested"."""
+    from keyfold.apps.toolbox import bench as tb
+
+    def ind(m, mean, far):
+        return {"task": "induction N=16", "group": "recall", "mixer": m, "metric": "accuracy", "mean": mean,
+                "ci95": 0.01, "extra_tests": {"N=32": {"mean": far, "ci95": 0.01}}}
+
+    def copy(m, mean):
+        return {"task": "selective copy N=64", "group": "recall", "mixer": m, "metric": "accuracy", "mean": mean,
+                "ci95": 0.01, "N": 64, "tcn_field": 128}
+
+    text = "\n".join(tb._claims([ind("attention", 0.012, 0.009), ind("gru", 0.04, 0.009),
+                                 copy("attention", 0.117), copy("gru", 0.10), copy("s4d", 0.094)]))
+    assert "keeps the copy rule" not in text and "can still place the tokens" not in text
+    assert text.count("not tested") == 2, text
