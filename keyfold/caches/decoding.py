@@ -203,9 +203,11 @@ def _check_q(q, heads: int, head_dim: int, owner: str):
 
 
 def _check_splits(splits):
-    if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int) or splits < 1):
-        raise ValueError(f"decode(splits=...): an int >= 1, or None to choose from the cache length and "
-                         f"threads; got {splits!r}")
+    """``splits`` checked; 0 is None (FlashAttention's ``num_splits=0``: choose), which it returns"""
+    if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int) or splits < 0):
+        raise ValueError(f"decode(splits=...): an int >= 1, or None (or 0, as FlashAttention's num_splits) to "
+                         f"choose from the cache length and threads; got {splits!r}")
+    return None if splits == 0 else splits
 
 
 def _whole_batch(q, cache: KVCache, scale, splits, backend, lse: bool = True) -> State | None:
@@ -238,6 +240,7 @@ def attend_cache(q, cache: Cache, *, mask=None, score=None, scale=None, seq_ids=
 def _cache_state(q, cache: Cache, mask, score, scale, seq_ids, splits, backend, lse: bool = True) -> State:
     """:func:`attend_cache`'s state (``lse``: whether anyone reads its lse; :func:`decode` without
     ``return_lse`` does not)."""
+    splits = _check_splits(splits)
     if mask is None and score is None and seq_ids is None and type(cache) is KVCache:
         st = _whole_batch(q, cache, scale, splits, backend, lse)
         if st is not None:
@@ -249,7 +252,7 @@ def _attend_groups(q, cache: Cache, mask, score, scale, seq_ids, splits, backend
     """The general path: check, ask the cache for its groups of rows and spans, attend, merge (``lse``:
     whether anyone reads the result's lse)."""
     _check_q(q, cache.heads, cache.head_dim, "decode")
-    _check_splits(splits)
+    splits = _check_splits(splits)
     Nq = q.shape[2]
     mask, score, implied = as_mask(mask), as_score(score), cache.implied_mask(Nq)
     # here, before the spans are classified: a block the preset's old copy called full or empty is attended
@@ -364,7 +367,7 @@ def cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, *, suffix_lengths=None, m
         raise ValueError(f"cascade(prefix_k): the shared prefix has batch 1, got {tuple(prefix_k.shape)}; "
                          f"pass it once, not once per request")
     _check_q(q, prefix_k.shape[1], prefix_k.shape[-1], "cascade")
-    _check_splits(splits)
+    splits = _check_splits(splits)
     R, Hq, Nq, _ = q.shape
     P, Hkv = prefix_k.shape[2], prefix_k.shape[1]
     if suffix_k.shape[0] != R or suffix_k.shape[1] != Hkv:

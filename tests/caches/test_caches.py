@@ -359,7 +359,9 @@ def test_kv_cache_bad_input_leaves_it_unchanged():
     with pytest.raises(ValueError, match="one row per"):
         decode(torch.randn(1, 2, 1, 8), cache)
     with pytest.raises(ValueError, match="splits"):
-        decode(torch.randn(2, 2, 1, 8), cache, splits=0)
+        decode(torch.randn(2, 2, 1, 8), cache, splits=-1)
+    qd = torch.randn(2, 2, 1, 8)  # 0 chooses, as FlashAttention's num_splits=0 (it raised; a review, 2026-12-08)
+    torch.testing.assert_close(decode(qd, cache, splits=0), decode(qd, cache))
     with pytest.raises(ValueError, match="multiple"):
         decode(torch.randn(2, 3, 1, 8), cache)
     for bad in (dict(batch=0), dict(capacity=-1), dict(dtype=torch.int32)):
