@@ -185,11 +185,12 @@ class _Watched:
         return True
 
 
-@torch._dynamo.assume_constant_result
 def _compile_id() -> str:
-    """The compile (dynamo's frame and attempt) tracing now, as a string (run eagerly, even while traced)"""
-    from torch._guards import CompileContext
-    return str(CompileContext.current_compile_id())
+    """The compile (dynamo's frame and attempt) tracing now, as a string: :func:`keyfold.ops.compile_id`,
+    which runs eagerly even while traced (imported here, under compile only: importing torch._dynamo with
+    keyfold would cost every import and look for optional packages)"""
+    from .ops import compile_id
+    return compile_id()
 
 
 class _Traced:

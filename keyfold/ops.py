@@ -50,6 +50,14 @@ torch._dynamo.assume_constant_result(_callables._space_of)
 
 
 @torch._dynamo.assume_constant_result
+def compile_id() -> str:
+    """The compile (dynamo's frame and attempt) tracing now, as a string (run eagerly, even while traced):
+    :class:`keyfold.masks._Traced` tells a preset built by this trace from one kept from an earlier one"""
+    from torch._guards import CompileContext
+    return str(CompileContext.current_compile_id())
+
+
+@torch._dynamo.assume_constant_result
 def _register(fn) -> int:
     """Keep ``fn`` in the registry under its id (run eagerly, even under dynamo: the op looks it up)."""
     key = id(fn)
