@@ -878,7 +878,11 @@ def _prefill_may(q, k, v, pb: Problem, plain: bool = False, dense: bool = False)
     2026-12-07), where each member on the decode kernel's exact scores is at 0.03-0.08x."""
     dt = _widened(q.dtype)
     rows = q.shape[2] * (q.shape[1] // max(k.shape[1], 1))
-    if dt not in (torch.bfloat16, torch.float32) or rows <= NATIVE_ROWS:
+    # a bfloat16 softcap from one row (a Gemma-2 decoding step): its other way is the tile path in torch ops,
+    # which widened the whole cache to float32 every call (16k keys: 49 ms a step, plain torch's 5.9; on the
+    # kernel 7.4; a review, 2026-12-08)
+    capped = dt is torch.bfloat16 and q.dtype is torch.bfloat16 and softcap_cap(pb) is not None
+    if dt not in (torch.bfloat16, torch.float32) or (rows <= NATIVE_ROWS and not capped):
         return False
     if q.dtype is torch.float32 and q.shape[1] != k.shape[1] and (q.shape[2] <= PREFILL_MEMBER_ROWS
                                                                   or _few_keys(q, k)):
@@ -886,14 +890,14 @@ def _prefill_may(q, k, v, pb: Problem, plain: bool = False, dense: bool = False)
     if dt is torch.float32 and native.isa() == "avx2" and (q.shape[-1] > PREFILL_AVX2_MAX_HEAD
                                                            or k.shape[2] < PREFILL_AVX2_MIN_KEYS):
         return False  # the naive's GEMM sums these more exactly here (PREFILL_AVX2_MAX_HEAD)
-    if rows < PREFILL_MIN_ROWS and not (dt is torch.float32 and rows >= PREFILL_SQUARE_ROWS
+    if rows < PREFILL_MIN_ROWS and not capped and not (dt is torch.float32 and rows >= PREFILL_SQUARE_ROWS
                                         and rows * PREFILL_KEYS_PER_ROW >= k.shape[2]
                                         and (pb.score is None or pb.score.additive)
                                         and max(q.shape[-1], v.shape[-1]) < ORDERED_HEAD):
         return False
     if q.numel() == 0 or k.numel() == 0:  # an empty batch or no heads: nothing for the kernel to do
         return False
-    if plain and rows * PREFILL_KEYS_PER_ROW < k.shape[2]:
+    if plain and rows * PREFILL_KEYS_PER_ROW < k.shape[2] and not capped:
         return False
     if (dense and dt is torch.float32 and max(q.shape[-1], v.shape[-1]) > PREFILL_F32_DENSE_MAX_HEAD
             and native.isa() != "avx2"):
