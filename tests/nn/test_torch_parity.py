@@ -272,3 +272,22 @@ def test_key_padding_to_mask_serves_more_queries_than_keys():
     got = kf.attention(q, k, k, mask=key_padding_to_mask(kpm), q_offset=0)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=~kpm[:, None, None, :])
     torch.testing.assert_close(got, want)
+
+
+def test_torch_transformer_takes_keyfolds_encoder_and_decoder():
+    """keyfold has no Transformer class of its own: torch.nn.Transformer(custom_encoder=, custom_decoder=)
+    takes keyfold's stacks, loads torch's state_dict and gives torch's outputs (a review, 2026-12-08)."""
+    torch.manual_seed(0)
+    t = torch.nn.Transformer(16, 4, 2, 2, 32, dropout=0.0, batch_first=True)
+    enc = knn.TransformerEncoder(knn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True), 2,
+                                 norm=torch.nn.LayerNorm(16))
+    dec = knn.TransformerDecoder(knn.TransformerDecoderLayer(16, 4, 32, dropout=0.0, batch_first=True), 2,
+                                 norm=torch.nn.LayerNorm(16))
+    k = torch.nn.Transformer(16, 4, custom_encoder=enc, custom_decoder=dec, batch_first=True)
+    k.load_state_dict(t.state_dict())
+    src, tgt = torch.randn(2, 7, 16), torch.randn(2, 5, 16)
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1, 5:] = True
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(5)
+    for kw in (dict(), dict(tgt_mask=causal, tgt_is_causal=True, src_key_padding_mask=pad, memory_key_padding_mask=pad)):
+        torch.testing.assert_close(k(src, tgt, **kw), t(src, tgt, **kw), atol=2e-6, rtol=1e-5)
