@@ -185,39 +185,6 @@ class _Watched:
         return True
 
 
-def _compile_id() -> str:
-    """The compile (dynamo's frame and attempt) tracing now, as a string: :func:`keyfold.ops.compile_id`,
-    which runs eagerly even while traced (imported here, under compile only: importing torch._dynamo with
-    keyfold would cost every import and look for optional packages)"""
-    from .ops import compile_id
-    return compile_id()
-
-
-class _Traced:
-    """The watch entry of a preset built while dynamo traced: its tensors were the graph's values then, with
-    nothing left to compare them with later. Used again by a later call (kept on a module:
-    ``if self.m is None: self.m = documents(self.ids)`` inside a compiled forward), it ran on that trace's
-    copy, silently (1.25 off once the ids changed; a review, 2026-12-08): such a reuse raises."""
-
-    __slots__ = ("compile_id",)
-    why = ("was built inside a compiled function and is used again by a later call; keyfold cannot check it "
-           "against the tensor it came from (it may hold that call's values). Build the preset in every call "
-           "(inside the compiled function it is data of the graph) or outside the compiled function")
-
-    def __init__(self, compile_id: str):
-        self.compile_id = compile_id
-
-    def __reduce__(self):
-        return _unwatched, ()
-
-    def changed(self) -> bool:
-        return True  # an eager call: always a later one
-
-    def stale_in_trace(self) -> bool:
-        """While dynamo traces: whether this preset came from another trace than the one running"""
-        return self.compile_id != _compile_id()
-
-
 def watch(obj, *tensors):
     """``obj`` (a preset holding a copy of ``tensors``' values), remembering those tensors: a call then
     raises once one of them holds other values (:func:`check_unchanged`). A preset built once and reused
@@ -225,10 +192,9 @@ def watch(obj, *tensors):
     each step, as FlashAttention code does) ran with the old values, silently (1.5-2.7 off; a review,
     2026-12-08). Views are watched through their base, inference tensors by value. Not under
     torch.compile (README "torch.compile"). Returns ``obj``."""
-    if torch.compiler.is_compiling():
-        watched = [_Traced(_compile_id())]
-    else:
-        watched = [_Watched(t) for t in tensors if isinstance(t, torch.Tensor)]
+    # (while dynamo traces, the tensors are the graph's: a preset built there is data of the graph in the
+    # call that builds it; one kept for later calls is not checked, README "torch.compile")
+    watched = [] if torch.compiler.is_compiling() else [_Watched(t) for t in tensors if isinstance(t, torch.Tensor)]
     obj._watched = watched + list(getattr(obj, "_watched", ()))
     return obj
 
@@ -255,8 +221,6 @@ def check_unchanged(*objs) -> None:
         for entry in getattr(obj, "_watched", ()):
             if not entry.changed():
                 continue
-            if isinstance(entry, _Traced):
-                raise ValueError(f"{obj!r} {entry.why}")
             raise ValueError(f"{obj!r} was built from a tensor that has changed in place since; a preset keeps "
                              f"the values its tensors had when it was built. Build it again after changing the "
                              f"tensor, or pass a mask_mod / score_mod callable that reads the tensor (read at "

@@ -51,14 +51,6 @@ torch._dynamo.assume_constant_result(_callables._space_of)
 
 
 @torch._dynamo.assume_constant_result
-def compile_id() -> str:
-    """The compile (dynamo's frame and attempt) tracing now, as a string (run eagerly, even while traced):
-    :class:`keyfold.masks._Traced` tells a preset built by this trace from one kept from an earlier one"""
-    from torch._guards import CompileContext
-    return str(CompileContext.current_compile_id())
-
-
-@torch._dynamo.assume_constant_result
 def _register(fn) -> int:
     """Keep ``fn`` in the registry under its id (run eagerly, even under dynamo: the op looks it up)."""
     key = id(fn)
@@ -580,10 +572,6 @@ def _stale_slot(mask, score, tensors: list) -> str:
     data of the graph already."""
     flags = []
     for entry in _watch_entries(mask, score):
-        if isinstance(entry, M._Traced):  # built while tracing: by this trace (its tensors are data), or by one
-            if entry.stale_in_trace():   # before, whose copy nothing can check now
-                raise ValueError(f"a preset {entry.why}")
-            continue
         try:
             t = entry.now()
         except RuntimeError:  # the buffer took other storage (set_): its view no longer fits
