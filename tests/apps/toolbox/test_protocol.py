@@ -472,3 +472,25 @@ def test_s4d_runs_and_streams_in_16_bits(dtype):
             ys.append(y)
     assert full.dtype == dtype and torch.isfinite(full).all()
     torch.testing.assert_close(torch.stack(ys, 1).float(), full.float(), atol=3e-2, rtol=3e-2)
+
+
+class _Delay(_PeekBehindZeroGain):
+    """Output t = x[t - 1] (a valid causal mixer: a one-step delay)."""
+
+    def forward(self, x):
+        return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], 1)
+
+    def init_state(self, batch):
+        return None
+
+    def step(self, x_t, state):
+        return (torch.zeros_like(x_t) if state is None else state), x_t
+
+
+@pytest.mark.parametrize("seq_len", [1, 2, 3])
+def test_short_checks_do_not_call_a_mixer_deaf(seq_len):
+    """The "no output depends on any input" check refused every mixer at seq_len 1 and a one-step delay at 2
+    (only positions from 1 were changed; a review, 2026-12-08): position 0 counts, and short checks never
+    call a mixer deaf."""
+    check_mixer(_Delay(8), 8, seq_len=seq_len)
+    check_mixer("attention", 8, seq_len=seq_len)
