@@ -167,7 +167,13 @@ class PagedKVCache:
 
     def stats(self) -> PageStats:
         used = [p for p in range(self.num_pages) if self._ref[p] > 0]
-        tokens = sum(self._fill[p] for p in used)
+        # the slots some sequence still reads, from the block tables (a page's fill stayed at a freed fork's
+        # length after its sharer truncated into it: tokens 8 where 6 were held; a review, 2026-12-08)
+        held: dict[int, int] = {}
+        for s, table in self._tables.items():
+            for j, p in enumerate(table):
+                held[p] = max(held.get(p, 0), min(self.page_size, self._len[s] - j * self.page_size))
+        tokens = sum(held.get(p, 0) for p in used)
         per_page = self.heads * self.page_size * (self.head_dim + self.value_dim) * self.k_pages.element_size()
         return PageStats(pages=self.num_pages, used=len(used), free=self._nfree,
                          shared=sum(1 for p in used if self._ref[p] > 1), tokens=tokens,

@@ -1063,3 +1063,16 @@ def test_truncate_rolls_back_draft_tokens():
         pool.truncate(a, 2)
     out = decode(q, pool, seq_ids=[a, b])
     torch.testing.assert_close(out[:1], keyfold.attention(q[:1], k[:1, :, :1], v[:1, :, :1]))
+
+
+def test_paged_stats_count_the_tokens_sequences_hold_after_truncate_and_free():
+    """A sequence truncated into a page it shares with a fork, the fork then freed: stats() counted the fork's
+    tokens still (8 where 6 are held, wasted 0 where 2; a review, 2026-12-08)."""
+    pool = PagedKVCache(num_pages=4, page_size=4, heads=1, head_dim=4)
+    a = pool.new_sequence()
+    pool.append(torch.randn(1, 1, 8, 4), torch.randn(1, 1, 8, 4), [a])
+    b = pool.fork(a)
+    pool.truncate(a, 6)
+    pool.free(b)
+    st = pool.stats()
+    assert (st.used, st.tokens, st.wasted) == (2, 6, 2)
