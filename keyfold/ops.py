@@ -361,13 +361,15 @@ def _rebuilt(spec: str, tensors: list) -> tuple:
     key = (spec, tuple((tuple(t.shape), t.dtype) for t in used))
     hit = _REBUILT.get(key)
     if hit is not None and all(torch.equal(a, b) for a, b in zip(hit[0], used)):
-        _REBUILT.move_to_end(key)
+        with contextlib.suppress(KeyError):  # (another thread may have let it go meanwhile)
+            _REBUILT.move_to_end(key)
         return hit[1]
     out = _unflatten(spec, ts, [])
+    _REBUILT.pop(key, None)  # (the newest last: assigning an existing key keeps its old place)
     _REBUILT[key] = ([t.clone() for t in used], out)
-    _REBUILT.move_to_end(key)
-    while len(_REBUILT) > REBUILT_ENTRIES:
-        _REBUILT.popitem(last=False)
+    with contextlib.suppress(KeyError):
+        while len(_REBUILT) > REBUILT_ENTRIES:
+            _REBUILT.popitem(last=False)
     return out
 
 
