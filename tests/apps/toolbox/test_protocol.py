@@ -491,6 +491,11 @@ class _Delay(_PeekBehindZeroGain):
 def test_short_checks_do_not_call_a_mixer_deaf(seq_len):
     """The "no output depends on any input" check refused every mixer at seq_len 1 and a one-step delay at 2
     (only positions from 1 were changed; a review, 2026-12-08): position 0 counts, and short checks never
-    call a mixer deaf."""
-    check_mixer(_Delay(8), 8, seq_len=seq_len)
-    check_mixer("attention", 8, seq_len=seq_len)
+    call a mixer deaf (a delay still fails a causality check it breaks: its peeking twin raises)."""
+    assert check_mixer(_Delay(8), 8, seq_len=seq_len) is None
+    assert check_mixer("attention", 8, seq_len=seq_len) is None
+    if seq_len >= 2:
+        with pytest.raises(ValueError, match="not causal"):
+            check_mixer(_PeekBehindZeroGain(8), 8, seq_len=seq_len)
+    with pytest.raises(ValueError, match="no output depends on any input"):
+        check_mixer(_Deaf(8), 8, seq_len=8)
