@@ -165,6 +165,15 @@ class _Watched:
                 t = b.as_strided(*self.geometry)
         return t
 
+    def moved(self, t: torch.Tensor) -> torch.Tensor:
+        """A 0-d bool tensor: whether ``t`` (the watched tensor now) holds other values than the copy, compared
+        in the copy's dtype (a model's ``.double()`` after ``alibi(a frozen parameter)`` moved no value, and
+        raised at every call; a review, 2026-12-08); NaN counts as moved, as in ``torch.equal``. Tensor ops
+        only: a compiled call's graph computes it (keyfold.ops)."""
+        if t.shape != self.values.shape:
+            return torch.ones((), dtype=torch.bool, device=t.device)
+        return (t.detach().to(self.values.dtype) != self.values.to(t.device)).any()
+
     def changed(self) -> bool:
         try:
             t = self.now()
@@ -176,9 +185,7 @@ class _Watched:
                                                                         or t.device.type != "cpu"):
             return False  # (a small CPU one is compared anyway: a write through .data or numpy moves no version;
             # on a GPU a comparison every call would wait for the device)
-        # (another dtype compared in the preset's: a model's .double() after alibi(a frozen parameter) moved no
-        # value, and raised at every call; a review, 2026-12-08)
-        if t.shape == self.values.shape and bool(torch.equal(t.detach().to(self.values.dtype), self.values)):
+        if not bool(self.moved(t)):
             if self.version is not None:
                 self.version = t._version  # written, but to the same values
             return False

@@ -579,17 +579,18 @@ def _stale_slot(mask, score, tensors: list) -> str:
         except RuntimeError:  # the buffer took other storage (set_): its view no longer fits
             flags.append(torch.ones((), dtype=torch.bool))
             continue
-        if t is None or entry.values is None:
-            continue
-        if t.shape != entry.values.shape:
-            flags.append(torch.ones((), dtype=torch.bool, device=t.device))
-        else:  # (NaN counts as a change, as torch.equal in the eager check; another dtype is compared in the
-            # preset's: a model's .double() moves no value)
-            flags.append((t.detach().to(entry.values.dtype) != entry.values.to(t.device)).any())
+        if t is not None and entry.values is not None:
+            flags.append(entry.moved(t))
     if not flags:
         return ""
     flag = torch.stack([f.to("cpu") for f in flags]).any()
     return ',"stale":' + _slot(flag, tensors)
+
+
+@functools.lru_cache(maxsize=256)
+def _stale_of(spec: str) -> int:
+    """The slot of the spec's ``"stale"`` flag (parsed once per spec: every compiled call asks)"""
+    return json.loads(spec)["stale"][1]
 
 
 def _check_stale(spec: str, tensors: list) -> None:
@@ -597,8 +598,7 @@ def _check_stale(spec: str, tensors: list) -> None:
     only: a backward takes the forward's values)."""
     if '"stale"' not in spec:
         return
-    i = json.loads(spec)["stale"][1]
-    if bool(tensors[i]):
+    if bool(tensors[_stale_of(spec)]):
         raise ValueError("a preset (documents, varlen, padding, sinks(tensor), block_sparse, alibi) used in this "
                          "compiled function was built from a tensor that has changed in place since; a preset keeps "
                          "the values its tensors had when it was built. Build it again after changing the tensor "
@@ -751,9 +751,8 @@ def attend_op(q, k, v, *, mask, score, scale, q_offset, kv_offset, backend, bloc
         m = None if isinstance(mask, torch.Tensor) else M.as_mask(mask)
         q_offset = 0 if m is not None and m.packed_queries else kv_offset + (k.shape[2] - q.shape[2])
     # an offset given as a tensor (a static cache's position) travels as data: no recompile per step
-    slots = _reads_slots(M.as_mask(mask) if not isinstance(mask, torch.Tensor) else None, score_obj, tensors,
-                         grad_tensors)
-    slots += _stale_slot(M.as_mask(mask) if not isinstance(mask, torch.Tensor) else None, score_obj, tensors)
+    mask_obj = M.as_mask(mask) if not isinstance(mask, torch.Tensor) else None
+    slots = _reads_slots(mask_obj, score_obj, tensors, grad_tensors) + _stale_slot(mask_obj, score_obj, tensors)
     if isinstance(q_offset, torch.Tensor):
         slots += ',"qoff":' + _slot(q_offset.reshape(()), tensors)
         q_offset = 0

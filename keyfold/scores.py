@@ -111,13 +111,21 @@ class _Alibi(ScoreMod):
     def _per_batch(self) -> bool:
         return self.slopes.t.dim() == 2
 
+    def _place(self, qp):
+        """``(where each query row measures its distance from, what picks its slopes)``: its position, no pick"""
+        return qp.long(), None
+
     def bias(self, b, h, qp, kp, dtype: torch.dtype = torch.float32):
+        a, pick = self._place(qp)
         # the distance in exact int64 arithmetic, then cast: float32 positions are exact only below 2^24
-        dist = (qp.long() - kp.long()).abs().to(dtype)
+        dist = (a - kp.long()).abs().to(dtype)
         t = self.slopes.on(qp.device).to(dtype)
         # slopes broadcast over the head axis (a head slice holds its heads' slopes, see
-        # keyfold.views.heads_slice); per-batch slopes are picked by b: (B|1, H, 1|L, 1)
-        slopes = t[b.long()].movedim(-1, 1).squeeze(2) if self._per_batch() else t.view(1, -1, 1, 1)
+        # keyfold.views.heads_slice); per-batch slopes are picked by b: (B|1, H, 1|L, 1), per-sequence ones by
+        # the rows' sequences (_VarlenAlibi): (1, H, L, 1)
+        if pick is None and self._per_batch():
+            pick = b.long()
+        slopes = t.view(1, -1, 1, 1) if pick is None else t[pick].movedim(-1, 1).squeeze(2)
         return -slopes * dist
 
     def apply(self, s, b, h, qp, kp):
@@ -183,17 +191,11 @@ class _VarlenAlibi(_Alibi):
     def _per_batch(self) -> bool:
         return self.slopes.t.dim() == 2 and not self.per_sequence
 
-    def bias(self, b, h, qp, kp, dtype: torch.dtype = torch.float32):
+    def _place(self, qp):
         q = qp[:, :1] if qp.dim() == 4 else qp  # (positions never depend on the head)
         sq = Varlen._seq(self.varlen.cu_q.on(q.device), q)
-        a = q.long() + self.varlen._shift.to(q.device)[sq]  # the query's place among its sequence's keys
-        dist = (a - kp.long()).abs().to(dtype)
-        t = self.slopes.on(q.device).to(dtype)
-        if self.per_sequence:
-            slopes = t[sq].movedim(-1, 1).squeeze(2)  # (1|B, H, L, 1)
-        else:
-            slopes = t[b.long()].movedim(-1, 1).squeeze(2) if self._per_batch() else t.view(1, -1, 1, 1)
-        return -slopes * dist
+        # the query's place among its sequence's keys; per-sequence slopes picked by its sequence
+        return q.long() + self.varlen._shift.to(q.device)[sq], (sq if self.per_sequence else None)
 
     def separable(self, q0, q1, k0, k1, device):
         return None

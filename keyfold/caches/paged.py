@@ -127,11 +127,15 @@ class PagedKVCache:
     def free(self, seq: int) -> None:
         """Forget a sequence; pages no other sequence references return to the pool."""
         self._seq(seq)
-        for p in self._tables.pop(seq):
+        self._drop(self._tables.pop(seq))
+        del self._len[seq]
+
+    def _drop(self, pages) -> None:
+        """A sequence lets go of ``pages``: those no other sequence references return to the pool."""
+        for p in pages:
             self._ref[p] -= 1
             if self._ref[p] == 0:
                 self._release(p)
-        del self._len[seq]
 
     def truncate(self, seq: int, length: int) -> None:
         """Keep only the first ``length`` tokens of ``seq`` (speculative decoding: roll back the draft tokens
@@ -145,10 +149,7 @@ class PagedKVCache:
                              f"{self._len[seq]} tokens sequence {seq} holds; truncate only drops tokens")
         table, ps = self._tables[seq], self.page_size
         keep = -(-length // ps)
-        for p in table[keep:]:
-            self._ref[p] -= 1
-            if self._ref[p] == 0:
-                self._release(p)
+        self._drop(table[keep:])
         del table[keep:]
         o = length % ps
         if o and self._ref[table[-1]] == 1 and self._fill[table[-1]] > o:  # our own last page: its tail goes
